@@ -1,0 +1,216 @@
+//! tensile-playground: a local pair of real clusters to try tensile on.
+//!
+//! `up --dir DIR` starts the pair and keeps it running until Ctrl-C / SIGTERM (or
+//! `down --dir DIR`); `DIR/ready` appears once both API servers serve and every kwok node
+//! is Ready.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+use tensile_harness::{ClusterPair, PairOptions};
+use tokio::signal::unix::{SignalKind, signal};
+
+#[derive(Parser)]
+#[command(version, about = "Local upper + lower Kubernetes clusters for tensile")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Start a cluster pair and keep it running until interrupted.
+    Up {
+        /// State directory: kubeconfigs, logs, PKI, etcd data.
+        #[arg(long)]
+        dir: PathBuf,
+        /// Simulated nodes in the lower cluster.
+        #[arg(long, default_value_t = 3)]
+        lower_nodes: usize,
+        /// Simulated regular nodes in the upper cluster.
+        #[arg(long, default_value_t = 0)]
+        upper_nodes: usize,
+    },
+    /// Stop a pair started by `up` with the same directory.
+    Down {
+        /// The directory given to `up`.
+        #[arg(long)]
+        dir: PathBuf,
+    },
+}
+
+const PID_FILE: &str = "playground.pid";
+const READY_FILE: &str = "ready";
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,kube_client=off".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match Cli::parse().command {
+        Command::Up {
+            dir,
+            lower_nodes,
+            upper_nodes,
+        } => up(&dir, lower_nodes, upper_nodes).await,
+        Command::Down { dir } => down(&dir),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("tensile-playground: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn up(dir: &Path, lower_nodes: usize, upper_nodes: usize) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let dir = std::path::absolute(dir)?;
+    if let Some(pid) = live_playground(&dir) {
+        bail!(
+            "a playground (pid {pid}) is already running in {}; stop it with `tensile-playground down --dir {}`",
+            dir.display(),
+            dir.display()
+        );
+    }
+    // A fresh pair every time: the previous run's state (etcd data, PKI) is discarded.
+    for stale in ["upper", "lower", READY_FILE, "pids"] {
+        let path = dir.join(stale);
+        if path.is_dir() {
+            std::fs::remove_dir_all(&path)?;
+        } else if path.exists() {
+            std::fs::remove_file(&path)?;
+        }
+    }
+    std::fs::write(dir.join(PID_FILE), std::process::id().to_string())?;
+
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let started = Instant::now();
+    let mut options = PairOptions {
+        dir: Some(dir.clone()),
+        ..PairOptions::default()
+    };
+    options.lower.nodes = lower_nodes;
+    options.upper.nodes = upper_nodes;
+    eprintln!(
+        "starting the upper and lower clusters in {} ...",
+        dir.display()
+    );
+    let pair = tokio::select! {
+        pair = ClusterPair::start(options) => pair?,
+        _ = sigterm.recv() => bail!("interrupted while starting"),
+        _ = sigint.recv() => bail!("interrupted while starting"),
+    };
+    std::fs::write(dir.join(READY_FILE), "")?;
+    print_summary(&pair, started.elapsed());
+
+    tokio::select! {
+        _ = sigterm.recv() => {}
+        _ = sigint.recv() => {}
+    }
+    eprintln!("stopping ...");
+    let _ = std::fs::remove_file(dir.join(READY_FILE));
+    pair.stop();
+    let _ = std::fs::remove_file(dir.join(PID_FILE));
+    eprintln!("stopped");
+    Ok(())
+}
+
+fn print_summary(pair: &ClusterPair, elapsed: Duration) {
+    let kubectl = pair.bin("kubectl");
+    println!(
+        "\nready in {:.1}s (Kubernetes {})",
+        elapsed.as_secs_f64(),
+        pair.binaries.kubernetes_version()
+    );
+    for cluster in [&pair.upper, &pair.lower] {
+        println!(
+            "  {:<5} {}  kubeconfig {}",
+            cluster.name,
+            cluster.server,
+            cluster.kubeconfig.display()
+        );
+    }
+    println!("\nlook around:");
+    println!(
+        "  {} --kubeconfig {} get nodes",
+        kubectl.display(),
+        pair.upper.kubeconfig.display()
+    );
+    println!(
+        "  {} --kubeconfig {} get nodes,pods -A",
+        kubectl.display(),
+        pair.lower.kubeconfig.display()
+    );
+    println!(
+        "component logs: {}/{{upper,lower}}/*.log",
+        pair.dir.display()
+    );
+    println!(
+        "\nCtrl-C (or `tensile-playground down --dir {}`) stops it.",
+        pair.dir.display()
+    );
+}
+
+/// The PID of a playground still running for `dir`, if any.
+fn live_playground(dir: &Path) -> Option<i32> {
+    let pid: i32 = std::fs::read_to_string(dir.join(PID_FILE))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    String::from_utf8_lossy(&cmdline)
+        .contains("tensile-playground")
+        .then_some(pid)
+}
+
+fn down(dir: &Path) -> Result<()> {
+    let dir = std::path::absolute(dir)?;
+    if let Some(pid) = live_playground(&dir) {
+        kill(Pid::from_raw(pid), Signal::SIGTERM)
+            .with_context(|| format!("signalling playground pid {pid}"))?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline && live_playground(&dir).is_some() {
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        if live_playground(&dir).is_some() {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+        }
+    }
+    // Whatever the playground could not stop: only PIDs whose command line names this
+    // directory, so a recycled PID is never hit.
+    let marker = dir.display().to_string();
+    let mut killed = 0;
+    for pid in std::fs::read_to_string(dir.join("pids"))
+        .unwrap_or_default()
+        .lines()
+    {
+        let Ok(pid) = pid.trim().parse::<i32>() else {
+            continue;
+        };
+        let ours = std::fs::read(format!("/proc/{pid}/cmdline"))
+            .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&marker));
+        if ours && kill(Pid::from_raw(pid), Signal::SIGKILL).is_ok() {
+            killed += 1;
+        }
+    }
+    let _ = std::fs::remove_file(dir.join(READY_FILE));
+    let _ = std::fs::remove_file(dir.join(PID_FILE));
+    println!(
+        "playground in {} is down ({killed} leftover process(es) killed)",
+        dir.display()
+    );
+    Ok(())
+}

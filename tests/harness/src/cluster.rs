@@ -1,0 +1,529 @@
+//! One local Kubernetes cluster on loopback: etcd, kube-apiserver (RBAC, admission
+//! webhooks), kube-controller-manager, kube-scheduler, and kwok simulating its nodes.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use k8s_openapi::api::core::v1::{Node, ServiceAccount};
+use kube::api::{Api, ListParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Client, Config};
+use nix::sys::signal::Signal;
+use tokio::net::TcpStream;
+
+use crate::binaries::Binaries;
+use crate::pki::{Pki, write_kubeconfig};
+use crate::ports::free_port;
+use crate::process::{Process, Reaper};
+use crate::wait::wait_for;
+
+/// The annotation kwok selects the nodes it simulates by.
+pub const KWOK_NODE_ANNOTATION: &str = "kwok.x-k8s.io/node";
+
+/// Resources of one simulated node.
+#[derive(Clone, Debug)]
+pub struct NodeShape {
+    /// CPU quantity, e.g. `8`.
+    pub cpu: String,
+    /// Memory quantity, e.g. `32Gi`.
+    pub memory: String,
+    /// Pod count, e.g. `110`.
+    pub pods: String,
+}
+
+impl Default for NodeShape {
+    fn default() -> Self {
+        Self {
+            cpu: "8".into(),
+            memory: "32Gi".into(),
+            pods: "110".into(),
+        }
+    }
+}
+
+/// How to start one cluster.
+#[derive(Clone, Debug)]
+pub struct ClusterOptions {
+    /// `upper` or `lower`: names the directory, the kubeconfig and the nodes.
+    pub name: String,
+    /// Simulated (kwok) nodes to create.
+    pub nodes: usize,
+    /// Their resources.
+    pub node_shape: NodeShape,
+    /// Extra labels on every simulated node.
+    pub node_labels: BTreeMap<String, String>,
+    /// Service range; its first address is the `kubernetes` Service.
+    pub service_cidr: (Ipv4Addr, u8),
+    /// Range kwok hands pod IPs out of.
+    pub pod_cidr: String,
+    /// Extra kube-apiserver flags (later ones win).
+    pub apiserver_args: Vec<String>,
+    /// Extra kube-controller-manager flags.
+    pub controller_manager_args: Vec<String>,
+    /// Extra top-level fields merged into the KubeSchedulerConfiguration (e.g. `extenders`).
+    pub scheduler_config: serde_json::Map<String, serde_json::Value>,
+}
+
+impl ClusterOptions {
+    /// Defaults for the cluster `name`, with `nodes` simulated nodes.
+    pub fn new(name: &str, nodes: usize, service_cidr: (Ipv4Addr, u8), pod_cidr: &str) -> Self {
+        Self {
+            name: name.to_owned(),
+            nodes,
+            node_shape: NodeShape::default(),
+            node_labels: BTreeMap::new(),
+            service_cidr,
+            pod_cidr: pod_cidr.to_owned(),
+            apiserver_args: Vec::new(),
+            controller_manager_args: Vec::new(),
+            scheduler_config: serde_json::Map::new(),
+        }
+    }
+}
+
+/// The components of a cluster, for [`Cluster::signal`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Component {
+    /// etcd
+    Etcd,
+    /// kube-apiserver
+    ApiServer,
+    /// kube-controller-manager
+    ControllerManager,
+    /// kube-scheduler
+    Scheduler,
+    /// kwok
+    Kwok,
+}
+
+impl Component {
+    fn binary(self) -> &'static str {
+        match self {
+            Self::Etcd => "etcd",
+            Self::ApiServer => "kube-apiserver",
+            Self::ControllerManager => "kube-controller-manager",
+            Self::Scheduler => "kube-scheduler",
+            Self::Kwok => "kwok",
+        }
+    }
+}
+
+/// A running cluster. Its processes die with it.
+pub struct Cluster {
+    /// `upper` or `lower`.
+    pub name: String,
+    /// Its state directory (logs, PKI, etcd data).
+    pub dir: PathBuf,
+    /// Admin kubeconfig.
+    pub kubeconfig: PathBuf,
+    /// `https://127.0.0.1:<port>`.
+    pub server: String,
+    /// Every certificate and key.
+    pub pki: Pki,
+    options: ClusterOptions,
+    processes: Mutex<Vec<(Component, Process)>>,
+}
+
+impl Cluster {
+    /// Starts every component and waits until the API serves, the controllers work (the
+    /// `default` ServiceAccount exists) and every simulated node is Ready.
+    pub async fn start(
+        bins: &Binaries,
+        options: ClusterOptions,
+        root: &Path,
+        reaper: &Reaper,
+    ) -> Result<Self> {
+        let name = options.name.clone();
+        let dir = root.join(&name);
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let (service_net, service_bits) = options.service_cidr;
+        let service_ip = Ipv4Addr::from(u32::from(service_net) + 1);
+        let pki = Pki::generate(&dir.join("pki"), &name, service_ip)?;
+        let api_port = free_port()?;
+        let server = format!("https://127.0.0.1:{api_port}");
+        let kubeconfig = root.join(format!("{name}.kubeconfig"));
+        write_kubeconfig(&kubeconfig, &name, &server, &pki.ca_cert, &pki.admin)?;
+        let kcm_kubeconfig = dir.join("controller-manager.kubeconfig");
+        write_kubeconfig(
+            &kcm_kubeconfig,
+            &name,
+            &server,
+            &pki.ca_cert,
+            &pki.controller_manager,
+        )?;
+        let scheduler_kubeconfig = dir.join("scheduler.kubeconfig");
+        write_kubeconfig(
+            &scheduler_kubeconfig,
+            &name,
+            &server,
+            &pki.ca_cert,
+            &pki.scheduler,
+        )?;
+
+        let cluster = Self {
+            name: name.clone(),
+            dir: dir.clone(),
+            kubeconfig,
+            server,
+            pki,
+            options,
+            processes: Mutex::new(Vec::new()),
+        };
+        let p = |path: &Path| path.display().to_string();
+
+        // etcd
+        let (etcd_client, etcd_peer) = (free_port()?, free_port()?);
+        let etcd_url = format!("http://127.0.0.1:{etcd_client}");
+        let peer_url = format!("http://127.0.0.1:{etcd_peer}");
+        cluster.spawn(
+            bins,
+            reaper,
+            Component::Etcd,
+            vec![
+                format!("--name={name}"),
+                format!("--data-dir={}", p(&dir.join("etcd-data"))),
+                format!("--listen-client-urls={etcd_url}"),
+                format!("--advertise-client-urls={etcd_url}"),
+                format!("--listen-peer-urls={peer_url}"),
+                format!("--initial-advertise-peer-urls={peer_url}"),
+                format!("--initial-cluster={name}={peer_url}"),
+                "--unsafe-no-fsync=true".into(),
+                "--quota-backend-bytes=8589934592".into(),
+                "--auto-compaction-mode=periodic".into(),
+                "--auto-compaction-retention=5m".into(),
+                "--log-level=warn".into(),
+            ],
+        )?;
+        cluster
+            .wait_running(Component::Etcd, "etcd to accept connections", || async {
+                Ok(TcpStream::connect(("127.0.0.1", etcd_client))
+                    .await
+                    .ok()
+                    .map(|_| ()))
+            })
+            .await?;
+
+        // kube-apiserver
+        let pki = &cluster.pki;
+        let mut args = vec![
+            format!("--etcd-servers={etcd_url}"),
+            "--bind-address=127.0.0.1".into(),
+            "--advertise-address=127.0.0.1".into(),
+            format!("--secure-port={api_port}"),
+            // The `kubernetes` Endpoints would be a loopback address, which validation rejects.
+            "--endpoint-reconciler-type=none".into(),
+            format!("--cert-dir={}", p(&dir.join("apiserver-certs"))),
+            format!("--tls-cert-file={}", p(&pki.apiserver.cert)),
+            format!("--tls-private-key-file={}", p(&pki.apiserver.key)),
+            format!("--client-ca-file={}", p(&pki.ca_cert)),
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local".into(),
+            format!("--service-account-key-file={}", p(&pki.service_account_pub)),
+            format!(
+                "--service-account-signing-key-file={}",
+                p(&pki.service_account_key)
+            ),
+            format!("--service-cluster-ip-range={service_net}/{service_bits}"),
+            "--authorization-mode=Node,RBAC".into(),
+            "--allow-privileged=true".into(),
+            format!(
+                "--kubelet-client-certificate={}",
+                p(&pki.apiserver_kubelet_client.cert)
+            ),
+            format!(
+                "--kubelet-client-key={}",
+                p(&pki.apiserver_kubelet_client.key)
+            ),
+            format!("--kubelet-certificate-authority={}", p(&pki.ca_cert)),
+            "--kubelet-preferred-address-types=InternalIP,Hostname".into(),
+            "--profiling=false".into(),
+        ];
+        args.extend(cluster.options.apiserver_args.iter().cloned());
+        cluster.spawn(bins, reaper, Component::ApiServer, args)?;
+        cluster
+            .wait_running(Component::ApiServer, "kube-apiserver to serve", || async {
+                // /readyz includes the RBAC bootstrap hook the other components depend on.
+                let client = cluster.client().await?;
+                let readyz = http::Request::get("/readyz").body(Vec::new())?;
+                Ok(client.request_text(readyz).await.is_ok().then_some(()))
+            })
+            .await?;
+
+        // kube-controller-manager and kube-scheduler
+        let kcm_kc = p(&kcm_kubeconfig);
+        let mut args = vec![
+            format!("--kubeconfig={kcm_kc}"),
+            format!("--authentication-kubeconfig={kcm_kc}"),
+            format!("--authorization-kubeconfig={kcm_kc}"),
+            "--bind-address=127.0.0.1".into(),
+            format!("--secure-port={}", free_port()?),
+            "--leader-elect=false".into(),
+            "--use-service-account-credentials=true".into(),
+            format!(
+                "--service-account-private-key-file={}",
+                p(&pki.service_account_key)
+            ),
+            format!("--root-ca-file={}", p(&pki.ca_cert)),
+            format!("--cluster-signing-cert-file={}", p(&pki.ca_cert)),
+            format!("--cluster-signing-key-file={}", p(&pki.ca_key)),
+            format!("--cluster-name={name}"),
+            "--kube-api-qps=500".into(),
+            "--kube-api-burst=1000".into(),
+        ];
+        args.extend(cluster.options.controller_manager_args.iter().cloned());
+        cluster.spawn(bins, reaper, Component::ControllerManager, args)?;
+
+        let mut scheduler_config = serde_json::json!({
+            "apiVersion": "kubescheduler.config.k8s.io/v1",
+            "kind": "KubeSchedulerConfiguration",
+            "clientConnection": {"kubeconfig": scheduler_kubeconfig, "qps": 500, "burst": 1000},
+            "leaderElection": {"leaderElect": false},
+        });
+        if let Some(config) = scheduler_config.as_object_mut() {
+            config.extend(cluster.options.scheduler_config.clone());
+        }
+        let scheduler_config_path = dir.join("scheduler-config.json");
+        std::fs::write(
+            &scheduler_config_path,
+            serde_json::to_string_pretty(&scheduler_config)?,
+        )?;
+        let sched_kc = p(&scheduler_kubeconfig);
+        cluster.spawn(
+            bins,
+            reaper,
+            Component::Scheduler,
+            vec![
+                format!("--config={}", p(&scheduler_config_path)),
+                format!("--authentication-kubeconfig={sched_kc}"),
+                format!("--authorization-kubeconfig={sched_kc}"),
+                "--bind-address=127.0.0.1".into(),
+                format!("--secure-port={}", free_port()?),
+            ],
+        )?;
+
+        // kwok simulates the nodes annotated for it (and the pods bound to them).
+        {
+            let kwok_config = dir.join("kwok-stages.yaml");
+            let stages = [
+                "node-initialize.yaml",
+                "node-heartbeat-with-lease.yaml",
+                "pod-ready.yaml",
+                "pod-complete.yaml",
+                "pod-delete.yaml",
+            ]
+            .iter()
+            .map(|stage| {
+                let path = bins.stage(stage);
+                std::fs::read_to_string(&path)
+                    .with_context(|| format!("reading kwok stage {}", path.display()))
+            })
+            .collect::<Result<Vec<_>>>()?;
+            std::fs::write(&kwok_config, stages.join("\n---\n"))?;
+            let kwok_port = free_port()?;
+            cluster.spawn(
+                bins,
+                reaper,
+                Component::Kwok,
+                vec![
+                    format!("--kubeconfig={}", p(&cluster.kubeconfig)),
+                    format!("--config={}", p(&kwok_config)),
+                    "--manage-all-nodes=false".into(),
+                    format!("--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake"),
+                    format!("--cidr={}", cluster.options.pod_cidr),
+                    "--node-ip=127.0.0.1".into(),
+                    format!("--node-port={kwok_port}"),
+                    format!("--server-address=127.0.0.1:{kwok_port}"),
+                    "--node-lease-duration-seconds=40".into(),
+                ],
+            )?;
+        }
+        let names: Vec<String> = (0..cluster.options.nodes)
+            .map(|i| format!("{name}-node-{i}"))
+            .collect();
+        if !names.is_empty() {
+            cluster.add_nodes(&names).await?;
+        }
+
+        cluster
+            .wait_running(
+                Component::ControllerManager,
+                "the default ServiceAccount (controller-manager)",
+                || async {
+                    let client = cluster.client().await?;
+                    let sa = Api::<ServiceAccount>::namespaced(client, "default")
+                        .get_opt("default")
+                        .await?;
+                    Ok(sa.map(|_| ()))
+                },
+            )
+            .await?;
+        Ok(cluster)
+    }
+
+    fn spawn(
+        &self,
+        bins: &Binaries,
+        reaper: &Reaper,
+        component: Component,
+        args: Vec<String>,
+    ) -> Result<()> {
+        let binary = component.binary();
+        let process = Process::spawn(
+            &format!("{}/{binary}", self.name),
+            &bins.bin(binary),
+            &args,
+            &[],
+            &self.dir.join(format!("{binary}.log")),
+            reaper,
+        )?;
+        self.lock().push((component, process));
+        Ok(())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(Component, Process)>> {
+        self.processes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits for `check`, failing early (with its log) if `component` exits.
+    async fn wait_running<F, Fut>(&self, component: Component, what: &str, check: F) -> Result<()>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<Option<()>>>,
+    {
+        let what = format!("{}: {what}", self.name);
+        // A component that exited fails the wait at once instead of at the deadline.
+        wait_for(&what, Duration::from_secs(90), || async {
+            if let Err(exited) = self.check_running(component) {
+                return Ok(Some(Err(exited)));
+            }
+            Ok(check().await?.map(Ok))
+        })
+        .await?
+    }
+
+    /// Fails (with the log's tail) if a component has exited.
+    pub fn check_running(&self, component: Component) -> Result<()> {
+        let mut processes = self.lock();
+        for (c, process) in processes.iter_mut() {
+            if *c == component {
+                process.check_running()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends a signal to a component: SIGSTOP makes it stop answering, SIGCONT resumes it.
+    pub fn signal(&self, component: Component, signal: Signal) -> Result<()> {
+        let processes = self.lock();
+        let Some((_, process)) = processes.iter().find(|(c, _)| *c == component) else {
+            bail!("{}: {} is not running", self.name, component.binary());
+        };
+        process.signal(signal)
+    }
+
+    /// A client with the admin identity.
+    pub async fn client(&self) -> Result<Client> {
+        client_for(&self.kubeconfig)
+            .await
+            .with_context(|| format!("{} cluster client", self.name))
+    }
+
+    /// Creates simulated nodes (shape and labels from the options) and waits until kwok
+    /// reports them Ready.
+    pub async fn add_nodes(&self, names: &[String]) -> Result<()> {
+        let client = self.client().await?;
+        let nodes: Api<Node> = Api::all(client);
+        let shape = &self.options.node_shape;
+        for node in names {
+            let mut labels = serde_json::json!({
+                "kubernetes.io/hostname": node,
+                "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "type": "kwok",
+            });
+            if let Some(map) = labels.as_object_mut() {
+                for (k, v) in &self.options.node_labels {
+                    map.insert(k.clone(), v.clone().into());
+                }
+            }
+            let resources = serde_json::json!({
+                "cpu": shape.cpu, "memory": shape.memory, "pods": shape.pods,
+            });
+            let object: Node = serde_json::from_value(serde_json::json!({
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": node,
+                    "labels": labels,
+                    "annotations": {KWOK_NODE_ANNOTATION: "fake"},
+                },
+                "status": {
+                    "capacity": resources,
+                    "allocatable": resources,
+                    "nodeInfo": {
+                        "architecture": "amd64",
+                        "operatingSystem": "linux",
+                        "kubeletVersion": "kwok",
+                    },
+                },
+            }))?;
+            nodes
+                .create(&PostParams::default(), &object)
+                .await
+                .with_context(|| format!("{}: creating node {node}", self.name))?;
+        }
+        let what = format!("kwok to report {} node(s) Ready", names.len());
+        self.wait_running(Component::Kwok, &what, || async {
+            let list = nodes.list(&ListParams::default()).await?;
+            let ready = list
+                .items
+                .iter()
+                .filter(|n| {
+                    names
+                        .iter()
+                        .any(|name| Some(name) == n.metadata.name.as_ref())
+                })
+                .filter(|n| node_is_ready(n))
+                .count();
+            Ok((ready == names.len()).then_some(()))
+        })
+        .await
+    }
+
+    /// Stops every component (SIGTERM, then SIGKILL) in reverse start order.
+    pub fn stop(&self) {
+        let mut processes = self.lock();
+        while let Some((_, mut process)) = processes.pop() {
+            if let Err(error) = process.stop(Duration::from_secs(5)) {
+                tracing::warn!(%error, component = process.name(), "stopping");
+            }
+        }
+    }
+
+    /// Every component's PID and log, for the playground's output.
+    pub fn components(&self) -> Vec<(String, u32, PathBuf)> {
+        self.lock()
+            .iter()
+            .map(|(_, p)| (p.name().to_owned(), p.pid(), p.log().to_owned()))
+            .collect()
+    }
+}
+
+/// Whether a node's Ready condition is True.
+pub fn node_is_ready(node: &Node) -> bool {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// A client from a kubeconfig file.
+pub async fn client_for(kubeconfig: &Path) -> Result<Client> {
+    let kc = Kubeconfig::read_from(kubeconfig)
+        .with_context(|| format!("reading {}", kubeconfig.display()))?;
+    let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
+    Ok(Client::try_from(config)?)
+}

@@ -1,0 +1,28 @@
+//! Real local Kubernetes clusters for tensile's integration tests, benchmarks and
+//! playground: a pair of independent clusters (`upper`, `lower`) on loopback, built from
+//! pinned Kubernetes releases, with kwok simulating nodes and their pods.
+//!
+//! ```no_run
+//! # async fn example() -> anyhow::Result<()> {
+//! let pair = tensile_harness::ClusterPair::shared().await?;
+//! let upper = pair.upper.client().await?;
+//! let ns = tensile_harness::TestNamespace::create(&upper, "demo").await?;
+//! // ... create objects in ns.name ...
+//! ns.delete().await?;
+//! # Ok(()) }
+//! ```
+
+pub mod binaries;
+pub mod cluster;
+pub mod pair;
+pub mod pki;
+pub mod ports;
+pub mod process;
+pub mod virtual_node;
+pub mod wait;
+
+pub use binaries::Binaries;
+pub use cluster::{Cluster, ClusterOptions, Component, NodeShape, client_for, node_is_ready};
+pub use pair::{ClusterPair, PairOptions, TestNamespace};
+pub use virtual_node::{VirtualNode, VirtualNodeOptions};
+pub use wait::wait_for;

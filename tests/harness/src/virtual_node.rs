@@ -1,0 +1,130 @@
+//! A `virtual-node` process joined to a cluster pair.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Result;
+use nix::sys::signal::Signal;
+
+use crate::pair::ClusterPair;
+use crate::ports::free_port;
+use crate::process::Process;
+
+/// How to start a virtual node.
+#[derive(Clone, Debug)]
+pub struct VirtualNodeOptions {
+    /// The `virtual-node` binary (`env!("CARGO_BIN_EXE_virtual-node")` in tests).
+    pub binary: PathBuf,
+    /// `--nodename`.
+    pub node_name: String,
+    /// Further flags.
+    pub args: Vec<String>,
+    /// Further environment variables.
+    pub envs: Vec<(String, String)>,
+}
+
+impl VirtualNodeOptions {
+    /// A node named `node_name` run from `binary`.
+    pub fn new(binary: impl Into<PathBuf>, node_name: &str) -> Self {
+        Self {
+            binary: binary.into(),
+            node_name: node_name.to_owned(),
+            args: Vec::new(),
+            envs: Vec::new(),
+        }
+    }
+}
+
+/// A running `virtual-node`. Dropping it kills it.
+pub struct VirtualNode {
+    process: Process,
+    /// Its node name.
+    pub node_name: String,
+    /// Its kubelet API port (`KUBELET_PORT`).
+    pub kubelet_port: u16,
+    /// Its metrics port.
+    pub metrics_port: u16,
+}
+
+impl ClusterPair {
+    /// Starts `virtual-node` joining the lower cluster to the upper one, on free ports, with
+    /// the kubelet serving certificate the upper API server trusts. Its log is
+    /// `<dir>/virtual-node-<name>.log` (appended across restarts).
+    pub fn start_virtual_node(&self, options: &VirtualNodeOptions) -> Result<VirtualNode> {
+        let kubelet_port = free_port()?;
+        let metrics_port = free_port()?;
+        let pki = &self.upper.pki;
+        let p = |path: &Path| path.display().to_string();
+        let mut args = vec![
+            "--nodename".to_owned(),
+            options.node_name.clone(),
+            "--kubeconfig".into(),
+            p(&self.upper.kubeconfig),
+            "--client-kubeconfig".into(),
+            p(&self.lower.kubeconfig),
+            "--metrics-addr".into(),
+            format!("127.0.0.1:{metrics_port}"),
+        ];
+        args.extend(options.args.iter().cloned());
+        let mut envs = vec![
+            ("KUBELET_PORT".to_owned(), kubelet_port.to_string()),
+            ("VKUBELET_POD_IP".into(), "127.0.0.1".into()),
+            (
+                "APISERVER_CERT_LOCATION".into(),
+                p(&pki.kubelet_serving.cert),
+            ),
+            ("APISERVER_KEY_LOCATION".into(), p(&pki.kubelet_serving.key)),
+            ("APISERVER_CA_CERT_LOCATION".into(), p(&pki.ca_cert)),
+        ];
+        envs.extend(options.envs.iter().cloned());
+        let log = self
+            .dir
+            .join(format!("virtual-node-{}.log", options.node_name));
+        let process = Process::spawn(
+            &format!("virtual-node {}", options.node_name),
+            &options.binary,
+            &args,
+            &envs,
+            &log,
+            self.reaper(),
+        )?;
+        Ok(VirtualNode {
+            process,
+            node_name: options.node_name.clone(),
+            kubelet_port,
+            metrics_port,
+        })
+    }
+}
+
+impl VirtualNode {
+    /// Graceful stop: SIGTERM, SIGKILL after 20 s.
+    pub fn stop(&mut self) -> Result<()> {
+        self.process.stop(Duration::from_secs(20))
+    }
+
+    /// `kill -9`.
+    pub fn kill(&mut self) -> Result<()> {
+        self.process.kill()
+    }
+
+    /// Sends a signal without waiting.
+    pub fn signal(&self, signal: Signal) -> Result<()> {
+        self.process.signal(signal)
+    }
+
+    /// Fails with the log's tail if it has exited.
+    pub fn check_running(&mut self) -> Result<()> {
+        self.process.check_running()
+    }
+
+    /// Its log file.
+    pub fn log(&self) -> &Path {
+        self.process.log()
+    }
+
+    /// Its PID.
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
+    }
+}

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Builds the pinned Kubernetes binaries (kube-apiserver, kube-controller-manager,
+# kube-scheduler, kubectl), etcd and kwok from the Go module proxy, using the wrapper
+# modules beside this script. Idempotent: the result is cached under
+#   ${TENSILE_K8S_CACHE:-${XDG_CACHE_HOME:-~/.cache}/tensile/k8s}/<versions>-<go.sum hash>/
+# and a warm run only checks the stamp. Progress goes to stderr; the last line on stdout
+# is the directory holding bin/ and stages/, which the harness reads.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+
+require_version() { # module-dir module-path
+  awk -v m="$2" '$1 == "require" && $2 == m { print $3 } $1 == m && $2 ~ /^v/ { print $2 }' \
+    "$here/$1/go.mod" | head -n 1
+}
+
+k8s_version=$(require_version kubernetes k8s.io/kubernetes)
+etcd_version=$(require_version etcd go.etcd.io/etcd/server/v3)
+kwok_version=$(require_version kwok sigs.k8s.io/kwok)
+for v in k8s_version etcd_version kwok_version; do
+  [ -n "${!v}" ] || { echo "build.sh: cannot read $v from the wrapper go.mod files" >&2; exit 1; }
+done
+
+# The key covers every input of the build, so editing a wrapper module rebuilds.
+key=$(cat "$here"/*/go.mod "$here"/*/go.sum "$here"/*/*.go | sha256sum | cut -c1-12)
+cache_root=${TENSILE_K8S_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tensile/k8s}
+out="$cache_root/k8s-$k8s_version-etcd-$etcd_version-kwok-$kwok_version-$key"
+
+if [ -f "$out/.complete" ]; then
+  echo "k8s binaries: cached in $out" >&2
+  echo "$out"
+  exit 0
+fi
+
+# Concurrent callers (several test binaries, the playground) wait for one build.
+mkdir -p "$cache_root"
+exec 9>"$cache_root/.build.lock"
+flock 9
+if [ -f "$out/.complete" ]; then
+  echo "k8s binaries: built by a concurrent run in $out" >&2
+  echo "$out"
+  exit 0
+fi
+
+command -v go >/dev/null || { echo "build.sh: Go is required to build the Kubernetes binaries (go not on PATH)" >&2; exit 1; }
+
+start=$(date +%s)
+tmp="$out.tmp.$$"
+rm -rf "$tmp"
+mkdir -p "$tmp/bin" "$tmp/stages"
+trap 'rm -rf "$tmp"' EXIT
+
+export GOFLAGS="${GOFLAGS:-} -mod=mod -trimpath"
+export CGO_ENABLED=0
+
+step() { # name, then the command
+  local name=$1 t0
+  shift
+  t0=$(date +%s)
+  echo "k8s binaries: building $name ..." >&2
+  "$@" >&2
+  echo "k8s binaries: built $name in $(($(date +%s) - t0))s" >&2
+}
+
+minor=${k8s_version#v1.}
+minor=${minor%%.*}
+kver="-X k8s.io/component-base/version.gitVersion=$k8s_version \
+ -X k8s.io/component-base/version.gitMajor=1 \
+ -X k8s.io/component-base/version.gitMinor=$minor \
+ -X k8s.io/component-base/version.gitTreeState=clean \
+ -X k8s.io/client-go/pkg/version.gitVersion=$k8s_version \
+ -X k8s.io/client-go/pkg/version.gitMajor=1 \
+ -X k8s.io/client-go/pkg/version.gitMinor=$minor \
+ -X k8s.io/client-go/pkg/version.gitTreeState=clean"
+
+# One `go build` for the four Kubernetes commands shares their common packages.
+step "kubernetes $k8s_version (kube-apiserver kube-controller-manager kube-scheduler kubectl)" \
+  env -C "$here/kubernetes" go build -ldflags "-s -w $kver" -o "$tmp/bin/" \
+  k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
+  k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
+step "etcd $etcd_version" \
+  env -C "$here/etcd" go build -ldflags "-s -w" -o "$tmp/bin/etcd" .
+step "kwok $kwok_version" \
+  env -C "$here/kwok" go build -ldflags "-s -w" -o "$tmp/bin/kwok" sigs.k8s.io/kwok/cmd/kwok
+
+# kwok only simulates what its Stage objects describe; they ship inside its module.
+kwok_dir=$(env -C "$here/kwok" go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)
+for f in node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml \
+  pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml; do
+  install -m 0644 "$kwok_dir/kustomize/stage/$f" "$tmp/stages/$(basename "$f")"
+done
+
+cat >"$tmp/versions" <<EOF
+kubernetes=$k8s_version
+etcd=$etcd_version
+kwok=$kwok_version
+EOF
+touch "$tmp/.complete"
+rm -rf "$out"
+mv "$tmp" "$out"
+trap - EXIT
+echo "k8s binaries: done in $(($(date +%s) - start))s -> $out" >&2
+echo "$out"
