@@ -1,1 +1,6 @@
 //! tensile: joins a lower Kubernetes cluster to an upper one as a virtual node.
+//!
+//! Pure translation (`translate`, and the capacity math in `node::capacity`) is kept apart
+//! from everything that calls an API server (`node`, `controllers`); `main.rs` only wires.
+
+pub mod translate;

@@ -1,0 +1,24 @@
+//! The labels and annotations tensile reads and writes: tensile-kube's, kept verbatim, and
+//! tensile's own ownership marks.
+
+/// Pod label: the pod may run in a lower cluster; mirrored pods carry it too (tensile-kube).
+pub const VIRTUAL_POD_LABEL: &str = "virtual-pod";
+/// Pod annotation: JSON `{"nodeSelector","affinity","tolerations"}` stashed by the webhook.
+pub const CLUSTER_SELECTOR_ANNOTATION: &str = "clusterSelector";
+/// Pod annotation: JSON map of the labels removed before mirroring (`--ignore-labels`).
+pub const TRIPPED_LABELS_ANNOTATION: &str = "tripped-labels";
+/// Annotation on objects created by the system in the lower cluster (tensile-kube).
+pub const GLOBAL_ANNOTATION: &str = "global";
+/// Annotation: JSON of a Service/PVC selector removed when mirrored.
+pub const LABEL_SELECTOR_ANNOTATION: &str = "labelSelector";
+/// PVC annotation rewritten to the virtual node's name on the way up.
+pub const SELECTED_NODE_ANNOTATION: &str = "volume.kubernetes.io/selected-node";
+
+/// Prefix of tensile's own keys.
+pub const PREFIX: &str = "tensile.dev/";
+/// Label on every lower object tensile creates: the virtual node that owns it. tensile acts
+/// only on lower objects whose value is its own `--nodename`.
+pub const OWNER_NODE_LABEL: &str = "tensile.dev/virtual-node";
+/// Annotation on every lower object tensile creates: the UID of its upper origin, so an
+/// upper object re-created under the same name is never mistaken for the old one.
+pub const UPPER_UID_ANNOTATION: &str = "tensile.dev/upper-uid";
