@@ -3,4 +3,9 @@
 //! Pure translation (`translate`, and the capacity math in `node::capacity`) is kept apart
 //! from everything that calls an API server (`node`, `controllers`); `main.rs` only wires.
 
+pub mod cli;
+pub mod clusters;
+pub mod controllers;
+pub mod metrics;
+pub mod node;
 pub mod translate;

@@ -1,8 +1,222 @@
-//! virtual-node: joins the lower cluster to the upper one as a virtual node (being built).
+//! virtual-node: joins the lower cluster to the upper one as a virtual node. Wiring only.
 
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
-fn main() -> ExitCode {
-    eprintln!("virtual-node: not implemented yet");
-    ExitCode::FAILURE
+use clap::Parser;
+use k8s_openapi::api::core::v1::Taint;
+use kube::runtime::events::{Recorder, Reporter};
+use tensile::cli::Args;
+use tensile::clusters::{
+    self, LOWER_PERMISSIONS, RateLimit, Side, StartupError, UPPER_PERMISSIONS,
+};
+use tensile::controllers::{self, Context};
+use tensile::metrics::{self, Metrics};
+use tensile::node::{self, spec::NodeConfig};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info};
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    let filter = tracing_subscriber::EnvFilter::try_new(&args.log_level)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).init();
+    match run(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("virtual-node: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<(), String> {
+    validate_node_name(&args.nodename)?;
+    let upper_config = clusters::load_config(Side::Upper, args.kubeconfig.as_deref()).await;
+    let lower_config = clusters::load_config(Side::Lower, Some(&args.client_kubeconfig)).await;
+    let upper_limit = RateLimit {
+        qps: args.kube_api_qps,
+        burst: args.kube_api_burst,
+    };
+    let lower_limit = RateLimit {
+        qps: args.client_qps,
+        burst: args.client_burst,
+    };
+    let (upper, lower) = tokio::try_join!(
+        async { clusters::connect(Side::Upper, upper_config?, upper_limit).await },
+        async { clusters::connect(Side::Lower, lower_config?, lower_limit).await },
+    )
+    .map_err(|e: StartupError| e.to_string())?;
+    tokio::try_join!(
+        clusters::check_permissions(&upper, UPPER_PERMISSIONS),
+        clusters::check_permissions(&lower, LOWER_PERMISSIONS),
+    )
+    .map_err(|e| e.to_string())?;
+    let listener = metrics::bind(args.metrics_addr).await?;
+    info!(
+        node = %args.nodename, upper = %upper.server, lower = %lower.server,
+        lower_version = %lower.version, "starting"
+    );
+
+    let shutdown = CancellationToken::new();
+    tokio::spawn(handle_signals(shutdown.clone()));
+
+    let node_config = NodeConfig {
+        name: args.nodename.clone(),
+        os: args.os.clone(),
+        cluster_id: args.nodename.clone(),
+        taint: (!args.disable_taint).then(|| Taint {
+            key: args.taint_key.clone(),
+            value: Some(args.taint_value.clone()),
+            effect: args.taint_effect.clone(),
+            time_added: None,
+        }),
+        address: args.node_ip.clone().unwrap_or_else(|| "127.0.0.1".into()),
+        kubelet_port: i32::from(args.kubelet_port),
+        lower_version: lower.version.clone(),
+    };
+    let metrics = Arc::new(Metrics::default());
+    let reporter = Reporter {
+        controller: "tensile-virtual-node".into(),
+        instance: Some(args.nodename.clone()),
+    };
+    let ctx = Arc::new(Context::new(
+        upper.client.clone(),
+        lower.client.clone(),
+        args.nodename.clone(),
+        args.ignore_labels
+            .iter()
+            .filter(|l| !l.is_empty())
+            .cloned()
+            .collect(),
+        args.enable_serviceaccount,
+        args.namespace.clone(),
+        Recorder::new(upper.client.clone(), reporter),
+        metrics.clone(),
+    ));
+
+    let (capacity_tx, mut capacity_rx) = tokio::sync::watch::channel(None);
+    let capacity_watch = node::watch_capacity(
+        lower.client.clone(),
+        args.nodename.clone(),
+        capacity_tx,
+        shutdown.clone(),
+    );
+    let serve = metrics::serve(listener, metrics.clone(), shutdown.clone());
+
+    let main = async {
+        // Register only once capacity is known, so the node never offers room it lacks.
+        let capacity = tokio::select! {
+            () = shutdown.cancelled() => return Ok(()),
+            c = capacity_rx.wait_for(Option::is_some) => c
+                .map_err(|_| "lower cluster: capacity watch ended".to_owned())?
+                .clone()
+                .unwrap_or_default(),
+        };
+        let registered = node::register(&upper.client, &node_config, &capacity)
+            .await
+            .map_err(|e| e.to_string())?;
+        info!(node = %args.nodename, "node registered");
+
+        let watches = controllers::pod::watches(&ctx);
+        let (upper_pods, lower_pods, synced) = (
+            watches.upper_store.clone(),
+            watches.lower_store.clone(),
+            watches.synced.clone(),
+        );
+        let pods = controllers::pod::run(
+            ctx.clone(),
+            watches,
+            args.pod_sync_workers.max(1),
+            args.full_resync_period,
+            shutdown.clone(),
+        );
+        let gc = async {
+            let ready = async {
+                if synced.wait().await.is_ok() {
+                    metrics.ready.store(true, Ordering::Relaxed);
+                }
+            };
+            tokio::select! {
+                () = shutdown.cancelled() => {}
+                () = ready => {}
+            }
+            controllers::gc::run(
+                ctx.clone(),
+                upper_pods,
+                lower_pods,
+                synced.clone(),
+                shutdown.clone(),
+            )
+            .await;
+        };
+        let keep_alive = node::keep_alive(
+            upper.client.clone(),
+            lower.client.clone(),
+            node_config.clone(),
+            args.enable_node_lease,
+            capacity_rx.clone(),
+            registered,
+            shutdown.clone(),
+        );
+        tokio::join!(pods, gc, keep_alive);
+        Ok::<(), String>(())
+    };
+    let (result, (), served) = tokio::join!(
+        async {
+            let result = main.await;
+            shutdown.cancel();
+            result
+        },
+        capacity_watch,
+        serve,
+    );
+    if let Err(e) = served {
+        error!(error = %e, "metrics server");
+    }
+    info!("stopped");
+    result
+}
+
+/// The node name is also a label value on every lower object (ownership), so it must be
+/// a valid one.
+fn validate_node_name(name: &str) -> Result<(), String> {
+    let valid = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name.ends_with(|c: char| c.is_ascii_alphanumeric());
+    if valid {
+        Ok(())
+    } else {
+        Err(format!(
+            "--nodename {name:?} must be a DNS name of at most 63 characters (it is also a label value)"
+        ))
+    }
+}
+
+/// First SIGTERM/SIGINT: drain (stop watching, finish in-flight work). Second: exit now.
+async fn handle_signals(shutdown: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    info!("shutting down (signal again to exit at once)");
+    shutdown.cancel();
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    std::process::exit(130);
 }

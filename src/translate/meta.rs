@@ -22,3 +22,7 @@ pub const OWNER_NODE_LABEL: &str = "tensile.dev/virtual-node";
 /// Annotation on every lower object tensile creates: the UID of its upper origin, so an
 /// upper object re-created under the same name is never mistaken for the old one.
 pub const UPPER_UID_ANNOTATION: &str = "tensile.dev/upper-uid";
+/// Annotation on lower pods: JSON `{"labels":[…],"annotations":[…]}` naming the keys tensile
+/// wrote, so a key removed upstream is removed below while keys the lower cluster added
+/// itself (CNI, sidecar injectors) are left alone.
+pub const MIRRORED_KEYS_ANNOTATION: &str = "tensile.dev/mirrored-keys";

@@ -14,6 +14,7 @@
 
 pub mod binaries;
 pub mod cluster;
+pub mod fixtures;
 pub mod pair;
 pub mod pki;
 pub mod ports;

@@ -1,0 +1,228 @@
+//! Command line of `virtual-node`, with tensile-kube's flag and environment names.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{ArgAction, Parser};
+
+/// Joins a lower Kubernetes cluster to an upper one as a virtual node.
+///
+/// Accepted for compatibility with tensile-kube but without effect here:
+/// `--enable-controllers` (the optional controllers are not built yet), and the kubelet
+/// certificate variables `APISERVER_CERT_LOCATION`, `APISERVER_KEY_LOCATION`,
+/// `APISERVER_CA_CERT_LOCATION` (the kubelet API is not served yet).
+#[derive(Parser, Debug, Clone)]
+#[command(name = "virtual-node", version, about, long_about = None)]
+pub struct Args {
+    /// Name of the virtual node in the upper cluster.
+    #[arg(long, env = "DEFAULTNODE_NAME", default_value = "virtual-kubelet")]
+    pub nodename: String,
+
+    /// Kubeconfig of the upper cluster (default: $KUBECONFIG, ~/.kube/config, in-cluster).
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Kubeconfig of the lower cluster.
+    #[arg(long)]
+    pub client_kubeconfig: PathBuf,
+
+    /// Requests per second to the lower cluster.
+    #[arg(long, default_value_t = 500.0)]
+    pub client_qps: f64,
+
+    /// Burst of requests to the lower cluster.
+    #[arg(long, default_value_t = 1000)]
+    pub client_burst: u32,
+
+    /// Requests per second to the upper cluster.
+    #[arg(long, default_value_t = 500.0)]
+    pub kube_api_qps: f64,
+
+    /// Burst of requests to the upper cluster.
+    #[arg(long, default_value_t = 1000)]
+    pub kube_api_burst: u32,
+
+    /// Pod labels removed before mirroring (kept in the `tripped-labels` annotation).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "pod-group.scheduling.sigs.k8s.io"
+    )]
+    pub ignore_labels: Vec<String>,
+
+    /// Optional controllers (tensile-kube: `PVControllers,ServiceControllers`). Accepted;
+    /// not built yet.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "PVControllers,ServiceControllers"
+    )]
+    pub enable_controllers: Vec<String>,
+
+    /// Mirror the ServiceAccounts pods use into the lower cluster.
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = true, default_missing_value = "true")]
+    pub enable_serviceaccount: bool,
+
+    /// Only mirror pods of this namespace (empty: all).
+    #[arg(long, default_value = "")]
+    pub namespace: String,
+
+    /// Operating system the node reports.
+    #[arg(long, default_value = "Linux")]
+    pub os: String,
+
+    /// Register the node without the virtual-kubelet taint.
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true")]
+    pub disable_taint: bool,
+
+    /// Key of the node's taint.
+    #[arg(
+        long,
+        env = "VKUBELET_TAINT_KEY",
+        default_value = "virtual-kubelet.io/provider"
+    )]
+    pub taint_key: String,
+
+    /// Value of the node's taint.
+    #[arg(long, env = "VKUBELET_TAINT_VALUE", default_value = "k8s")]
+    pub taint_value: String,
+
+    /// Effect of the node's taint.
+    #[arg(long, env = "VKUBELET_TAINT_EFFECT", default_value = "NoSchedule")]
+    pub taint_effect: String,
+
+    /// Pods reconciled at once.
+    #[arg(long, default_value_t = 10)]
+    pub pod_sync_workers: u16,
+
+    /// Heartbeat through a Lease in kube-node-lease (otherwise through node status).
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = true, default_missing_value = "true")]
+    pub enable_node_lease: bool,
+
+    /// How often every mirrored pod is reconciled even without a change.
+    #[arg(long, value_parser = parse_duration, default_value = "1m")]
+    pub full_resync_period: Duration,
+
+    /// Log filter (`info`, `debug`, or a tracing directive such as `tensile=debug`).
+    #[arg(long, default_value = "info")]
+    pub log_level: String,
+
+    /// Address of the health and metrics endpoint (`/healthz`, `/readyz`, `/metrics`).
+    #[arg(long, value_parser = parse_addr, default_value = ":10255")]
+    pub metrics_addr: SocketAddr,
+
+    /// Port of the kubelet API, reported as the node's daemon endpoint.
+    #[arg(long, env = "KUBELET_PORT", default_value_t = 10250)]
+    pub kubelet_port: u16,
+
+    /// The node's InternalIP (default: the first non-loopback address, else 127.0.0.1).
+    #[arg(long, env = "VKUBELET_POD_IP")]
+    pub node_ip: Option<String>,
+
+    /// Kubelet API serving certificate (accepted; the kubelet API is not served yet).
+    #[arg(long, env = "APISERVER_CERT_LOCATION", hide = true)]
+    pub apiserver_cert: Option<PathBuf>,
+
+    /// Kubelet API serving key (accepted; see above).
+    #[arg(long, env = "APISERVER_KEY_LOCATION", hide = true)]
+    pub apiserver_key: Option<PathBuf>,
+
+    /// CA for kubelet API clients (accepted; see above).
+    #[arg(long, env = "APISERVER_CA_CERT_LOCATION", hide = true)]
+    pub apiserver_ca_cert: Option<PathBuf>,
+}
+
+/// `10s`, `1m`, `1h`, `500ms`, or plain seconds — the forms tensile-kube users write.
+pub fn parse_duration(text: &str) -> Result<Duration, String> {
+    let text = text.trim();
+    let split = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let value: f64 = number
+        .parse()
+        .map_err(|_| format!("invalid duration {text:?}"))?;
+    let seconds = match unit {
+        "" | "s" => value,
+        "ms" => value / 1000.0,
+        "m" => value * 60.0,
+        "h" => value * 3600.0,
+        _ => {
+            return Err(format!(
+                "invalid duration unit in {text:?} (use ms, s, m or h)"
+            ));
+        }
+    };
+    Duration::try_from_secs_f64(seconds).map_err(|e| format!("invalid duration {text:?}: {e}"))
+}
+
+/// `host:port`, or `:port` for all interfaces (Go's form).
+pub fn parse_addr(text: &str) -> Result<SocketAddr, String> {
+    let full = match text.strip_prefix(':') {
+        Some(port) => format!("0.0.0.0:{port}"),
+        None => text.to_owned(),
+    };
+    full.parse()
+        .map_err(|e| format!("invalid address {text:?}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        let cases = [
+            ("10s", Some(10_000)),
+            ("1m", Some(60_000)),
+            ("1h", Some(3_600_000)),
+            ("500ms", Some(500)),
+            ("30", Some(30_000)),
+            ("1.5s", Some(1_500)),
+            ("5d", None),
+            ("", None),
+            ("s", None),
+        ];
+        for (text, millis) in cases {
+            let got = parse_duration(text).ok().map(|d| d.as_millis() as u64);
+            assert_eq!(got, millis, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn addresses() {
+        assert_eq!(parse_addr(":10255").unwrap().to_string(), "0.0.0.0:10255");
+        assert_eq!(
+            parse_addr("127.0.0.1:9").unwrap().to_string(),
+            "127.0.0.1:9"
+        );
+        assert!(parse_addr("nope").is_err());
+    }
+
+    #[test]
+    fn tensile_kube_command_line_parses() {
+        let args = Args::try_parse_from([
+            "virtual-node",
+            "--nodename",
+            "vk-node",
+            "--kubeconfig",
+            "./config",
+            "--client-kubeconfig",
+            "/root/.kube/config",
+            "--enable-serviceaccount=false",
+            "--disable-taint",
+            "--enable-controllers=",
+            "--ignore-labels=a,b",
+            "--full-resync-period=30s",
+        ])
+        .unwrap();
+        assert_eq!(args.nodename, "vk-node");
+        assert!(!args.enable_serviceaccount);
+        assert!(args.disable_taint);
+        assert_eq!(args.ignore_labels, ["a", "b"]);
+        assert_eq!(args.full_resync_period, Duration::from_secs(30));
+        assert_eq!(args.metrics_addr.port(), 10255);
+        assert!(args.enable_node_lease);
+    }
+}

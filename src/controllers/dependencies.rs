@@ -1,0 +1,193 @@
+//! Before a pod is created below, what it references must exist there: its Namespace and
+//! the ConfigMaps, Secrets, PVCs and ServiceAccount it names. Each is created from its
+//! upper original only when missing; an existing lower object (ours or not) is used as it
+//! is and never overwritten.
+
+use std::collections::HashMap;
+use std::fmt::Debug;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::NamespaceResourceScope;
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Namespace, PersistentVolumeClaim, Pod, Secret, ServiceAccount,
+};
+use kube::Resource;
+use kube::api::{Api, PostParams};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::{Context, Error, api_error, is_status};
+use crate::clusters::Side;
+use crate::translate::TranslateError;
+use crate::translate::deps::{
+    Dependency, DependencyKind, lower_config_map, lower_namespace, lower_pvc, lower_secret,
+    lower_service_account, pod_dependencies,
+};
+
+/// How long a lower object seen to exist is trusted without reading it again.
+const PRESENCE_TTL: Duration = Duration::from_secs(30);
+
+/// Lower objects recently seen to exist, by `kind/namespace/name`.
+#[derive(Default)]
+pub struct PresenceCache(Mutex<HashMap<String, Instant>>);
+
+impl PresenceCache {
+    fn contains(&self, key: &str) -> bool {
+        let map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        map.get(key)
+            .is_some_and(|seen| seen.elapsed() < PRESENCE_TTL)
+    }
+
+    fn insert(&self, key: String) {
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if map.len() > 10_000 {
+            map.retain(|_, seen| seen.elapsed() < PRESENCE_TTL);
+        }
+        map.insert(key, Instant::now());
+    }
+}
+
+/// Ensures everything `pod` needs exists in the lower cluster. Fails naming every missing
+/// upper object at once.
+pub async fn ensure_for_pod(ctx: &Context, pod: &Pod, pod_key: &str) -> Result<(), Error> {
+    let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
+    ensure_namespace(ctx, namespace).await?;
+    let mut missing = Vec::new();
+    for dependency in pod_dependencies(pod, ctx.with_service_account) {
+        let found = match dependency.kind {
+            DependencyKind::ConfigMap => {
+                ensure::<ConfigMap>(ctx, namespace, &dependency, lower_config_map).await?
+            }
+            DependencyKind::Secret => {
+                ensure::<Secret>(ctx, namespace, &dependency, lower_secret).await?
+            }
+            DependencyKind::PersistentVolumeClaim => {
+                ensure::<PersistentVolumeClaim>(ctx, namespace, &dependency, lower_pvc).await?
+            }
+            DependencyKind::ServiceAccount => {
+                ensure::<ServiceAccount>(ctx, namespace, &dependency, lower_service_account).await?
+            }
+        };
+        if !found && !dependency.optional {
+            missing.push(format!(
+                "{} {namespace}/{}",
+                kind_name(dependency.kind),
+                dependency.name
+            ));
+        }
+    }
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        Err(Error::MissingDependencies {
+            pod: pod_key.to_owned(),
+            missing: missing.join(", "),
+        })
+    }
+}
+
+/// Creates the lower namespace when missing; a namespace tensile creates is then given a
+/// moment for the lower controller-manager to add its `default` ServiceAccount, which pod
+/// admission needs.
+async fn ensure_namespace(ctx: &Context, namespace: &str) -> Result<(), Error> {
+    let cache_key = format!("Namespace/{namespace}");
+    if ctx.known_present.contains(&cache_key) {
+        return Ok(());
+    }
+    let namespaces: Api<Namespace> = Api::all(ctx.lower.clone());
+    let exists = namespaces
+        .get_metadata_opt(namespace)
+        .await
+        .map_err(api_error(Side::Lower, "reading", "Namespace", namespace))?
+        .is_some();
+    if !exists {
+        match namespaces
+            .create(
+                &PostParams::default(),
+                &lower_namespace(namespace, &ctx.node_name),
+            )
+            .await
+        {
+            Ok(_) => tracing::info!(namespace, cluster = "lower", "created namespace"),
+            Err(e) if is_status(&e, 409) => {}
+            Err(e) => {
+                return Err(api_error(Side::Lower, "creating", "Namespace", namespace)(
+                    e,
+                ));
+            }
+        }
+        let accounts: Api<ServiceAccount> = Api::namespaced(ctx.lower.clone(), namespace);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if matches!(accounts.get_metadata_opt("default").await, Ok(Some(_))) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    ctx.known_present.insert(cache_key);
+    Ok(())
+}
+
+/// Makes sure the lower copy of one dependency exists. `Ok(false)`: the upper original
+/// does not exist either.
+async fn ensure<K>(
+    ctx: &Context,
+    namespace: &str,
+    dependency: &Dependency,
+    translate: fn(&K, &str) -> Result<K, TranslateError>,
+) -> Result<bool, Error>
+where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+        + Clone
+        + Debug
+        + Serialize
+        + DeserializeOwned,
+{
+    let kind = kind_name(dependency.kind);
+    let key = format!("{namespace}/{}", dependency.name);
+    let cache_key = format!("{kind}/{key}");
+    if ctx.known_present.contains(&cache_key) {
+        return Ok(true);
+    }
+    let lower: Api<K> = Api::namespaced(ctx.lower.clone(), namespace);
+    if lower
+        .get_metadata_opt(&dependency.name)
+        .await
+        .map_err(api_error(Side::Lower, "reading", kind, &key))?
+        .is_some()
+    {
+        ctx.known_present.insert(cache_key);
+        return Ok(true);
+    }
+    let upper: Api<K> = Api::namespaced(ctx.upper.clone(), namespace);
+    let Some(original) = upper.get_opt(&dependency.name).await.map_err(api_error(
+        Side::Upper,
+        "reading",
+        kind,
+        &key,
+    ))?
+    else {
+        return Ok(false);
+    };
+    let copy = translate(&original, &ctx.node_name)?;
+    match lower.create(&PostParams::default(), &copy).await {
+        Ok(_) => {
+            tracing::info!(object = %key, kind, cluster = "lower", "created dependency");
+        }
+        Err(e) if is_status(&e, 409) => {}
+        Err(e) => return Err(api_error(Side::Lower, "creating", kind, &key)(e)),
+    }
+    ctx.known_present.insert(cache_key);
+    Ok(true)
+}
+
+fn kind_name(kind: DependencyKind) -> &'static str {
+    match kind {
+        DependencyKind::ConfigMap => "ConfigMap",
+        DependencyKind::Secret => "Secret",
+        DependencyKind::PersistentVolumeClaim => "PersistentVolumeClaim",
+        DependencyKind::ServiceAccount => "ServiceAccount",
+    }
+}

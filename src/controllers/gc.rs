@@ -1,0 +1,172 @@
+//! Orphan collection: lower pods this node owns whose upper pod is gone (force-deleted,
+//! deleted while virtual-node was down, or re-created with a new UID) are deleted — at
+//! start, once both stores are synced, and every few seconds after. Reads only the two
+//! stores; calls the API only to delete.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, Preconditions};
+use kube::runtime::reflector::{ObjectRef, Store};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::pod::Synced;
+use super::{Context, is_status};
+use crate::translate::pod::{is_owned_by, upper_uid};
+
+/// How often the stores are compared (in memory; cheap).
+pub const INTERVAL: Duration = Duration::from_secs(5);
+
+/// The lower pods to delete: owned by `node`, not already going, whose upper counterpart
+/// (same namespace/name and UID) is absent. Pure over the two snapshots.
+pub fn orphans<'a>(
+    lower: &'a [Arc<Pod>],
+    upper_has: impl Fn(&str, &str, &str) -> bool,
+    node: &str,
+    namespace: &str,
+) -> Vec<&'a Pod> {
+    lower
+        .iter()
+        .map(AsRef::as_ref)
+        .filter(|p| is_owned_by(&p.metadata, node))
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter(|p| namespace.is_empty() || p.metadata.namespace.as_deref() == Some(namespace))
+        .filter(|p| {
+            let ns = p.metadata.namespace.as_deref().unwrap_or_default();
+            let name = p.metadata.name.as_deref().unwrap_or_default();
+            match upper_uid(&p.metadata) {
+                Some(uid) => !upper_has(ns, name, uid),
+                None => true,
+            }
+        })
+        .collect()
+}
+
+/// Runs until `shutdown`, starting once both stores are synced.
+pub async fn run(
+    ctx: Arc<Context>,
+    upper_pods: Store<Pod>,
+    lower_pods: Store<Pod>,
+    synced: Synced,
+    shutdown: CancellationToken,
+) {
+    tokio::select! {
+        () = shutdown.cancelled() => return,
+        synced = synced.wait() => if synced.is_err() { return },
+    }
+    let mut tick = tokio::time::interval(INTERVAL);
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let snapshot = lower_pods.state();
+        let upper_has = |ns: &str, name: &str, uid: &str| {
+            upper_pods
+                .get(&ObjectRef::new(name).within(ns))
+                .is_some_and(|p| p.metadata.uid.as_deref() == Some(uid))
+        };
+        for orphan in orphans(&snapshot, upper_has, &ctx.node_name, &ctx.namespace) {
+            let key = format!(
+                "{}/{}",
+                orphan.namespace().unwrap_or_default(),
+                orphan.name_any()
+            );
+            let api: Api<Pod> =
+                Api::namespaced(ctx.lower.clone(), &orphan.namespace().unwrap_or_default());
+            let params = DeleteParams {
+                preconditions: Some(Preconditions {
+                    uid: orphan.metadata.uid.clone(),
+                    resource_version: None,
+                }),
+                ..DeleteParams::default()
+            };
+            match api.delete(&orphan.name_any(), &params).await {
+                Ok(_) => {
+                    ctx.metrics.orphans_deleted.inc();
+                    info!(pod = %key, cluster = "lower", "deleted an orphaned lower pod (its upper pod is gone)");
+                }
+                Err(e) if is_status(&e, 404) || is_status(&e, 409) => {}
+                Err(error) => {
+                    warn!(pod = %key, cluster = "lower", %error, "deleting an orphaned pod")
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_UID_ANNOTATION};
+    use serde_json::json;
+
+    fn lower(name: &str, ns: &str, owner: &str, uid: Option<&str>, deleting: bool) -> Arc<Pod> {
+        let mut meta = json!({"name": name, "namespace": ns, "labels": {OWNER_NODE_LABEL: owner}});
+        if let Some(uid) = uid {
+            meta["annotations"] = json!({UPPER_UID_ANNOTATION: uid});
+        }
+        if deleting {
+            meta["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+        }
+        Arc::new(serde_json::from_value(json!({"metadata": meta})).unwrap())
+    }
+
+    #[test]
+    fn orphan_table() {
+        let upper = [("ns", "a", "u-a"), ("other", "c", "u-c")];
+        let upper_has = |ns: &str, name: &str, uid: &str| upper.contains(&(ns, name, uid));
+        let cases: Vec<(&str, Arc<Pod>, &str, bool)> = vec![
+            (
+                "upper exists: kept",
+                lower("a", "ns", "vk", Some("u-a"), false),
+                "",
+                false,
+            ),
+            (
+                "upper gone: orphan",
+                lower("b", "ns", "vk", Some("u-b"), false),
+                "",
+                true,
+            ),
+            (
+                "upper re-created with a new uid: orphan",
+                lower("a", "ns", "vk", Some("u-old"), false),
+                "",
+                true,
+            ),
+            (
+                "another node's pod: never touched",
+                lower("b", "ns", "vk-other", Some("u-b"), false),
+                "",
+                false,
+            ),
+            (
+                "already going: left alone",
+                lower("b", "ns", "vk", Some("u-b"), true),
+                "",
+                false,
+            ),
+            (
+                "ours without a uid mark: orphan",
+                lower("b", "ns", "vk", None, false),
+                "",
+                true,
+            ),
+            (
+                "outside --namespace: not ours to judge",
+                lower("b", "elsewhere", "vk", Some("u-b"), false),
+                "ns",
+                false,
+            ),
+        ];
+        for (name, pod, namespace, want) in cases {
+            let pods = [pod];
+            let got = !orphans(&pods, upper_has, "vk", namespace).is_empty();
+            assert_eq!(got, want, "{name}");
+        }
+    }
+}

@@ -1,0 +1,667 @@
+//! Pods bound to the virtual node: mirrored down, status reflected up, updates and
+//! deletions followed. Level-triggered: each reconcile compares the upper pod with the
+//! lower pod in the store and does the one step that closes the gap, whatever woke it
+//! (an upper change, a lower change, a resync).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::{Pod, PodStatus};
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use serde_json::{Value, json};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use super::{Context, Error, api_error, dependencies, is_status};
+use crate::clusters::Side;
+use crate::translate::meta::OWNER_NODE_LABEL;
+use crate::translate::pod::{
+    PodTranslation, is_owned_by, lower_gone_status, lower_pod, lower_pod_update, status_in_sync,
+    upper_status, upper_uid,
+};
+
+/// Reason on an upper pod whose lower pod disappeared.
+pub const LOWER_POD_GONE: &str = "LowerPodGone";
+
+/// The one step a reconcile takes for an upper pod, given its lower pod (if any).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    /// Upper is being deleted and the lower pod is gone: finish the upper deletion.
+    FinishDeletion,
+    /// Upper is being deleted: delete the lower pod with the same grace period.
+    DeleteLower {
+        /// Grace period in seconds.
+        grace: Option<i64>,
+    },
+    /// The lower pod is already going; its deletion event wakes us again.
+    WaitForLower,
+    /// The lower pod belongs to an older upper pod of the same name: remove it first.
+    DeleteStale,
+    /// Create the lower pod (after its dependencies).
+    Create,
+    /// The lower pod vanished while the upper one runs: end the upper pod.
+    MarkFailed,
+    /// Both exist: reflect status up, propagate updates down.
+    Sync,
+    /// Nothing to do (a finished pod whose lower copy is gone).
+    Nothing,
+}
+
+/// Decides the step. Pure: the table tests below cover every branch.
+pub fn decide(upper: &Pod, lower: Option<&Pod>, node: &str) -> Step {
+    let uid = upper.metadata.uid.as_deref();
+    let lower = lower.filter(|l| is_owned_by(&l.metadata, node));
+    let lower_deleting = lower.is_some_and(|l| l.metadata.deletion_timestamp.is_some());
+    let same =
+        lower.is_some_and(|l| upper_uid(&l.metadata).is_some() && upper_uid(&l.metadata) == uid);
+    if upper.metadata.deletion_timestamp.is_some() {
+        return match lower {
+            None => Step::FinishDeletion,
+            Some(_) if lower_deleting => Step::WaitForLower,
+            Some(_) => Step::DeleteLower {
+                grace: upper.metadata.deletion_grace_period_seconds,
+            },
+        };
+    }
+    match lower {
+        Some(_) if same => Step::Sync,
+        Some(_) if lower_deleting => Step::WaitForLower,
+        Some(_) => Step::DeleteStale,
+        None if is_terminal(upper) => Step::Nothing,
+        None if was_mirrored(upper) => Step::MarkFailed,
+        None => Step::Create,
+    }
+}
+
+fn is_terminal(pod: &Pod) -> bool {
+    matches!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Succeeded" | "Failed")
+    )
+}
+
+/// Whether the upper pod's status shows it ran below: only a reflected lower status sets
+/// these (the upper scheduler writes nothing but `PodScheduled=True`).
+fn was_mirrored(pod: &Pod) -> bool {
+    let Some(status) = &pod.status else {
+        return false;
+    };
+    status.start_time.is_some()
+        || status.host_ip.is_some()
+        || status
+            .container_statuses
+            .as_ref()
+            .is_some_and(|c| !c.is_empty())
+        || status
+            .conditions
+            .iter()
+            .flatten()
+            .any(|c| c.type_ != "PodScheduled" || c.status != "True")
+}
+
+/// A watch stream feeding a reflector store.
+pub type PodStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<Pod, watcher::Error>> + Send>>;
+
+/// The two pod watches the controller runs on, with their stores and whether each has
+/// completed its first list.
+pub struct PodWatches {
+    /// Upper pods bound to this node.
+    pub upper_store: Store<Pod>,
+    upper_stream: PodStream,
+    /// Lower pods this node owns.
+    pub lower_store: Store<Pod>,
+    lower_stream: PodStream,
+    /// Turns true once both stores hold a complete list.
+    pub synced: Synced,
+}
+
+/// Whether both stores are synced; any number of tasks may wait on it. (A reflector
+/// `Store::wait_until_ready` wakes only its most recent waiter, so it is awaited nowhere
+/// but inside kube-runtime's runner.)
+#[derive(Clone)]
+pub struct Synced {
+    upper: watch::Receiver<bool>,
+    lower: watch::Receiver<bool>,
+}
+
+impl Synced {
+    /// Waits until both stores are synced; `Err` if their watches ended first.
+    pub async fn wait(&self) -> Result<(), Error> {
+        let (mut upper, mut lower) = (self.upper.clone(), self.lower.clone());
+        upper
+            .wait_for(|ready| *ready)
+            .await
+            .map_err(|_| Error::Shutdown)?;
+        lower
+            .wait_for(|ready| *ready)
+            .await
+            .map_err(|_| Error::Shutdown)?;
+        Ok(())
+    }
+}
+
+/// A reflector over `api` whose first complete list flips `ready`.
+fn reflected(
+    api: Api<Pod>,
+    config: watcher::Config,
+) -> (Store<Pod>, PodStream, watch::Receiver<bool>) {
+    let (store, writer) = reflector::store();
+    let (ready_tx, ready_rx) = watch::channel(false);
+    let stream = reflector::reflector(writer, watcher::watcher(api, config))
+        .default_backoff()
+        .inspect_ok(move |event| {
+            if matches!(event, watcher::Event::InitDone) {
+                ready_tx.send_replace(true);
+            }
+        })
+        .touched_objects();
+    (store, Box::pin(stream), ready_rx)
+}
+
+/// Sets up the watches: upper pods with `spec.nodeName=<node>` (in `--namespace` if
+/// given), lower pods labelled as this node's.
+pub fn watches(ctx: &Context) -> PodWatches {
+    let upper_api: Api<Pod> = if ctx.namespace.is_empty() {
+        Api::all(ctx.upper.clone())
+    } else {
+        Api::namespaced(ctx.upper.clone(), &ctx.namespace)
+    };
+    let (upper_store, upper_stream, upper_ready) = reflected(
+        upper_api,
+        watcher::Config::default().fields(&format!("spec.nodeName={}", ctx.node_name)),
+    );
+    let (lower_store, lower_stream, lower_ready) = reflected(
+        Api::all(ctx.lower.clone()),
+        watcher::Config::default().labels(&format!("{OWNER_NODE_LABEL}={}", ctx.node_name)),
+    );
+    PodWatches {
+        upper_store,
+        upper_stream,
+        lower_store,
+        lower_stream,
+        synced: Synced {
+            upper: upper_ready,
+            lower: lower_ready,
+        },
+    }
+}
+
+struct PodContext {
+    ctx: Arc<Context>,
+    lower_pods: Store<Pod>,
+    synced: Synced,
+}
+
+/// Runs the pod controller until `shutdown`.
+pub async fn run(
+    ctx: Arc<Context>,
+    watches: PodWatches,
+    workers: u16,
+    resync: Duration,
+    shutdown: CancellationToken,
+) {
+    let PodWatches {
+        upper_store,
+        upper_stream,
+        lower_store,
+        lower_stream,
+        synced,
+    } = watches;
+    let controller = Controller::for_stream(upper_stream, upper_store)
+        .with_config(ControllerConfig::default().concurrency(workers))
+        .watches_stream(lower_stream, |lower: Pod| {
+            let name = lower.metadata.name.clone()?;
+            let namespace = lower.metadata.namespace.clone()?;
+            Some(ObjectRef::new(&name).within(&namespace))
+        })
+        .reconcile_all_on(tokio_stream_interval(resync))
+        .graceful_shutdown_on(shutdown.cancelled_owned());
+    let pod_ctx = Arc::new(PodContext {
+        ctx,
+        lower_pods: lower_store,
+        synced,
+    });
+    controller
+        .run(reconcile, error_policy, pod_ctx)
+        .for_each(|result| async move {
+            if let Err(error) = result {
+                debug!(%error, "pod reconcile");
+            }
+        })
+        .await;
+}
+
+fn tokio_stream_interval(period: Duration) -> impl futures::Stream<Item = ()> + Send + 'static {
+    futures::stream::unfold(
+        tokio::time::interval_at(tokio::time::Instant::now() + period, period),
+        |mut interval| async move {
+            interval.tick().await;
+            Some(((), interval))
+        },
+    )
+}
+
+fn key_of(pod: &Pod) -> String {
+    format!(
+        "{}/{}",
+        pod.metadata.namespace.as_deref().unwrap_or_default(),
+        pod.metadata.name.as_deref().unwrap_or_default()
+    )
+}
+
+async fn reconcile(upper: Arc<Pod>, pc: Arc<PodContext>) -> Result<Action, Error> {
+    let key = key_of(&upper);
+    let span = info_span!("pod", pod = %key);
+    async {
+        pc.synced.wait().await?;
+        let ctx = &pc.ctx;
+        ctx.metrics.reconciles.inc();
+        let result = reconcile_pod(&upper, &pc, &key).await;
+        match &result {
+            Ok(_) => ctx.succeeded(&key),
+            Err(error) => {
+                ctx.metrics.errors.inc();
+                report(ctx, &upper, error).await;
+            }
+        }
+        result
+    }
+    .instrument(span)
+    .await
+}
+
+async fn reconcile_pod(upper: &Pod, pc: &PodContext, key: &str) -> Result<Action, Error> {
+    let ctx = &pc.ctx;
+    let name = upper.name_any();
+    let namespace = upper.namespace().unwrap_or_default();
+    let lower_ref = ObjectRef::new(&name).within(&namespace);
+    let lower = pc.lower_pods.get(&lower_ref);
+    let lower_api: Api<Pod> = Api::namespaced(ctx.lower.clone(), &namespace);
+    let upper_api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &namespace);
+    let step = decide(upper, lower.as_deref(), &ctx.node_name);
+    debug!(?step, "reconcile");
+    match step {
+        Step::Nothing | Step::WaitForLower => {}
+        Step::FinishDeletion => {
+            let params = DeleteParams {
+                grace_period_seconds: Some(0),
+                preconditions: Some(Preconditions {
+                    uid: upper.metadata.uid.clone(),
+                    resource_version: None,
+                }),
+                ..DeleteParams::default()
+            };
+            match upper_api.delete(&name, &params).await {
+                Ok(_) => info!(cluster = "upper", "lower pod gone; finished the deletion"),
+                Err(e) if is_status(&e, 404) || is_status(&e, 409) => {}
+                Err(e) => return Err(api_error(Side::Upper, "deleting", "Pod", key)(e)),
+            }
+        }
+        Step::DeleteLower { grace } => {
+            delete_lower(&lower_api, lower.as_deref(), grace, key).await?;
+            info!(cluster = "lower", ?grace, "deleting the lower pod");
+        }
+        Step::DeleteStale => {
+            delete_lower(&lower_api, lower.as_deref(), None, key).await?;
+            info!(
+                cluster = "lower",
+                "deleting a lower pod left by an earlier pod of this name"
+            );
+        }
+        Step::Create => create(upper, pc, &lower_api, key).await?,
+        Step::MarkFailed => {
+            let status = lower_gone_status(
+                upper,
+                LOWER_POD_GONE,
+                "the pod was deleted or evicted in the lower cluster",
+            );
+            write_status(&upper_api, &name, &status, key).await?;
+            ctx.warn_on(
+                upper,
+                LOWER_POD_GONE,
+                format!("lower pod {key} disappeared; the pod has failed so its controller can replace it"),
+            )
+            .await;
+            info!(cluster = "upper", "lower pod gone; marked the pod Failed");
+        }
+        Step::Sync => {
+            if let Some(lower) = lower.as_deref() {
+                sync(upper, lower, pc, &lower_api, &upper_api, key).await?;
+            }
+        }
+    }
+    Ok(Action::await_change())
+}
+
+async fn delete_lower(
+    lower_api: &Api<Pod>,
+    lower: Option<&Pod>,
+    grace: Option<i64>,
+    key: &str,
+) -> Result<(), Error> {
+    let Some(lower) = lower else {
+        return Ok(());
+    };
+    let params = DeleteParams {
+        grace_period_seconds: grace.and_then(|g| u32::try_from(g).ok()),
+        preconditions: Some(Preconditions {
+            uid: lower.metadata.uid.clone(),
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    };
+    match lower_api.delete(&lower.name_any(), &params).await {
+        Ok(_) => Ok(()),
+        Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(()),
+        Err(e) => Err(api_error(Side::Lower, "deleting", "Pod", key)(e)),
+    }
+}
+
+async fn create(
+    upper: &Pod,
+    pc: &PodContext,
+    lower_api: &Api<Pod>,
+    key: &str,
+) -> Result<(), Error> {
+    let ctx = &pc.ctx;
+    dependencies::ensure_for_pod(ctx, upper, key).await?;
+    let translation = PodTranslation {
+        node_name: &ctx.node_name,
+        ignore_labels: &ctx.ignore_labels,
+    };
+    let pod = lower_pod(upper, &translation)?;
+    match lower_api.create(&PostParams::default(), &pod).await {
+        Ok(_) => {
+            ctx.metrics.lower_creates.inc();
+            info!(cluster = "lower", "created the lower pod");
+            Ok(())
+        }
+        Err(e) if is_status(&e, 409) => {
+            // Our store may lag our own create; anything else of this name is not ours.
+            let existing = lower_api
+                .get_opt(&upper.name_any())
+                .await
+                .map_err(api_error(Side::Lower, "reading", "Pod", key))?;
+            match existing {
+                Some(p) if is_owned_by(&p.metadata, &ctx.node_name) => Ok(()),
+                Some(_) => Err(Error::Conflict {
+                    key: key.to_owned(),
+                    node: ctx.node_name.clone(),
+                }),
+                None => Ok(()),
+            }
+        }
+        Err(e) => Err(api_error(Side::Lower, "creating", "Pod", key)(e)),
+    }
+}
+
+async fn sync(
+    upper: &Pod,
+    lower: &Pod,
+    pc: &PodContext,
+    lower_api: &Api<Pod>,
+    upper_api: &Api<Pod>,
+    key: &str,
+) -> Result<(), Error> {
+    let ctx = &pc.ctx;
+    let desired = upper_status(lower, upper);
+    if !status_in_sync(upper.status.as_ref(), &desired) {
+        write_status(upper_api, &upper.name_any(), &desired, key).await?;
+        ctx.metrics.status_writes.inc();
+        debug!(cluster = "upper", phase = ?desired.phase, "reflected status");
+    }
+    let translation = PodTranslation {
+        node_name: &ctx.node_name,
+        ignore_labels: &ctx.ignore_labels,
+    };
+    if let Some(patch) = lower_pod_update(upper, lower, &translation)? {
+        lower_api
+            .patch(
+                &lower.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(&patch),
+            )
+            .await
+            .map_err(api_error(Side::Lower, "updating", "Pod", key))?;
+        ctx.metrics.lower_updates.inc();
+        info!(cluster = "lower", "propagated an update");
+    }
+    Ok(())
+}
+
+/// The status fields tensile owns on an upper pod: absent in `status` means cleared.
+const REFLECTED_FIELDS: &[&str] = &[
+    "phase",
+    "conditions",
+    "containerStatuses",
+    "initContainerStatuses",
+    "ephemeralContainerStatuses",
+    "podIP",
+    "podIPs",
+    "hostIP",
+    "hostIPs",
+    "startTime",
+    "reason",
+    "message",
+    "nominatedNodeName",
+];
+
+/// A merge patch that sets `status` and clears the reflected fields it leaves out.
+pub fn status_patch(status: &PodStatus) -> Value {
+    let mut body = serde_json::to_value(status).unwrap_or_else(|_| json!({}));
+    if let Some(map) = body.as_object_mut() {
+        for field in REFLECTED_FIELDS {
+            map.entry(*field).or_insert(Value::Null);
+        }
+    }
+    json!({ "status": body })
+}
+
+async fn write_status(
+    api: &Api<Pod>,
+    name: &str,
+    status: &PodStatus,
+    key: &str,
+) -> Result<(), Error> {
+    api.patch_status(
+        name,
+        &PatchParams::default(),
+        &Patch::Merge(&status_patch(status)),
+    )
+    .await
+    .map_err(api_error(Side::Upper, "writing the status of", "Pod", key))?;
+    Ok(())
+}
+
+/// Tells the user why a pod is not running below: a Warning event (deduplicated into a
+/// series) and, while nothing runs below, the reason on the pending upper pod.
+async fn report(ctx: &Context, upper: &Pod, error: &Error) {
+    let Some(reason) = error.event_reason() else {
+        warn!(%error, "reconcile failed");
+        return;
+    };
+    warn!(%error, reason, "reconcile failed");
+    let mut note = error.to_string();
+    note.truncate(1000);
+    ctx.warn_on(upper, reason, note.clone()).await;
+    let status = upper.status.clone().unwrap_or_default();
+    let pending = status.phase.as_deref().is_none_or(|p| p == "Pending") && !was_mirrored(upper);
+    if pending
+        && (status.reason.as_deref() != Some(reason) || status.message.as_deref() != Some(&note))
+    {
+        let patch = json!({"status": {"phase": "Pending", "reason": reason, "message": note}});
+        let api: Api<Pod> =
+            Api::namespaced(ctx.upper.clone(), &upper.namespace().unwrap_or_default());
+        if let Err(error) = api
+            .patch_status(
+                &upper.name_any(),
+                &PatchParams::default(),
+                &Patch::Merge(&patch),
+            )
+            .await
+        {
+            debug!(%error, cluster = "upper", "recording the pending reason");
+        }
+    }
+}
+
+fn error_policy(upper: Arc<Pod>, _error: &Error, pc: Arc<PodContext>) -> Action {
+    Action::requeue(pc.ctx.backoff(&key_of(&upper)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const NODE: &str = "vk";
+
+    fn upper(extra_meta: Value, status: Value) -> Pod {
+        let mut meta = json!({"name": "p", "namespace": "ns", "uid": "u1"});
+        if let (Some(m), Some(e)) = (meta.as_object_mut(), extra_meta.as_object()) {
+            m.extend(e.clone());
+        }
+        serde_json::from_value(json!({
+            "metadata": meta,
+            "spec": {"nodeName": NODE, "containers": [{"name": "c", "image": "i"}]},
+            "status": status,
+        }))
+        .unwrap()
+    }
+
+    fn lower(owner: &str, uid: &str, deleting: bool) -> Pod {
+        let mut meta = json!({
+            "name": "p", "namespace": "ns", "uid": "l1",
+            "labels": {OWNER_NODE_LABEL: owner},
+            "annotations": {crate::translate::meta::UPPER_UID_ANNOTATION: uid},
+        });
+        if deleting {
+            meta["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+        }
+        serde_json::from_value(json!({"metadata": meta, "spec": {"containers": []}})).unwrap()
+    }
+
+    #[test]
+    fn decide_table() {
+        let deleting =
+            json!({"deletionTimestamp": "2026-01-01T00:00:00Z", "deletionGracePeriodSeconds": 30});
+        let scheduled =
+            json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}]});
+        let running =
+            json!({"phase": "Running", "hostIP": "10.0.0.1", "startTime": "2026-01-01T00:00:00Z"});
+        let unschedulable_below = json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False"}]});
+        let cases: Vec<(&str, Pod, Option<Pod>, Step)> = vec![
+            (
+                "new pod: create",
+                upper(json!({}), scheduled.clone()),
+                None,
+                Step::Create,
+            ),
+            (
+                "pending with our reason only: still create",
+                upper(
+                    json!({}),
+                    json!({"phase": "Pending", "reason": "MissingDependency"}),
+                ),
+                None,
+                Step::Create,
+            ),
+            (
+                "mirrored pair: sync",
+                upper(json!({}), running.clone()),
+                Some(lower(NODE, "u1", false)),
+                Step::Sync,
+            ),
+            (
+                "lower vanished under a running pod: fail it",
+                upper(json!({}), running.clone()),
+                None,
+                Step::MarkFailed,
+            ),
+            (
+                "lower vanished while unschedulable below: fail it",
+                upper(json!({}), unschedulable_below),
+                None,
+                Step::MarkFailed,
+            ),
+            (
+                "finished pod without lower: nothing",
+                upper(
+                    json!({}),
+                    json!({"phase": "Succeeded", "startTime": "2026-01-01T00:00:00Z"}),
+                ),
+                None,
+                Step::Nothing,
+            ),
+            (
+                "failed pod without lower: never re-created",
+                upper(json!({}), json!({"phase": "Failed"})),
+                None,
+                Step::Nothing,
+            ),
+            (
+                "upper deleting, lower there: delete it with the grace period",
+                upper(deleting.clone(), running.clone()),
+                Some(lower(NODE, "u1", false)),
+                Step::DeleteLower { grace: Some(30) },
+            ),
+            (
+                "upper deleting, lower going: wait",
+                upper(deleting.clone(), running.clone()),
+                Some(lower(NODE, "u1", true)),
+                Step::WaitForLower,
+            ),
+            (
+                "upper deleting, lower gone: finish",
+                upper(deleting.clone(), running.clone()),
+                None,
+                Step::FinishDeletion,
+            ),
+            (
+                "lower from an older pod of this name: remove it",
+                upper(json!({"uid": "u2"}), scheduled.clone()),
+                Some(lower(NODE, "u1", false)),
+                Step::DeleteStale,
+            ),
+            (
+                "stale lower already going: wait",
+                upper(json!({"uid": "u2"}), scheduled.clone()),
+                Some(lower(NODE, "u1", true)),
+                Step::WaitForLower,
+            ),
+            (
+                "another node's lower pod is invisible: create (the API's conflict tells)",
+                upper(json!({}), scheduled),
+                Some(lower("vk-other", "u1", false)),
+                Step::Create,
+            ),
+        ];
+        for (name, upper, lower, want) in cases {
+            assert_eq!(decide(&upper, lower.as_ref(), NODE), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn status_patch_clears_what_the_lower_status_lacks() {
+        let status: PodStatus =
+            serde_json::from_value(json!({"phase": "Running", "podIP": "10.1.1.1"})).unwrap();
+        let patch = status_patch(&status);
+        assert_eq!(patch["status"]["phase"], "Running");
+        assert_eq!(patch["status"]["podIP"], "10.1.1.1");
+        assert!(patch["status"]["reason"].is_null());
+        assert!(patch["status"].as_object().unwrap().contains_key("reason"));
+        assert!(
+            !patch["status"]
+                .as_object()
+                .unwrap()
+                .contains_key("qosClass")
+        );
+    }
+}

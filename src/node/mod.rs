@@ -1,0 +1,302 @@
+//! The virtual Node in the upper cluster: registered at start, its capacity kept current
+//! from lower watches, its Lease renewed while the lower cluster answers.
+
+pub mod capacity;
+pub mod quantity;
+pub mod spec;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, NodeStatus, Pod};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, Event};
+use kube::{Client, Resource};
+use serde_json::json;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use self::capacity::LowerCapacity;
+use self::spec::{NodeConfig, merge_taints, new_node, node_labels, node_status};
+
+/// The Lease is renewed this often…
+pub const LEASE_RENEW: Duration = Duration::from_secs(10);
+/// …and is valid this long (the kubelet's values).
+pub const LEASE_DURATION_SECONDS: i32 = 40;
+/// Status is rewritten at least this often even without a change, like a kubelet's
+/// `nodeStatusReportFrequency`, so its heartbeat times stay meaningful.
+const STATUS_REFRESH: Duration = Duration::from_secs(300);
+const LEASE_NAMESPACE: &str = "kube-node-lease";
+const FIELD_MANAGER: &str = "tensile-virtual-node";
+
+/// Failures of the node's API calls; each names the node and the cluster.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// An upper API call failed.
+    #[error("upper cluster: {action} node {node}: {source}")]
+    Upper {
+        /// What was being done.
+        action: &'static str,
+        /// The node.
+        node: String,
+        /// The API error.
+        source: kube::Error,
+    },
+}
+
+fn upper_error(action: &'static str, node: &str) -> impl FnOnce(kube::Error) -> NodeError {
+    let node = node.to_owned();
+    move |source| NodeError::Upper {
+        action,
+        node,
+        source,
+    }
+}
+
+/// Creates the Node, or brings an existing one's labels and taints up to date (keeping
+/// taints others added), then writes its status.
+pub async fn register(
+    upper: &Client,
+    config: &NodeConfig,
+    capacity: &BTreeMap<String, Quantity>,
+) -> Result<Node, NodeError> {
+    let nodes: Api<Node> = Api::all(upper.clone());
+    let name = config.name.as_str();
+    let existing = nodes
+        .get_opt(name)
+        .await
+        .map_err(upper_error("reading", name))?;
+    let node = match existing {
+        None => {
+            info!(
+                node = name,
+                "registering the virtual node in the upper cluster"
+            );
+            nodes
+                .create(&PostParams::default(), &new_node(config))
+                .await
+                .map_err(upper_error("creating", name))?
+        }
+        Some(node) => {
+            let existing_taints = node.spec.as_ref().and_then(|s| s.taints.as_deref());
+            let patch = json!({
+                "metadata": {"labels": node_labels(config)},
+                "spec": {"taints": merge_taints(existing_taints, config.taint.as_ref())},
+            });
+            nodes
+                .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map_err(upper_error("updating", name))?
+        }
+    };
+    write_status(upper, config, capacity, node.status.as_ref()).await
+}
+
+async fn write_status(
+    upper: &Client,
+    config: &NodeConfig,
+    capacity: &BTreeMap<String, Quantity>,
+    previous: Option<&NodeStatus>,
+) -> Result<Node, NodeError> {
+    let status = node_status(config, capacity, previous, Time(Timestamp::now()));
+    Api::<Node>::all(upper.clone())
+        .patch_status(
+            &config.name,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({ "status": status })),
+        )
+        .await
+        .map_err(upper_error("writing the status of", &config.name))
+}
+
+/// Folds the lower cluster's node and pod watches into [`LowerCapacity`] and publishes
+/// each new capacity. Returns when `shutdown` fires.
+pub async fn watch_capacity(
+    lower: Client,
+    our_node: String,
+    tx: watch::Sender<Option<BTreeMap<String, Quantity>>>,
+    shutdown: CancellationToken,
+) {
+    let mut capacity = LowerCapacity::new(&our_node);
+    let nodes = watcher(Api::<Node>::all(lower.clone())).map_ok(|e| Change::Node(Box::new(e)));
+    let pods = watcher(Api::<Pod>::all(lower)).map_ok(|e| Change::Pod(Box::new(e)));
+    let mut events = std::pin::pin!(futures::stream::select(nodes, pods));
+    let (mut nodes_synced, mut pods_synced) = (false, false);
+    loop {
+        let event = tokio::select! {
+            () = shutdown.cancelled() => return,
+            event = events.next() => event,
+        };
+        match event {
+            None => return,
+            Some(Err(error)) => {
+                warn!(%error, cluster = "lower", "watching nodes and pods for capacity");
+                continue;
+            }
+            Some(Ok(Change::Node(event))) => {
+                nodes_synced |= matches!(*event, Event::InitDone);
+                match *event {
+                    Event::Init => capacity.relist_nodes_start(),
+                    Event::InitApply(n) | Event::Apply(n) => capacity.apply_node(&n),
+                    Event::Delete(n) => {
+                        capacity.delete_node(n.meta().name.as_deref().unwrap_or_default())
+                    }
+                    Event::InitDone => capacity.relist_nodes_done(),
+                }
+            }
+            Some(Ok(Change::Pod(event))) => {
+                pods_synced |= matches!(*event, Event::InitDone);
+                match *event {
+                    Event::Init => capacity.relist_pods_start(),
+                    Event::InitApply(p) | Event::Apply(p) => capacity.apply_pod(&p),
+                    Event::Delete(p) => capacity.delete_pod(&p),
+                    Event::InitDone => capacity.relist_pods_done(),
+                }
+            }
+        }
+        if nodes_synced && pods_synced {
+            let now = capacity.capacity();
+            tx.send_if_modified(|current| {
+                let changed = current.as_ref() != Some(&now);
+                if changed {
+                    *current = Some(now);
+                }
+                changed
+            });
+        }
+    }
+}
+
+enum Change {
+    Node(Box<Event<Node>>),
+    Pod(Box<Event<Pod>>),
+}
+
+fn watcher<K>(api: Api<K>) -> impl futures::Stream<Item = Result<Event<K>, watcher::Error>> + Send
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+{
+    watcher::watcher(api, watcher::Config::default()).default_backoff()
+}
+
+/// Keeps the node alive: renews the Lease every [`LEASE_RENEW`] while the lower API server
+/// answers (so the node goes NotReady through the lease path when it does not, and Ready
+/// again when it returns), and rewrites the status when capacity changes, after an outage,
+/// and every few minutes. Returns when `shutdown` fires.
+pub async fn keep_alive(
+    upper: Client,
+    lower: Client,
+    config: NodeConfig,
+    use_lease: bool,
+    mut capacity: watch::Receiver<Option<BTreeMap<String, Quantity>>>,
+    mut last: Node,
+    shutdown: CancellationToken,
+) {
+    let mut tick = tokio::time::interval(LEASE_RENEW);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut lower_healthy = true;
+    let mut last_status_write = tokio::time::Instant::now();
+    let mut written_capacity = last.status.as_ref().and_then(|s| s.capacity.clone());
+    loop {
+        let mut write = false;
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            _ = tick.tick() => {
+                let healthy = tokio::time::timeout(LEASE_RENEW / 2, lower.apiserver_version())
+                    .await
+                    .is_ok_and(|r| r.is_ok());
+                if healthy != lower_healthy {
+                    if healthy {
+                        info!(node = %config.name, cluster = "lower", "lower API server answers again");
+                    } else {
+                        warn!(node = %config.name, cluster = "lower", "lower API server does not answer; no longer renewing the node's lease");
+                    }
+                }
+                // After an outage the node lifecycle controller has marked the node
+                // Unknown; only a status write makes it Ready again.
+                write |= healthy && !lower_healthy;
+                lower_healthy = healthy;
+                if !healthy {
+                    continue;
+                }
+                if use_lease {
+                    if let Err(error) = renew_lease(&upper, &last).await {
+                        warn!(%error, node = %config.name, cluster = "upper", "renewing the node lease");
+                    }
+                } else {
+                    write = true;
+                }
+                write |= last_status_write.elapsed() >= STATUS_REFRESH;
+            }
+            changed = capacity.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                // Coalesce a burst of pod events into one write.
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                write = capacity.borrow_and_update().as_ref() != written_capacity.as_ref();
+            }
+        }
+        if !write || !lower_healthy {
+            continue;
+        }
+        let Some(current) = capacity.borrow().clone() else {
+            continue;
+        };
+        match write_status(&upper, &config, &current, last.status.as_ref()).await {
+            Ok(node) => {
+                last = node;
+                written_capacity = Some(current);
+                last_status_write = tokio::time::Instant::now();
+            }
+            Err(error) => warn!(%error, "node status"),
+        }
+    }
+}
+
+async fn renew_lease(upper: &Client, node: &Node) -> Result<(), kube::Error> {
+    let name = node.metadata.name.clone().unwrap_or_default();
+    let leases: Api<Lease> = Api::namespaced(upper.clone(), LEASE_NAMESPACE);
+    let now = MicroTime(Timestamp::now());
+    let patch = json!({"spec": {
+        "holderIdentity": name,
+        "leaseDurationSeconds": LEASE_DURATION_SECONDS,
+        "renewTime": now,
+    }});
+    match leases
+        .patch(
+            &name,
+            &PatchParams::apply(FIELD_MANAGER),
+            &Patch::Merge(&patch),
+        )
+        .await
+    {
+        Err(kube::Error::Api(status)) if status.code == 404 => {
+            // Owned by the Node, as a kubelet's lease is, so it goes when the node does.
+            let lease: Lease = serde_json::from_value(json!({
+                "metadata": {
+                    "name": name,
+                    "namespace": LEASE_NAMESPACE,
+                    "ownerReferences": [{
+                        "apiVersion": "v1", "kind": "Node", "name": name,
+                        "uid": node.metadata.uid.clone().unwrap_or_default(),
+                    }],
+                },
+                "spec": patch["spec"],
+            }))
+            .map_err(kube::Error::SerdeError)?;
+            leases
+                .create(&PostParams::default(), &lease)
+                .await
+                .map(|_| ())
+        }
+        other => other.map(|_| ()),
+    }
+}

@@ -1,0 +1,116 @@
+//! Kubernetes resource quantities as exact integers of milli-units, enough for capacity
+//! arithmetic (sums, differences, clamping) without floating point.
+
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+/// Parses a quantity (`100m`, `1.5Gi`, `2e3`, `128974848`) into milli-units, rounding a
+/// fraction of a milli-unit up as Kubernetes does. `None` if it is not a quantity.
+pub fn parse_milli(text: &str) -> Option<i128> {
+    let text = text.trim();
+    let (negative, text) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text.strip_prefix('+').unwrap_or(text)),
+    };
+    let number_end = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, suffix) = text.split_at(number_end);
+    let (int_part, frac_part) = number.split_once('.').unwrap_or((number, ""));
+    if int_part.is_empty() && frac_part.is_empty() {
+        return None;
+    }
+    let digits = format!("{int_part}{frac_part}");
+    let mantissa: i128 = digits.parse().ok()?;
+    let frac_len = i32::try_from(frac_part.len()).ok()?;
+
+    // value = mantissa * 10^(exp10 - frac_len) * 2^exp2, in milli-units: one more 10^3.
+    let (exp10, exp2): (i32, u32) = match suffix {
+        "" => (0, 0),
+        "n" => (-9, 0),
+        "u" => (-6, 0),
+        "m" => (-3, 0),
+        "k" => (3, 0),
+        "M" => (6, 0),
+        "G" => (9, 0),
+        "T" => (12, 0),
+        "P" => (15, 0),
+        "E" => (18, 0),
+        "Ki" => (0, 10),
+        "Mi" => (0, 20),
+        "Gi" => (0, 30),
+        "Ti" => (0, 40),
+        "Pi" => (0, 50),
+        "Ei" => (0, 60),
+        exp => {
+            let exp = exp.strip_prefix(['e', 'E'])?;
+            (exp.parse().ok()?, 0)
+        }
+    };
+    let scaled = mantissa.checked_mul(1i128.checked_shl(exp2)?)?;
+    let power = exp10 + 3 - frac_len;
+    let milli = if power >= 0 {
+        scaled.checked_mul(10i128.checked_pow(u32::try_from(power).ok()?)?)?
+    } else {
+        let divisor = 10i128.checked_pow(u32::try_from(-power).ok()?)?;
+        (scaled + divisor - 1) / divisor
+    };
+    Some(if negative { -milli } else { milli })
+}
+
+/// Parses a [`Quantity`]; an unparsable one counts as zero (and is logged by the caller's
+/// context, never a panic).
+pub fn milli(quantity: &Quantity) -> i128 {
+    parse_milli(&quantity.0).unwrap_or(0)
+}
+
+/// Formats milli-units back: whole units when exact (`8`, `34359738368`), else `<n>m`.
+pub fn format_milli(milli: i128) -> Quantity {
+    if milli % 1000 == 0 {
+        Quantity((milli / 1000).to_string())
+    } else {
+        Quantity(format!("{milli}m"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_forms_kubernetes_writes() {
+        let cases: &[(&str, Option<i128>)] = &[
+            ("0", Some(0)),
+            ("1", Some(1_000)),
+            ("100m", Some(100)),
+            ("1.5", Some(1_500)),
+            ("0.1", Some(100)),
+            (".5", Some(500)),
+            ("1Ki", Some(1_024_000)),
+            ("1Gi", Some(1_073_741_824_000)),
+            ("32Gi", Some(34_359_738_368_000)),
+            ("1.5Gi", Some(1_610_612_736_000)),
+            ("1k", Some(1_000_000)),
+            ("129M", Some(129_000_000_000)),
+            ("2e3", Some(2_000_000)),
+            ("1E3", Some(1_000_000)),
+            ("1u", Some(1)), // a fraction of a milli-unit rounds up
+            ("1n", Some(1)),
+            ("-1", Some(-1_000)),
+            ("", None),
+            ("abc", None),
+            ("1Xi", None),
+            ("1.2.3", None),
+        ];
+        for (text, want) in cases {
+            assert_eq!(parse_milli(text), *want, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn formats_whole_units_plainly() {
+        assert_eq!(format_milli(8_000).0, "8");
+        assert_eq!(format_milli(7_500).0, "7500m");
+        assert_eq!(format_milli(0).0, "0");
+        assert_eq!(format_milli(34_359_738_368_000).0, "34359738368");
+    }
+}

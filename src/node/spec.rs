@@ -1,0 +1,302 @@
+//! The virtual Node object, built from configuration and the lower cluster's capacity.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    DaemonEndpoint, Node, NodeAddress, NodeCondition, NodeDaemonEndpoints, NodeSpec, NodeStatus,
+    NodeSystemInfo, Taint,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
+
+/// Everything the node reports that does not come from watches.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// `--nodename`.
+    pub name: String,
+    /// `--os`, lower-cased for labels and nodeInfo.
+    pub os: String,
+    /// The `clusterID` label (users select a virtual node by it).
+    pub cluster_id: String,
+    /// The node's taint, unless `--disable-taint`.
+    pub taint: Option<Taint>,
+    /// InternalIP address.
+    pub address: String,
+    /// `KUBELET_PORT`.
+    pub kubelet_port: i32,
+    /// Lower API server version, reported as kubelet version.
+    pub lower_version: String,
+}
+
+/// Labels tensile-kube's nodes carry (users' nodeSelectors depend on them).
+pub fn node_labels(config: &NodeConfig) -> BTreeMap<String, String> {
+    let os = config.os.to_lowercase();
+    [
+        ("type", "virtual-kubelet"),
+        ("kubernetes.io/role", "agent"),
+        ("kubernetes.io/hostname", config.name.as_str()),
+        ("kubernetes.io/os", os.as_str()),
+        ("beta.kubernetes.io/os", os.as_str()),
+        ("kubernetes.io/arch", "amd64"),
+        ("beta.kubernetes.io/arch", "amd64"),
+        ("clusterID", config.cluster_id.as_str()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect()
+}
+
+/// The Node to create when none exists.
+pub fn new_node(config: &NodeConfig) -> Node {
+    Node {
+        metadata: ObjectMeta {
+            name: Some(config.name.clone()),
+            labels: Some(node_labels(config)),
+            ..ObjectMeta::default()
+        },
+        spec: Some(NodeSpec {
+            taints: merge_taints(None, config.taint.as_ref()),
+            ..NodeSpec::default()
+        }),
+        status: None,
+    }
+}
+
+/// The node's taints: every taint others put there (the node lifecycle controller's, an
+/// operator's) kept, ours added or updated by key and effect.
+pub fn merge_taints(existing: Option<&[Taint]>, ours: Option<&Taint>) -> Option<Vec<Taint>> {
+    let mut taints: Vec<Taint> = existing
+        .unwrap_or_default()
+        .iter()
+        .filter(|t| ours.is_none_or(|o| !(t.key == o.key && t.effect == o.effect)))
+        .cloned()
+        .collect();
+    if let Some(ours) = ours {
+        taints.push(ours.clone());
+    }
+    (!taints.is_empty()).then_some(taints)
+}
+
+fn condition(type_: &str, status: &str, reason: &str, message: &str, now: &Time) -> NodeCondition {
+    NodeCondition {
+        type_: type_.into(),
+        status: status.into(),
+        reason: Some(reason.into()),
+        message: Some(message.into()),
+        last_heartbeat_time: Some(now.clone()),
+        last_transition_time: Some(now.clone()),
+    }
+}
+
+/// The status to write: capacity = allocatable = what the lower cluster offers; healthy
+/// conditions (the node goes NotReady through its Lease when the lower cluster stops
+/// answering); transition times kept from `previous` where a condition did not change.
+pub fn node_status(
+    config: &NodeConfig,
+    capacity: &BTreeMap<String, Quantity>,
+    previous: Option<&NodeStatus>,
+    now: Time,
+) -> NodeStatus {
+    let mut conditions = vec![
+        condition(
+            "Ready",
+            "True",
+            "KubeletReady",
+            "tensile virtual node: lower cluster reachable",
+            &now,
+        ),
+        condition(
+            "MemoryPressure",
+            "False",
+            "KubeletHasSufficientMemory",
+            "kubelet has sufficient memory available",
+            &now,
+        ),
+        condition(
+            "DiskPressure",
+            "False",
+            "KubeletHasNoDiskPressure",
+            "kubelet has no disk pressure",
+            &now,
+        ),
+        condition(
+            "PIDPressure",
+            "False",
+            "KubeletHasSufficientPID",
+            "kubelet has sufficient PID available",
+            &now,
+        ),
+    ];
+    let previous_conditions = previous.and_then(|s| s.conditions.as_ref());
+    for condition in &mut conditions {
+        let unchanged = previous_conditions
+            .and_then(|cs| cs.iter().find(|c| c.type_ == condition.type_))
+            .filter(|c| c.status == condition.status);
+        if let Some(before) = unchanged {
+            condition
+                .last_transition_time
+                .clone_from(&before.last_transition_time);
+        }
+    }
+    let os = config.os.to_lowercase();
+    NodeStatus {
+        capacity: Some(capacity.clone()),
+        allocatable: Some(capacity.clone()),
+        conditions: Some(conditions),
+        addresses: Some(vec![
+            NodeAddress {
+                type_: "InternalIP".into(),
+                address: config.address.clone(),
+            },
+            NodeAddress {
+                type_: "Hostname".into(),
+                address: config.name.clone(),
+            },
+        ]),
+        daemon_endpoints: Some(NodeDaemonEndpoints {
+            kubelet_endpoint: Some(DaemonEndpoint {
+                port: config.kubelet_port,
+            }),
+        }),
+        node_info: Some(NodeSystemInfo {
+            architecture: "amd64".into(),
+            operating_system: os,
+            kubelet_version: config.lower_version.clone(),
+            kube_proxy_version: String::new(),
+            container_runtime_version: format!("tensile://{}", env!("CARGO_PKG_VERSION")),
+            ..NodeSystemInfo::default()
+        }),
+        ..NodeStatus::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use k8s_openapi::jiff::Timestamp;
+
+    fn config() -> NodeConfig {
+        NodeConfig {
+            name: "vk-node".into(),
+            os: "Linux".into(),
+            cluster_id: "vk-node".into(),
+            taint: Some(Taint {
+                key: "virtual-kubelet.io/provider".into(),
+                value: Some("k8s".into()),
+                effect: "NoSchedule".into(),
+                time_added: None,
+            }),
+            address: "10.0.0.5".into(),
+            kubelet_port: 10250,
+            lower_version: "v1.36.3".into(),
+        }
+    }
+
+    #[test]
+    fn labels_are_tensile_kubes() {
+        let labels = node_labels(&config());
+        for (k, v) in [
+            ("type", "virtual-kubelet"),
+            ("kubernetes.io/role", "agent"),
+            ("kubernetes.io/hostname", "vk-node"),
+            ("kubernetes.io/os", "linux"),
+            ("kubernetes.io/arch", "amd64"),
+            ("clusterID", "vk-node"),
+        ] {
+            assert_eq!(labels.get(k).map(String::as_str), Some(v), "{k}");
+        }
+    }
+
+    #[test]
+    fn taints_merge() {
+        let ours = config().taint;
+        let unreachable = Taint {
+            key: "node.kubernetes.io/unreachable".into(),
+            effect: "NoSchedule".into(),
+            ..Taint::default()
+        };
+        let stale_ours = Taint {
+            value: Some("old".into()),
+            ..ours.clone().unwrap()
+        };
+        type Case<'a> = (&'a str, Option<Vec<Taint>>, Option<&'a Taint>, Vec<&'a str>);
+        let cases: Vec<Case> = vec![
+            ("none, none", None, None, vec![]),
+            (
+                "ours added",
+                None,
+                ours.as_ref(),
+                vec!["virtual-kubelet.io/provider=k8s"],
+            ),
+            (
+                "others kept",
+                Some(vec![unreachable.clone()]),
+                ours.as_ref(),
+                vec![
+                    "node.kubernetes.io/unreachable=",
+                    "virtual-kubelet.io/provider=k8s",
+                ],
+            ),
+            (
+                "ours updated",
+                Some(vec![stale_ours]),
+                ours.as_ref(),
+                vec!["virtual-kubelet.io/provider=k8s"],
+            ),
+            (
+                "disabled: others kept",
+                Some(vec![unreachable]),
+                None,
+                vec!["node.kubernetes.io/unreachable="],
+            ),
+        ];
+        for (name, existing, ours, want) in cases {
+            let got: Vec<String> = merge_taints(existing.as_deref(), ours)
+                .unwrap_or_default()
+                .iter()
+                .map(|t| format!("{}={}", t.key, t.value.as_deref().unwrap_or_default()))
+                .collect();
+            assert_eq!(got, want, "{name}");
+        }
+    }
+
+    #[test]
+    fn status_reports_capacity_version_and_endpoint() {
+        let capacity: BTreeMap<String, Quantity> =
+            [("cpu".to_owned(), Quantity("24".into()))].into();
+        let now = Time(Timestamp::from_second(1_000).unwrap());
+        let status = node_status(&config(), &capacity, None, now.clone());
+        assert_eq!(status.capacity, Some(capacity.clone()));
+        assert_eq!(status.allocatable, Some(capacity.clone()));
+        assert_eq!(
+            status.node_info.as_ref().unwrap().kubelet_version,
+            "v1.36.3"
+        );
+        assert_eq!(
+            status
+                .daemon_endpoints
+                .clone()
+                .unwrap()
+                .kubelet_endpoint
+                .unwrap()
+                .port,
+            10250
+        );
+        let ready = |s: &NodeStatus| {
+            s.conditions
+                .as_ref()
+                .unwrap()
+                .iter()
+                .find(|c| c.type_ == "Ready")
+                .cloned()
+                .unwrap()
+        };
+        assert_eq!(ready(&status).status, "True");
+
+        // A later write keeps the transition time of an unchanged condition.
+        let later = Time(Timestamp::from_second(2_000).unwrap());
+        let again = node_status(&config(), &capacity, Some(&status), later.clone());
+        assert_eq!(ready(&again).last_transition_time, Some(now));
+        assert_eq!(ready(&again).last_heartbeat_time, Some(later));
+    }
+}

@@ -1,0 +1,1321 @@
+//! A pod on its way down (the lower copy, and the updates that follow it) and its status on
+//! the way back up.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use k8s_openapi::api::core::v1::{
+    Container, ContainerState, ContainerStateTerminated, ContainerStatus, Pod, PodCondition,
+    PodSpec, PodStatus, Toleration,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use super::meta::{
+    MIRRORED_KEYS_ANNOTATION, OWNER_NODE_LABEL, TRIPPED_LABELS_ANNOTATION, UPPER_UID_ANNOTATION,
+    VIRTUAL_POD_LABEL,
+};
+use super::scheduling::{parse_cluster_selector, restore_constraints};
+use super::{TranslateError, lower_meta, object_ref};
+
+/// Where the kubelet mounts a pod's service-account credentials.
+const SERVICE_ACCOUNT_MOUNT_PATH: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+/// Name prefix of the projected token volume the ServiceAccount admission plugin adds.
+const PROJECTED_TOKEN_VOLUME_PREFIX: &str = "kube-api-access-";
+/// Name prefix of the legacy token volume (before Kubernetes 1.24), as tensile-kube matches it.
+const LEGACY_TOKEN_VOLUME_PREFIX: &str = "default-token-";
+/// The ServiceAccount every namespace has; each cluster makes its own.
+pub(crate) const DEFAULT_SERVICE_ACCOUNT: &str = "default";
+/// Exit code the kubelet reports for a container killed with SIGKILL.
+const KILLED_EXIT_CODE: i32 = 137;
+
+/// What a lower pod depends on besides the upper pod itself.
+#[derive(Clone, Copy, Debug)]
+pub struct PodTranslation<'a> {
+    /// The virtual node's name (`--nodename`): the owner mark on every lower pod.
+    pub node_name: &'a str,
+    /// Labels moved into `tripped-labels` so they do not steer the lower cluster
+    /// (`--ignore-labels`).
+    pub ignore_labels: &'a [String],
+}
+
+/// The keys tensile wrote on a lower pod, as recorded in [`MIRRORED_KEYS_ANNOTATION`].
+#[derive(Serialize, Deserialize, Default, Debug, PartialEq)]
+struct MirroredKeys {
+    #[serde(default)]
+    labels: BTreeSet<String>,
+    #[serde(default)]
+    annotations: BTreeSet<String>,
+}
+
+/// The pod to create in the lower cluster for `upper`.
+pub fn lower_pod(upper: &Pod, t: &PodTranslation) -> Result<Pod, TranslateError> {
+    let mut metadata = lower_meta("Pod", &upper.metadata, t.node_name)?;
+    let object = format!("Pod {}", object_ref(&upper.metadata));
+
+    // Tripped from the upper labels, before the marks go on, so --ignore-labels can never
+    // take tensile's own marks off.
+    let mut labels = upper.metadata.labels.clone().unwrap_or_default();
+    let tripped = trip_labels(&mut labels, t.ignore_labels);
+    labels.insert(VIRTUAL_POD_LABEL.to_owned(), "true".to_owned());
+    labels.insert(OWNER_NODE_LABEL.to_owned(), t.node_name.to_owned());
+    let labels = metadata.labels.insert(labels);
+
+    let annotations = metadata.annotations.get_or_insert_default();
+    if !tripped.is_empty() {
+        let encoded = serde_json::to_string(&tripped).map_err(|source| TranslateError::Encode {
+            object: object.clone(),
+            what: TRIPPED_LABELS_ANNOTATION,
+            source,
+        })?;
+        annotations.insert(TRIPPED_LABELS_ANNOTATION.to_owned(), encoded);
+    }
+    let record = MirroredKeys {
+        labels: labels.keys().cloned().collect(),
+        annotations: annotations.keys().cloned().collect(),
+    };
+    let record = serde_json::to_string(&record).map_err(|source| TranslateError::Encode {
+        object: object.clone(),
+        what: MIRRORED_KEYS_ANNOTATION,
+        source,
+    })?;
+    annotations.insert(MIRRORED_KEYS_ANNOTATION.to_owned(), record);
+
+    let mut spec = upper
+        .spec
+        .clone()
+        .ok_or_else(|| TranslateError::MissingField {
+            kind: "Pod",
+            object: object_ref(&upper.metadata),
+            field: "spec",
+        })?;
+    spec.node_name = None;
+    // The lower admission chain derives these from the priority and runtime classes and
+    // rejects a pod whose values disagree with its own.
+    spec.priority = None;
+    spec.preemption_policy = None;
+    spec.overhead = None;
+    // Added through the upper pod's ephemeralcontainers subresource; not creatable below.
+    spec.ephemeral_containers = None;
+    let stash = parse_cluster_selector(upper.metadata.annotations.as_ref())
+        .map_err(|e| e.for_object(object.clone()))?;
+    restore_constraints(&mut spec, stash.as_ref());
+    drop_token_volume(&mut spec);
+
+    Ok(Pod {
+        metadata,
+        spec: Some(spec),
+        status: None,
+    })
+}
+
+/// Moves the labels named in `ignore` out of `labels`, returning them (tensile-kube's
+/// `TrimLabels`).
+fn trip_labels(
+    labels: &mut BTreeMap<String, String>,
+    ignore: &[String],
+) -> BTreeMap<String, String> {
+    ignore
+        .iter()
+        .filter_map(|key| labels.remove_entry(key))
+        .collect()
+}
+
+/// Names of the volumes through which the upper cluster handed the pod its service-account
+/// token. The lower cluster injects its own, and a token of the upper cluster is of no use
+/// below, so these volumes, their mounts and the objects they reference are not mirrored.
+pub fn injected_token_volumes(spec: &PodSpec) -> BTreeSet<&str> {
+    let legacy_secret_prefix = format!("{}-token-", service_account_name(spec));
+    let mounted_as_service_account = |volume: &str| {
+        all_containers(spec).any(|c| {
+            c.volume_mounts.iter().flatten().any(|m| {
+                m.name == volume && m.mount_path.trim_end_matches('/') == SERVICE_ACCOUNT_MOUNT_PATH
+            })
+        })
+    };
+    spec.volumes
+        .iter()
+        .flatten()
+        .filter(|volume| {
+            let projected_token = volume.name.starts_with(PROJECTED_TOKEN_VOLUME_PREFIX)
+                && volume.projected.as_ref().is_some_and(|p| {
+                    p.sources
+                        .iter()
+                        .flatten()
+                        .any(|s| s.service_account_token.is_some())
+                });
+            let legacy_token = volume.secret.as_ref().is_some_and(|secret| {
+                let own_token = secret
+                    .secret_name
+                    .as_deref()
+                    .is_some_and(|name| name.starts_with(&legacy_secret_prefix));
+                volume.name.starts_with(LEGACY_TOKEN_VOLUME_PREFIX)
+                    || (own_token && mounted_as_service_account(&volume.name))
+            });
+            projected_token || legacy_token
+        })
+        .map(|volume| volume.name.as_str())
+        .collect()
+}
+
+/// The ServiceAccount the pod runs as (`default` when unset).
+pub fn service_account_name(spec: &PodSpec) -> &str {
+    spec.service_account_name
+        .as_deref()
+        .or(spec.service_account.as_deref())
+        .filter(|sa| !sa.is_empty())
+        .unwrap_or(DEFAULT_SERVICE_ACCOUNT)
+}
+
+/// The pod's containers and init containers.
+fn all_containers(spec: &PodSpec) -> impl Iterator<Item = &Container> {
+    spec.containers
+        .iter()
+        .chain(spec.init_containers.iter().flatten())
+}
+
+/// Removes the injected token volumes and every mount of them.
+fn drop_token_volume(spec: &mut PodSpec) {
+    let dropped: BTreeSet<String> = injected_token_volumes(spec)
+        .into_iter()
+        .map(str::to_owned)
+        .collect();
+    if dropped.is_empty() {
+        return;
+    }
+    if let Some(volumes) = spec.volumes.as_mut() {
+        volumes.retain(|v| !dropped.contains(&v.name));
+    }
+    if spec.volumes.as_ref().is_some_and(Vec::is_empty) {
+        spec.volumes = None;
+    }
+    let containers = spec
+        .containers
+        .iter_mut()
+        .chain(spec.init_containers.iter_mut().flatten());
+    for container in containers {
+        if let Some(mounts) = container.volume_mounts.as_mut() {
+            mounts.retain(|m| !dropped.contains(&m.name));
+        }
+        if container.volume_mounts.as_ref().is_some_and(Vec::is_empty) {
+            container.volume_mounts = None;
+        }
+    }
+}
+
+/// Whether the lower object carries `node_name`'s owner mark.
+pub fn is_owned_by(meta: &ObjectMeta, node_name: &str) -> bool {
+    meta.labels
+        .as_ref()
+        .and_then(|l| l.get(OWNER_NODE_LABEL))
+        .is_some_and(|owner| owner == node_name)
+}
+
+/// The UID of the upper object a lower object was copied from.
+pub fn upper_uid(meta: &ObjectMeta) -> Option<&str> {
+    meta.annotations
+        .as_ref()
+        .and_then(|a| a.get(UPPER_UID_ANNOTATION))
+        .map(String::as_str)
+}
+
+/// The status to write on the upper pod so it shows what its lower copy is doing.
+pub fn upper_status(lower: &Pod, upper: &Pod) -> PodStatus {
+    let from = lower.status.clone().unwrap_or_default();
+    PodStatus {
+        phase: from.phase,
+        // Generations count differently in the two clusters, so a lower one means
+        // nothing above.
+        conditions: from.conditions.map(|conditions| {
+            conditions
+                .into_iter()
+                .map(|c| PodCondition {
+                    observed_generation: None,
+                    ..c
+                })
+                .collect()
+        }),
+        container_statuses: from.container_statuses,
+        init_container_statuses: from.init_container_statuses,
+        ephemeral_container_statuses: from.ephemeral_container_statuses,
+        pod_ip: from.pod_ip,
+        pod_ips: from.pod_ips,
+        host_ip: from.host_ip,
+        host_ips: from.host_ips,
+        start_time: from.start_time,
+        reason: from.reason,
+        message: from.message,
+        // Immutable once set upstream; the lower cluster computes the same class anyway.
+        qos_class: upper.status.as_ref().and_then(|s| s.qos_class.clone()),
+        ..PodStatus::default()
+    }
+}
+
+/// Whether `current` (the upper pod's status) already shows `desired` (from
+/// [`upper_status`]), comparing only the fields copied from the lower pod. Fields
+/// [`upper_status`] leaves empty are not compared, so something else setting them upstream
+/// (the upper scheduler's nominatedNodeName) does not cause a write on every event.
+pub fn status_in_sync(current: Option<&PodStatus>, desired: &PodStatus) -> bool {
+    let current = current.cloned().unwrap_or_default();
+    reflected(current) == reflected(desired.clone())
+}
+
+/// The part of a status that [`upper_status`] copies, with empty lists as absent.
+fn reflected(status: PodStatus) -> PodStatus {
+    fn non_empty<T>(list: Option<Vec<T>>) -> Option<Vec<T>> {
+        list.filter(|l| !l.is_empty())
+    }
+    PodStatus {
+        phase: status.phase,
+        conditions: non_empty(status.conditions).map(|conditions| {
+            conditions
+                .into_iter()
+                .map(|c| PodCondition {
+                    observed_generation: None,
+                    ..c
+                })
+                .collect()
+        }),
+        container_statuses: non_empty(status.container_statuses),
+        init_container_statuses: non_empty(status.init_container_statuses),
+        ephemeral_container_statuses: non_empty(status.ephemeral_container_statuses),
+        pod_ip: status.pod_ip,
+        pod_ips: non_empty(status.pod_ips),
+        host_ip: status.host_ip,
+        host_ips: non_empty(status.host_ips),
+        start_time: status.start_time,
+        reason: status.reason,
+        message: status.message,
+        ..PodStatus::default()
+    }
+}
+
+/// The JSON merge patch that brings the lower pod in line with the upper pod, within what
+/// Kubernetes lets change on an existing pod; `None` when they already agree.
+pub fn lower_pod_update(
+    upper: &Pod,
+    lower: &Pod,
+    t: &PodTranslation,
+) -> Result<Option<Value>, TranslateError> {
+    let desired = lower_pod(upper, t)?;
+    let object = format!("Pod {}", object_ref(&lower.metadata));
+    let recorded: MirroredKeys = lower
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(MIRRORED_KEYS_ANNOTATION))
+        .and_then(|raw| serde_json::from_str(raw).ok())
+        .unwrap_or_default();
+
+    let mut metadata = Map::new();
+    if let Some(patch) = map_patch(
+        lower.metadata.labels.as_ref(),
+        desired.metadata.labels.as_ref(),
+        &recorded.labels,
+    ) {
+        metadata.insert("labels".to_owned(), patch);
+    }
+    if let Some(patch) = map_patch(
+        lower.metadata.annotations.as_ref(),
+        desired.metadata.annotations.as_ref(),
+        &recorded.annotations,
+    ) {
+        metadata.insert("annotations".to_owned(), patch);
+    }
+
+    let mut spec = Map::new();
+    let want = desired.spec.unwrap_or_default();
+    let have = lower.spec.clone().unwrap_or_default();
+    if let Some(containers) = with_images(&have.containers, &want.containers) {
+        spec.insert(
+            "containers".to_owned(),
+            encode(&object, "containers", &containers)?,
+        );
+    }
+    let have_init = have.init_containers.clone().unwrap_or_default();
+    let want_init = want.init_containers.clone().unwrap_or_default();
+    if let Some(containers) = with_images(&have_init, &want_init) {
+        spec.insert(
+            "initContainers".to_owned(),
+            encode(&object, "initContainers", &containers)?,
+        );
+    }
+    if have.active_deadline_seconds != want.active_deadline_seconds {
+        spec.insert(
+            "activeDeadlineSeconds".to_owned(),
+            want.active_deadline_seconds
+                .map_or(Value::Null, Value::from),
+        );
+    }
+    if let Some(tolerations) =
+        added_tolerations(have.tolerations.as_deref(), want.tolerations.as_deref())
+    {
+        spec.insert(
+            "tolerations".to_owned(),
+            encode(&object, "tolerations", &tolerations)?,
+        );
+    }
+
+    let mut patch = Map::new();
+    if !metadata.is_empty() {
+        patch.insert("metadata".to_owned(), Value::Object(metadata));
+    }
+    if !spec.is_empty() {
+        patch.insert("spec".to_owned(), Value::Object(spec));
+    }
+    Ok((!patch.is_empty()).then_some(Value::Object(patch)))
+}
+
+/// `value` as JSON, for a patch.
+fn encode<T: Serialize>(
+    object: &str,
+    what: &'static str,
+    value: &T,
+) -> Result<Value, TranslateError> {
+    serde_json::to_value(value).map_err(|source| TranslateError::Encode {
+        object: object.to_owned(),
+        what,
+        source,
+    })
+}
+
+/// The merge patch of a label or annotation map: desired entries that differ, and `null`
+/// for keys tensile wrote earlier (`recorded`) that are no longer desired.
+fn map_patch(
+    have: Option<&BTreeMap<String, String>>,
+    want: Option<&BTreeMap<String, String>>,
+    recorded: &BTreeSet<String>,
+) -> Option<Value> {
+    let empty = BTreeMap::new();
+    let have = have.unwrap_or(&empty);
+    let want = want.unwrap_or(&empty);
+    let mut patch = Map::new();
+    for (key, value) in want {
+        if have.get(key) != Some(value) {
+            patch.insert(key.clone(), Value::String(value.clone()));
+        }
+    }
+    for key in recorded {
+        if !want.contains_key(key) && have.contains_key(key) {
+            patch.insert(key.clone(), Value::Null);
+        }
+    }
+    (!patch.is_empty()).then_some(Value::Object(patch))
+}
+
+/// The lower containers with the images of the upper ones (matched by name, since the
+/// lower cluster may have injected containers of its own); `None` if no image changed.
+/// A merge patch replaces a list whole, so the full lower list is sent.
+fn with_images(lower: &[Container], upper: &[Container]) -> Option<Vec<Container>> {
+    let mut changed = false;
+    let containers = lower
+        .iter()
+        .map(|c| {
+            let image = upper
+                .iter()
+                .find(|u| u.name == c.name)
+                .and_then(|u| u.image.as_ref());
+            match image {
+                Some(image) if c.image.as_ref() != Some(image) => {
+                    changed = true;
+                    Container {
+                        image: Some(image.clone()),
+                        ..c.clone()
+                    }
+                }
+                _ => c.clone(),
+            }
+        })
+        .collect();
+    changed.then_some(containers)
+}
+
+/// The lower tolerations plus those the upper pod gained. Kubernetes accepts only
+/// additions on a running pod, and the lower admission adds its own defaults, so a removal
+/// upstream is not sent; `None` when nothing was added.
+fn added_tolerations(
+    lower: Option<&[Toleration]>,
+    upper: Option<&[Toleration]>,
+) -> Option<Vec<Toleration>> {
+    let lower = lower.unwrap_or_default();
+    let added: Vec<&Toleration> = upper
+        .unwrap_or_default()
+        .iter()
+        .filter(|t| !lower.contains(t))
+        .collect();
+    if added.is_empty() {
+        return None;
+    }
+    Some(lower.iter().chain(added).cloned().collect())
+}
+
+/// The status that ends an upper pod whose lower copy is gone (evicted or deleted out of
+/// band), so its controller replaces it.
+pub fn lower_gone_status(upper: &Pod, reason: &str, message: &str) -> PodStatus {
+    let current = upper.status.clone().unwrap_or_default();
+    let terminate = |status: ContainerStatus| -> ContainerStatus {
+        if status
+            .state
+            .as_ref()
+            .is_some_and(|s| s.terminated.is_some())
+        {
+            return status;
+        }
+        let started_at = status
+            .state
+            .as_ref()
+            .and_then(|s| s.running.as_ref())
+            .and_then(|r| r.started_at.clone());
+        ContainerStatus {
+            ready: false,
+            started: Some(false),
+            state: Some(ContainerState {
+                terminated: Some(ContainerStateTerminated {
+                    exit_code: KILLED_EXIT_CODE,
+                    reason: Some(reason.to_owned()),
+                    message: Some(message.to_owned()),
+                    started_at,
+                    container_id: status.container_id.clone(),
+                    ..ContainerStateTerminated::default()
+                }),
+                ..ContainerState::default()
+            }),
+            ..status
+        }
+    };
+    // Every container of the spec gets a status, keeping what was known of it.
+    let statuses_for = |containers: &[Container], known: Option<Vec<ContainerStatus>>| {
+        let mut known = known.unwrap_or_default();
+        containers
+            .iter()
+            .map(|c| {
+                let status = known
+                    .iter()
+                    .position(|s| s.name == c.name)
+                    .map(|i| known.swap_remove(i))
+                    .unwrap_or_else(|| ContainerStatus {
+                        name: c.name.clone(),
+                        image: c.image.clone().unwrap_or_default(),
+                        ..ContainerStatus::default()
+                    });
+                terminate(status)
+            })
+            .collect::<Vec<_>>()
+    };
+    let spec = upper.spec.clone().unwrap_or_default();
+    let container_statuses = statuses_for(&spec.containers, current.container_statuses);
+    let init_container_statuses = statuses_for(
+        spec.init_containers.as_deref().unwrap_or_default(),
+        current.init_container_statuses,
+    );
+
+    let mut conditions: Vec<PodCondition> = current
+        .conditions
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|c| c.type_ != "Ready" && c.type_ != "ContainersReady")
+        .collect();
+    for type_ in ["ContainersReady", "Ready"] {
+        conditions.push(PodCondition {
+            type_: type_.to_owned(),
+            status: "False".to_owned(),
+            reason: Some(reason.to_owned()),
+            message: Some(message.to_owned()),
+            ..PodCondition::default()
+        });
+    }
+
+    PodStatus {
+        phase: Some("Failed".to_owned()),
+        reason: Some(reason.to_owned()),
+        message: Some(message.to_owned()),
+        conditions: Some(conditions),
+        container_statuses: Some(container_statuses),
+        init_container_statuses: (!init_container_statuses.is_empty())
+            .then_some(init_container_statuses),
+        ..current
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const NODE: &str = "vk-node";
+
+    fn pod(value: Value) -> Pod {
+        serde_json::from_value(value).unwrap()
+    }
+
+    fn translation(ignore_labels: &[String]) -> PodTranslation<'_> {
+        PodTranslation {
+            node_name: NODE,
+            ignore_labels,
+        }
+    }
+
+    /// tensile-kube's `PodForTest`, as the upper API server returns it after binding.
+    fn upper_json() -> Value {
+        json!({
+            "metadata": {
+                "name": "testbase",
+                "namespace": "default",
+                "uid": "uid-1",
+                "resourceVersion": "42",
+                "generation": 1,
+                "generateName": "testbase-",
+                "creationTimestamp": "2024-01-01T00:00:00Z",
+                "selfLink": "/api/v1/namespaces/default/pods/testbase",
+                "finalizers": ["example.com/keep"],
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "test", "uid": "sts-uid"}],
+                "managedFields": [{"manager": "kube-controller-manager", "operation": "Update", "apiVersion": "v1"}],
+            },
+            "spec": {
+                "containers": [{
+                    "name": "app",
+                    "image": "nginx:1",
+                    "resources": {"limits": {"cpu": "10"}, "requests": {"cpu": "10"}},
+                    "volumeMounts": [{"name": "default-token-mvzcf", "mountPath": SERVICE_ACCOUNT_MOUNT_PATH, "readOnly": true}],
+                }],
+                "nodeName": NODE,
+                "volumes": [{"name": "default-token-mvzcf", "secret": {"secretName": "default-token-mvzcf", "defaultMode": 420}}],
+            },
+            "status": {"phase": "Pending", "qosClass": "Guaranteed"},
+        })
+    }
+
+    /// What [`lower_pod`] makes of [`upper_json`], without the mirrored-keys record.
+    fn lower_json() -> Value {
+        json!({
+            "metadata": {
+                "name": "testbase",
+                "namespace": "default",
+                "labels": {VIRTUAL_POD_LABEL: "true", OWNER_NODE_LABEL: NODE},
+                "annotations": {UPPER_UID_ANNOTATION: "uid-1"},
+            },
+            "spec": {
+                "containers": [{
+                    "name": "app",
+                    "image": "nginx:1",
+                    "resources": {"limits": {"cpu": "10"}, "requests": {"cpu": "10"}},
+                }],
+            },
+        })
+    }
+
+    /// Applies a JSON merge patch (RFC 7386), to build fixtures and check patches.
+    fn merge(target: &mut Value, patch: &Value) {
+        match patch {
+            Value::Object(fields) => {
+                if !target.is_object() {
+                    *target = json!({});
+                }
+                for (key, value) in fields {
+                    if value.is_null() {
+                        target.as_object_mut().unwrap().remove(key);
+                    } else {
+                        merge(
+                            target
+                                .as_object_mut()
+                                .unwrap()
+                                .entry(key)
+                                .or_insert(Value::Null),
+                            value,
+                        );
+                    }
+                }
+            }
+            other => *target = other.clone(),
+        }
+    }
+
+    fn patched(base: Value, patch: Value) -> Value {
+        let mut base = base;
+        merge(&mut base, &patch);
+        base
+    }
+
+    fn without_record(mut pod: Pod) -> Pod {
+        if let Some(a) = pod.metadata.annotations.as_mut() {
+            a.remove(MIRRORED_KEYS_ANNOTATION);
+        }
+        pod
+    }
+
+    #[test]
+    fn lowers_pods_like_trim_pod() {
+        let required = json!({"nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "testbase", "operator": "In", "values": ["aa"]}
+        ]}]});
+        let selector = r#"{"nodeSelector":{"test": "test"}}"#;
+        // (case, change to the upper pod, --ignore-labels, change to the expected lower pod)
+        let cases: Vec<(&str, Value, Vec<String>, Value)> = vec![
+            ("base", json!({}), vec![], json!({})),
+            (
+                "clusterSelector restores the node selector and stays",
+                json!({"metadata": {"annotations": {"clusterSelector": selector}}}),
+                vec![],
+                json!({"metadata": {"annotations": {"clusterSelector": selector}},
+                       "spec": {"nodeSelector": {"test": "test"}}}),
+            ),
+            (
+                "ignored label is tripped",
+                json!({"metadata": {"labels": {"test": "test"}}}),
+                vec!["test".into()],
+                json!({"metadata": {"annotations": {TRIPPED_LABELS_ANNOTATION: r#"{"test":"test"}"#}}}),
+            ),
+            (
+                "ignored label with an empty value is tripped too",
+                json!({"metadata": {"labels": {"test": "", "keep": "x"}}}),
+                vec!["test".into()],
+                json!({"metadata": {"labels": {"keep": "x"},
+                                    "annotations": {TRIPPED_LABELS_ANNOTATION: r#"{"test":""}"#}}}),
+            ),
+            (
+                "ignore list without a match: labels kept, no tripped-labels",
+                json!({"metadata": {"labels": {"app": "web"}}}),
+                vec!["pod-group.scheduling.sigs.k8s.io".into()],
+                json!({"metadata": {"labels": {"app": "web"}}}),
+            ),
+            (
+                "nothing tripped: an upper tripped-labels is left as is",
+                json!({"metadata": {"annotations": {TRIPPED_LABELS_ANNOTATION: r#"{"old":"x"}"#}}}),
+                vec!["test".into()],
+                json!({"metadata": {"annotations": {TRIPPED_LABELS_ANNOTATION: r#"{"old":"x"}"#}}}),
+            ),
+            (
+                "something tripped: an upper tripped-labels is replaced",
+                json!({"metadata": {"labels": {"a": "1", "b": "2"},
+                                    "annotations": {TRIPPED_LABELS_ANNOTATION: r#"{"old":"x"}"#}}}),
+                vec!["b".into(), "a".into()],
+                json!({"metadata": {"annotations": {TRIPPED_LABELS_ANNOTATION: r#"{"a":"1","b":"2"}"#}}}),
+            ),
+            (
+                "other tolerations are cleared",
+                json!({"spec": {"tolerations": [{"key": "testbase", "operator": "Exists", "effect": "NoExecute"}]}}),
+                vec![],
+                json!({}),
+            ),
+            (
+                "node selector is cleared",
+                json!({"spec": {"nodeSelector": {"testbase": "testbase"}}}),
+                vec![],
+                json!({}),
+            ),
+            (
+                "node selector and required node affinity are cleared",
+                json!({"spec": {"nodeSelector": {"testbase": "testbase"},
+                                "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}}}),
+                vec![],
+                json!({}),
+            ),
+            (
+                "fields the lower admission recomputes are cleared",
+                json!({"spec": {"priority": 1000, "priorityClassName": "high", "preemptionPolicy": "Never",
+                                "overhead": {"cpu": "250m"}, "runtimeClassName": "kata",
+                                "ephemeralContainers": [{"name": "debug", "image": "busybox"}]}}),
+                vec![],
+                json!({"spec": {"priorityClassName": "high", "runtimeClassName": "kata"}}),
+            ),
+            (
+                "the rest of the spec is kept",
+                json!({"spec": {"serviceAccountName": "web", "activeDeadlineSeconds": 60,
+                                "hostname": "h", "subdomain": "s", "schedulerName": "default-scheduler"}}),
+                vec![],
+                json!({"spec": {"serviceAccountName": "web", "activeDeadlineSeconds": 60,
+                                "hostname": "h", "subdomain": "s", "schedulerName": "default-scheduler"}}),
+            ),
+            (
+                "an ignored label cannot remove the ownership marks",
+                json!({"metadata": {"labels": {OWNER_NODE_LABEL: "other"}}}),
+                vec![OWNER_NODE_LABEL.into(), VIRTUAL_POD_LABEL.into()],
+                json!({"metadata": {"annotations": {TRIPPED_LABELS_ANNOTATION: json!({OWNER_NODE_LABEL: "other"}).to_string()}}}),
+            ),
+        ];
+        for (name, upper_change, ignore, lower_change) in cases {
+            let upper = pod(patched(upper_json(), upper_change));
+            let got = lower_pod(&upper, &translation(&ignore)).unwrap();
+            let want = pod(patched(lower_json(), lower_change));
+            assert_eq!(without_record(got), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn records_the_keys_it_wrote() {
+        let upper = pod(patched(
+            upper_json(),
+            json!({"metadata": {"labels": {"app": "web", "group": "g"}, "annotations": {"note": "x"}}}),
+        ));
+        let lower = lower_pod(&upper, &translation(&["group".into()])).unwrap();
+        let record: MirroredKeys =
+            serde_json::from_str(&lower.metadata.annotations.unwrap()[MIRRORED_KEYS_ANNOTATION])
+                .unwrap();
+        let keys = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
+        assert_eq!(
+            record.labels,
+            keys(&["app", OWNER_NODE_LABEL, VIRTUAL_POD_LABEL])
+        );
+        assert_eq!(
+            record.annotations,
+            keys(&["note", TRIPPED_LABELS_ANNOTATION, UPPER_UID_ANNOTATION])
+        );
+    }
+
+    #[test]
+    fn refuses_pods_it_cannot_own() {
+        let cases = [
+            ("metadata.name", json!({"metadata": {"name": null}})),
+            (
+                "metadata.namespace",
+                json!({"metadata": {"namespace": null}}),
+            ),
+            ("metadata.uid", json!({"metadata": {"uid": null}})),
+            ("spec", json!({"spec": null})),
+        ];
+        for (field, change) in cases {
+            let upper = pod(patched(upper_json(), change));
+            match lower_pod(&upper, &translation(&[])) {
+                Err(TranslateError::MissingField { field: f, .. }) => assert_eq!(f, field),
+                other => panic!("{field}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn malformed_cluster_selector_is_an_error_naming_pod_and_annotation() {
+        let upper = pod(patched(
+            upper_json(),
+            json!({"metadata": {"annotations": {"clusterSelector": "{not json"}}}),
+        ));
+        let err = lower_pod(&upper, &translation(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("default/testbase") && err.contains("clusterSelector"),
+            "{err}"
+        );
+    }
+
+    /// A pod as admitted by Kubernetes 1.24+: the projected token volume, mounted in every
+    /// container.
+    fn projected_token_pod() -> Value {
+        let token_mount = json!({"name": "kube-api-access-x7k2p", "mountPath": SERVICE_ACCOUNT_MOUNT_PATH, "readOnly": true});
+        json!({
+            "metadata": {"name": "web", "namespace": "default", "uid": "uid-2"},
+            "spec": {
+                "serviceAccountName": "web",
+                "initContainers": [{"name": "init", "image": "busybox", "volumeMounts": [token_mount]}],
+                "containers": [{"name": "app", "image": "nginx", "volumeMounts": [
+                    token_mount,
+                    {"name": "vault-token", "mountPath": "/var/run/secrets/vault"},
+                    {"name": "config", "mountPath": "/etc/app"},
+                ]}],
+                "volumes": [
+                    {"name": "kube-api-access-x7k2p", "projected": {"defaultMode": 420, "sources": [
+                        {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+                        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+                        {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}]}},
+                    ]}},
+                    {"name": "vault-token", "projected": {"sources": [
+                        {"serviceAccountToken": {"audience": "vault", "path": "token"}},
+                    ]}},
+                    {"name": "config", "configMap": {"name": "app-config"}},
+                ],
+            },
+        })
+    }
+
+    #[test]
+    fn finds_the_injected_token_volumes() {
+        let legacy_mount = |name: &str, path: &str| json!({"name": name, "mountPath": path});
+        // (case, spec, volumes to drop)
+        let cases: Vec<(&str, Value, Vec<&str>)> = vec![
+            (
+                "projected token, user's projected token kept",
+                projected_token_pod()["spec"].clone(),
+                vec!["kube-api-access-x7k2p"],
+            ),
+            (
+                "kube-api-access- name without a token source is the user's",
+                json!({"containers": [], "volumes": [{"name": "kube-api-access-mine", "projected": {"sources": [{"configMap": {"name": "c"}}]}}]}),
+                vec![],
+            ),
+            (
+                "legacy default-token- secret (tensile-kube)",
+                json!({"containers": [], "volumes": [{"name": "default-token-abcde", "secret": {"secretName": "default-token-abcde"}}]}),
+                vec!["default-token-abcde"],
+            ),
+            (
+                "legacy <sa>-token- secret at the service-account path",
+                json!({"serviceAccountName": "web",
+                       "containers": [{"name": "c", "volumeMounts": [legacy_mount("web-token-abcde", SERVICE_ACCOUNT_MOUNT_PATH)]}],
+                       "volumes": [{"name": "web-token-abcde", "secret": {"secretName": "web-token-abcde"}}]}),
+                vec!["web-token-abcde"],
+            ),
+            (
+                "legacy <sa>-token- secret mounted by an init container only",
+                json!({"serviceAccount": "web",
+                       "containers": [{"name": "c"}],
+                       "initContainers": [{"name": "i", "volumeMounts": [legacy_mount("tok", "/var/run/secrets/kubernetes.io/serviceaccount/")]}],
+                       "volumes": [{"name": "tok", "secret": {"secretName": "web-token-abcde"}}]}),
+                vec!["tok"],
+            ),
+            (
+                "<sa>-token- secret mounted elsewhere is the user's",
+                json!({"serviceAccountName": "web",
+                       "containers": [{"name": "c", "volumeMounts": [legacy_mount("web-token-abcde", "/etc/token")]}],
+                       "volumes": [{"name": "web-token-abcde", "secret": {"secretName": "web-token-abcde"}}]}),
+                vec![],
+            ),
+            (
+                "another account's token secret is the user's",
+                json!({"serviceAccountName": "web",
+                       "containers": [{"name": "c", "volumeMounts": [legacy_mount("t", SERVICE_ACCOUNT_MOUNT_PATH)]}],
+                       "volumes": [{"name": "t", "secret": {"secretName": "other-token-abcde"}}]}),
+                vec![],
+            ),
+        ];
+        for (name, spec, want) in cases {
+            let spec: PodSpec = serde_json::from_value(spec).unwrap();
+            let got: Vec<&str> = injected_token_volumes(&spec).into_iter().collect();
+            assert_eq!(got, want, "{name}");
+        }
+    }
+
+    #[test]
+    fn drops_the_token_volume_and_its_mounts_only() {
+        let lower = lower_pod(&pod(projected_token_pod()), &translation(&[])).unwrap();
+        let spec = serde_json::to_value(lower.spec.unwrap()).unwrap();
+        assert_eq!(
+            spec,
+            json!({
+                "serviceAccountName": "web",
+                "initContainers": [{"name": "init", "image": "busybox"}],
+                "containers": [{"name": "app", "image": "nginx", "volumeMounts": [
+                    {"name": "vault-token", "mountPath": "/var/run/secrets/vault"},
+                    {"name": "config", "mountPath": "/etc/app"},
+                ]}],
+                "volumes": [
+                    {"name": "vault-token", "projected": {"sources": [
+                        {"serviceAccountToken": {"audience": "vault", "path": "token"}},
+                    ]}},
+                    {"name": "config", "configMap": {"name": "app-config"}},
+                ],
+            })
+        );
+    }
+
+    #[test]
+    fn marks_ownership() {
+        let lower = lower_pod(&pod(upper_json()), &translation(&[])).unwrap();
+        assert!(is_owned_by(&lower.metadata, NODE));
+        assert!(!is_owned_by(&lower.metadata, "other-node"));
+        assert!(!is_owned_by(&ObjectMeta::default(), NODE));
+        assert_eq!(upper_uid(&lower.metadata), Some("uid-1"));
+        assert_eq!(upper_uid(&ObjectMeta::default()), None);
+    }
+
+    #[test]
+    fn a_pod_recreated_under_the_same_name_gets_the_new_uid() {
+        let old = lower_pod(&pod(upper_json()), &translation(&[])).unwrap();
+        let recreated = pod(patched(upper_json(), json!({"metadata": {"uid": "uid-2"}})));
+        let new = lower_pod(&recreated, &translation(&[])).unwrap();
+        assert_eq!(old.metadata.name, new.metadata.name);
+        assert_eq!(upper_uid(&old.metadata), Some("uid-1"));
+        assert_eq!(upper_uid(&new.metadata), Some("uid-2"));
+    }
+
+    fn running_lower() -> Pod {
+        pod(json!({
+            "metadata": {"name": "testbase", "namespace": "default"},
+            "status": {
+                "phase": "Running",
+                "observedGeneration": 3,
+                "nominatedNodeName": "lower-node-2",
+                "qosClass": "BestEffort",
+                "conditions": [
+                    {"type": "PodScheduled", "status": "True", "observedGeneration": 3, "lastTransitionTime": "2024-01-01T00:00:01Z"},
+                    {"type": "Ready", "status": "True", "observedGeneration": 3, "lastTransitionTime": "2024-01-01T00:00:05Z"},
+                ],
+                "containerStatuses": [{"name": "app", "image": "nginx:1", "imageID": "docker.io/nginx@sha256:1",
+                    "ready": true, "restartCount": 0, "started": true,
+                    "state": {"running": {"startedAt": "2024-01-01T00:00:04Z"}}}],
+                "podIP": "10.0.0.5",
+                "podIPs": [{"ip": "10.0.0.5"}],
+                "hostIP": "192.168.1.10",
+                "hostIPs": [{"ip": "192.168.1.10"}],
+                "startTime": "2024-01-01T00:00:02Z",
+                "resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "gpu-claim"}],
+            },
+        }))
+    }
+
+    #[test]
+    fn upper_status_comes_from_the_lower_pod() {
+        let upper = pod(upper_json());
+        let status = upper_status(&running_lower(), &upper);
+        let want: PodStatus = serde_json::from_value(json!({
+            "phase": "Running",
+            "qosClass": "Guaranteed",
+            "conditions": [
+                {"type": "PodScheduled", "status": "True", "lastTransitionTime": "2024-01-01T00:00:01Z"},
+                {"type": "Ready", "status": "True", "lastTransitionTime": "2024-01-01T00:00:05Z"},
+            ],
+            "containerStatuses": [{"name": "app", "image": "nginx:1", "imageID": "docker.io/nginx@sha256:1",
+                "ready": true, "restartCount": 0, "started": true,
+                "state": {"running": {"startedAt": "2024-01-01T00:00:04Z"}}}],
+            "podIP": "10.0.0.5",
+            "podIPs": [{"ip": "10.0.0.5"}],
+            "hostIP": "192.168.1.10",
+            "hostIPs": [{"ip": "192.168.1.10"}],
+            "startTime": "2024-01-01T00:00:02Z",
+        }))
+        .unwrap();
+        assert_eq!(status, want);
+    }
+
+    #[test]
+    fn status_in_sync_compares_only_what_is_reflected() {
+        let upper = pod(upper_json());
+        let desired = upper_status(&running_lower(), &upper);
+        let with = |change: Value| -> PodStatus {
+            serde_json::from_value(patched(serde_json::to_value(&desired).unwrap(), change))
+                .unwrap()
+        };
+        // (case, current upper status, in sync)
+        let cases: Vec<(&str, Option<PodStatus>, bool)> = vec![
+            ("no status yet", None, false),
+            ("the old upper status", upper.status.clone(), false),
+            ("just written", Some(desired.clone()), true),
+            (
+                "upstream extras are not compared",
+                Some(with(
+                    json!({"nominatedNodeName": "vk-node", "observedGeneration": 1, "resize": "Proposed"}),
+                )),
+                true,
+            ),
+            (
+                "observedGeneration on conditions is not compared",
+                Some(with(json!({"conditions": [
+                    {"type": "PodScheduled", "status": "True", "observedGeneration": 1, "lastTransitionTime": "2024-01-01T00:00:01Z"},
+                    {"type": "Ready", "status": "True", "observedGeneration": 1, "lastTransitionTime": "2024-01-01T00:00:05Z"},
+                ]}))),
+                true,
+            ),
+            (
+                "phase differs",
+                Some(with(json!({"phase": "Pending"}))),
+                false,
+            ),
+            (
+                "pod IP differs",
+                Some(with(
+                    json!({"podIP": "10.0.0.6", "podIPs": [{"ip": "10.0.0.6"}]}),
+                )),
+                false,
+            ),
+            (
+                "container became unready",
+                Some(with(
+                    json!({"containerStatuses": [{"name": "app", "image": "nginx:1", "imageID": "docker.io/nginx@sha256:1",
+                    "ready": false, "restartCount": 0, "started": true,
+                    "state": {"running": {"startedAt": "2024-01-01T00:00:04Z"}}}]}),
+                )),
+                false,
+            ),
+        ];
+        for (name, current, want) in cases {
+            assert_eq!(status_in_sync(current.as_ref(), &desired), want, "{name}");
+        }
+
+        let empty_lists = PodStatus {
+            phase: Some("Pending".into()),
+            conditions: Some(vec![]),
+            container_statuses: Some(vec![]),
+            pod_ips: Some(vec![]),
+            ..PodStatus::default()
+        };
+        let absent_lists = PodStatus {
+            phase: Some("Pending".into()),
+            ..PodStatus::default()
+        };
+        assert!(status_in_sync(Some(&empty_lists), &absent_lists));
+        assert!(status_in_sync(Some(&absent_lists), &empty_lists));
+    }
+
+    /// [`lower_pod`] of `upper` as the lower API server returns it: defaults, the lower
+    /// cluster's own token mount and tolerations, and annotations from its CNI.
+    fn lower_as_stored(upper: &Pod) -> Pod {
+        let created = serde_json::to_value(lower_pod(upper, &translation(&[])).unwrap()).unwrap();
+        let mut stored = patched(
+            created,
+            json!({
+                "metadata": {"uid": "lower-uid", "resourceVersion": "7",
+                             "annotations": {"cni.projectcalico.org/podIP": "10.0.0.5/32"},
+                             "labels": {"lower.example.com/injected": "yes"}},
+                "status": {"phase": "Running"},
+            }),
+        );
+        let spec = &mut stored["spec"];
+        spec["containers"][0]["volumeMounts"] = json!([{"name": "kube-api-access-lower", "mountPath": SERVICE_ACCOUNT_MOUNT_PATH, "readOnly": true}]);
+        spec["containers"][0]["terminationMessagePath"] = json!("/dev/termination-log");
+        let mut tolerations = spec["tolerations"].as_array().cloned().unwrap_or_default();
+        tolerations.push(json!({"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 300}));
+        spec["tolerations"] = Value::Array(tolerations);
+        pod(stored)
+    }
+
+    /// An upper pod with a stash, init container and labels to update.
+    fn updatable_upper() -> Value {
+        patched(
+            upper_json(),
+            json!({
+                "metadata": {
+                    "labels": {"app": "web", "track": "canary"},
+                    "annotations": {"note": "x", CLUSTER_SELECTOR: json!({"tolerations": [{"key": "gpu", "operator": "Exists"}]}).to_string()},
+                },
+                "spec": {"initContainers": [{"name": "init", "image": "busybox:1"}]},
+            }),
+        )
+    }
+
+    const CLUSTER_SELECTOR: &str = crate::translate::meta::CLUSTER_SELECTOR_ANNOTATION;
+
+    #[test]
+    fn lower_pod_update_follows_allowed_changes() {
+        let stored = lower_as_stored(&pod(updatable_upper()));
+        let stored_json = serde_json::to_value(&stored).unwrap();
+        let record_without_track = {
+            let upper = pod(patched(
+                updatable_upper(),
+                json!({"metadata": {"labels": {"track": null}}}),
+            ));
+            lower_pod(&upper, &translation(&[]))
+                .unwrap()
+                .metadata
+                .annotations
+                .unwrap()[MIRRORED_KEYS_ANNOTATION]
+                .clone()
+        };
+        let mut containers_new_image = stored_json["spec"]["containers"].clone();
+        containers_new_image[0]["image"] = json!("nginx:2");
+        let stash_with = |tolerations: Value| json!({"tolerations": tolerations}).to_string();
+        let gpu = json!({"key": "gpu", "operator": "Exists"});
+        let tpu = json!({"key": "tpu", "operator": "Exists"});
+        let not_ready = stored_json["spec"]["tolerations"][1].clone();
+
+        // (case, change to the upper pod, expected patch)
+        let cases: Vec<(&str, Value, Option<Value>)> = vec![
+            ("in sync", json!({}), None),
+            (
+                "image change sends the lower containers with the new image",
+                json!({"spec": {"containers": [{"name": "app", "image": "nginx:2"}]}}),
+                Some(json!({"spec": {"containers": containers_new_image}})),
+            ),
+            (
+                "init container image change",
+                json!({"spec": {"initContainers": [{"name": "init", "image": "busybox:2"}]}}),
+                Some(json!({"spec": {"initContainers": [{"name": "init", "image": "busybox:2"}]}})),
+            ),
+            (
+                "removed label is removed below, the lower cluster's own label stays",
+                json!({"metadata": {"labels": {"track": null}}}),
+                Some(json!({"metadata": {"labels": {"track": null},
+                                         "annotations": {MIRRORED_KEYS_ANNOTATION: record_without_track}}})),
+            ),
+            (
+                "changed label",
+                json!({"metadata": {"labels": {"track": "stable"}}}),
+                Some(json!({"metadata": {"labels": {"track": "stable"}}})),
+            ),
+            (
+                "activeDeadlineSeconds set",
+                json!({"spec": {"activeDeadlineSeconds": 30}}),
+                Some(json!({"spec": {"activeDeadlineSeconds": 30}})),
+            ),
+            (
+                "toleration removal cannot be sent, only the annotation follows",
+                json!({"metadata": {"annotations": {CLUSTER_SELECTOR: stash_with(json!([]))}}}),
+                Some(
+                    json!({"metadata": {"annotations": {CLUSTER_SELECTOR: stash_with(json!([]))}}}),
+                ),
+            ),
+            (
+                "toleration addition is sent on top of the lower list",
+                json!({"metadata": {"annotations": {CLUSTER_SELECTOR: stash_with(json!([gpu, tpu]))}}}),
+                Some(json!({
+                    "metadata": {"annotations": {CLUSTER_SELECTOR: stash_with(json!([gpu, tpu]))}},
+                    "spec": {"tolerations": [gpu, not_ready, tpu]},
+                })),
+            ),
+        ];
+        for (name, change, want) in cases {
+            let upper = pod(patched(updatable_upper(), change));
+            let got = lower_pod_update(&upper, &stored, &translation(&[])).unwrap();
+            assert_eq!(got, want, "{name}");
+            if let Some(patch) = got {
+                // Applying the patch brings the lower pod in sync, except for what the API
+                // forbids changing.
+                let after = pod(patched(stored_json.clone(), patch));
+                let again = lower_pod_update(&upper, &after, &translation(&[])).unwrap();
+                assert_eq!(again, None, "{name}: after applying");
+            }
+        }
+    }
+
+    #[test]
+    fn lower_pod_update_without_a_record_removes_nothing() {
+        let upper = pod(updatable_upper());
+        let mut stored = lower_as_stored(&upper);
+        stored
+            .metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .remove(MIRRORED_KEYS_ANNOTATION);
+        stored
+            .metadata
+            .labels
+            .as_mut()
+            .unwrap()
+            .insert("stale".into(), "x".into());
+        let patch = lower_pod_update(&upper, &stored, &translation(&[]))
+            .unwrap()
+            .unwrap();
+        let record = lower_pod(&upper, &translation(&[]))
+            .unwrap()
+            .metadata
+            .annotations
+            .unwrap()[MIRRORED_KEYS_ANNOTATION]
+            .clone();
+        assert_eq!(
+            patch,
+            json!({"metadata": {"annotations": {MIRRORED_KEYS_ANNOTATION: record}}})
+        );
+    }
+
+    #[test]
+    fn lower_pod_update_keeps_tripped_labels_out() {
+        let ignore = vec!["group".to_owned()];
+        let upper = pod(patched(
+            updatable_upper(),
+            json!({"metadata": {"labels": {"group": "g1"}}}),
+        ));
+        let stored = lower_pod(&upper, &translation(&ignore)).unwrap();
+        assert_eq!(
+            lower_pod_update(&upper, &stored, &translation(&ignore)).unwrap(),
+            None
+        );
+
+        let regrouped = pod(patched(
+            updatable_upper(),
+            json!({"metadata": {"labels": {"group": "g2"}}}),
+        ));
+        let patch = lower_pod_update(&regrouped, &stored, &translation(&ignore))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            patch,
+            json!({"metadata": {"annotations": {TRIPPED_LABELS_ANNOTATION: r#"{"group":"g2"}"#}}})
+        );
+    }
+
+    #[test]
+    fn lower_gone_status_ends_the_pod() {
+        let upper = pod(patched(
+            upper_json(),
+            json!({
+                "spec": {"containers": [{"name": "app", "image": "nginx:1"}, {"name": "sidecar", "image": "envoy:1"}],
+                         "initContainers": [{"name": "init", "image": "busybox"}]},
+                "status": {
+                    "phase": "Running",
+                    "podIP": "10.0.0.5",
+                    "conditions": [
+                        {"type": "PodScheduled", "status": "True"},
+                        {"type": "Ready", "status": "True"},
+                        {"type": "ContainersReady", "status": "True"},
+                    ],
+                    "initContainerStatuses": [{"name": "init", "image": "busybox", "imageID": "", "ready": false, "restartCount": 0,
+                        "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}],
+                    "containerStatuses": [{"name": "app", "image": "nginx:1", "imageID": "id", "ready": true, "restartCount": 2,
+                        "containerID": "containerd://abc", "state": {"running": {"startedAt": "2024-01-01T00:00:04Z"}}}],
+                },
+            }),
+        ));
+        let status = lower_gone_status(&upper, "NotFound", "the lower pod is gone");
+        let want: PodStatus = serde_json::from_value(json!({
+            "phase": "Failed",
+            "reason": "NotFound",
+            "message": "the lower pod is gone",
+            "qosClass": "Guaranteed",
+            "podIP": "10.0.0.5",
+            "conditions": [
+                {"type": "PodScheduled", "status": "True"},
+                {"type": "ContainersReady", "status": "False", "reason": "NotFound", "message": "the lower pod is gone"},
+                {"type": "Ready", "status": "False", "reason": "NotFound", "message": "the lower pod is gone"},
+            ],
+            "initContainerStatuses": [{"name": "init", "image": "busybox", "imageID": "", "ready": false, "restartCount": 0,
+                "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}],
+            "containerStatuses": [
+                {"name": "app", "image": "nginx:1", "imageID": "id", "ready": false, "started": false, "restartCount": 2,
+                 "containerID": "containerd://abc",
+                 "state": {"terminated": {"exitCode": 137, "reason": "NotFound", "message": "the lower pod is gone",
+                                          "containerID": "containerd://abc", "startedAt": "2024-01-01T00:00:04Z"}}},
+                {"name": "sidecar", "image": "envoy:1", "imageID": "", "ready": false, "started": false, "restartCount": 0,
+                 "state": {"terminated": {"exitCode": 137, "reason": "NotFound", "message": "the lower pod is gone"}}},
+            ],
+        }))
+        .unwrap();
+        assert_eq!(status, want);
+    }
+
+    #[test]
+    fn trips_labels() {
+        let labels = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        // (case, labels, ignore, labels left, tripped)
+        type Case<'a> = (
+            &'a str,
+            &'a [(&'a str, &'a str)],
+            &'a [&'a str],
+            &'a [(&'a str, &'a str)],
+            &'a [(&'a str, &'a str)],
+        );
+        let cases: &[Case] = &[
+            ("nothing to ignore", &[("a", "1")], &[], &[("a", "1")], &[]),
+            ("no labels", &[], &["a"], &[], &[]),
+            (
+                "one of two",
+                &[("a", "1"), ("b", "2")],
+                &["b"],
+                &[("a", "1")],
+                &[("b", "2")],
+            ),
+            (
+                "all",
+                &[("a", "1"), ("b", "2")],
+                &["a", "b", "c"],
+                &[],
+                &[("a", "1"), ("b", "2")],
+            ),
+            (
+                "the default --ignore-labels",
+                &[("pod-group.scheduling.sigs.k8s.io", "job-1"), ("app", "x")],
+                &["pod-group.scheduling.sigs.k8s.io"],
+                &[("app", "x")],
+                &[("pod-group.scheduling.sigs.k8s.io", "job-1")],
+            ),
+        ];
+        for (name, input, ignore, left, tripped) in cases {
+            let mut got = labels(input);
+            let ignore: Vec<String> = ignore.iter().map(|s| s.to_string()).collect();
+            assert_eq!(trip_labels(&mut got, &ignore), labels(tripped), "{name}");
+            assert_eq!(got, labels(left), "{name}");
+        }
+    }
+}

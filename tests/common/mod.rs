@@ -1,0 +1,85 @@
+//! Helpers shared by the virtual-node integration tests.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, ListParams};
+use tensile_harness::{ClusterPair, VirtualNode, VirtualNodeOptions, node_is_ready, wait_for};
+
+/// Generous: two clusters and several virtual nodes share 2 cores.
+pub const TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Starts `virtual-node --nodename <name>` on `pair` and waits until its Node is Ready.
+pub async fn start_node(pair: &ClusterPair, name: &str, args: &[&str]) -> VirtualNode {
+    let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), name);
+    options.args = args.iter().map(ToString::to_string).collect();
+    let mut node = pair.start_virtual_node(&options).unwrap();
+    let nodes: Api<Node> = Api::all(pair.upper.client().await.unwrap());
+    let result = wait_for(&format!("node {name} Ready"), TIMEOUT, || async {
+        Ok(nodes.get_opt(name).await?.filter(node_is_ready).map(|_| ()))
+    })
+    .await;
+    if let Err(error) = result {
+        let _ = node.check_running();
+        panic!(
+            "{error:#}\n--- {}:\n{}",
+            node.log().display(),
+            tensile_harness::process::tail(node.log(), 40)
+        );
+    }
+    node
+}
+
+/// The pods of `api` matching `labels`.
+pub async fn pods(api: &Api<Pod>, labels: &str) -> Vec<Pod> {
+    api.list(&ListParams::default().labels(labels))
+        .await
+        .unwrap()
+        .items
+}
+
+/// Whether a pod is Running with a pod IP.
+pub fn running(pod: &Pod) -> bool {
+    let status = pod.status.as_ref();
+    status.and_then(|s| s.phase.as_deref()) == Some("Running")
+        && status.and_then(|s| s.pod_ip.as_ref()).is_some()
+}
+
+/// Waits until exactly `n` pods match `labels` and all are Running (with an IP).
+pub async fn wait_running(api: &Api<Pod>, labels: &str, n: usize) -> Vec<Pod> {
+    wait_for(&format!("{n} pods {labels} Running"), TIMEOUT, || async {
+        let list = api.list(&ListParams::default().labels(labels)).await?.items;
+        let active: Vec<Pod> = list
+            .into_iter()
+            .filter(|p| p.metadata.deletion_timestamp.is_none())
+            .filter(|p| {
+                !matches!(
+                    p.status.as_ref().and_then(|s| s.phase.as_deref()),
+                    Some("Failed" | "Succeeded")
+                )
+            })
+            .collect();
+        Ok((active.len() == n && active.iter().all(running)).then_some(active))
+    })
+    .await
+    .unwrap()
+}
+
+/// Waits until no pod matches `labels`.
+pub async fn wait_gone(api: &Api<Pod>, labels: &str) {
+    wait_for(&format!("no pods {labels}"), TIMEOUT, || async {
+        let list = api.list(&ListParams::default().labels(labels)).await?.items;
+        Ok(list.is_empty().then_some(()))
+    })
+    .await
+    .unwrap();
+}
+
+/// Names of pods.
+pub fn names(pods: &[Pod]) -> BTreeSet<String> {
+    pods.iter()
+        .filter_map(|p| p.metadata.name.clone())
+        .collect()
+}

@@ -1,0 +1,401 @@
+//! virtual-node against two real clusters: pods mirrored down with what they need, status
+//! up, updates and deletions followed, ownership kept between virtual nodes and restarts.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use common::{TIMEOUT, names, pods, start_node, wait_gone, wait_running};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, ServiceAccount};
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+use tensile::translate::meta::{OWNER_NODE_LABEL, UPPER_UID_ANNOTATION};
+use tensile_harness::fixtures::{
+    bound_pod, config_map, deployment, merge, pinned_spec, pod, secret,
+};
+use tensile_harness::{ClusterPair, TestNamespace, wait_for};
+
+fn label(pod: &Pod, key: &str) -> Option<String> {
+    pod.metadata.labels.as_ref()?.get(key).cloned()
+}
+
+fn annotation(pod: &Pod, key: &str) -> Option<String> {
+    pod.metadata.annotations.as_ref()?.get(key).cloned()
+}
+
+#[tokio::test]
+async fn deployment_runs_below_with_its_dependencies_and_is_cleaned_up() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let node = "vk-deploy";
+    let _vn = start_node(pair, node, &[]).await;
+    let (upper, lower) = (
+        pair.upper.client().await.unwrap(),
+        pair.lower.client().await.unwrap(),
+    );
+    let ns = TestNamespace::create(&upper, "deploy").await.unwrap();
+    let pp = PostParams::default();
+    Api::<ConfigMap>::namespaced(upper.clone(), &ns.name)
+        .create(&pp, &config_map("settings", json!({"greeting": "hello"})))
+        .await
+        .unwrap();
+    Api::<Secret>::namespaced(upper.clone(), &ns.name)
+        .create(&pp, &secret("password", json!({"password": "s3cret"})))
+        .await
+        .unwrap();
+    let sa: ServiceAccount = serde_json::from_value(json!({"metadata": {"name": "app"}})).unwrap();
+    Api::<ServiceAccount>::namespaced(upper.clone(), &ns.name)
+        .create(&pp, &sa)
+        .await
+        .unwrap();
+
+    let mut spec = pinned_spec(node);
+    merge(
+        &mut spec,
+        json!({
+            "serviceAccountName": "app",
+            "containers": [{
+                "name": "app", "image": "nginx",
+                "env": [{"name": "PASSWORD", "valueFrom": {"secretKeyRef": {"name": "password", "key": "password"}}}],
+                "volumeMounts": [{"name": "settings", "mountPath": "/etc/settings"}],
+            }],
+            "volumes": [{"name": "settings", "configMap": {"name": "settings"}}],
+        }),
+    );
+    let deployments: Api<Deployment> = Api::namespaced(upper.clone(), &ns.name);
+    deployments
+        .create(&pp, &deployment("web", 3, spec))
+        .await
+        .unwrap();
+
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), &ns.name);
+    let running = wait_running(&upper_pods, "app=web", 3).await;
+    let below = wait_running(&lower_pods, "app=web", 3).await;
+    assert_eq!(names(&running), names(&below));
+
+    let upper_by_name: BTreeMap<_, _> = running
+        .iter()
+        .map(|p| (p.metadata.name.clone().unwrap(), p))
+        .collect();
+    for lower_pod in &below {
+        let upper_pod = upper_by_name[lower_pod.metadata.name.as_ref().unwrap()];
+        let (us, ls) = (
+            upper_pod.spec.as_ref().unwrap(),
+            lower_pod.spec.as_ref().unwrap(),
+        );
+        // Translated: scheduled by the lower scheduler, not onto the virtual node.
+        assert_eq!(us.node_name.as_deref(), Some(node));
+        assert!(ls.node_name.as_deref().unwrap().starts_with("lower-node-"));
+        assert_eq!(
+            ls.node_selector, None,
+            "the upper nodeSelector is not carried down"
+        );
+        // The upper token volume is dropped (the lower cluster injects its own).
+        let upper_token = us
+            .volumes
+            .iter()
+            .flatten()
+            .find(|v| v.name.starts_with("kube-api-access-"))
+            .unwrap();
+        assert!(
+            ls.volumes
+                .iter()
+                .flatten()
+                .all(|v| v.name != upper_token.name)
+        );
+        assert_eq!(ls.service_account_name.as_deref(), Some("app"));
+        // Marks.
+        assert_eq!(label(lower_pod, "virtual-pod").as_deref(), Some("true"));
+        assert_eq!(label(lower_pod, OWNER_NODE_LABEL).as_deref(), Some(node));
+        assert_eq!(
+            annotation(lower_pod, UPPER_UID_ANNOTATION),
+            upper_pod.metadata.uid
+        );
+        // Status reflected with the lower pod IP.
+        let ip = |p: &Pod| p.status.as_ref().and_then(|s| s.pod_ip.clone());
+        assert_eq!(ip(upper_pod), ip(lower_pod));
+    }
+    for (kind, owner) in [
+        (
+            "ConfigMap",
+            Api::<ConfigMap>::namespaced(lower.clone(), &ns.name)
+                .get("settings")
+                .await
+                .unwrap()
+                .metadata,
+        ),
+        (
+            "Secret",
+            Api::<Secret>::namespaced(lower.clone(), &ns.name)
+                .get("password")
+                .await
+                .unwrap()
+                .metadata,
+        ),
+        (
+            "ServiceAccount",
+            Api::<ServiceAccount>::namespaced(lower.clone(), &ns.name)
+                .get("app")
+                .await
+                .unwrap()
+                .metadata,
+        ),
+    ] {
+        let labels = owner.labels.unwrap_or_default();
+        assert_eq!(
+            labels.get(OWNER_NODE_LABEL).map(String::as_str),
+            Some(node),
+            "{kind}"
+        );
+        let annotations = owner.annotations.unwrap_or_default();
+        assert_eq!(
+            annotations.get("global").map(String::as_str),
+            Some("true"),
+            "{kind}"
+        );
+    }
+
+    // Scale down: the lower pods follow.
+    deployments
+        .patch(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": 1}})),
+        )
+        .await
+        .unwrap();
+    wait_running(&lower_pods, "app=web", 1).await;
+    wait_running(&upper_pods, "app=web", 1).await;
+
+    // Delete: nothing left in either cluster.
+    deployments
+        .delete("web", &DeleteParams::foreground())
+        .await
+        .unwrap();
+    wait_gone(&upper_pods, "app=web").await;
+    wait_gone(&lower_pods, "app=web").await;
+    ns.delete().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_lower_pod_deleted_out_of_band_ends_the_upper_pod_and_is_replaced() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let node = "vk-oob";
+    let _vn = start_node(pair, node, &[]).await;
+    let (upper, lower) = (
+        pair.upper.client().await.unwrap(),
+        pair.lower.client().await.unwrap(),
+    );
+    let ns = TestNamespace::create(&upper, "oob").await.unwrap();
+    Api::<Deployment>::namespaced(upper.clone(), &ns.name)
+        .create(
+            &PostParams::default(),
+            &deployment("web", 2, pinned_spec(node)),
+        )
+        .await
+        .unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), &ns.name);
+    let before = wait_running(&upper_pods, "app=web", 2).await;
+    wait_running(&lower_pods, "app=web", 2).await;
+
+    let victim = before[0].metadata.name.clone().unwrap();
+    lower_pods
+        .delete(&victim, &DeleteParams::default())
+        .await
+        .unwrap();
+
+    let failed = wait_for("the upper pod to fail", TIMEOUT, || async {
+        let p = upper_pods.get(&victim).await?;
+        let status = p.status.unwrap_or_default();
+        Ok((status.phase.as_deref() == Some("Failed")).then_some(status))
+    })
+    .await
+    .unwrap();
+    assert_eq!(failed.reason.as_deref(), Some("LowerPodGone"));
+    let after = wait_running(&upper_pods, "app=web", 2).await;
+    assert!(
+        !names(&after).contains(&victim),
+        "a replacement runs instead"
+    );
+    let below = wait_running(&lower_pods, "app=web", 2).await;
+    assert_eq!(names(&after), names(&below));
+    ns.delete().await.unwrap();
+}
+
+#[tokio::test]
+async fn two_virtual_nodes_on_one_lower_cluster_keep_their_own_pods_through_restarts() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let mut a = start_node(pair, "vk-a", &[]).await;
+    let mut b = start_node(pair, "vk-b", &[]).await;
+    let (upper, lower) = (
+        pair.upper.client().await.unwrap(),
+        pair.lower.client().await.unwrap(),
+    );
+    let ns = TestNamespace::create(&upper, "two-nodes").await.unwrap();
+    let deployments: Api<Deployment> = Api::namespaced(upper.clone(), &ns.name);
+    for (name, node) in [("app-a", "vk-a"), ("app-b", "vk-b")] {
+        deployments
+            .create(
+                &PostParams::default(),
+                &deployment(name, 2, pinned_spec(node)),
+            )
+            .await
+            .unwrap();
+    }
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), &ns.name);
+    let snapshot = || async {
+        let mut uids = BTreeMap::new();
+        for (app, node) in [("app-a", "vk-a"), ("app-b", "vk-b")] {
+            wait_running(&upper_pods, &format!("app={app}"), 2).await;
+            for p in wait_running(&lower_pods, &format!("app={app}"), 2).await {
+                assert_eq!(label(&p, OWNER_NODE_LABEL).as_deref(), Some(node));
+                uids.insert(
+                    p.metadata.name.clone().unwrap(),
+                    p.metadata.uid.clone().unwrap(),
+                );
+            }
+        }
+        uids
+    };
+    let before = snapshot().await;
+
+    a.stop().unwrap();
+    let mut a = start_node(pair, "vk-a", &[]).await;
+    b.kill().unwrap();
+    let _b = start_node(pair, "vk-b", &[]).await;
+    // Let both run a full round (orphan collection included) before comparing.
+    tokio::time::sleep(std::time::Duration::from_secs(6)).await;
+    assert_eq!(
+        snapshot().await,
+        before,
+        "no lower pod was deleted or re-created"
+    );
+    a.stop().unwrap();
+    ns.delete().await.unwrap();
+}
+
+#[tokio::test]
+async fn killed_mid_burst_it_converges_without_duplicates_or_orphans() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let node = "vk-burst";
+    // Throttled, so that the kill lands while pods are still being created.
+    let mut vn = start_node(pair, node, &["--client-qps", "20", "--client-burst", "5"]).await;
+    let (upper, lower) = (
+        pair.upper.client().await.unwrap(),
+        pair.lower.client().await.unwrap(),
+    );
+    let ns = TestNamespace::create(&upper, "burst").await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), &ns.name);
+    let creates = (0..100).map(|i| {
+        let api = upper_pods.clone();
+        async move {
+            let mut p = bound_pod(&format!("p-{i:03}"), node);
+            p.metadata.labels = Some([("app".to_owned(), "burst".to_owned())].into());
+            api.create(&PostParams::default(), &p).await.unwrap();
+        }
+    });
+    futures::future::join_all(creates).await;
+
+    wait_for("some lower pods to exist", TIMEOUT, || async {
+        Ok((pods(&lower_pods, "app=burst").await.len() >= 20).then_some(()))
+    })
+    .await
+    .unwrap();
+    vn.kill().unwrap();
+    let at_kill = pods(&lower_pods, "app=burst").await.len();
+    assert!(at_kill < 100, "killed mid-way ({at_kill} of 100 created)");
+    let _vn = start_node(pair, node, &[]).await;
+
+    let running = wait_running(&upper_pods, "app=burst", 100).await;
+    let below = wait_running(&lower_pods, "app=burst", 100).await;
+    let upper_uids: BTreeSet<_> = running
+        .iter()
+        .filter_map(|p| p.metadata.uid.clone())
+        .collect();
+    let marks: Vec<_> = below
+        .iter()
+        .filter_map(|p| annotation(p, UPPER_UID_ANNOTATION))
+        .collect();
+    assert_eq!(marks.len(), 100, "every lower pod carries its upper uid");
+    assert_eq!(
+        marks.iter().cloned().collect::<BTreeSet<_>>(),
+        upper_uids,
+        "one lower pod per upper pod: no duplicate, no orphan"
+    );
+    let everywhere = Api::<Pod>::all(lower.clone())
+        .list(&ListParams::default().labels(&format!("{OWNER_NODE_LABEL}={node}")))
+        .await
+        .unwrap();
+    assert_eq!(
+        everywhere.items.len(),
+        100,
+        "no stray pods of this node elsewhere"
+    );
+    ns.delete().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_missing_secret_is_named_in_a_warning_and_the_pod_runs_once_it_exists() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let node = "vk-secret";
+    let _vn = start_node(pair, node, &[]).await;
+    let (upper, lower) = (
+        pair.upper.client().await.unwrap(),
+        pair.lower.client().await.unwrap(),
+    );
+    let ns = TestNamespace::create(&upper, "missing").await.unwrap();
+    let mut spec = pinned_spec(node);
+    merge(
+        &mut spec,
+        json!({"nodeName": node, "volumes": [{"name": "s", "secret": {"secretName": "late-secret"}}]}),
+    );
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    upper_pods
+        .create(&PostParams::default(), &pod("waits", spec))
+        .await
+        .unwrap();
+
+    let events: Api<Event> = Api::namespaced(upper.clone(), &ns.name);
+    let event = wait_for("a Warning event naming the secret", TIMEOUT, || async {
+        let list = events.list(&ListParams::default()).await?.items;
+        Ok(list.into_iter().find(|e| {
+            e.type_.as_deref() == Some("Warning")
+                && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("waits")
+                && e.note.as_deref().is_some_and(|n| n.contains("late-secret"))
+        }))
+    })
+    .await
+    .unwrap();
+    assert_eq!(event.reason.as_deref(), Some("MissingDependency"));
+    let pending = upper_pods.get("waits").await.unwrap().status.unwrap();
+    assert_eq!(pending.phase.as_deref(), Some("Pending"));
+    assert_eq!(pending.reason.as_deref(), Some("MissingDependency"));
+    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), &ns.name);
+    assert!(
+        lower_pods.get_opt("waits").await.unwrap().is_none(),
+        "not created below without its secret"
+    );
+
+    Api::<Secret>::namespaced(upper.clone(), &ns.name)
+        .create(
+            &PostParams::default(),
+            &secret("late-secret", json!({"k": "v"})),
+        )
+        .await
+        .unwrap();
+    wait_running(&upper_pods, "app=waits", 1).await;
+    assert!(
+        Api::<Secret>::namespaced(lower, &ns.name)
+            .get_opt("late-secret")
+            .await
+            .unwrap()
+            .is_some()
+    );
+    ns.delete().await.unwrap();
+}
