@@ -1,9 +1,12 @@
 //! The `clusterSelector` stash: the scheduling constraints the webhook takes off a pod so
 //! the upper scheduler can place it on a virtual node, and gives back below.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
-use k8s_openapi::api::core::v1::{Affinity, PodSpec, Toleration};
+use k8s_openapi::api::core::v1::{
+    Affinity, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, PodSpec,
+    Toleration,
+};
 use serde::{Deserialize, Serialize};
 
 use super::TranslateError;
@@ -47,6 +50,103 @@ pub fn parse_cluster_selector(
             key: CLUSTER_SELECTOR_ANNOTATION,
             source,
         })
+}
+
+/// Takes the constraints meant for the lower cluster off an upper pod, as tensile-kube's
+/// webhook does, and returns them for the `clusterSelector` annotation; the inverse of
+/// [`restore_constraints`].
+///
+/// - `nodeSelector`: entries whose key is in `keep` stay in `spec`; the others move.
+/// - required node affinity: in each term, requirements (`matchExpressions` and
+///   `matchFields`) on a key in `keep` stay, the others move. Terms are alternatives, so a
+///   term left with nothing on one side leaves that side unconstrained (no required
+///   affinity at all), rather than narrowing it to the other terms.
+/// - tolerations are copied, not moved: the upper pod still needs them (what it should
+///   tolerate up there is the caller's policy).
+///
+/// Preferred node affinity and pod (anti-)affinity stay in `spec` and are not stashed.
+/// Empty results are absent (`None`), in `spec` and in the stash alike.
+pub fn stash_constraints(spec: &mut PodSpec, keep: &BTreeSet<String>) -> ClusterSelector {
+    let mut stash = ClusterSelector::default();
+
+    if let Some(selector) = spec.node_selector.take() {
+        let (kept, moved): (BTreeMap<_, _>, BTreeMap<_, _>) =
+            selector.into_iter().partition(|(k, _)| keep.contains(k));
+        spec.node_selector = (!kept.is_empty()).then_some(kept);
+        stash.node_selector = (!moved.is_empty()).then_some(moved);
+    }
+
+    let required = spec
+        .affinity
+        .as_mut()
+        .and_then(|a| a.node_affinity.as_mut())
+        .and_then(|n| n.required_during_scheduling_ignored_during_execution.take());
+    if let Some(required) = required {
+        let (kept, moved) = split_required(required, keep);
+        if let Some(node_affinity) = spec
+            .affinity
+            .as_mut()
+            .and_then(|a| a.node_affinity.as_mut())
+        {
+            node_affinity.required_during_scheduling_ignored_during_execution = kept;
+        }
+        stash.affinity = moved.map(|required| Affinity {
+            node_affinity: Some(NodeAffinity {
+                required_during_scheduling_ignored_during_execution: Some(required),
+                ..NodeAffinity::default()
+            }),
+            ..Affinity::default()
+        });
+    }
+
+    stash.tolerations = spec.tolerations.clone().filter(|t| !t.is_empty());
+    normalise(spec);
+    stash
+}
+
+/// Splits required node affinity into the part on `keep` keys and the rest.
+fn split_required(
+    required: NodeSelector,
+    keep: &BTreeSet<String>,
+) -> (Option<NodeSelector>, Option<NodeSelector>) {
+    // An empty term matches no node, so it adds no alternative: leave it out of the split.
+    // If every term is empty the pod fits nowhere, and stays so below.
+    let terms: Vec<&NodeSelectorTerm> = required
+        .node_selector_terms
+        .iter()
+        .filter(|t| !term_is_empty(t))
+        .collect();
+    if terms.is_empty() {
+        return (None, Some(required));
+    }
+    let side = |kept: bool| -> Option<NodeSelector> {
+        let pick = |reqs: &Option<Vec<NodeSelectorRequirement>>| {
+            let picked: Vec<_> = reqs
+                .iter()
+                .flatten()
+                .filter(|r| keep.contains(&r.key) == kept)
+                .cloned()
+                .collect();
+            (!picked.is_empty()).then_some(picked)
+        };
+        let parts: Vec<NodeSelectorTerm> = terms
+            .iter()
+            .map(|t| NodeSelectorTerm {
+                match_expressions: pick(&t.match_expressions),
+                match_fields: pick(&t.match_fields),
+            })
+            .collect();
+        // An alternative with no constraint on this side leaves the side unconstrained.
+        (!parts.iter().any(term_is_empty)).then_some(NodeSelector {
+            node_selector_terms: parts,
+        })
+    };
+    (side(true), side(false))
+}
+
+fn term_is_empty(term: &NodeSelectorTerm) -> bool {
+    term.match_expressions.as_ref().is_none_or(Vec::is_empty)
+        && term.match_fields.as_ref().is_none_or(Vec::is_empty)
 }
 
 /// Gives a pod back the constraints stashed in `clusterSelector`, as tensile-kube's
@@ -345,6 +445,292 @@ mod tests {
             let stashed = stashed.map(stash);
             restore_constraints(&mut got, stashed.as_ref());
             assert_eq!(got, spec(want), "{name}");
+        }
+    }
+
+    fn keys(keys: &[&str]) -> BTreeSet<String> {
+        keys.iter().map(|k| (*k).to_owned()).collect()
+    }
+
+    fn term(exprs: &[&str]) -> serde_json::Value {
+        let exprs: Vec<_> = exprs
+            .iter()
+            .map(|k| json!({"key": k, "operator": "In", "values": ["aa"]}))
+            .collect();
+        json!({"matchExpressions": exprs})
+    }
+
+    fn required_terms(terms: Vec<serde_json::Value>) -> serde_json::Value {
+        json!({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}}})
+    }
+
+    fn with(base: serde_json::Value, more: serde_json::Value) -> serde_json::Value {
+        let (serde_json::Value::Object(mut base), serde_json::Value::Object(more)) = (base, more)
+        else {
+            panic!("objects expected")
+        };
+        base.extend(more);
+        serde_json::Value::Object(base)
+    }
+
+    /// tensile-kube's `TestInject` table (pkg/webhook/hook_test.go), as behaviour: what is
+    /// stashed, and what the upper spec keeps.
+    #[test]
+    fn stashes_like_tensile_kube_inject() {
+        let four = || term(&["test0", "clusterID", "test", "test1"]);
+        // (case, spec, keep keys, expected stash, expected upper spec)
+        type Case = (
+            &'static str,
+            serde_json::Value,
+            &'static [&'static str],
+            serde_json::Value,
+            serde_json::Value,
+        );
+        let cases: Vec<Case> = vec![
+            (
+                "node selector",
+                json!({"containers": [], "nodeSelector": {"testbase": "testbase"}}),
+                &[],
+                json!({"nodeSelector": {"testbase": "testbase"}}),
+                json!({"containers": []}),
+            ),
+            (
+                "node selector with clusterID kept",
+                json!({"containers": [], "nodeSelector": {"testbase": "testbase", "clusterID": "1"}}),
+                &["clusterID"],
+                json!({"nodeSelector": {"testbase": "testbase"}}),
+                json!({"containers": [], "nodeSelector": {"clusterID": "1"}}),
+            ),
+            (
+                "node selector and affinity with clusterID kept",
+                with(
+                    json!({"containers": [], "nodeSelector": {"testbase": "testbase", "clusterID": "1"}}),
+                    required_terms(vec![four()]),
+                ),
+                &["clusterID"],
+                with(
+                    json!({"nodeSelector": {"testbase": "testbase"}}),
+                    required_terms(vec![term(&["test0", "test", "test1"])]),
+                ),
+                with(
+                    json!({"containers": [], "nodeSelector": {"clusterID": "1"}}),
+                    required_terms(vec![term(&["clusterID"])]),
+                ),
+            ),
+            (
+                "node selector and affinity, no keys kept",
+                with(
+                    json!({"containers": [], "nodeSelector": {"testbase": "testbase", "clusterID": "1"}}),
+                    required_terms(vec![four()]),
+                ),
+                &[],
+                with(
+                    json!({"nodeSelector": {"testbase": "testbase", "clusterID": "1"}}),
+                    required_terms(vec![four()]),
+                ),
+                json!({"containers": []}),
+            ),
+            (
+                "node selector and affinity, several keys kept",
+                with(
+                    json!({"containers": [], "nodeSelector": {"testbase": "testbase", "clusterID": "1"}}),
+                    required_terms(vec![four()]),
+                ),
+                &["clusterID", "test0"],
+                with(
+                    json!({"nodeSelector": {"testbase": "testbase"}}),
+                    required_terms(vec![term(&["test", "test1"])]),
+                ),
+                with(
+                    json!({"containers": [], "nodeSelector": {"clusterID": "1"}}),
+                    required_terms(vec![term(&["test0", "clusterID"])]),
+                ),
+            ),
+            (
+                "affinity",
+                with(
+                    json!({"containers": [], "nodeSelector": {"testbase": "testbase"}}),
+                    required_terms(vec![term(&["testbase"])]),
+                ),
+                &[],
+                with(
+                    json!({"nodeSelector": {"testbase": "testbase"}}),
+                    required_terms(vec![term(&["testbase"])]),
+                ),
+                json!({"containers": []}),
+            ),
+        ];
+        for (name, input, keep, want_stash, want_spec) in cases {
+            let mut got = spec(input);
+            let stashed = stash_constraints(&mut got, &keys(keep));
+            assert_eq!(stashed, stash(want_stash), "{name}: stash");
+            assert_eq!(got, spec(want_spec), "{name}: upper spec");
+        }
+    }
+
+    #[test]
+    fn stash_splits_required_affinity_by_term() {
+        let mixed_fields = json!({
+            "matchExpressions": [
+                {"key": "clusterID", "operator": "In", "values": ["c1"]},
+                {"key": "zone", "operator": "In", "values": ["z"]},
+            ],
+            "matchFields": [{"key": "metadata.name", "operator": "In", "values": ["lower-1"]}],
+        });
+        type Case = (
+            &'static str,
+            serde_json::Value,
+            &'static [&'static str],
+            serde_json::Value,
+            serde_json::Value,
+        );
+        let cases: Vec<Case> = vec![
+            (
+                // tensile-kube indexes matchFields with the matchExpressions count and
+                // panics or removes the wrong entry here.
+                "matchFields move with their term, kept expressions stay",
+                with(
+                    json!({"containers": []}),
+                    required_terms(vec![mixed_fields]),
+                ),
+                &["clusterID"],
+                required_terms(vec![json!({
+                    "matchExpressions": [{"key": "zone", "operator": "In", "values": ["z"]}],
+                    "matchFields": [{"key": "metadata.name", "operator": "In", "values": ["lower-1"]}],
+                })]),
+                required_terms(vec![json!({
+                    "matchExpressions": [{"key": "clusterID", "operator": "In", "values": ["c1"]}],
+                })]),
+            ),
+            (
+                "two alternatives split term by term",
+                with(
+                    json!({"containers": []}),
+                    required_terms(vec![term(&["clusterID", "a"]), term(&["clusterID", "b"])]),
+                ),
+                &["clusterID"],
+                required_terms(vec![term(&["a"]), term(&["b"])]),
+                required_terms(vec![term(&["clusterID"]), term(&["clusterID"])]),
+            ),
+            (
+                "an alternative with only kept keys leaves the lower side unconstrained",
+                with(
+                    json!({"containers": []}),
+                    required_terms(vec![term(&["clusterID"]), term(&["clusterID", "b"])]),
+                ),
+                &["clusterID"],
+                json!({}),
+                required_terms(vec![term(&["clusterID"]), term(&["clusterID"])]),
+            ),
+            (
+                "an alternative without kept keys leaves the upper side unconstrained",
+                with(
+                    json!({"containers": []}),
+                    required_terms(vec![term(&["a"]), term(&["clusterID", "b"])]),
+                ),
+                &["clusterID"],
+                required_terms(vec![term(&["a"]), term(&["b"])]),
+                json!({"containers": []}),
+            ),
+            (
+                "an empty term adds no alternative",
+                with(
+                    json!({"containers": []}),
+                    required_terms(vec![json!({}), term(&["a"])]),
+                ),
+                &["clusterID"],
+                required_terms(vec![term(&["a"])]),
+                json!({"containers": []}),
+            ),
+            (
+                "preferred node affinity and pod anti-affinity stay; tolerations are copied",
+                json!({"containers": [], "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                       "affinity": {"podAntiAffinity": anti_affinity(), "nodeAffinity": {
+                           "requiredDuringSchedulingIgnoredDuringExecution": required("disk"),
+                           "preferredDuringSchedulingIgnoredDuringExecution": preferred("ssd")}}}),
+                &["clusterID"],
+                json!({"tolerations": [{"key": "gpu", "operator": "Exists"}],
+                       "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required("disk")}}}),
+                json!({"containers": [], "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                       "affinity": {"podAntiAffinity": anti_affinity(), "nodeAffinity": {
+                           "preferredDuringSchedulingIgnoredDuringExecution": preferred("ssd")}}}),
+            ),
+            (
+                "nothing to stash",
+                json!({"containers": [], "nodeSelector": {}, "tolerations": []}),
+                &["clusterID"],
+                json!({}),
+                json!({"containers": []}),
+            ),
+        ];
+        for (name, input, keep, want_stash, want_spec) in cases {
+            let mut got = spec(input);
+            let stashed = stash_constraints(&mut got, &keys(keep));
+            assert_eq!(stashed, stash(want_stash), "{name}: stash");
+            assert_eq!(got, spec(want_spec), "{name}: upper spec");
+        }
+    }
+
+    /// stash → annotation → parse → restore gives the lower pod the original constraints,
+    /// less the kept keys (which only mean something in the upper cluster).
+    #[test]
+    fn stash_round_trips_through_the_annotation_and_restore() {
+        let upper_tolerations = json!([
+            {"key": "node.kubernetes.io/not-ready", "operator": "Exists", "effect": "NoExecute"},
+            {"key": "virtual-kubelet.io/provider", "operator": "Exists", "effect": "NoSchedule"},
+        ]);
+        let tolerations = json!([{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}]);
+        // (original spec, keep keys, what the lower pod must end up with)
+        let cases: Vec<(serde_json::Value, &[&str], serde_json::Value)> = vec![
+            (
+                json!({"containers": []}),
+                &["clusterID"],
+                json!({"containers": []}),
+            ),
+            (
+                json!({"containers": [], "nodeSelector": {"disktype": "ssd", "clusterID": "vk"},
+                       "tolerations": tolerations}),
+                &["clusterID"],
+                json!({"containers": [], "nodeSelector": {"disktype": "ssd"}, "tolerations": tolerations}),
+            ),
+            (
+                with(
+                    json!({"containers": [], "nodeSelector": {"a": "b"}}),
+                    required_terms(vec![term(&["clusterID", "x"]), term(&["y"])]),
+                ),
+                &["clusterID"],
+                with(
+                    json!({"containers": [], "nodeSelector": {"a": "b"}}),
+                    required_terms(vec![term(&["x"]), term(&["y"])]),
+                ),
+            ),
+            (
+                with(
+                    json!({"containers": []}),
+                    required_terms(vec![term(&["clusterID"])]),
+                ),
+                &["clusterID"],
+                json!({"containers": []}),
+            ),
+            (
+                json!({"containers": [], "affinity": {"podAntiAffinity": anti_affinity(), "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": required("disk"),
+                    "preferredDuringSchedulingIgnoredDuringExecution": preferred("ssd")}}}),
+                &[],
+                json!({"containers": [], "affinity": {"podAntiAffinity": anti_affinity(), "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": required("disk"),
+                    "preferredDuringSchedulingIgnoredDuringExecution": preferred("ssd")}}}),
+            ),
+        ];
+        for (original, keep, want) in cases {
+            let mut pod = spec(original.clone());
+            let stashed = stash_constraints(&mut pod, &keys(keep));
+            // What the webhook does to the upper tolerations must not matter below.
+            pod.tolerations = serde_json::from_value(upper_tolerations.clone()).unwrap();
+            let annotation = serde_json::to_string(&stashed).unwrap();
+            let parsed = parse_cluster_selector(Some(&annotations(&annotation))).unwrap();
+            restore_constraints(&mut pod, parsed.as_ref());
+            assert_eq!(pod, spec(want), "{original}");
         }
     }
 }
