@@ -10,9 +10,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::Api;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use tensile_harness::{ClusterPair, PairOptions};
+use tensile_harness::{
+    ClusterPair, PairOptions, VirtualNode, VirtualNodeOptions, node_is_ready, wait_for,
+};
+use tokio::io::AsyncWriteExt;
 use tokio::signal::unix::{SignalKind, signal};
 
 #[derive(Parser)]
@@ -35,6 +40,12 @@ enum Command {
         /// Simulated regular nodes in the upper cluster.
         #[arg(long, default_value_t = 0)]
         upper_nodes: usize,
+        /// Name of the virtual node joining the lower cluster to the upper one.
+        #[arg(long, default_value = "vk-node")]
+        node_name: String,
+        /// Only the two clusters: no virtual node, no example workload.
+        #[arg(long)]
+        clusters_only: bool,
     },
     /// Stop a pair started by `up` with the same directory.
     Down {
@@ -61,7 +72,12 @@ async fn main() -> ExitCode {
             dir,
             lower_nodes,
             upper_nodes,
-        } => up(&dir, lower_nodes, upper_nodes).await,
+            node_name,
+            clusters_only,
+        } => {
+            let node = (!clusters_only).then_some(node_name);
+            up(&dir, lower_nodes, upper_nodes, node.as_deref()).await
+        }
         Command::Down { dir } => down(&dir),
     };
     match result {
@@ -73,7 +89,7 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn up(dir: &Path, lower_nodes: usize, upper_nodes: usize) -> Result<()> {
+async fn up(dir: &Path, lower_nodes: usize, upper_nodes: usize, node: Option<&str>) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let dir = std::path::absolute(dir)?;
     if let Some(pid) = live_playground(&dir) {
@@ -112,8 +128,16 @@ async fn up(dir: &Path, lower_nodes: usize, upper_nodes: usize) -> Result<()> {
         _ = sigterm.recv() => bail!("interrupted while starting"),
         _ = sigint.recv() => bail!("interrupted while starting"),
     };
+    let _virtual_node = match node {
+        Some(node) => Some(tokio::select! {
+            started = join_and_demo(&pair, node) => started?,
+            _ = sigterm.recv() => bail!("interrupted while starting"),
+            _ = sigint.recv() => bail!("interrupted while starting"),
+        }),
+        None => None,
+    };
     std::fs::write(dir.join(READY_FILE), "")?;
-    print_summary(&pair, started.elapsed());
+    print_summary(&pair, started.elapsed(), node);
 
     tokio::select! {
         _ = sigterm.recv() => {}
@@ -127,40 +151,90 @@ async fn up(dir: &Path, lower_nodes: usize, upper_nodes: usize) -> Result<()> {
     Ok(())
 }
 
-fn print_summary(pair: &ClusterPair, elapsed: Duration) {
-    let kubectl = pair.bin("kubectl");
+/// The example workload (the seed's: a ConfigMap, a Secret and a pod using both).
+const DEMO: &str = include_str!("../../../../deploy/examples/vk-demo.yaml");
+
+const WAIT: Duration = Duration::from_secs(120);
+
+/// Starts virtual-node (built next to this binary) as `node`, waits for the Node to be
+/// Ready, applies the example workload and waits for its pod to run.
+async fn join_and_demo(pair: &ClusterPair, node: &str) -> Result<VirtualNode> {
+    let binary = std::env::current_exe()?.with_file_name("virtual-node");
+    if !binary.exists() {
+        bail!(
+            "{} not found: build it first (`cargo build --workspace --bins`)",
+            binary.display()
+        );
+    }
+    eprintln!("joining the lower cluster as {node} ...");
+    let virtual_node = pair.start_virtual_node(&VirtualNodeOptions::new(&binary, node))?;
+    let upper = pair.upper.client().await?;
+    let nodes: Api<Node> = Api::all(upper.clone());
+    let what = format!("node {node} Ready (log: {})", virtual_node.log().display());
+    wait_for(&what, WAIT, || async {
+        Ok(nodes.get_opt(node).await?.filter(node_is_ready).map(|_| ()))
+    })
+    .await?;
+
+    eprintln!("applying the example workload (deploy/examples/vk-demo.yaml) ...");
+    let mut kubectl = tokio::process::Command::new(pair.bin("kubectl"))
+        .arg("--kubeconfig")
+        .arg(&pair.upper.kubeconfig)
+        .args(["apply", "-f", "-"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()?;
+    if let Some(mut stdin) = kubectl.stdin.take() {
+        stdin.write_all(DEMO.as_bytes()).await?;
+    }
+    let status = kubectl.wait().await?;
+    if !status.success() {
+        bail!("kubectl apply of the example workload failed ({status})");
+    }
+    let pods: Api<Pod> = Api::namespaced(upper, "default");
+    wait_for("pod vk-demo Running in the upper cluster", WAIT, || async {
+        let phase = pods.get_opt("vk-demo").await?.and_then(|p| p.status?.phase);
+        Ok((phase.as_deref() == Some("Running")).then_some(()))
+    })
+    .await?;
+    Ok(virtual_node)
+}
+
+fn print_summary(pair: &ClusterPair, elapsed: Duration, node: Option<&str>) {
     println!(
         "\nready in {:.1}s (Kubernetes {})",
         elapsed.as_secs_f64(),
         pair.binaries.kubernetes_version()
     );
     for cluster in [&pair.upper, &pair.lower] {
+        let (name, server) = (&cluster.name, &cluster.server);
         println!(
-            "  {:<5} {}  kubeconfig {}",
-            cluster.name,
-            cluster.server,
+            "  {name:<5} {server}  kubeconfig {}",
             cluster.kubeconfig.display()
         );
     }
-    println!("\nlook around:");
-    println!(
-        "  {} --kubeconfig {} get nodes",
+    let kubectl = pair.bin("kubectl");
+    let upper = format!(
+        "{} --kubeconfig {}",
         kubectl.display(),
         pair.upper.kubeconfig.display()
     );
-    println!(
-        "  {} --kubeconfig {} get nodes,pods -A",
+    let lower = format!(
+        "{} --kubeconfig {}",
         kubectl.display(),
         pair.lower.kubeconfig.display()
     );
-    println!(
-        "component logs: {}/{{upper,lower}}/*.log",
-        pair.dir.display()
-    );
-    println!(
-        "\nCtrl-C (or `tensile-playground down --dir {}`) stops it.",
-        pair.dir.display()
-    );
+    println!("\nlook around:");
+    println!("  {upper} get nodes -o wide");
+    if let Some(node) = node {
+        println!("  {upper} get pods -o wide       # vk-demo runs on {node} ...");
+        println!("  {lower} get pods,cm,secrets -o wide   # ... and really in the lower cluster");
+        println!("  {upper} describe node {node}");
+    }
+    println!("  {lower} get nodes,pods -A");
+    let dir = pair.dir.display();
+    println!("logs: {dir}/{{upper,lower}}/*.log, {dir}/virtual-node-*.log");
+    println!("\nCtrl-C (or `tensile-playground down --dir {dir}`) stops it.");
 }
 
 /// The PID of a playground still running for `dir`, if any.
