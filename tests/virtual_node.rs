@@ -399,3 +399,124 @@ async fn a_missing_secret_is_named_in_a_warning_and_the_pod_runs_once_it_exists(
     );
     ns.delete().await.unwrap();
 }
+
+#[tokio::test]
+async fn updates_kubernetes_allows_reach_the_lower_pod() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let node = "vk-update";
+    let _vn = start_node(pair, node, &[]).await;
+    let (upper, lower) = (
+        pair.upper.client().await.unwrap(),
+        pair.lower.client().await.unwrap(),
+    );
+    let ns = TestNamespace::create(&upper, "update").await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), &ns.name);
+    upper_pods
+        .create(&PostParams::default(), &bound_pod("web", node))
+        .await
+        .unwrap();
+    wait_running(&lower_pods, "app=web", 1).await;
+
+    let patch = json!({
+        "metadata": {"labels": {"tier": "gold"}, "annotations": {"note": "v2"}},
+        "spec": {
+            "activeDeadlineSeconds": 3600,
+            "containers": [{"name": "app", "image": "nginx:1.27"}],
+        },
+    });
+    upper_pods
+        .patch("web", &PatchParams::default(), &Patch::Strategic(&patch))
+        .await
+        .unwrap();
+    let updated = wait_for("the update below", TIMEOUT, || async {
+        let p = lower_pods.get("web").await?;
+        let spec = p.spec.clone().unwrap_or_default();
+        let done = label(&p, "tier").as_deref() == Some("gold")
+            && annotation(&p, "note").as_deref() == Some("v2")
+            && spec.active_deadline_seconds == Some(3600)
+            && spec.containers[0].image.as_deref() == Some("nginx:1.27");
+        Ok(done.then_some(p))
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        label(&updated, OWNER_NODE_LABEL).as_deref(),
+        Some(node),
+        "marks kept"
+    );
+
+    // A label removed upstream goes below too.
+    let remove = json!({"metadata": {"labels": {"tier": null}}});
+    upper_pods
+        .patch("web", &PatchParams::default(), &Patch::Merge(&remove))
+        .await
+        .unwrap();
+    wait_for("the label removed below", TIMEOUT, || async {
+        Ok(label(&lower_pods.get("web").await?, "tier")
+            .is_none()
+            .then_some(()))
+    })
+    .await
+    .unwrap();
+    ns.delete().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_lower_admission_denial_is_reported_on_the_pending_upper_pod() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let node = "vk-quota";
+    let _vn = start_node(pair, node, &[]).await;
+    let (upper, lower) = (
+        pair.upper.client().await.unwrap(),
+        pair.lower.client().await.unwrap(),
+    );
+    let ns = TestNamespace::create(&upper, "quota").await.unwrap();
+    // The same namespace below, with a quota that admits no pod.
+    let lower_ns: k8s_openapi::api::core::v1::Namespace =
+        serde_json::from_value(json!({"metadata": {"name": ns.name}})).unwrap();
+    Api::all(lower.clone())
+        .create(&PostParams::default(), &lower_ns)
+        .await
+        .unwrap();
+    let quota: k8s_openapi::api::core::v1::ResourceQuota = serde_json::from_value(
+        json!({"metadata": {"name": "no-pods"}, "spec": {"hard": {"pods": "0"}}}),
+    )
+    .unwrap();
+    Api::namespaced(lower.clone(), &ns.name)
+        .create(&PostParams::default(), &quota)
+        .await
+        .unwrap();
+
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    upper_pods
+        .create(&PostParams::default(), &bound_pod("denied", node))
+        .await
+        .unwrap();
+    let events: Api<Event> = Api::namespaced(upper.clone(), &ns.name);
+    wait_for("a Warning with the quota message", TIMEOUT, || async {
+        let list = events.list(&ListParams::default()).await?.items;
+        Ok(list.into_iter().find(|e| {
+            e.reason.as_deref() == Some("LowerSyncFailed")
+                && e.note
+                    .as_deref()
+                    .is_some_and(|n| n.contains("exceeded quota"))
+        }))
+    })
+    .await
+    .unwrap();
+    let status = wait_for("the pending reason", TIMEOUT, || async {
+        let status = upper_pods.get("denied").await?.status.unwrap_or_default();
+        Ok((status.reason.as_deref() == Some("LowerSyncFailed")).then_some(status))
+    })
+    .await
+    .unwrap();
+    assert_eq!(status.phase.as_deref(), Some("Pending"));
+    assert!(status.message.unwrap_or_default().contains("no-pods"));
+    let name = ns.name.clone();
+    ns.delete().await.unwrap();
+    Api::<k8s_openapi::api::core::v1::Namespace>::all(lower)
+        .delete(&name, &DeleteParams::default())
+        .await
+        .unwrap();
+}

@@ -424,6 +424,20 @@ impl Cluster {
         process.signal(signal)
     }
 
+    /// A kubeconfig for `user` in `groups` (for RBAC tests), written beside the admin one.
+    pub fn kubeconfig_for(&self, user: &str, groups: &[&str]) -> Result<PathBuf> {
+        let cert = self.pki.issue_client(user, groups)?;
+        let path = self.dir.join(format!(
+            "{}.kubeconfig",
+            cert.cert
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .unwrap_or("user")
+        ));
+        write_kubeconfig(&path, &self.name, &self.server, &self.pki.ca_cert, &cert)?;
+        Ok(path)
+    }
+
     /// A client with the admin identity.
     pub async fn client(&self) -> Result<Client> {
         client_for(&self.kubeconfig)

@@ -23,6 +23,10 @@ pub struct ClientCert {
 /// Every file of a cluster's PKI, written under `<cluster dir>/pki`.
 #[derive(Clone, Debug)]
 pub struct Pki {
+    /// The cluster's name.
+    pub name: String,
+    /// The directory the files are in.
+    pub dir: PathBuf,
     /// The cluster CA: signs every certificate below and verifies clients.
     pub ca_cert: PathBuf,
     /// The CA key (kube-controller-manager signs CSRs with it).
@@ -50,19 +54,25 @@ struct Ca {
     issuer: Issuer<'static, KeyPair>,
 }
 
+/// The CA's parameters; rebuilt identically, with its key, they make the same issuer.
+fn ca_params(name: &str) -> Result<CertificateParams> {
+    let mut params = CertificateParams::new(Vec::<String>::new())?;
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params
+        .distinguished_name
+        .push(DnType::CommonName, format!("tensile-harness-{name}-ca"));
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    Ok(params)
+}
+
 impl Ca {
     fn new(name: &str) -> Result<(Self, String, String)> {
         let key = KeyPair::generate()?;
-        let mut params = CertificateParams::new(Vec::<String>::new())?;
-        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        params
-            .distinguished_name
-            .push(DnType::CommonName, format!("tensile-harness-{name}-ca"));
-        params.key_usages = vec![
-            KeyUsagePurpose::KeyCertSign,
-            KeyUsagePurpose::CrlSign,
-            KeyUsagePurpose::DigitalSignature,
-        ];
+        let params = ca_params(name)?;
         let cert = params.self_signed(&key)?;
         let key_pem = key.serialize_pem();
         Ok((
@@ -196,6 +206,8 @@ impl Pki {
         write(&service_account_pub, &sa.public_key_pem())?;
 
         Ok(Self {
+            name: name.to_owned(),
+            dir: dir.to_owned(),
             ca_cert,
             ca_key,
             apiserver,
@@ -207,6 +219,26 @@ impl Pki {
             service_account_key,
             service_account_pub,
         })
+    }
+}
+
+impl Pki {
+    /// Issues a client certificate for `user` in `groups`, signed by the cluster CA.
+    pub fn issue_client(&self, user: &str, groups: &[&str]) -> Result<ClientCert> {
+        let key_pem = std::fs::read_to_string(&self.ca_key)
+            .with_context(|| format!("reading {}", self.ca_key.display()))?;
+        let ca = Ca {
+            issuer: Issuer::new(ca_params(&self.name)?, KeyPair::from_pem(&key_pem)?),
+        };
+        let file = format!(
+            "user-{}",
+            user.replace(|c: char| !c.is_ascii_alphanumeric(), "-")
+        );
+        write_pair(
+            &self.dir,
+            &file,
+            ca.issue(user, groups, &[], ExtendedKeyUsagePurpose::ClientAuth)?,
+        )
     }
 }
 
