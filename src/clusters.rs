@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::authorization::v1::{
@@ -13,6 +14,9 @@ use kube::client::ClientBuilder;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 use tower::limit::RateLimitLayer;
+use tower::util::MapRequestLayer;
+
+use crate::metrics::Metrics;
 
 /// Which cluster a client, an error or a log line is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -141,16 +145,23 @@ pub async fn load_config(side: Side, path: Option<&Path>) -> Result<Config, Star
     }
 }
 
-/// Builds the client and checks that the API server answers.
+/// Builds the client (rate limited, its requests counted in `metrics`) and checks that
+/// the API server answers.
 pub async fn connect(
     side: Side,
     config: Config,
     limit: RateLimit,
+    metrics: Arc<Metrics>,
 ) -> Result<Cluster, StartupError> {
     let server = config.cluster_url.to_string();
+    let count = MapRequestLayer::new(move |request: http::Request<kube::client::Body>| {
+        metrics.api_requests.record(side, &request);
+        request
+    });
     let client = ClientBuilder::try_from(config)
         .map_err(|source| StartupError::Client { side, source })?
         .with_layer(&limit.layer())
+        .with_layer(&count)
         .build();
     let version = tokio::time::timeout(Duration::from_secs(15), client.apiserver_version())
         .await

@@ -44,9 +44,10 @@ async fn run(args: Args) -> Result<(), String> {
         qps: args.client_qps,
         burst: args.client_burst,
     };
+    let metrics = Arc::new(Metrics::default());
     let (upper, lower) = tokio::try_join!(
-        async { clusters::connect(Side::Upper, upper_config?, upper_limit).await },
-        async { clusters::connect(Side::Lower, lower_config?, lower_limit).await },
+        async { clusters::connect(Side::Upper, upper_config?, upper_limit, metrics.clone()).await },
+        async { clusters::connect(Side::Lower, lower_config?, lower_limit, metrics.clone()).await },
     )
     .map_err(|e: StartupError| e.to_string())?;
     tokio::try_join!(
@@ -77,7 +78,6 @@ async fn run(args: Args) -> Result<(), String> {
         kubelet_port: i32::from(args.kubelet_port),
         lower_version: lower.version.clone(),
     };
-    let metrics = Arc::new(Metrics::default());
     let reporter = Reporter {
         controller: "tensile-virtual-node".into(),
         instance: Some(args.nodename.clone()),

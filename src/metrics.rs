@@ -12,6 +12,8 @@ use axum::http::StatusCode;
 use axum::routing::get;
 use tokio_util::sync::CancellationToken;
 
+use crate::clusters::Side;
+
 /// A monotonically increasing counter.
 #[derive(Debug, Default)]
 pub struct Counter(AtomicU64);
@@ -28,9 +30,48 @@ impl Counter {
     }
 }
 
+/// API requests sent, by cluster and verb (to tell what each mirrored pod costs).
+#[derive(Debug, Default)]
+pub struct ApiRequests {
+    counts: [[Counter; VERBS.len()]; 2],
+}
+
+/// The verbs counted, from the HTTP method (a GET with `watch=` is a watch).
+pub const VERBS: [&str; 6] = ["get", "watch", "create", "update", "patch", "delete"];
+
+impl ApiRequests {
+    /// Counts one request to `side`.
+    pub fn record<B>(&self, side: Side, request: &http::Request<B>) {
+        let watch = request
+            .uri()
+            .query()
+            .is_some_and(|q| q.split('&').any(|p| p.starts_with("watch=")));
+        let verb = match *request.method() {
+            http::Method::GET if watch => 1,
+            http::Method::GET => 0,
+            http::Method::POST => 2,
+            http::Method::PUT => 3,
+            http::Method::PATCH => 4,
+            http::Method::DELETE => 5,
+            _ => return,
+        };
+        self.counts[side as usize][verb].inc();
+    }
+
+    /// Requests of `verb` sent to `side`.
+    pub fn get(&self, side: Side, verb: &str) -> u64 {
+        VERBS
+            .iter()
+            .position(|v| *v == verb)
+            .map_or(0, |i| self.counts[side as usize][i].get())
+    }
+}
+
 /// Everything counted.
 #[derive(Debug, Default)]
 pub struct Metrics {
+    /// API requests sent.
+    pub api_requests: ApiRequests,
     /// Pod reconciles run.
     pub reconciles: Counter,
     /// Pod reconciles that failed.
@@ -88,6 +129,17 @@ impl Metrics {
                 "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
                 counter.get()
             );
+        }
+        let name = "tensile_api_requests_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} API requests sent.\n# TYPE {name} counter"
+        );
+        for side in [Side::Upper, Side::Lower] {
+            for verb in VERBS {
+                let n = self.api_requests.get(side, verb);
+                let _ = writeln!(out, "{name}{{cluster=\"{side}\",verb=\"{verb}\"}} {n}");
+            }
         }
         out
     }
