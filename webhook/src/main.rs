@@ -1,8 +1,147 @@
-//! tensile-webhook: mutating admission webhook for the upper cluster (not built yet; see the issue tracker).
+//! tensile-webhook: wiring only.
 
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
 use std::process::ExitCode;
+use std::sync::Arc;
 
-fn main() -> ExitCode {
-    eprintln!("tensile-webhook: not implemented yet");
-    ExitCode::FAILURE
+use clap::Parser;
+use tensile::clusters::{self, Side};
+use tensile_webhook::cli::{Cli, Command, GenCertsArgs, ServeArgs};
+use tensile_webhook::memory::DeschedulerMemory;
+use tensile_webhook::metrics::Metrics;
+use tensile_webhook::mutate::{MutateConfig, virtual_node_toleration};
+use tensile_webhook::server::{self, App};
+use tensile_webhook::{certs, pvc, tls};
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Some(Command::GenCerts(args)) => gen_certs(&args),
+        None => {
+            let filter = tracing_subscriber::EnvFilter::try_new(&cli.serve.log_level)
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+            tracing_subscriber::fmt().with_env_filter(filter).init();
+            serve(cli.serve).await
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("tensile-webhook: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn gen_certs(args: &GenCertsArgs) -> Result<(), String> {
+    let mut names = certs::service_names(&args.service, &args.namespace);
+    names.extend(args.host.iter().filter(|h| !h.is_empty()).cloned());
+    let generated = certs::generate(&args.service, &names, args.days).map_err(|e| e.to_string())?;
+    generated.write(&args.out).map_err(|e| e.to_string())?;
+    eprintln!(
+        "wrote ca.crt, tls.crt, tls.key to {} (valid for {})",
+        args.out.display(),
+        names.join(", ")
+    );
+    println!("{}", generated.ca_bundle());
+    Ok(())
+}
+
+async fn serve(args: ServeArgs) -> Result<(), String> {
+    let (Some(cert), Some(key)) = (args.tlscert.clone(), args.tlskey.clone()) else {
+        return Err("--tlscert and --tlskey are required (see `tensile-webhook gen-certs`)".into());
+    };
+    let (loaded, bytes) = tls::load(&cert, &key).map_err(|e| e.to_string())?;
+    let resolver = Arc::new(tls::ReloadingCert::new(loaded));
+    let tls_config = tls::server_config(resolver.clone()).map_err(|e| e.to_string())?;
+
+    let config = clusters::load_config(Side::Upper, args.kubeconfig.as_deref())
+        .await
+        .map_err(|e| e.to_string())?;
+    let server_url = config.cluster_url.to_string();
+    let client = kube::Client::try_from(config).map_err(|e| format!("upper cluster: {e}"))?;
+
+    let addr = SocketAddr::new(args.address, args.port);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+
+    let shutdown = CancellationToken::new();
+    tokio::spawn(handle_signals(shutdown.clone()));
+    let metrics = Arc::new(Metrics::default());
+    let (pvcs, pvc_watch) = pvc::watch(client, metrics.clone(), shutdown.clone());
+    let app = Arc::new(App {
+        config: MutateConfig {
+            ignore_selector_keys: nonempty(&args.ignore_selector_keys),
+            excluded_namespaces: nonempty(&args.excluded_namespaces),
+            virtual_node_toleration: args
+                .virtual_node_toleration
+                .then(|| virtual_node_toleration(&args.taint_key, &args.taint_effect)),
+        },
+        memory: DeschedulerMemory::default(),
+        volumes: Arc::new(pvcs),
+        metrics: metrics.clone(),
+        max_body_bytes: args.max_body_bytes,
+    });
+    info!(%addr, upper = %server_url, cert = %cert.display(), "serving");
+    let cert_watch = tls::watch(
+        cert,
+        key,
+        bytes,
+        resolver,
+        metrics.clone(),
+        args.cert_reload_interval,
+        shutdown.clone(),
+    );
+    let serve = server::serve_tls(
+        listener,
+        tls_config,
+        server::router(app),
+        metrics,
+        shutdown.clone(),
+    );
+    tokio::join!(
+        async {
+            serve.await;
+            shutdown.cancel();
+        },
+        cert_watch,
+        pvc_watch,
+    );
+    info!("stopped");
+    Ok(())
+}
+
+fn nonempty(values: &[String]) -> BTreeSet<String> {
+    values
+        .iter()
+        .map(|v| v.trim().to_owned())
+        .filter(|v| !v.is_empty())
+        .collect()
+}
+
+/// First SIGTERM/SIGINT: drain (stop accepting, finish requests in flight). Second: exit now.
+async fn handle_signals(shutdown: CancellationToken) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    info!("shutting down (signal again to exit at once)");
+    shutdown.cancel();
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+    std::process::exit(130);
 }

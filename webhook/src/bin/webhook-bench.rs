@@ -1,0 +1,3 @@
+//! webhook-bench: see the next commit.
+
+fn main() {}

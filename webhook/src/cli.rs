@@ -1,0 +1,181 @@
+//! Command line of `tensile-webhook`, with tensile-kube's flag names.
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{ArgAction, Args, Parser, Subcommand};
+
+use crate::server::DEFAULT_MAX_BODY_BYTES;
+
+/// Mutating admission webhook that lets pods labelled `virtual-pod: "true"` burst onto
+/// tensile virtual nodes.
+///
+/// Accepted for compatibility with tensile-kube but without effect: `--CA` (the API server
+/// verifies the webhook, not the reverse), `--master` and `--incluster` (the upper cluster
+/// is found from `--kubeconfig`, `$KUBECONFIG`, `~/.kube/config`, else in-cluster).
+#[derive(Parser, Debug, Clone)]
+#[command(name = "tensile-webhook", version, about, long_about = None, args_conflicts_with_subcommands = true)]
+pub struct Cli {
+    /// A one-off task instead of serving.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// Serving flags.
+    #[command(flatten)]
+    pub serve: ServeArgs,
+}
+
+/// One-off tasks.
+#[derive(Subcommand, Debug, Clone)]
+pub enum Command {
+    /// Writes a CA and a serving certificate for the webhook's Service (ca.crt, tls.crt,
+    /// tls.key) and prints the caBundle.
+    GenCerts(GenCertsArgs),
+}
+
+/// Flags of the server.
+#[derive(Args, Debug, Clone)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "0.0.0.0")]
+    pub address: IpAddr,
+
+    /// HTTPS port (`/mutate`, `/healthz`, `/readyz`, `/metrics`).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+
+    /// Serving certificate (PEM); reloaded when it changes on disk.
+    #[arg(long)]
+    pub tlscert: Option<PathBuf>,
+
+    /// Serving key (PEM); reloaded with the certificate.
+    #[arg(long)]
+    pub tlskey: Option<PathBuf>,
+
+    /// Accepted for tensile-kube compatibility; ignored.
+    #[arg(long = "CA", hide = true)]
+    pub ca: Option<PathBuf>,
+
+    /// Kubeconfig of the upper cluster (default: $KUBECONFIG, ~/.kube/config, in-cluster).
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Accepted for tensile-kube compatibility; ignored.
+    #[arg(long, hide = true)]
+    pub master: Option<String>,
+
+    /// Accepted for tensile-kube compatibility; ignored.
+    #[arg(long, hide = true, action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true")]
+    pub incluster: bool,
+
+    /// nodeSelector / required node-affinity keys that stay in the upper pod instead of
+    /// moving into `clusterSelector` (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "clusterID")]
+    pub ignore_selector_keys: Vec<String>,
+
+    /// Namespaces whose pods are never mutated (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "kube-system")]
+    pub excluded_namespaces: Vec<String>,
+
+    /// Add a toleration of the virtual node's taint to mutated pods.
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = true, default_missing_value = "true")]
+    pub virtual_node_toleration: bool,
+
+    /// Key of the virtual node's taint (as virtual-node's `VKUBELET_TAINT_KEY`).
+    #[arg(
+        long,
+        env = "VKUBELET_TAINT_KEY",
+        default_value = "virtual-kubelet.io/provider"
+    )]
+    pub taint_key: String,
+
+    /// Effect of the virtual node's taint (as virtual-node's `VKUBELET_TAINT_EFFECT`).
+    #[arg(long, env = "VKUBELET_TAINT_EFFECT", default_value = "NoSchedule")]
+    pub taint_effect: String,
+
+    /// How often the certificate files are checked for changes.
+    #[arg(long, value_parser = tensile::cli::parse_duration, default_value = "5s")]
+    pub cert_reload_interval: Duration,
+
+    /// Larger request bodies are answered with HTTP 400.
+    #[arg(long, default_value_t = DEFAULT_MAX_BODY_BYTES)]
+    pub max_body_bytes: usize,
+
+    /// Log filter (`info`, `debug`, or a tracing directive such as `tensile_webhook=debug`).
+    #[arg(long, default_value = "info")]
+    pub log_level: String,
+}
+
+/// Flags of `gen-certs`.
+#[derive(Args, Debug, Clone)]
+pub struct GenCertsArgs {
+    /// Name of the webhook's Service.
+    #[arg(long, default_value = "tensile-webhook")]
+    pub service: String,
+
+    /// Namespace of the webhook's Service.
+    #[arg(long, default_value = "tensile-system")]
+    pub namespace: String,
+
+    /// Further names the certificate is valid for: DNS names or IP addresses
+    /// (comma-separated or repeated), e.g. `127.0.0.1` for a webhook reached by URL.
+    #[arg(long, value_delimiter = ',')]
+    pub host: Vec<String>,
+
+    /// Validity in days.
+    #[arg(long, default_value_t = 3650)]
+    pub days: u32,
+
+    /// Directory to write ca.crt, tls.crt and tls.key into.
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn accepts_tensile_kube_flags() {
+        let cli = Cli::try_parse_from([
+            "tensile-webhook",
+            "--address=127.0.0.1",
+            "--port=9443",
+            "--tlscert=/c",
+            "--tlskey=/k",
+            "--CA=/ca",
+            "--master=https://x",
+            "--incluster",
+            "--ignore-selector-keys=clusterID,zone",
+        ])
+        .unwrap();
+        assert!(cli.command.is_none());
+        assert_eq!(cli.serve.port, 9443);
+        assert_eq!(cli.serve.ignore_selector_keys, ["clusterID", "zone"]);
+        assert!(cli.serve.virtual_node_toleration);
+        assert_eq!(cli.serve.excluded_namespaces, ["kube-system"]);
+
+        let cli =
+            Cli::try_parse_from(["tensile-webhook", "--virtual-node-toleration=false"]).unwrap();
+        assert!(!cli.serve.virtual_node_toleration);
+    }
+
+    #[test]
+    fn gen_certs_subcommand() {
+        let cli = Cli::try_parse_from([
+            "tensile-webhook",
+            "gen-certs",
+            "--out",
+            "/tmp/x",
+            "--host",
+            "127.0.0.1,localhost",
+        ])
+        .unwrap();
+        let Some(Command::GenCerts(args)) = cli.command else {
+            panic!("gen-certs expected")
+        };
+        assert_eq!(args.service, "tensile-webhook");
+        assert_eq!(args.host, ["127.0.0.1", "localhost"]);
+    }
+}
