@@ -86,14 +86,19 @@ pub async fn register(
         }
         Some(node) => {
             let existing_taints = node.spec.as_ref().and_then(|s| s.taints.as_deref());
-            let patch = json!({
-                "metadata": {"labels": node_labels(config)},
-                "spec": {"taints": merge_taints(existing_taints, config.taint.as_ref())},
-            });
-            nodes
-                .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-                .map_err(upper_error("updating", name))?
+            let labels = node_labels(config);
+            let taints = merge_taints(existing_taints, config.taint.as_ref());
+            let current = node.metadata.labels.clone().unwrap_or_default();
+            let labels_ok = labels.iter().all(|(k, v)| current.get(k) == Some(v));
+            if labels_ok && taints.as_deref() == existing_taints {
+                node
+            } else {
+                let patch = json!({"metadata": {"labels": labels}, "spec": {"taints": taints}});
+                nodes
+                    .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .map_err(upper_error("updating", name))?
+            }
         }
     };
     write_status(upper, config, capacity, node.status.as_ref()).await

@@ -21,6 +21,10 @@ pub struct VirtualNodeOptions {
     pub args: Vec<String>,
     /// Further environment variables.
     pub envs: Vec<(String, String)>,
+    /// Upper kubeconfig (default: the pair's admin one).
+    pub upper_kubeconfig: Option<PathBuf>,
+    /// Lower kubeconfig (default: the pair's admin one).
+    pub lower_kubeconfig: Option<PathBuf>,
 }
 
 impl VirtualNodeOptions {
@@ -31,6 +35,8 @@ impl VirtualNodeOptions {
             node_name: node_name.to_owned(),
             args: Vec::new(),
             envs: Vec::new(),
+            upper_kubeconfig: None,
+            lower_kubeconfig: None,
         }
     }
 }
@@ -59,9 +65,15 @@ impl ClusterPair {
             "--nodename".to_owned(),
             options.node_name.clone(),
             "--kubeconfig".into(),
-            p(&self.upper.kubeconfig),
+            p(options
+                .upper_kubeconfig
+                .as_ref()
+                .unwrap_or(&self.upper.kubeconfig)),
             "--client-kubeconfig".into(),
-            p(&self.lower.kubeconfig),
+            p(options
+                .lower_kubeconfig
+                .as_ref()
+                .unwrap_or(&self.lower.kubeconfig)),
             "--metrics-addr".into(),
             format!("127.0.0.1:{metrics_port}"),
         ];

@@ -1,0 +1,597 @@
+//! tensile-bench: measures virtual-node on its own cluster pair and prints a table.
+//!
+//! Scenarios (DESIGN.md targets): burst vs. the same pods straight in the lower cluster,
+//! status reflection delay, deletion, footprint (memory, CPU, API requests per pod), and
+//! restart catch-up with the writes it made. Figures, not assertions.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::Pod;
+use kube::Client;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use serde_json::json;
+use tensile_harness::fixtures::{bound_pod, pinned_spec, pod};
+use tensile_harness::{
+    ClusterPair, NodeShape, PairOptions, TestNamespace, VirtualNode, VirtualNodeOptions,
+    node_is_ready, wait_for,
+};
+
+#[derive(Parser)]
+#[command(about = "Benchmarks virtual-node against a local cluster pair")]
+struct Args {
+    /// Pods in the burst, status and deletion scenarios.
+    #[arg(long, default_value_t = 1000)]
+    pods: usize,
+    /// Mirrored-pod counts at which to measure footprint (the largest is also restarted).
+    /// Empty to skip.
+    #[arg(long, value_delimiter = ',', default_value = "1000,10000")]
+    footprint: Vec<usize>,
+    /// Pods the bench creates at once.
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    /// virtual-node's `--client-qps` / `--kube-api-qps` (burst = 2×).
+    #[arg(long, default_value_t = 2000)]
+    qps: u32,
+    /// The virtual-node binary (default: beside this one).
+    #[arg(long)]
+    virtual_node: Option<PathBuf>,
+}
+
+const NODE: &str = "vk-bench";
+const PODS_PER_LOWER_NODE: usize = 1000;
+const WAIT: Duration = Duration::from_secs(1800);
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,kube_client=off".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match run(Args::parse()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("tensile-bench: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// When each pod was created and first seen Running, by name.
+#[derive(Default)]
+struct Timeline {
+    created: HashMap<String, Instant>,
+    running: HashMap<String, Instant>,
+}
+
+type Shared = Arc<Mutex<Timeline>>;
+
+fn lock(t: &Shared) -> std::sync::MutexGuard<'_, Timeline> {
+    t.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Records, from a watch, when each pod of `api` matching `labels` is first Running.
+fn track_running(api: Api<Pod>, labels: &str, timeline: Shared) -> tokio::task::JoinHandle<()> {
+    let config = watcher::Config::default().labels(labels);
+    tokio::spawn(async move {
+        let mut events = std::pin::pin!(
+            watcher::watcher(api, config)
+                .default_backoff()
+                .applied_objects()
+        );
+        while let Some(event) = events.next().await {
+            let Ok(pod) = event else { continue };
+            let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+            if let (true, Some(name)) = (running, pod.metadata.name) {
+                lock(&timeline)
+                    .running
+                    .entry(name)
+                    .or_insert_with(Instant::now);
+            }
+        }
+    })
+}
+
+/// Creates `pods`, `concurrency` at a time, recording each creation time.
+async fn create_all(
+    api: &Api<Pod>,
+    pods: Vec<Pod>,
+    concurrency: usize,
+    timeline: &Shared,
+) -> Result<()> {
+    futures::stream::iter(pods)
+        .map(|p| async move {
+            let name = p.metadata.name.clone().unwrap_or_default();
+            lock(timeline).created.insert(name.clone(), Instant::now());
+            api.create(&PostParams::default(), &p)
+                .await
+                .with_context(|| format!("creating pod {name}"))
+        })
+        .buffer_unordered(concurrency)
+        .try_collect::<Vec<_>>()
+        .await?;
+    Ok(())
+}
+
+async fn wait_all_running(timeline: &Shared, n: usize, what: &str) -> Result<()> {
+    wait_for(what, WAIT, || async {
+        Ok((lock(timeline).running.len() >= n).then_some(()))
+    })
+    .await
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+struct Latencies {
+    total: Duration,
+    p50: Duration,
+    p90: Duration,
+    p99: Duration,
+    max: Duration,
+}
+
+fn latencies(timeline: &Timeline, from: Instant) -> Latencies {
+    let mut each: Vec<Duration> = timeline
+        .running
+        .iter()
+        .filter_map(|(name, at)| Some(at.saturating_duration_since(*timeline.created.get(name)?)))
+        .collect();
+    each.sort();
+    let last = timeline.running.values().max().copied().unwrap_or(from);
+    Latencies {
+        total: last.saturating_duration_since(from),
+        p50: percentile(&each, 50.0),
+        p90: percentile(&each, 90.0),
+        p99: percentile(&each, 99.0),
+        max: each.last().copied().unwrap_or_default(),
+    }
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.0} ms", d.as_secs_f64() * 1000.0)
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.2} s", d.as_secs_f64())
+}
+
+struct Report {
+    rows: Vec<(String, String, String)>,
+}
+
+impl Report {
+    fn row(&mut self, scenario: &str, measure: &str, value: String) {
+        println!("  {scenario:<28} {measure:<44} {value}");
+        self.rows.push((scenario.into(), measure.into(), value));
+    }
+}
+
+/// One scenario's pods in a namespace of their own.
+async fn burst(
+    client: &Client,
+    prefix: &str,
+    pods: Vec<Pod>,
+    concurrency: usize,
+) -> Result<(TestNamespace, Latencies, Shared)> {
+    let ns = TestNamespace::create(client, prefix).await?;
+    let api: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
+    let timeline = Shared::default();
+    let n = pods.len();
+    let tracker = track_running(api.clone(), "bench=1", timeline.clone());
+    let start = Instant::now();
+    create_all(&api, pods, concurrency, &timeline).await?;
+    wait_all_running(&timeline, n, &format!("{n} pods Running ({prefix})")).await?;
+    tracker.abort();
+    let result = latencies(&lock(&timeline), start);
+    Ok((ns, result, timeline))
+}
+
+fn labelled(mut p: Pod) -> Pod {
+    p.metadata
+        .labels
+        .get_or_insert_with(BTreeMap::new)
+        .insert("bench".into(), "1".into());
+    p
+}
+
+async fn delete_and_wait(upper: &Client, lower: &Client, ns: &str, n: usize) -> Result<Duration> {
+    let start = Instant::now();
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), ns);
+    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), ns);
+    upper_pods
+        .delete_collection(
+            &DeleteParams::default(),
+            &ListParams::default().labels("bench=1"),
+        )
+        .await?;
+    wait_for(
+        &format!("{n} pods gone from both clusters"),
+        WAIT,
+        || async {
+            let lp = ListParams::default().labels("bench=1");
+            let left = upper_pods.list_metadata(&lp).await?.items.len()
+                + lower_pods.list_metadata(&lp).await?.items.len();
+            Ok((left == 0).then_some(()))
+        },
+    )
+    .await?;
+    Ok(start.elapsed())
+}
+
+/// Resident and peak memory (bytes) and CPU seconds of a process.
+fn footprint(pid: u32) -> Result<(u64, u64, f64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib = |key: &str| -> u64 {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the parenthesised command name; utime and stime are the 14th and 15th.
+    let after = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .unwrap_or_default();
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: u64 = fields.get(11).and_then(|v| v.parse().ok()).unwrap_or(0)
+        + fields.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
+    // USER_HZ, the unit of utime/stime in /proc, is 100 on Linux whatever the kernel's HZ.
+    let hz = 100.0;
+    Ok((
+        kib("VmRSS:") * 1024,
+        kib("VmHWM:") * 1024,
+        ticks as f64 / hz,
+    ))
+}
+
+/// virtual-node's own counters, from its metrics endpoint.
+async fn scrape(port: u16) -> Result<BTreeMap<String, f64>> {
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await?;
+    let mut body = String::new();
+    stream.read_to_string(&mut body).await?;
+    Ok(body
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.rsplit_once(' '))
+        .filter_map(|(k, v)| Some((k.to_owned(), v.parse().ok()?)))
+        .collect())
+}
+
+/// Writes virtual-node made for pods: upper status writes, lower creates, updates and
+/// orphan deletions (the lease and node status are not pod writes).
+fn pod_writes(metrics: &BTreeMap<String, f64>) -> f64 {
+    [
+        "tensile_upper_status_writes_total",
+        "tensile_lower_pod_creates_total",
+        "tensile_lower_pod_updates_total",
+        "tensile_orphans_deleted_total",
+    ]
+    .iter()
+    .map(|k| metrics.get(*k).copied().unwrap_or(0.0))
+    .sum()
+}
+
+fn requests_by_verb(
+    metrics: &BTreeMap<String, f64>,
+    base: &BTreeMap<String, f64>,
+    pods: usize,
+) -> String {
+    let mut parts = Vec::new();
+    for cluster in ["upper", "lower"] {
+        for verb in ["get", "watch", "create", "update", "patch", "delete"] {
+            let key =
+                format!("tensile_api_requests_total{{cluster=\"{cluster}\",verb=\"{verb}\"}}");
+            let delta = metrics.get(&key).unwrap_or(&0.0) - base.get(&key).unwrap_or(&0.0);
+            if delta > 0.0 {
+                parts.push(format!("{cluster} {verb} {:.2}", delta / pods as f64));
+            }
+        }
+    }
+    parts.join(", ")
+}
+
+async fn start_node(pair: &ClusterPair, binary: &PathBuf, qps: u32) -> Result<VirtualNode> {
+    let mut options = VirtualNodeOptions::new(binary, NODE);
+    options.args = [
+        "--client-qps",
+        &qps.to_string(),
+        "--client-burst",
+        &(2 * qps).to_string(),
+        "--kube-api-qps",
+        &qps.to_string(),
+        "--kube-api-burst",
+        &(2 * qps).to_string(),
+        "--pod-sync-workers",
+        "32",
+        "--log-level",
+        "warn",
+    ]
+    .iter()
+    .map(ToString::to_string)
+    .collect();
+    let node = pair.start_virtual_node(&options)?;
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(pair.upper.client().await?);
+    wait_for(
+        &format!("node {NODE} Ready"),
+        Duration::from_secs(60),
+        || async { Ok(nodes.get_opt(NODE).await?.filter(node_is_ready).map(|_| ())) },
+    )
+    .await?;
+    Ok(node)
+}
+
+async fn run(args: Args) -> Result<()> {
+    let binary = match &args.virtual_node {
+        Some(path) => path.clone(),
+        None => std::env::current_exe()?.with_file_name("virtual-node"),
+    };
+    if !binary.exists() {
+        bail!(
+            "{} not found: build it first (`cargo build --release --workspace --bins`)",
+            binary.display()
+        );
+    }
+    let largest = args
+        .footprint
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(0)
+        .max(args.pods);
+    let lower_nodes = largest.div_ceil(PODS_PER_LOWER_NODE) + 1;
+    let mut options = PairOptions::default();
+    options.lower.nodes = lower_nodes;
+    options.lower.node_shape = NodeShape {
+        cpu: "1000".into(),
+        memory: "4Ti".into(),
+        pods: PODS_PER_LOWER_NODE.to_string(),
+    };
+    let apiserver = vec![
+        "--max-requests-inflight=1000".to_owned(),
+        "--max-mutating-requests-inflight=500".to_owned(),
+    ];
+    options.upper.apiserver_args.clone_from(&apiserver);
+    options.lower.apiserver_args = apiserver;
+    eprintln!(
+        "starting the cluster pair ({lower_nodes} lower kwok nodes of {PODS_PER_LOWER_NODE} pods) ..."
+    );
+    let pair = ClusterPair::start(options).await?;
+    let (upper, lower) = (pair.upper.client().await?, pair.lower.client().await?);
+    let mut vn = start_node(&pair, &binary, args.qps).await?;
+
+    println!(
+        "\ntensile-bench: {} cores, Kubernetes {}, virtual-node {} ({}), {} pods",
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(0),
+        pair.binaries.kubernetes_version(),
+        env!("CARGO_PKG_VERSION"),
+        if cfg!(debug_assertions) {
+            "debug build"
+        } else {
+            "release build"
+        },
+        args.pods,
+    );
+    println!(
+        "limits: virtual-node --client-qps/--kube-api-qps {} (burst {}), 32 pod workers; bench creates {} pods at a time; \
+         apiservers --max-requests-inflight=1000 --max-mutating-requests-inflight=500; \
+         kube-scheduler and controller-manager qps 500; kwok pods Running at once (fast stages)\n",
+        args.qps,
+        2 * args.qps,
+        args.concurrency,
+    );
+    let mut report = Report { rows: Vec::new() };
+    let n = args.pods;
+
+    // 1. The ceiling: the same pods straight in the lower cluster.
+    let spec = json!({"containers": [{"name": "app", "image": "nginx"}]});
+    let pods: Vec<Pod> = (0..n)
+        .map(|i| labelled(pod(&format!("p-{i:05}"), spec.clone())))
+        .collect();
+    let (ns, baseline, _) = burst(&lower, "bench-baseline", pods, args.concurrency).await?;
+    report.row("baseline (lower only)", "all Running", secs(baseline.total));
+    report.row(
+        "baseline (lower only)",
+        "per pod p50 / p99",
+        format!("{} / {}", ms(baseline.p50), ms(baseline.p99)),
+    );
+    let _ = delete_and_wait(&lower, &lower, &ns.name, n).await;
+    ns.delete().await?;
+
+    // 2. Burst onto the virtual node, bound directly; status reflection measured on it.
+    let pods: Vec<Pod> = (0..n)
+        .map(|i| labelled(bound_pod(&format!("p-{i:05}"), NODE)))
+        .collect();
+    // The lower namespace appears only once the first pod is mirrored: watch them all.
+    let lower_timeline = Shared::default();
+    let lower_tracker = track_running(
+        Api::all(lower.clone()),
+        &format!("bench=1,tensile.dev/virtual-node={NODE}"),
+        lower_timeline.clone(),
+    );
+    let (ns, direct, upper_timeline) =
+        burst(&upper, "bench-direct", pods, args.concurrency).await?;
+    let ratio = direct.total.as_secs_f64() / baseline.total.as_secs_f64().max(1e-9);
+    report.row(
+        "burst (nodeName)",
+        "all Running in upper",
+        secs(direct.total),
+    );
+    report.row(
+        "burst (nodeName)",
+        "per pod p50 / p90 / p99 / max",
+        format!(
+            "{} / {} / {} / {}",
+            ms(direct.p50),
+            ms(direct.p90),
+            ms(direct.p99),
+            ms(direct.max)
+        ),
+    );
+    report.row(
+        "burst (nodeName)",
+        "ratio to baseline (target <= 1.2)",
+        format!("{ratio:.2}"),
+    );
+    wait_for("lower Running times", Duration::from_secs(30), || async {
+        Ok((lock(&lower_timeline).running.len() >= n).then_some(()))
+    })
+    .await?;
+    lower_tracker.abort();
+    let mut delays: Vec<Duration> = {
+        let (up, low) = (lock(&upper_timeline), lock(&lower_timeline));
+        up.running
+            .iter()
+            .filter_map(|(name, at)| Some(at.saturating_duration_since(*low.running.get(name)?)))
+            .collect()
+    };
+    delays.sort();
+    report.row(
+        "status reflection",
+        "lower Running -> upper Running p50 / p99 (target p99 < 200 ms)",
+        format!(
+            "{} / {}",
+            ms(percentile(&delays, 50.0)),
+            ms(percentile(&delays, 99.0))
+        ),
+    );
+    let deletion = delete_and_wait(&upper, &lower, &ns.name, n).await?;
+    report.row(
+        "deletion",
+        &format!("{n} upper pods gone from both clusters"),
+        secs(deletion),
+    );
+    ns.delete().await?;
+
+    // 3. Burst through the real scheduler.
+    let pods: Vec<Pod> = (0..n)
+        .map(|i| labelled(pod(&format!("p-{i:05}"), pinned_spec(NODE))))
+        .collect();
+    let (ns, scheduled, _) = burst(&upper, "bench-scheduled", pods, args.concurrency).await?;
+    let ratio = scheduled.total.as_secs_f64() / baseline.total.as_secs_f64().max(1e-9);
+    report.row(
+        "burst (scheduler)",
+        "all Running in upper",
+        secs(scheduled.total),
+    );
+    report.row(
+        "burst (scheduler)",
+        "per pod p50 / p99",
+        format!("{} / {}", ms(scheduled.p50), ms(scheduled.p99)),
+    );
+    report.row(
+        "burst (scheduler)",
+        "ratio to baseline (target <= 1.2)",
+        format!("{ratio:.2}"),
+    );
+    let _ = delete_and_wait(&upper, &lower, &ns.name, n).await?;
+    ns.delete().await?;
+
+    // 4. Footprint at each size, and a restart at the largest.
+    let mut sizes = args.footprint.clone();
+    sizes.retain(|s| *s > 0);
+    sizes.sort_unstable();
+    if !sizes.is_empty() {
+        let ns = TestNamespace::create(&upper, "bench-footprint").await?;
+        let api: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+        let timeline = Shared::default();
+        let tracker = track_running(api.clone(), "bench=1", timeline.clone());
+        let base = scrape(vn.metrics_port).await?;
+        let (_, _, cpu_before) = footprint(vn.pid())?;
+        let mut made = 0;
+        for size in &sizes {
+            let pods: Vec<Pod> = (made..*size)
+                .map(|i| labelled(bound_pod(&format!("f-{i:05}"), NODE)))
+                .collect();
+            create_all(&api, pods, args.concurrency, &timeline).await?;
+            made = *size;
+            wait_all_running(&timeline, made, &format!("{made} mirrored pods Running")).await?;
+            tokio::time::sleep(Duration::from_secs(5)).await; // settle before sampling memory
+            let (rss, peak, cpu) = footprint(vn.pid())?;
+            let metrics = scrape(vn.metrics_port).await?;
+            let label = format!("footprint at {size} pods");
+            report.row(
+                &label,
+                "resident / peak memory (target < 100 MiB at 10000)",
+                format!(
+                    "{:.1} MiB / {:.1} MiB",
+                    rss as f64 / 1048576.0,
+                    peak as f64 / 1048576.0
+                ),
+            );
+            report.row(
+                &label,
+                "CPU seconds since the first pod",
+                format!("{:.1} s", cpu - cpu_before),
+            );
+            report.row(
+                &label,
+                "API requests per mirrored pod",
+                requests_by_verb(&metrics, &base, made),
+            );
+        }
+        tracker.abort();
+
+        // Restart: caught up = every mirrored pod reconciled once; writes should be zero.
+        vn.stop()?;
+        let restart = Instant::now();
+        vn = start_node(&pair, &binary, args.qps).await?;
+        let caught_up = wait_for("restart caught up", WAIT, || async {
+            let m = scrape(vn.metrics_port).await?;
+            let reconciled = m
+                .get("tensile_pod_reconciles_total")
+                .copied()
+                .unwrap_or(0.0);
+            Ok((reconciled >= made as f64).then_some(restart.elapsed()))
+        })
+        .await?;
+        tokio::time::sleep(Duration::from_secs(6)).await; // one orphan-collection round
+        let m = scrape(vn.metrics_port).await?;
+        let label = format!("restart with {made} pods");
+        report.row(
+            &label,
+            "caught up (target < 10 s at 10000)",
+            secs(caught_up),
+        );
+        report.row(
+            &label,
+            "pod writes for pods already in sync (target 0)",
+            format!("{:.0}", pod_writes(&m)),
+        );
+        report.row(
+            &label,
+            "all requests of the restarted process",
+            requests_by_verb(&m, &BTreeMap::new(), 1),
+        );
+        let deletion = delete_and_wait(&upper, &lower, &ns.name, made).await?;
+        report.row(&label, "then deleted from both clusters", secs(deletion));
+        ns.delete().await?;
+    }
+    vn.stop()?;
+    println!("\n{} figures.", report.rows.len());
+    Ok(())
+}
