@@ -7,6 +7,7 @@
 
 pub mod certs;
 pub mod cli;
+pub mod loopback;
 pub mod memory;
 pub mod metrics;
 pub mod mutate;

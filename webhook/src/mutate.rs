@@ -13,7 +13,7 @@ use k8s_openapi::api::core::v1::{
 use serde::Deserialize;
 use serde_json::Value;
 use tensile::translate::meta::{CLUSTER_SELECTOR_ANNOTATION, VIRTUAL_POD_LABEL};
-use tensile::translate::scheduling::{ClusterSelector, parse_cluster_selector, stash_constraints};
+use tensile::translate::scheduling::{parse_cluster_selector, stash_constraints};
 
 use crate::memory::DeschedulerMemory;
 use crate::review::AdmissionRequest;
@@ -231,13 +231,11 @@ pub fn admit(
     let mut new = old.clone();
 
     // Re-stashing an already mutated pod (re-created from a dump of one, or reinvoked)
-    // would replace the original constraints with the upper ones.
-    let stash = if already_stashed {
-        None
-    } else {
-        Some(stash_constraints(&mut new, &config.ignore_selector_keys))
-            .filter(|s| *s != ClusterSelector::default())
-    };
+    // would replace the original constraints with the upper ones. So the annotation is
+    // written even when there is nothing to stash (`{}`, which virtual-node reads like
+    // no annotation): it marks the pod as done.
+    let stash =
+        (!already_stashed).then(|| stash_constraints(&mut new, &config.ignore_selector_keys));
     new.tolerations = Some(upper_tolerations(
         new.tolerations.as_deref(),
         config.virtual_node_toleration.as_ref(),
