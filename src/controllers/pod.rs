@@ -154,7 +154,10 @@ fn reflected(
 ) -> (Store<Pod>, PodStream, watch::Receiver<bool>) {
     let (store, writer) = reflector::store();
     let (ready_tx, ready_rx) = watch::channel(false);
-    let stream = reflector::reflector(writer, watcher::watcher(api, config))
+    // managedFields are a large JSON tree per pod that nothing here reads: dropping them
+    // before they reach the store is most of the memory a mirrored pod costs.
+    let events = watcher::watcher(api, config).modify(|pod| pod.managed_fields_mut().clear());
+    let stream = reflector::reflector(writer, events)
         .default_backoff()
         .inspect_ok(move |event| {
             if matches!(event, watcher::Event::InitDone) {
