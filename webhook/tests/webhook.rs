@@ -14,7 +14,7 @@ use std::time::Duration;
 use base64::Engine;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::{Value, json};
 use tensile::translate::meta::CLUSTER_SELECTOR_ANNOTATION;
@@ -375,6 +375,42 @@ async fn labelled_pods_burst_onto_the_virtual_node_with_their_selector_below() {
         created.spec.as_ref().unwrap().node_selector,
         Some([("disktype".to_owned(), "ssd".to_owned())].into())
     );
+
+    // A pod mounting a PVC provisioned on a node is bound to that node (read from the
+    // webhook's PVC cache, which may lag the create by a moment).
+    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": {"name": "data", "annotations": {"volume.kubernetes.io/selected-node": NODE}},
+        "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "none",
+                 "resources": {"requests": {"storage": "1Gi"}}},
+    }))
+    .unwrap();
+    Api::<PersistentVolumeClaim>::namespaced(upper.clone(), &ns.name)
+        .create(&PostParams::default(), &claim)
+        .await
+        .unwrap();
+    let mut with_volume = pod(
+        "with-volume",
+        app_spec(
+            json!({"volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "data"}}]}),
+        ),
+    );
+    with_volume
+        .metadata
+        .labels
+        .get_or_insert_default()
+        .insert("virtual-pod".into(), "true".into());
+    let bound = wait_for("the pod bound to the PVC's node", TIMEOUT, || async {
+        let created = upper_pods.create(&dry, &with_volume).await?;
+        let node = created.spec.and_then(|s| s.node_name);
+        Ok((node.as_deref() == Some(NODE)).then_some(()))
+    })
+    .await;
+    if let Err(error) = bound {
+        panic!(
+            "{error:#}\n--- tensile-webhook log:\n{}",
+            webhook.log_tail()
+        );
+    }
 
     // The webhook saw the pods it mutated and nothing it ignores by selector.
     let mut conn = webhook_client.connect().await.unwrap();
