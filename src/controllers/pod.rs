@@ -22,8 +22,8 @@ use super::{Context, Error, api_error, dependencies, is_status};
 use crate::clusters::Side;
 use crate::translate::meta::OWNER_NODE_LABEL;
 use crate::translate::pod::{
-    PodTranslation, is_owned_by, lower_gone_status, lower_pod, lower_pod_update, status_in_sync,
-    upper_status, upper_uid,
+    PodTranslation, is_owned_by, lower_gone_status, lower_pod, lower_pod_update, prune_for_store,
+    status_in_sync, upper_status, upper_uid,
 };
 
 /// Reason on an upper pod whose lower pod disappeared.
@@ -154,9 +154,9 @@ fn reflected(
 ) -> (Store<Pod>, PodStream, watch::Receiver<bool>) {
     let (store, writer) = reflector::store();
     let (ready_tx, ready_rx) = watch::channel(false);
-    // managedFields are a large JSON tree per pod that nothing here reads: dropping them
-    // before they reach the store is most of the memory a mirrored pod costs.
-    let events = watcher::watcher(api, config).modify(|pod| pod.managed_fields_mut().clear());
+    // The stores keep pods pruned to what reconciles compare (most of a pod's memory is
+    // spec detail read only when the lower pod is created, and managedFields).
+    let events = watcher::watcher(api, config).modify(prune_for_store);
     let stream = reflector::reflector(writer, events)
         .default_backoff()
         .inspect_ok(move |event| {
@@ -368,12 +368,25 @@ async fn delete_lower(
 }
 
 async fn create(
-    upper: &Pod,
+    stored: &Pod,
     pc: &PodContext,
     lower_api: &Api<Pod>,
     key: &str,
 ) -> Result<(), Error> {
     let ctx = &pc.ctx;
+    // The store holds a pruned pod; the lower pod is made from the whole one.
+    let upper_api: Api<Pod> =
+        Api::namespaced(ctx.upper.clone(), &stored.namespace().unwrap_or_default());
+    let Some(upper) = upper_api
+        .get_opt(&stored.name_any())
+        .await
+        .map_err(api_error(Side::Upper, "reading", "Pod", key))?
+        .filter(|p| p.metadata.uid == stored.metadata.uid)
+    else {
+        // Gone or replaced meanwhile: its own watch event brings the next step.
+        return Ok(());
+    };
+    let upper = &upper;
     dependencies::ensure_for_pod(ctx, upper, key).await?;
     let translation = PodTranslation {
         node_name: &ctx.node_name,
@@ -429,7 +442,7 @@ async fn sync(
             .patch(
                 &lower.name_any(),
                 &PatchParams::default(),
-                &Patch::Merge(&patch),
+                &Patch::Strategic(&patch),
             )
             .await
             .map_err(api_error(Side::Lower, "updating", "Pod", key))?;

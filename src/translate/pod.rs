@@ -219,6 +219,33 @@ pub fn upper_uid(meta: &ObjectMeta) -> Option<&str> {
         .map(String::as_str)
 }
 
+/// Prunes a pod to what the controller needs between reconciles: identity, labels and
+/// annotations, container names and images, tolerations, activeDeadlineSeconds, nodeName
+/// and status — what `lower_pod_update`, status reflection and ownership read. The rest
+/// of the spec (probes, env, volumes…) is most of a pod's memory; the full upper pod is
+/// read again when its lower pod is created.
+pub fn prune_for_store(pod: &mut Pod) {
+    pod.metadata.managed_fields = None;
+    if let Some(spec) = pod.spec.as_mut() {
+        let keep = |c: &Container| Container {
+            name: c.name.clone(),
+            image: c.image.clone(),
+            ..Container::default()
+        };
+        *spec = PodSpec {
+            containers: spec.containers.iter().map(keep).collect(),
+            init_containers: spec
+                .init_containers
+                .as_ref()
+                .map(|cs| cs.iter().map(keep).collect()),
+            tolerations: spec.tolerations.take(),
+            active_deadline_seconds: spec.active_deadline_seconds,
+            node_name: spec.node_name.take(),
+            ..PodSpec::default()
+        };
+    }
+}
+
 /// The status to write on the upper pod so it shows what its lower copy is doing.
 pub fn upper_status(lower: &Pod, upper: &Pod) -> PodStatus {
     let from = lower.status.clone().unwrap_or_default();
@@ -290,8 +317,10 @@ fn reflected(status: PodStatus) -> PodStatus {
     }
 }
 
-/// The JSON merge patch that brings the lower pod in line with the upper pod, within what
-/// Kubernetes lets change on an existing pod; `None` when they already agree.
+/// The strategic merge patch that brings the lower pod in line with the upper pod, within
+/// what Kubernetes lets change on an existing pod; `None` when they already agree. Maps
+/// and tolerations are sent as a JSON merge patch would; containers only as `{name,
+/// image}` for those whose image changed (merged by name).
 pub fn lower_pod_update(
     upper: &Pod,
     lower: &Pod,
@@ -403,31 +432,26 @@ fn map_patch(
     (!patch.is_empty()).then_some(Value::Object(patch))
 }
 
-/// The lower containers with the images of the upper ones (matched by name, since the
-/// lower cluster may have injected containers of its own); `None` if no image changed.
-/// A merge patch replaces a list whole, so the full lower list is sent.
+/// The containers whose image changed upstream (matched by name: the lower cluster may
+/// have injected containers of its own), as `{name, image}` entries of a strategic
+/// merge patch (which merges containers by name, so the rest of each container and the
+/// unchanged ones need not be sent, nor kept in memory).
 fn with_images(lower: &[Container], upper: &[Container]) -> Option<Vec<Container>> {
-    let mut changed = false;
-    let containers = lower
+    let changed: Vec<Container> = lower
         .iter()
-        .map(|c| {
+        .filter_map(|c| {
             let image = upper
                 .iter()
                 .find(|u| u.name == c.name)
-                .and_then(|u| u.image.as_ref());
-            match image {
-                Some(image) if c.image.as_ref() != Some(image) => {
-                    changed = true;
-                    Container {
-                        image: Some(image.clone()),
-                        ..c.clone()
-                    }
-                }
-                _ => c.clone(),
-            }
+                .and_then(|u| u.image.as_ref())?;
+            (c.image.as_ref() != Some(image)).then(|| Container {
+                name: c.name.clone(),
+                image: Some(image.clone()),
+                ..Container::default()
+            })
         })
         .collect();
-    changed.then_some(containers)
+    (!changed.is_empty()).then_some(changed)
 }
 
 /// The lower tolerations plus those the upper pod gained. Kubernetes accepts only
@@ -1098,8 +1122,6 @@ mod tests {
                 .unwrap()[MIRRORED_KEYS_ANNOTATION]
                 .clone()
         };
-        let mut containers_new_image = stored_json["spec"]["containers"].clone();
-        containers_new_image[0]["image"] = json!("nginx:2");
         let stash_with = |tolerations: Value| json!({"tolerations": tolerations}).to_string();
         let gpu = json!({"key": "gpu", "operator": "Exists"});
         let tpu = json!({"key": "tpu", "operator": "Exists"});
@@ -1109,9 +1131,9 @@ mod tests {
         let cases: Vec<(&str, Value, Option<Value>)> = vec![
             ("in sync", json!({}), None),
             (
-                "image change sends the lower containers with the new image",
+                "image change sends {name, image} of that container (strategic merge by name)",
                 json!({"spec": {"containers": [{"name": "app", "image": "nginx:2"}]}}),
-                Some(json!({"spec": {"containers": containers_new_image}})),
+                Some(json!({"spec": {"containers": [{"name": "app", "image": "nginx:2"}]}})),
             ),
             (
                 "init container image change",
@@ -1317,5 +1339,32 @@ mod tests {
             assert_eq!(trip_labels(&mut got, &ignore), labels(tripped), "{name}");
             assert_eq!(got, labels(left), "{name}");
         }
+    }
+
+    #[test]
+    fn a_pruned_pod_still_syncs_the_same() {
+        let upper = pod(patched(
+            updatable_upper(),
+            json!({"spec": {"containers": [{"name": "app", "image": "nginx:2"}]}}),
+        ));
+        let mut lower = pod(json!({
+            "metadata": {"name": "web", "namespace": "ns"},
+            "spec": {"containers": [{"name": "app", "image": "nginx:1",
+                "env": [{"name": "A", "value": "b"}],
+                "livenessProbe": {"httpGet": {"path": "/", "port": 80}}}]},
+        }));
+        let before = lower_pod(&upper, &translation(&[])).unwrap();
+        let mut pruned_upper = upper.clone();
+        prune_for_store(&mut pruned_upper);
+        prune_for_store(&mut lower);
+        let after = lower_pod(&pruned_upper, &translation(&[])).unwrap();
+        assert_eq!(
+            after.metadata, before.metadata,
+            "labels, annotations and marks unchanged"
+        );
+        let spec = pruned_upper.spec.unwrap();
+        assert_eq!(spec.containers[0].image.as_deref(), Some("nginx:2"));
+        assert!(spec.volumes.is_none() && spec.containers[0].env.is_none());
+        assert!(lower.spec.unwrap().containers[0].liveness_probe.is_none());
     }
 }
