@@ -23,7 +23,7 @@ use crate::clusters::Side;
 use crate::translate::meta::OWNER_NODE_LABEL;
 use crate::translate::pod::{
     PodTranslation, is_owned_by, lower_gone_status, lower_pod, lower_pod_update, prune_for_store,
-    status_in_sync, upper_status, upper_uid,
+    status_in_sync, status_is_informative, upper_status, upper_uid,
 };
 
 /// Reason on an upper pod whose lower pod disappeared.
@@ -428,7 +428,8 @@ async fn sync(
 ) -> Result<(), Error> {
     let ctx = &pc.ctx;
     let desired = upper_status(lower, upper);
-    if !status_in_sync(upper.status.as_ref(), &desired) {
+    let informative = lower.status.as_ref().is_some_and(status_is_informative);
+    if informative && !status_in_sync(upper.status.as_ref(), &desired) {
         write_status(upper_api, &upper.name_any(), &desired, key).await?;
         ctx.metrics.status_writes.inc();
         debug!(cluster = "upper", phase = ?desired.phase, "reflected status");
