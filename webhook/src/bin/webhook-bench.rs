@@ -130,10 +130,16 @@ fn run_in(cli: &Cli, dir: &std::path::Path, ca: &[u8]) -> Result<bool, ClientErr
     running.shutdown.cancel();
     let _ = server_rt.block_on(running.task);
     let text = app.metrics.render();
-    for line in text.lines().filter(|l| {
-        l.starts_with("tensile_webhook_requests_total")
-            || l.starts_with("tensile_webhook_bad_requests_total")
-    }) {
+    let shown = [
+        "tensile_webhook_requests_total",
+        "tensile_webhook_bad_requests_total",
+        // Time inside the handler, without TLS, HTTP or queueing for a CPU.
+        "tensile_webhook_review_duration_seconds_bucket",
+    ];
+    for line in text
+        .lines()
+        .filter(|l| shown.iter().any(|s| l.starts_with(s)) && !l.ends_with(" 0"))
+    {
         println!("  server: {line}");
     }
     Ok(ok)
