@@ -8,8 +8,7 @@ use clap::{ArgAction, Parser};
 
 /// Joins a lower Kubernetes cluster to an upper one as a virtual node.
 ///
-/// Accepted for compatibility with tensile-kube but without effect here:
-/// `--enable-controllers` (the optional controllers are not built yet), and the kubelet
+/// Accepted for compatibility with tensile-kube but without effect here: the kubelet
 /// certificate variables `APISERVER_CERT_LOCATION`, `APISERVER_KEY_LOCATION`,
 /// `APISERVER_CA_CERT_LOCATION` (the kubelet API is not served yet).
 #[derive(Parser, Debug, Clone)]
@@ -51,8 +50,10 @@ pub struct Args {
     )]
     pub ignore_labels: Vec<String>,
 
-    /// Optional controllers (tensile-kube: `PVControllers,ServiceControllers`). Accepted;
-    /// not built yet.
+    /// Optional controllers, comma-separated: `PVControllers` (claims bound below, their
+    /// volumes reflected up), `ServiceControllers` (Services, EndpointSlices and Endpoints
+    /// mirrored down). `--enable-controllers=` runs neither. ConfigMap/Secret sync and
+    /// event reflection always run. Unknown names are logged and skipped (tensile-kube).
     #[arg(
         long,
         value_delimiter = ',',
@@ -131,6 +132,34 @@ pub struct Args {
     /// CA for kubelet API clients (accepted; see above).
     #[arg(long, env = "APISERVER_CA_CERT_LOCATION", hide = true)]
     pub apiserver_ca_cert: Option<PathBuf>,
+}
+
+/// Which optional controllers `--enable-controllers` turns on.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct OptionalControllers {
+    /// `PVControllers`.
+    pub volumes: bool,
+    /// `ServiceControllers`.
+    pub services: bool,
+    /// Names given that are neither (skipped with a warning, as tensile-kube does).
+    pub unknown: Vec<String>,
+}
+
+impl Args {
+    /// The optional controllers to run. Names match without regard to case.
+    pub fn optional_controllers(&self) -> OptionalControllers {
+        let mut enabled = OptionalControllers::default();
+        for name in self.enable_controllers.iter().map(|n| n.trim()) {
+            if name.eq_ignore_ascii_case("PVControllers") {
+                enabled.volumes = true;
+            } else if name.eq_ignore_ascii_case("ServiceControllers") {
+                enabled.services = true;
+            } else if !name.is_empty() {
+                enabled.unknown.push(name.to_owned());
+            }
+        }
+        enabled
+    }
 }
 
 /// `10s`, `1m`, `1h`, `500ms`, or plain seconds — the forms tensile-kube users write.
@@ -224,5 +253,40 @@ mod tests {
         assert_eq!(args.full_resync_period, Duration::from_secs(30));
         assert_eq!(args.metrics_addr.port(), 10255);
         assert!(args.enable_node_lease);
+        assert_eq!(args.optional_controllers(), OptionalControllers::default());
+    }
+
+    #[test]
+    fn optional_controllers() {
+        let parse = |flag: Option<&str>| {
+            let mut argv = vec!["virtual-node", "--client-kubeconfig", "k"];
+            argv.extend(flag);
+            Args::try_parse_from(argv).unwrap().optional_controllers()
+        };
+        let both = OptionalControllers {
+            volumes: true,
+            services: true,
+            unknown: vec![],
+        };
+        assert_eq!(parse(None), both, "both by default");
+        assert_eq!(
+            parse(Some("--enable-controllers=")),
+            OptionalControllers::default()
+        );
+        assert_eq!(
+            parse(Some("--enable-controllers=ServiceControllers")),
+            OptionalControllers {
+                services: true,
+                ..OptionalControllers::default()
+            }
+        );
+        assert_eq!(
+            parse(Some("--enable-controllers=pvcontrollers, Nope")),
+            OptionalControllers {
+                volumes: true,
+                services: false,
+                unknown: vec!["Nope".into()],
+            }
+        );
     }
 }

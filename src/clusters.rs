@@ -286,12 +286,18 @@ pub const UPPER_PERMISSIONS: &[Permission] = &[
         ..perm("patch", "pods")
     },
     perm("get", "configmaps"),
+    perm("watch", "configmaps"),
     perm("get", "secrets"),
+    perm("watch", "secrets"),
     perm("get", "serviceaccounts"),
     perm("get", "persistentvolumeclaims"),
     Permission {
         group: "events.k8s.io",
         ..perm("create", "events")
+    },
+    Permission {
+        group: "events.k8s.io",
+        ..perm("patch", "events")
     },
     Permission {
         group: "coordination.k8s.io",
@@ -307,9 +313,76 @@ pub const LOWER_PERMISSIONS: &[Permission] = &[
     perm("create", "pods"),
     perm("patch", "pods"),
     perm("delete", "pods"),
+    perm("list", "pods"),
     perm("create", "namespaces"),
     perm("create", "configmaps"),
+    perm("watch", "configmaps"),
+    perm("update", "configmaps"),
+    perm("delete", "configmaps"),
     perm("create", "secrets"),
+    perm("watch", "secrets"),
+    perm("update", "secrets"),
+    perm("delete", "secrets"),
     perm("create", "serviceaccounts"),
     perm("create", "persistentvolumeclaims"),
+    perm("watch", "events"),
+];
+
+/// What `ServiceControllers` does in the upper cluster.
+pub const UPPER_SERVICE_PERMISSIONS: &[Permission] = &[
+    perm("watch", "services"),
+    perm("watch", "endpoints"),
+    Permission {
+        group: "discovery.k8s.io",
+        ..perm("watch", "endpointslices")
+    },
+];
+
+/// What `ServiceControllers` does in the lower cluster.
+pub const LOWER_SERVICE_PERMISSIONS: &[Permission] = &[
+    perm("watch", "services"),
+    perm("create", "services"),
+    perm("update", "services"),
+    perm("delete", "services"),
+    perm("watch", "endpoints"),
+    perm("create", "endpoints"),
+    perm("update", "endpoints"),
+    perm("delete", "endpoints"),
+    Permission {
+        group: "discovery.k8s.io",
+        ..perm("watch", "endpointslices")
+    },
+    Permission {
+        group: "discovery.k8s.io",
+        ..perm("create", "endpointslices")
+    },
+    Permission {
+        group: "discovery.k8s.io",
+        ..perm("update", "endpointslices")
+    },
+    Permission {
+        group: "discovery.k8s.io",
+        ..perm("delete", "endpointslices")
+    },
+];
+
+/// What `PVControllers` does in the upper cluster.
+pub const UPPER_PV_PERMISSIONS: &[Permission] = &[
+    perm("watch", "persistentvolumeclaims"),
+    perm("patch", "persistentvolumeclaims"),
+    perm("watch", "persistentvolumes"),
+    perm("create", "persistentvolumes"),
+    perm("patch", "persistentvolumes"),
+    perm("delete", "persistentvolumes"),
+];
+
+/// What `PVControllers` does in the lower cluster.
+pub const LOWER_PV_PERMISSIONS: &[Permission] = &[
+    perm("watch", "persistentvolumeclaims"),
+    perm("delete", "persistentvolumeclaims"),
+    perm("watch", "persistentvolumes"),
+    Permission {
+        group: "storage.k8s.io",
+        ..perm("watch", "storageclasses")
+    },
 ];

@@ -9,13 +9,14 @@ use k8s_openapi::api::core::v1::Taint;
 use kube::runtime::events::{Recorder, Reporter};
 use tensile::cli::Args;
 use tensile::clusters::{
-    self, LOWER_PERMISSIONS, RateLimit, Side, StartupError, UPPER_PERMISSIONS,
+    self, LOWER_PERMISSIONS, LOWER_PV_PERMISSIONS, LOWER_SERVICE_PERMISSIONS, RateLimit, Side,
+    StartupError, UPPER_PERMISSIONS, UPPER_PV_PERMISSIONS, UPPER_SERVICE_PERMISSIONS,
 };
 use tensile::controllers::{self, Context};
 use tensile::metrics::{self, Metrics};
 use tensile::node::{self, spec::NodeConfig};
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -50,15 +51,30 @@ async fn run(args: Args) -> Result<(), String> {
         async { clusters::connect(Side::Lower, lower_config?, lower_limit, metrics.clone()).await },
     )
     .map_err(|e: StartupError| e.to_string())?;
+    let optional = args.optional_controllers();
+    for unknown in &optional.unknown {
+        warn!(controller = %unknown, "--enable-controllers: unknown controller skipped");
+    }
+    let (mut upper_needs, mut lower_needs) =
+        (UPPER_PERMISSIONS.to_vec(), LOWER_PERMISSIONS.to_vec());
+    if optional.services {
+        upper_needs.extend_from_slice(UPPER_SERVICE_PERMISSIONS);
+        lower_needs.extend_from_slice(LOWER_SERVICE_PERMISSIONS);
+    }
+    if optional.volumes {
+        upper_needs.extend_from_slice(UPPER_PV_PERMISSIONS);
+        lower_needs.extend_from_slice(LOWER_PV_PERMISSIONS);
+    }
     tokio::try_join!(
-        clusters::check_permissions(&upper, UPPER_PERMISSIONS),
-        clusters::check_permissions(&lower, LOWER_PERMISSIONS),
+        clusters::check_permissions(&upper, &upper_needs),
+        clusters::check_permissions(&lower, &lower_needs),
     )
     .map_err(|e| e.to_string())?;
     let listener = metrics::bind(args.metrics_addr).await?;
     info!(
         node = %args.nodename, upper = %upper.server, lower = %lower.server,
-        lower_version = %lower.version, "starting"
+        lower_version = %lower.version, pv_controllers = optional.volumes,
+        service_controllers = optional.services, "starting"
     );
 
     let shutdown = CancellationToken::new();
@@ -126,6 +142,61 @@ async fn run(args: Args) -> Result<(), String> {
             watches.lower_store.clone(),
             watches.synced.clone(),
         );
+        let config_watches = controllers::config::watches(&ctx);
+        let service_watches = optional
+            .services
+            .then(|| controllers::service::watches(&ctx));
+        let volume_watches = optional.volumes.then(|| controllers::volume::watches(&ctx));
+        let mut watches_ready = config_watches.ready.clone();
+        for ready in [
+            service_watches.as_ref().map(|w| &w.ready),
+            volume_watches.as_ref().map(|w| &w.ready),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            watches_ready = watches_ready.and(ready);
+        }
+        let config = controllers::config::run(
+            ctx.clone(),
+            config_watches,
+            controllers::config::PodStores {
+                upper: upper_pods.clone(),
+                lower: lower_pods.clone(),
+                synced: synced.clone(),
+            },
+            args.full_resync_period,
+            shutdown.clone(),
+        );
+        let events = controllers::events::run(
+            ctx.clone(),
+            upper_pods.clone(),
+            lower_pods.clone(),
+            synced.clone(),
+            shutdown.clone(),
+        );
+        let services = async {
+            if let Some(watches) = service_watches {
+                controllers::service::run(
+                    ctx.clone(),
+                    watches,
+                    args.full_resync_period,
+                    shutdown.clone(),
+                )
+                .await;
+            }
+        };
+        let volumes = async {
+            if let Some(watches) = volume_watches {
+                controllers::volume::run(
+                    ctx.clone(),
+                    watches,
+                    args.full_resync_period,
+                    shutdown.clone(),
+                )
+                .await;
+            }
+        };
         let pods = controllers::pod::run(
             ctx.clone(),
             watches,
@@ -135,7 +206,7 @@ async fn run(args: Args) -> Result<(), String> {
         );
         let gc = async {
             let ready = async {
-                if synced.wait().await.is_ok() {
+                if synced.wait().await.is_ok() && watches_ready.wait().await.is_ok() {
                     metrics.ready.store(true, Ordering::Relaxed);
                 }
             };
@@ -161,7 +232,7 @@ async fn run(args: Args) -> Result<(), String> {
             registered,
             shutdown.clone(),
         );
-        tokio::join!(pods, gc, keep_alive);
+        tokio::join!(pods, gc, keep_alive, config, events, services, volumes);
         Ok::<(), String>(())
     };
     let (result, (), served) = tokio::join!(

@@ -20,10 +20,11 @@ use serde::de::DeserializeOwned;
 use super::{Context, Error, api_error, is_status};
 use crate::clusters::Side;
 use crate::translate::TranslateError;
+use crate::translate::config::stamped_copy;
 use crate::translate::deps::{
-    Dependency, DependencyKind, lower_config_map, lower_namespace, lower_pvc, lower_secret,
-    lower_service_account, pod_dependencies,
+    Dependency, DependencyKind, lower_namespace, lower_pvc, lower_service_account, pod_dependencies,
 };
+use crate::translate::meta::OWNER_NODE_LABEL;
 
 /// How long a lower object seen to exist is trusted without reading it again.
 const PRESENCE_TTL: Duration = Duration::from_secs(30);
@@ -39,6 +40,13 @@ impl PresenceCache {
             .is_some_and(|seen| seen.elapsed() < PRESENCE_TTL)
     }
 
+    /// Drops `kind/namespace/name`, so the next pod needing it checks the lower cluster
+    /// again (called when tensile deletes a lower copy).
+    pub(crate) fn forget(&self, kind: &str, namespace: &str, name: &str) {
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        map.remove(&format!("{kind}/{namespace}/{name}"));
+    }
+
     fn insert(&self, key: String) {
         let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if map.len() > 10_000 {
@@ -52,15 +60,17 @@ impl PresenceCache {
 /// upper object at once.
 pub async fn ensure_for_pod(ctx: &Context, pod: &Pod, pod_key: &str) -> Result<(), Error> {
     let namespace = pod.metadata.namespace.as_deref().unwrap_or("default");
+    // Before any copy is made, so the clean-up of unreferenced copies never misses them.
+    ctx.references.record(pod, ctx.with_service_account);
     ensure_namespace(ctx, namespace).await?;
     let mut missing = Vec::new();
     for dependency in pod_dependencies(pod, ctx.with_service_account) {
         let found = match dependency.kind {
             DependencyKind::ConfigMap => {
-                ensure::<ConfigMap>(ctx, namespace, &dependency, lower_config_map).await?
+                ensure::<ConfigMap>(ctx, namespace, &dependency, stamped_copy).await?
             }
             DependencyKind::Secret => {
-                ensure::<Secret>(ctx, namespace, &dependency, lower_secret).await?
+                ensure::<Secret>(ctx, namespace, &dependency, stamped_copy).await?
             }
             DependencyKind::PersistentVolumeClaim => {
                 ensure::<PersistentVolumeClaim>(ctx, namespace, &dependency, lower_pvc).await?
@@ -90,7 +100,7 @@ pub async fn ensure_for_pod(ctx: &Context, pod: &Pod, pod_key: &str) -> Result<(
 /// Creates the lower namespace when missing; a namespace tensile creates is then given a
 /// moment for the lower controller-manager to add its `default` ServiceAccount, which pod
 /// admission needs.
-async fn ensure_namespace(ctx: &Context, namespace: &str) -> Result<(), Error> {
+pub(crate) async fn ensure_namespace(ctx: &Context, namespace: &str) -> Result<(), Error> {
     let cache_key = format!("Namespace/{namespace}");
     if ctx.known_present.contains(&cache_key) {
         return Ok(());
@@ -152,12 +162,14 @@ where
         return Ok(true);
     }
     let lower: Api<K> = Api::namespaced(ctx.lower.clone(), namespace);
-    if lower
+    if let Some(existing) = lower
         .get_metadata_opt(&dependency.name)
         .await
         .map_err(api_error(Side::Lower, "reading", kind, &key))?
-        .is_some()
     {
+        if !made_by_tensile(&existing.metadata) {
+            warn_not_ours(ctx, kind, namespace, &dependency.name).await;
+        }
         ctx.known_present.insert(cache_key);
         return Ok(true);
     }
@@ -181,6 +193,37 @@ where
     }
     ctx.known_present.insert(cache_key);
     Ok(true)
+}
+
+/// Whether a lower object carries a virtual node's owner mark (this node's, or another
+/// node's sharing the lower cluster, which keeps it in step itself).
+fn made_by_tensile(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> bool {
+    meta.labels
+        .as_ref()
+        .is_some_and(|labels| labels.contains_key(OWNER_NODE_LABEL))
+}
+
+/// A pod's dependency exists below and was not made by tensile: it is used as it is, never
+/// updated nor deleted; the user hears of it (the lower cluster's own CA bundle aside).
+async fn warn_not_ours(ctx: &Context, kind: &'static str, namespace: &str, name: &str) {
+    if kind == "ConfigMap" && name == "kube-root-ca.crt" {
+        return;
+    }
+    let note = format!(
+        "lower cluster: {kind} {namespace}/{name} exists and was not created by tensile; \
+         pods use it as it is and it is not kept in step with the upper {kind}"
+    );
+    tracing::warn!(object = %format!("{namespace}/{name}"), kind, cluster = "lower",
+        "a dependency exists below and was not created by tensile; leaving it alone");
+    let reference = k8s_openapi::api::core::v1::ObjectReference {
+        api_version: Some("v1".into()),
+        kind: Some(kind.into()),
+        namespace: Some(namespace.into()),
+        name: Some(name.into()),
+        ..Default::default()
+    };
+    ctx.warn_on_ref(&reference, "LowerObjectNotOurs", note)
+        .await;
 }
 
 fn kind_name(kind: DependencyKind) -> &'static str {

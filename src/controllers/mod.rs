@@ -1,14 +1,20 @@
 //! Controllers: one file per kind. They read from reflector stores and call the API only
 //! to change something; translation is delegated to the pure `translate` module.
 
+pub mod config;
 pub mod dependencies;
+pub mod events;
 pub mod gc;
 pub mod pod;
+pub mod service;
+pub mod stores;
+pub mod volume;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Client, Resource};
 
@@ -130,6 +136,8 @@ pub struct Context {
     /// Lower dependencies recently seen to exist, so creating many pods that share one
     /// ConfigMap does not read it each time.
     pub(crate) known_present: dependencies::PresenceCache,
+    /// What each pod references, kept apart from the pod stores (which may be pruned).
+    pub(crate) references: config::References,
 }
 
 impl Context {
@@ -156,6 +164,7 @@ impl Context {
             metrics,
             failures: Mutex::default(),
             known_present: dependencies::PresenceCache::default(),
+            references: config::References::default(),
         }
     }
 
@@ -183,6 +192,12 @@ impl Context {
         reason: &str,
         note: String,
     ) {
+        self.warn_on_ref(&object.object_ref(&()), reason, note)
+            .await;
+    }
+
+    /// [`Context::warn_on`] for an object known only by reference.
+    pub(crate) async fn warn_on_ref(&self, object: &ObjectReference, reason: &str, note: String) {
         let event = Event {
             type_: EventType::Warning,
             reason: reason.into(),
@@ -190,7 +205,7 @@ impl Context {
             action: "Mirror".into(),
             secondary: None,
         };
-        if let Err(error) = self.recorder.publish(&event, &object.object_ref(&())).await {
+        if let Err(error) = self.recorder.publish(&event, object).await {
             tracing::debug!(%error, cluster = "upper", "publishing an event");
         }
     }

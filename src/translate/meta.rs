@@ -26,3 +26,15 @@ pub const UPPER_UID_ANNOTATION: &str = "tensile.dev/upper-uid";
 /// wrote, so a key removed upstream is removed below while keys the lower cluster added
 /// itself (CNI, sidecar injectors) are left alone.
 pub const MIRRORED_KEYS_ANNOTATION: &str = "tensile.dev/mirrored-keys";
+/// Annotation on lower ConfigMap and Secret copies: the upper resourceVersion they were
+/// copied from, so an upper edit is noticed without keeping upper contents in memory.
+pub const UPPER_RESOURCE_VERSION_ANNOTATION: &str = "tensile.dev/upper-resource-version";
+/// Annotation on lower ConfigMap and Secret copies: a hash of their content as tensile
+/// wrote it, so an edit made below is noticed (and undone).
+pub const CONTENT_HASH_ANNOTATION: &str = "tensile.dev/content-hash";
+/// Annotation on upper PersistentVolumes reflected from the lower cluster: the UID of the
+/// lower PersistentVolume, so a lower volume re-created under the same name is noticed.
+pub const LOWER_UID_ANNOTATION: &str = "tensile.dev/lower-uid";
+/// Value of `endpointslice.kubernetes.io/managed-by` on the EndpointSlices tensile mirrors,
+/// so the lower cluster's EndpointSlice controllers leave them alone.
+pub const ENDPOINT_SLICE_MANAGER: &str = "tensile.dev";

@@ -1,9 +1,13 @@
 //! Pure translation between upper and lower objects: no client, no async.
 
+pub mod config;
 pub mod deps;
+pub mod events;
 pub mod meta;
 pub mod pod;
 pub mod scheduling;
+pub mod service;
+pub mod volume;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 

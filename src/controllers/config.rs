@@ -1,0 +1,586 @@
+//! ConfigMaps and Secrets that tensile copied down for pods (see `dependencies`) are kept
+//! equal to their upper originals: an upper edit reaches the copy within a second, an
+//! edit made below is undone, deleting the original deletes the copy, and a copy that no
+//! pod references any more is removed. Always on.
+//!
+//! What it watches, and why it is cheap on a big upper cluster: the copies below (label
+//! selected: only what this node made, with their data), and the upper kind through a
+//! *metadata-only* watch folded into a [`MetaIndex`] of UIDs and resourceVersions — not
+//! every Secret's data. Each copy records the upper version it was made from and a hash
+//! of its content, so a reconcile compares in memory and reads the upper original only
+//! when it changed. A restart costs two lists and no write for copies in step.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt::Debug;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use k8s_openapi::NamespaceResourceScope;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
+use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use kube::core::PartialObjectMeta;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
+use kube::{Resource, ResourceExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::pod::Synced;
+use super::stores::{
+    MetaIndex, ObjectStream, Ready, Reflected, every, indexed, log_outcome, reflected,
+};
+use super::{Context, Error, api_error, is_status};
+use crate::clusters::Side;
+use crate::translate::TranslateError;
+use crate::translate::config::{
+    Copied, CopyState, Reference, SYSTEM_NAMESPACE, copy_state, holds, kind_of, referenced,
+    replacement, stamped_copy,
+};
+use crate::translate::meta::OWNER_NODE_LABEL;
+use crate::translate::pod::is_owned_by;
+
+/// How often unreferenced copies are looked for (in memory).
+const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
+/// How long a copy stays unreferenced before it is removed, so a pod replaced under the
+/// same references (a rollout) does not make it go and come back.
+const UNREFERENCED_GRACE: Duration = Duration::from_secs(10);
+
+/// A kind this controller keeps in step.
+pub trait Kept:
+    Copied
+    + Resource<DynamicType = (), Scope = NamespaceResourceScope>
+    + Clone
+    + Debug
+    + Serialize
+    + DeserializeOwned
+    + Send
+    + Sync
+    + 'static
+{
+}
+impl Kept for ConfigMap {}
+impl Kept for Secret {}
+
+/// The watches of one kind.
+struct KindWatches<K: Kept> {
+    lower: Reflected<K>,
+    index: Arc<MetaIndex>,
+    upper: ObjectStream<PartialObjectMeta<K>>,
+}
+
+/// The controller's watches, set up before it runs.
+pub struct ConfigWatches {
+    config_maps: KindWatches<ConfigMap>,
+    secrets: KindWatches<Secret>,
+    /// Ready once every watch has listed.
+    pub ready: Ready,
+}
+
+fn kind_watches<K: Kept>(ctx: &Context) -> (KindWatches<K>, Ready) {
+    let lower = reflected(
+        Api::<K>::all(ctx.lower.clone()),
+        watcher::Config::default().labels(&format!("{OWNER_NODE_LABEL}={}", ctx.node_name)),
+        None,
+    );
+    let index = Arc::new(MetaIndex::default());
+    let upper_api: Api<PartialObjectMeta<K>> = if ctx.namespace.is_empty() {
+        Api::all(ctx.upper.clone())
+    } else {
+        Api::namespaced(ctx.upper.clone(), &ctx.namespace)
+    };
+    let (upper, upper_ready) = indexed(upper_api, watcher::Config::default(), index.clone());
+    let ready = lower.ready.clone().and(&upper_ready);
+    (
+        KindWatches {
+            lower,
+            index,
+            upper,
+        },
+        ready,
+    )
+}
+
+/// Sets up the watches: copies below labelled as this node's, upper ConfigMaps and
+/// Secrets metadata-only (in `--namespace` if given).
+pub fn watches(ctx: &Context) -> ConfigWatches {
+    let (config_maps, cm_ready) = kind_watches::<ConfigMap>(ctx);
+    let (secrets, secret_ready) = kind_watches::<Secret>(ctx);
+    ConfigWatches {
+        config_maps,
+        secrets,
+        ready: cm_ready.and(&secret_ready),
+    }
+}
+
+/// The pod stores whose references keep copies alive.
+pub struct PodStores {
+    /// Upper pods bound to this node.
+    pub upper: Store<Pod>,
+    /// Lower pods this node owns.
+    pub lower: Store<Pod>,
+    /// Whether both have listed.
+    pub synced: Synced,
+}
+
+/// Runs until `shutdown`: one controller per kind, and the removal of unreferenced copies.
+pub async fn run(
+    ctx: Arc<Context>,
+    watches: ConfigWatches,
+    pods: PodStores,
+    resync: Duration,
+    shutdown: CancellationToken,
+) {
+    let ConfigWatches {
+        config_maps,
+        secrets,
+        ready,
+    } = watches;
+    let sweep = remove_unreferenced(
+        ctx.clone(),
+        config_maps.lower.store.clone(),
+        secrets.lower.store.clone(),
+        pods,
+        ready.clone(),
+        shutdown.clone(),
+    );
+    tokio::join!(
+        control(
+            ctx.clone(),
+            config_maps,
+            ready.clone(),
+            resync,
+            shutdown.clone()
+        ),
+        control(ctx.clone(), secrets, ready, resync, shutdown.clone()),
+        sweep,
+    );
+}
+
+struct KindContext {
+    ctx: Arc<Context>,
+    index: Arc<MetaIndex>,
+    ready: Ready,
+}
+
+async fn control<K: Kept>(
+    ctx: Arc<Context>,
+    watches: KindWatches<K>,
+    ready: Ready,
+    resync: Duration,
+    shutdown: CancellationToken,
+) {
+    let KindWatches {
+        lower,
+        index,
+        upper,
+    } = watches;
+    let copies = lower.store.clone();
+    // An upper event wakes the copy of the same name, if there is one; the rest of the
+    // upper cluster's objects cost nothing past the index.
+    let wake_copy = move |original: PartialObjectMeta<K>| {
+        let name = original.metadata.name?;
+        let namespace = original.metadata.namespace?;
+        let copy = ObjectRef::<K>::new(&name).within(&namespace);
+        copies.get(&copy).map(|_| copy)
+    };
+    let kc = Arc::new(KindContext { ctx, index, ready });
+    Controller::for_stream(lower.stream, lower.store)
+        .watches_stream(upper, wake_copy)
+        .reconcile_all_on(every(resync))
+        .graceful_shutdown_on(shutdown.cancelled_owned())
+        .run(reconcile::<K>, error_policy::<K>, kc)
+        .for_each(|result| log_outcome("copy reconcile", result))
+        .await;
+}
+
+fn backoff_key<K: Kept>(copy: &K) -> String {
+    format!(
+        "{}/{}/{}",
+        kind_of(K::DEPENDENCY),
+        copy.namespace().unwrap_or_default(),
+        copy.name_any()
+    )
+}
+
+async fn reconcile<K: Kept>(copy: Arc<K>, kc: Arc<KindContext>) -> Result<Action, Error> {
+    kc.ready.wait().await?;
+    let ctx = &kc.ctx;
+    let result = keep_in_step(&*copy, &kc).await;
+    if result.is_ok() {
+        ctx.succeeded(&backoff_key(&*copy));
+    }
+    result
+}
+
+async fn keep_in_step<K: Kept>(copy: &K, kc: &KindContext) -> Result<Action, Error> {
+    let ctx = &kc.ctx;
+    let kind = kind_of(K::DEPENDENCY);
+    let namespace = copy.namespace().unwrap_or_default();
+    let name = copy.name_any();
+    let key = format!("{namespace}/{name}");
+    if namespace == SYSTEM_NAMESPACE
+        || !is_owned_by(copy.meta(), &ctx.node_name)
+        || copy.meta().deletion_timestamp.is_some()
+    {
+        return Ok(Action::await_change());
+    }
+    if copy_state(copy, kc.index.get(&namespace, &name).as_ref()) == CopyState::InStep {
+        return Ok(Action::await_change());
+    }
+    // The index says the original changed (or seems gone: it may lag an original created
+    // a moment ago); read it to know.
+    let upper_api: Api<K> = Api::namespaced(ctx.upper.clone(), &namespace);
+    let lower_api: Api<K> = Api::namespaced(ctx.lower.clone(), &namespace);
+    let original =
+        upper_api
+            .get_opt(&name)
+            .await
+            .map_err(api_error(Side::Upper, "reading", kind, &key))?;
+    let Some(original) = original else {
+        delete_copy(ctx, &lower_api, copy, "its upper original was deleted").await?;
+        return Ok(Action::await_change());
+    };
+    let desired = match stamped_copy(&original, &ctx.node_name) {
+        Ok(desired) => desired,
+        Err(error @ TranslateError::NotMirrored { .. }) => {
+            warn!(object = %key, kind, cluster = "upper", %error, "deleting the lower copy");
+            ctx.warn_on(&original, "NotMirrored", error.to_string())
+                .await;
+            delete_copy(
+                ctx,
+                &lower_api,
+                copy,
+                "its upper original may not be mirrored",
+            )
+            .await?;
+            return Ok(Action::await_change());
+        }
+        Err(error) => return Err(error.into()),
+    };
+    if holds(copy, &desired) {
+        return Ok(Action::await_change());
+    }
+    match lower_api
+        .replace(
+            &name,
+            &PostParams::default(),
+            &replacement(copy, desired.clone()),
+        )
+        .await
+    {
+        Ok(_) => {
+            info!(object = %key, kind, cluster = "lower", "updated the copy from its upper original");
+            Ok(Action::await_change())
+        }
+        // Changed meanwhile (or our store lags our own write): again on the newer copy.
+        Err(e) if is_status(&e, 409) => Ok(Action::requeue(Duration::from_millis(200))),
+        Err(e) if is_status(&e, 404) => Ok(Action::await_change()),
+        // A field that cannot change in place (an immutable ConfigMap's data, a Secret's
+        // type): make the copy anew.
+        Err(e) if is_status(&e, 422) => {
+            debug!(object = %key, kind, error = %e, "update refused; re-creating the copy");
+            delete_copy(ctx, &lower_api, copy, "it cannot be updated in place").await?;
+            match lower_api.create(&PostParams::default(), &desired).await {
+                Ok(_) => {
+                    info!(object = %key, kind, cluster = "lower", "re-created the copy from its upper original");
+                    Ok(Action::await_change())
+                }
+                // The pods' dependency check creates it too; either copy is right.
+                Err(e) if is_status(&e, 409) => Ok(Action::await_change()),
+                Err(e) => {
+                    let error = api_error(Side::Lower, "re-creating", kind, &key)(e);
+                    ctx.warn_on(&original, "LowerSyncFailed", error.to_string())
+                        .await;
+                    Err(error)
+                }
+            }
+        }
+        Err(e) => {
+            let error = api_error(Side::Lower, "updating", kind, &key)(e);
+            warn!(object = %key, kind, %error, "keeping the copy in step");
+            ctx.warn_on(&original, "LowerSyncFailed", error.to_string())
+                .await;
+            Err(error)
+        }
+    }
+}
+
+/// Deletes a copy (only the one seen: UID precondition) and drops it from the presence
+/// cache, so the next pod needing it makes it again.
+async fn delete_copy<K: Kept>(
+    ctx: &Context,
+    api: &Api<K>,
+    copy: &K,
+    why: &str,
+) -> Result<(), Error> {
+    let kind = kind_of(K::DEPENDENCY);
+    let namespace = copy.namespace().unwrap_or_default();
+    let name = copy.name_any();
+    let key = format!("{namespace}/{name}");
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: copy.meta().uid.clone(),
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    };
+    let result = api.delete(&name, &params).await;
+    ctx.known_present.forget(kind, &namespace, &name);
+    match result {
+        Ok(_) => {
+            info!(object = %key, kind, cluster = "lower", why, "deleted the copy");
+            Ok(())
+        }
+        Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(()),
+        Err(e) => Err(api_error(Side::Lower, "deleting", kind, &key)(e)),
+    }
+}
+
+fn error_policy<K: Kept>(copy: Arc<K>, _error: &Error, kc: Arc<KindContext>) -> Action {
+    Action::requeue(kc.ctx.backoff(&backoff_key(&*copy)))
+}
+
+/// What each pod references, by pod `namespace/name`: recorded from the full pod when its
+/// dependencies are ensured (and from lower pods listed when unknown, e.g. after a
+/// restart), because the pod stores may keep only what the pod controller needs.
+/// A pod's references cannot change (volumes and env are immutable).
+#[derive(Default)]
+pub struct References(Mutex<HashMap<(String, String), BTreeSet<Reference>>>);
+
+impl References {
+    /// Records what `pod` (a full pod) references.
+    pub(crate) fn record(&self, pod: &Pod, with_service_account: bool) {
+        let (Some(namespace), Some(name)) = (pod.namespace(), pod.metadata.name.clone()) else {
+            return;
+        };
+        let found = referenced(std::iter::once(pod), with_service_account);
+        self.lock().insert((namespace, name), found);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), BTreeSet<Reference>>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// What the pods `present` reference as far as known, and the namespaces holding a
+    /// pod whose references are unknown. Forgets pods no longer present.
+    fn resolve(
+        &self,
+        present: &BTreeSet<(String, String)>,
+    ) -> (BTreeSet<Reference>, BTreeSet<String>) {
+        let mut map = self.lock();
+        map.retain(|pod, _| present.contains(pod));
+        let mut known = BTreeSet::new();
+        let mut unknown = BTreeSet::new();
+        for pod in present {
+            match map.get(pod) {
+                Some(references) => known.extend(references.iter().cloned()),
+                None => {
+                    unknown.insert(pod.0.clone());
+                }
+            }
+        }
+        (known, unknown)
+    }
+}
+
+/// `namespace/name` of every pod in the two stores.
+fn present_pods(pods: &PodStores) -> BTreeSet<(String, String)> {
+    pods.upper
+        .state()
+        .iter()
+        .chain(pods.lower.state().iter())
+        .filter_map(|p| Some((p.namespace()?, p.metadata.name.clone()?)))
+        .collect()
+}
+
+/// A copy that may go: what it is and which one (UID).
+struct Unreferenced {
+    reference: Reference,
+    uid: Option<String>,
+}
+
+/// Copies in `store` that are this node's, outside kube-system, not going, and not in
+/// `referenced`.
+fn unreferenced<K: Kept>(
+    store: &Store<K>,
+    referenced: &BTreeSet<Reference>,
+    node: &str,
+) -> Vec<Unreferenced> {
+    store
+        .state()
+        .iter()
+        .filter(|c| is_owned_by(c.meta(), node) && c.meta().deletion_timestamp.is_none())
+        .filter_map(|c| {
+            let namespace = c.namespace()?;
+            let reference = (K::DEPENDENCY, namespace, c.name_any());
+            (reference.1 != SYSTEM_NAMESPACE && !referenced.contains(&reference)).then(|| {
+                Unreferenced {
+                    reference,
+                    uid: c.meta().uid.clone(),
+                }
+            })
+        })
+        .collect()
+}
+
+/// Every few seconds: copies referenced by no pod of this node (upper pods bound to it,
+/// lower pods it owns) for [`UNREFERENCED_GRACE`], and by no pod at all in their lower
+/// namespace (another virtual node sharing the lower cluster may use a copy this one made),
+/// are deleted.
+async fn remove_unreferenced(
+    ctx: Arc<Context>,
+    config_maps: Store<ConfigMap>,
+    secrets: Store<Secret>,
+    pods: PodStores,
+    ready: Ready,
+    shutdown: CancellationToken,
+) {
+    let synced = async {
+        ready.wait().await?;
+        pods.synced.wait().await
+    };
+    tokio::select! {
+        () = shutdown.cancelled() => return,
+        synced = synced => if synced.is_err() { return },
+    }
+    let mut since: HashMap<Reference, Instant> = HashMap::new();
+    let mut tick = tokio::time::interval(SWEEP_INTERVAL);
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        let (referenced, _) = ctx.references.resolve(&present_pods(&pods));
+        let mut candidates = unreferenced(&config_maps, &referenced, &ctx.node_name);
+        candidates.extend(unreferenced(&secrets, &referenced, &ctx.node_name));
+        let now = Instant::now();
+        since.retain(|reference, _| candidates.iter().any(|c| &c.reference == reference));
+        let mut due: BTreeMap<String, Vec<Unreferenced>> = BTreeMap::new();
+        for candidate in candidates {
+            let first = *since.entry(candidate.reference.clone()).or_insert(now);
+            if now.duration_since(first) >= UNREFERENCED_GRACE {
+                due.entry(candidate.reference.1.clone())
+                    .or_default()
+                    .push(candidate);
+            }
+        }
+        for (namespace, copies) in due {
+            if let Err(error) = remove_in(&ctx, &pods, &namespace, copies).await {
+                warn!(%error, namespace, "removing unreferenced copies");
+            }
+        }
+    }
+}
+
+/// Deletes `copies` in `namespace` unless a pod references them: any lower pod there
+/// (listed now; this node's teach [`References`] what they use), or a pod of this node
+/// (looked up again just before). While a pod of this node there has unknown references
+/// (an upper pod not yet mirrored since a restart), nothing there goes.
+async fn remove_in(
+    ctx: &Context,
+    pods: &PodStores,
+    namespace: &str,
+    copies: Vec<Unreferenced>,
+) -> Result<(), Error> {
+    let all_pods: Api<Pod> = Api::namespaced(ctx.lower.clone(), namespace);
+    let in_namespace = all_pods
+        .list(&ListParams::default())
+        .await
+        .map_err(api_error(Side::Lower, "listing", "Pod", namespace))?;
+    for pod in &in_namespace.items {
+        if is_owned_by(&pod.metadata, &ctx.node_name) {
+            ctx.references.record(pod, ctx.with_service_account);
+        }
+    }
+    let used_below = referenced(&in_namespace.items, ctx.with_service_account);
+    let (used_here, unknown) = ctx.references.resolve(&present_pods(pods));
+    if unknown.contains(namespace) {
+        debug!(
+            namespace,
+            "a pod's references are not known yet; removing nothing there"
+        );
+        return Ok(());
+    }
+    for copy in copies {
+        if used_below.contains(&copy.reference) || used_here.contains(&copy.reference) {
+            continue;
+        }
+        let (kind, _, name) = &copy.reference;
+        let key = format!("{namespace}/{name}");
+        let kind_name = kind_of(*kind);
+        let params = DeleteParams {
+            preconditions: Some(Preconditions {
+                uid: copy.uid.clone(),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        let result = match kind {
+            crate::translate::deps::DependencyKind::ConfigMap => {
+                Api::<ConfigMap>::namespaced(ctx.lower.clone(), namespace)
+                    .delete(name, &params)
+                    .await
+                    .map(|_| ())
+            }
+            _ => Api::<Secret>::namespaced(ctx.lower.clone(), namespace)
+                .delete(name, &params)
+                .await
+                .map(|_| ()),
+        };
+        ctx.known_present.forget(kind_name, namespace, name);
+        match result {
+            Ok(()) => info!(object = %key, kind = kind_name, cluster = "lower",
+                "deleted a copy no pod references any more"),
+            Err(e) if is_status(&e, 404) || is_status(&e, 409) => {}
+            Err(e) => return Err(api_error(Side::Lower, "deleting", kind_name, &key)(e)),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::translate::deps::DependencyKind;
+    use serde_json::json;
+
+    fn pod(namespace: &str, name: &str, config_map: &str) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {"containers": [{"name": "c"}],
+                     "volumes": [{"name": "v", "configMap": {"name": config_map}}]},
+        }))
+        .unwrap()
+    }
+
+    fn key(namespace: &str, name: &str) -> (String, String) {
+        (namespace.to_owned(), name.to_owned())
+    }
+
+    #[test]
+    fn references_survive_pruned_stores_and_forget_departed_pods() {
+        let references = References::default();
+        references.record(&pod("a", "p1", "settings"), true);
+        references.record(&pod("a", "p2", "other"), true);
+        let present: BTreeSet<_> = [key("a", "p1"), key("b", "unknown")].into();
+        let (known, unknown) = references.resolve(&present);
+        assert_eq!(
+            known,
+            [(
+                DependencyKind::ConfigMap,
+                "a".to_owned(),
+                "settings".to_owned()
+            )]
+            .into()
+        );
+        assert_eq!(unknown, ["b".to_owned()].into(), "nothing goes there yet");
+        // p2 is gone from the stores: forgotten.
+        let (known, _) = references.resolve(&[key("a", "p1"), key("a", "p2")].into());
+        assert_eq!(known.len(), 1);
+        assert!(known.iter().all(|(_, _, name)| name == "settings"));
+    }
+}

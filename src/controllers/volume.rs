@@ -1,0 +1,461 @@
+//! `PVControllers`: the claims tensile copied down for pods (see `dependencies`) are bound
+//! or provisioned by the lower cluster; this controller reflects that binding up. For
+//! each lower claim of this node: the volume it is bound to appears in the upper cluster
+//! (pinned to the virtual node, pre-bound to the upper claim, which the upper PV
+//! controller then binds), `volume.kubernetes.io/selected-node` on the upper claim names
+//! the virtual node, a storage class the lower cluster lacks is reported, and the lower
+//! claim is deleted once the upper one is gone (the lower cluster's own protection keeps
+//! it while a pod uses it). A reflected volume goes when its lower volume goes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::watcher;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::stores::{Ready, Reflected, every, log_outcome, reflected, tick_or_wake};
+use super::{Context, Error, api_error, is_status};
+use crate::clusters::Side;
+use crate::translate::config::SYSTEM_NAMESPACE;
+use crate::translate::meta::OWNER_NODE_LABEL;
+use crate::translate::pod::{is_owned_by, upper_uid};
+use crate::translate::volume::{
+    bound_volume, missing_storage_class, pv_patch, reflected_from, selected_node_patch, upper_pv,
+};
+
+/// How often reflected volumes are compared with the lower ones (in memory).
+pub const SWEEP_INTERVAL: Duration = Duration::from_secs(30);
+
+/// The watches of the volume controller.
+pub struct VolumeWatches {
+    lower_claims: Reflected<PersistentVolumeClaim>,
+    upper_claims: Reflected<PersistentVolumeClaim>,
+    lower_volumes: Reflected<PersistentVolume>,
+    upper_volumes: Reflected<PersistentVolume>,
+    lower_classes: Reflected<StorageClass>,
+    lower_volume_deleted: Arc<Notify>,
+    /// Ready once every watch has listed.
+    pub ready: Ready,
+}
+
+/// Sets up the watches: lower claims and reflected upper volumes labelled as this node's,
+/// upper claims (in `--namespace` if given), lower volumes and storage classes.
+pub fn watches(ctx: &Context) -> VolumeWatches {
+    let ours =
+        || watcher::Config::default().labels(&format!("{OWNER_NODE_LABEL}={}", ctx.node_name));
+    let lower_volume_deleted = Arc::new(Notify::new());
+    let upper_claims_api = if ctx.namespace.is_empty() {
+        Api::all(ctx.upper.clone())
+    } else {
+        Api::namespaced(ctx.upper.clone(), &ctx.namespace)
+    };
+    let lower_claims = reflected(Api::all(ctx.lower.clone()), ours(), None);
+    let upper_claims = reflected(upper_claims_api, watcher::Config::default(), None);
+    let lower_volumes = reflected(
+        Api::all(ctx.lower.clone()),
+        watcher::Config::default(),
+        Some(lower_volume_deleted.clone()),
+    );
+    let upper_volumes = reflected(Api::all(ctx.upper.clone()), ours(), None);
+    let lower_classes = reflected(
+        Api::all(ctx.lower.clone()),
+        watcher::Config::default(),
+        None,
+    );
+    let ready = lower_claims
+        .ready
+        .clone()
+        .and(&upper_claims.ready)
+        .and(&lower_volumes.ready)
+        .and(&upper_volumes.ready)
+        .and(&lower_classes.ready);
+    VolumeWatches {
+        lower_claims,
+        upper_claims,
+        lower_volumes,
+        upper_volumes,
+        lower_classes,
+        lower_volume_deleted,
+        ready,
+    }
+}
+
+struct Shared {
+    ctx: Arc<Context>,
+    upper_claims: Store<PersistentVolumeClaim>,
+    lower_volumes: Store<PersistentVolume>,
+    upper_volumes: Store<PersistentVolume>,
+    lower_classes: Store<StorageClass>,
+    ready: Ready,
+}
+
+/// Runs the claim controller and the sweep of reflected volumes until `shutdown`.
+pub async fn run(
+    ctx: Arc<Context>,
+    watches: VolumeWatches,
+    resync: Duration,
+    shutdown: CancellationToken,
+) {
+    let VolumeWatches {
+        lower_claims,
+        upper_claims,
+        lower_volumes,
+        upper_volumes,
+        lower_classes,
+        lower_volume_deleted,
+        ready,
+    } = watches;
+    let shared = Arc::new(Shared {
+        ctx,
+        upper_claims: upper_claims.store.clone(),
+        lower_volumes: lower_volumes.store.clone(),
+        upper_volumes: upper_volumes.store.clone(),
+        lower_classes: lower_classes.store.clone(),
+        ready,
+    });
+    let claims = lower_claims.store.clone();
+    let claim_named = {
+        let claims = claims.clone();
+        move |namespace: Option<String>, name: Option<String>| {
+            let claim = ObjectRef::new(&name?).within(&namespace?);
+            claims.get(&claim).map(|_| claim)
+        }
+    };
+    let by_upper_claim = {
+        let claim_named = claim_named.clone();
+        move |upper: PersistentVolumeClaim| {
+            claim_named(upper.metadata.namespace, upper.metadata.name)
+        }
+    };
+    let by_volume = {
+        let claim_named = claim_named.clone();
+        move |volume: PersistentVolume| {
+            let claim = volume.spec?.claim_ref?;
+            claim_named(claim.namespace, claim.name)
+        }
+    };
+    // A storage class appearing below wakes the pending claims that ask for it.
+    let by_class = move |class: StorageClass| {
+        let name = class.name_any();
+        claims
+            .state()
+            .iter()
+            .filter(|c| {
+                c.spec
+                    .as_ref()
+                    .and_then(|s| s.storage_class_name.as_deref())
+                    == Some(name.as_str())
+            })
+            .map(|c| ObjectRef::from_obj(&**c))
+            .collect::<Vec<_>>()
+    };
+    let controller = Controller::for_stream(lower_claims.stream, lower_claims.store)
+        .watches_stream(upper_claims.stream, by_upper_claim)
+        .watches_stream(lower_volumes.stream, by_volume.clone())
+        .watches_stream(upper_volumes.stream, by_volume)
+        .watches_stream(lower_classes.stream, by_class)
+        .reconcile_all_on(every(resync))
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+        .run(reconcile, error_policy, shared.clone())
+        .for_each(|result| log_outcome("claim reconcile", result));
+    tokio::join!(
+        controller,
+        remove_orphaned_volumes(shared, lower_volume_deleted, shutdown)
+    );
+}
+
+fn backoff_key(claim: &PersistentVolumeClaim) -> String {
+    format!(
+        "PersistentVolumeClaim/{}/{}",
+        claim.namespace().unwrap_or_default(),
+        claim.name_any()
+    )
+}
+
+fn error_policy(claim: Arc<PersistentVolumeClaim>, _error: &Error, shared: Arc<Shared>) -> Action {
+    Action::requeue(shared.ctx.backoff(&backoff_key(&claim)))
+}
+
+async fn reconcile(
+    lower: Arc<PersistentVolumeClaim>,
+    shared: Arc<Shared>,
+) -> Result<Action, Error> {
+    shared.ready.wait().await?;
+    let result = reflect_claim(&lower, &shared).await;
+    if result.is_ok() {
+        shared.ctx.succeeded(&backoff_key(&lower));
+    }
+    result
+}
+
+async fn reflect_claim(lower: &PersistentVolumeClaim, shared: &Shared) -> Result<Action, Error> {
+    let ctx = &shared.ctx;
+    let namespace = lower.namespace().unwrap_or_default();
+    let name = lower.name_any();
+    let key = format!("{namespace}/{name}");
+    if namespace == SYSTEM_NAMESPACE
+        || !is_owned_by(&lower.metadata, &ctx.node_name)
+        || lower.metadata.deletion_timestamp.is_some()
+    {
+        return Ok(Action::await_change());
+    }
+    let origin = upper_uid(&lower.metadata);
+    let upper_api: Api<PersistentVolumeClaim> = Api::namespaced(ctx.upper.clone(), &namespace);
+    let upper = match shared
+        .upper_claims
+        .get(&ObjectRef::new(&name).within(&namespace))
+        .filter(|u| u.metadata.uid.as_deref() == origin)
+    {
+        Some(upper) => upper,
+        None => {
+            // Gone from the store (or re-created): make sure before deleting below.
+            let live = upper_api.get_opt(&name).await.map_err(api_error(
+                Side::Upper,
+                "reading",
+                "PersistentVolumeClaim",
+                &key,
+            ))?;
+            match live.filter(|u| u.metadata.uid.as_deref() == origin) {
+                Some(upper) => Arc::new(upper),
+                None => {
+                    delete_lower_claim(ctx, lower, &key).await?;
+                    return Ok(Action::await_change());
+                }
+            }
+        }
+    };
+    if upper.metadata.deletion_timestamp.is_some() {
+        // The upper cluster keeps it while a pod uses it; it goes below once it is gone.
+        return Ok(Action::await_change());
+    }
+
+    let class_exists = |class: &str| shared.lower_classes.get(&ObjectRef::new(class)).is_some();
+    if let Some(class) = missing_storage_class(lower, class_exists) {
+        let note = format!(
+            "lower cluster: storage class {class} does not exist, so PersistentVolumeClaim {key} cannot bind there"
+        );
+        warn!(claim = %key, cluster = "lower", class, "storage class missing below");
+        ctx.warn_on(&*upper, "LowerStorageClassMissing", note).await;
+        // The class appearing below wakes this claim.
+        return Ok(Action::await_change());
+    }
+
+    if let Some(patch) = selected_node_patch(&upper, lower, &ctx.node_name) {
+        upper_api
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(api_error(
+                Side::Upper,
+                "annotating",
+                "PersistentVolumeClaim",
+                &key,
+            ))?;
+        info!(claim = %key, cluster = "upper", "set selected-node to the virtual node");
+    }
+
+    let Some(volume) = bound_volume(lower) else {
+        return Ok(Action::await_change());
+    };
+    let upper_volume_name = upper
+        .spec
+        .as_ref()
+        .and_then(|s| s.volume_name.as_deref())
+        .filter(|v| !v.is_empty());
+    if upper_volume_name.is_some_and(|v| v != volume) {
+        debug!(claim = %key, "the upper claim is bound to another volume; nothing to reflect");
+        return Ok(Action::await_change());
+    }
+    let Some(lower_volume) = shared.lower_volumes.get(&ObjectRef::new(volume)) else {
+        // Its event wakes this claim.
+        return Ok(Action::await_change());
+    };
+    let bound_to_copy = lower_volume
+        .spec
+        .as_ref()
+        .and_then(|s| s.claim_ref.as_ref())
+        .is_some_and(|c| c.uid.is_some() && c.uid == lower.metadata.uid);
+    if !bound_to_copy {
+        return Ok(Action::await_change());
+    }
+    let desired = upper_pv(&lower_volume, &upper, &ctx.node_name)?;
+    let volumes: Api<PersistentVolume> = Api::all(ctx.upper.clone());
+    match shared.upper_volumes.get(&ObjectRef::new(volume)) {
+        None => match volumes.create(&PostParams::default(), &desired).await {
+            Ok(_) => {
+                info!(claim = %key, volume, cluster = "upper", "reflected the bound volume");
+            }
+            Err(e) if is_status(&e, 409) => {
+                let existing = volumes.get_metadata_opt(volume).await.map_err(api_error(
+                    Side::Upper,
+                    "reading",
+                    "PersistentVolume",
+                    volume,
+                ))?;
+                let ours = existing
+                    .as_ref()
+                    .is_some_and(|m| is_owned_by(&m.metadata, &ctx.node_name));
+                // The seed's way: the user prepared an upper volume and the claim bound it.
+                let users_bound = upper_volume_name == Some(volume);
+                if existing.is_some() && !ours && !users_bound {
+                    let note = format!(
+                        "upper cluster: PersistentVolume {volume} exists and was not created by tensile; the lower volume bound to {key} is not reflected"
+                    );
+                    warn!(claim = %key, volume, cluster = "upper", "{note}");
+                    ctx.warn_on(&*upper, "UpperVolumeConflict", note).await;
+                }
+            }
+            Err(e) => {
+                let error = api_error(Side::Upper, "creating", "PersistentVolume", volume)(e);
+                let mut note = error.to_string();
+                note.truncate(1000);
+                ctx.warn_on(&*upper, "VolumeReflectionFailed", note).await;
+                return Err(error);
+            }
+        },
+        Some(current) if reflected_from(&current) != lower_volume.metadata.uid.as_deref() => {
+            // The lower volume was re-created under this name: the reflection goes and is
+            // made again (its deletion event wakes this claim).
+            delete_upper_volume(ctx, &current, "the lower volume was re-created").await?;
+        }
+        Some(current) => {
+            if let Some(patch) = pv_patch(&desired, &current) {
+                volumes
+                    .patch(volume, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+                    .map_err(api_error(
+                        Side::Upper,
+                        "updating",
+                        "PersistentVolume",
+                        volume,
+                    ))?;
+                info!(claim = %key, volume, cluster = "upper", "updated the reflected volume");
+            }
+        }
+    }
+    Ok(Action::await_change())
+}
+
+async fn delete_lower_claim(
+    ctx: &Context,
+    lower: &PersistentVolumeClaim,
+    key: &str,
+) -> Result<(), Error> {
+    let api: Api<PersistentVolumeClaim> =
+        Api::namespaced(ctx.lower.clone(), &lower.namespace().unwrap_or_default());
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: lower.metadata.uid.clone(),
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    };
+    let result = api.delete(&lower.name_any(), &params).await;
+    ctx.known_present.forget(
+        "PersistentVolumeClaim",
+        &lower.namespace().unwrap_or_default(),
+        &lower.name_any(),
+    );
+    match result {
+        Ok(_) => {
+            info!(claim = %key, cluster = "lower",
+                "the upper claim is gone; deleted the lower one (kept by the lower cluster while a pod uses it)");
+            Ok(())
+        }
+        Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(()),
+        Err(e) => Err(api_error(
+            Side::Lower,
+            "deleting",
+            "PersistentVolumeClaim",
+            key,
+        )(e)),
+    }
+}
+
+async fn delete_upper_volume(
+    ctx: &Context,
+    volume: &PersistentVolume,
+    why: &str,
+) -> Result<(), Error> {
+    let name = volume.name_any();
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: volume.metadata.uid.clone(),
+            resource_version: None,
+        }),
+        ..DeleteParams::default()
+    };
+    match Api::<PersistentVolume>::all(ctx.upper.clone())
+        .delete(&name, &params)
+        .await
+    {
+        Ok(_) => {
+            info!(volume = %name, cluster = "upper", why, "deleted the reflected volume");
+            Ok(())
+        }
+        Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(()),
+        Err(e) => Err(api_error(
+            Side::Upper,
+            "deleting",
+            "PersistentVolume",
+            &name,
+        )(e)),
+    }
+}
+
+/// Deletes reflected volumes whose lower volume is gone (or re-created): on every lower
+/// volume deletion and every [`SWEEP_INTERVAL`]. A lower volume missing from the store is
+/// looked up before its reflection goes.
+async fn remove_orphaned_volumes(
+    shared: Arc<Shared>,
+    deleted: Arc<Notify>,
+    shutdown: CancellationToken,
+) {
+    tokio::select! {
+        () = shutdown.cancelled() => return,
+        ready = shared.ready.wait() => if ready.is_err() { return },
+    }
+    let ctx = &shared.ctx;
+    let lower_api: Api<PersistentVolume> = Api::all(ctx.lower.clone());
+    let mut tick = tokio::time::interval(SWEEP_INTERVAL);
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tick_or_wake(&mut tick, &deleted) => {}
+        }
+        for reflection in shared.upper_volumes.state() {
+            if !is_owned_by(&reflection.metadata, &ctx.node_name)
+                || reflection.metadata.deletion_timestamp.is_some()
+            {
+                continue;
+            }
+            let name = reflection.name_any();
+            let origin = reflected_from(&reflection);
+            let lower = shared.lower_volumes.get(&ObjectRef::new(&name));
+            if lower.is_some_and(|l| l.metadata.uid.as_deref() == origin) {
+                continue;
+            }
+            match lower_api.get_metadata_opt(&name).await {
+                Ok(Some(live)) if live.metadata.uid.as_deref() == origin => continue,
+                Ok(_) => {}
+                Err(error) => {
+                    warn!(volume = %name, cluster = "lower", %error, "reading a volume");
+                    continue;
+                }
+            }
+            if let Err(error) =
+                delete_upper_volume(ctx, &reflection, "its lower volume is gone").await
+            {
+                warn!(%error, "deleting a reflected volume");
+            }
+        }
+    }
+}
