@@ -161,7 +161,12 @@ pub async fn run(
     let (slice_tx, slice_rx) = mpsc::unbounded::<ObjectRef<EndpointSlice>>();
     let (endpoints_tx, endpoints_rx) = mpsc::unbounded::<ObjectRef<Endpoints>>();
     let slices_of = upper_slices.store.clone();
+    let listed = lower_services.ready.clone();
     let lower_service_events = lower_services.stream.inspect_ok(move |service: &Service| {
+        // Not during the first list: every slice is reconciled once all stores are listed.
+        if !listed.is_ready() {
+            return;
+        }
         let (Some(namespace), Some(name)) = (service.namespace(), service.metadata.name.clone())
         else {
             return;
