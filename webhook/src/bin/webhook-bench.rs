@@ -120,7 +120,14 @@ fn run_in(cli: &Cli, dir: &std::path::Path, ca: &[u8]) -> Result<bool, ClientErr
             seconds,
             connections,
             unlabelled,
-        } => client_rt.block_on(latency(&client, rate, seconds, connections, !unlabelled))?,
+        } => client_rt.block_on(latency(
+            &client,
+            rate,
+            seconds,
+            connections,
+            !unlabelled,
+            cli.server_threads,
+        ))?,
         Mode::Soak {
             seconds,
             connections,
@@ -151,6 +158,7 @@ async fn latency(
     seconds: f64,
     connections: u64,
     labelled: bool,
+    server_threads: usize,
 ) -> Result<bool, ClientError> {
     let body = Arc::new(serde_json::to_vec(&loopback::sample_review(
         "bench", labelled,
@@ -171,7 +179,7 @@ async fn latency(
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     let p99 = report.quantile(0.99);
     println!(
-        "tensile-webhook on loopback: {total} reviews ({} pod CREATE, {} bytes) at {rate}/s over {connections} connections, server threads as given",
+        "tensile-webhook on loopback: {total} reviews ({} pod CREATE, {} bytes) at {rate}/s over {connections} connections, {server_threads} server thread(s)",
         if labelled { "labelled" } else { "unlabelled" },
         body.len()
     );
