@@ -42,6 +42,7 @@ use crate::translate::config::{
 };
 use crate::translate::meta::OWNER_NODE_LABEL;
 use crate::translate::pod::is_owned_by;
+use crate::translate::stored::StoredPod;
 
 /// How often unreferenced copies are looked for (in memory).
 const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
@@ -119,9 +120,9 @@ pub fn watches(ctx: &Context) -> ConfigWatches {
 /// The pod stores whose references keep copies alive.
 pub struct PodStores {
     /// Upper pods bound to this node.
-    pub upper: Store<Pod>,
+    pub upper: Store<StoredPod>,
     /// Lower pods this node owns.
-    pub lower: Store<Pod>,
+    pub lower: Store<StoredPod>,
     /// Whether both have listed.
     pub synced: Synced,
 }

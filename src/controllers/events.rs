@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Event as LowerEvent, Pod};
+use k8s_openapi::api::core::v1::Event as LowerEvent;
 use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
 use kube::api::Api;
@@ -27,6 +27,7 @@ use super::Context;
 use super::pod::Synced;
 use crate::translate::events::{EventGate, Verdict, last_seen, occurrences, reflection};
 use crate::translate::pod::upper_uid;
+use crate::translate::stored::StoredPod;
 
 /// Events a pod may get at once.
 pub const BURST: u32 = 10;
@@ -41,8 +42,8 @@ const REMEMBER: Duration = Duration::from_secs(3600);
 /// Runs until `shutdown`, once both pod stores are synced.
 pub async fn run(
     ctx: Arc<Context>,
-    upper_pods: Store<Pod>,
-    lower_pods: Store<Pod>,
+    upper_pods: Store<StoredPod>,
+    lower_pods: Store<StoredPod>,
     synced: Synced,
     shutdown: CancellationToken,
 ) {
@@ -86,8 +87,8 @@ pub async fn run(
 }
 
 struct Pods {
-    upper: Store<Pod>,
-    lower: Store<Pod>,
+    upper: Store<StoredPod>,
+    lower: Store<StoredPod>,
 }
 
 /// Publishes `event` on the upper pod of the lower pod it is about, if that pod is this

@@ -16,6 +16,7 @@ use tracing::{info, warn};
 use super::pod::Synced;
 use super::{Context, is_status};
 use crate::translate::pod::{is_owned_by, upper_uid};
+use crate::translate::stored::StoredPod;
 
 /// How often the stores are compared (in memory; cheap).
 pub const INTERVAL: Duration = Duration::from_secs(5);
@@ -23,11 +24,11 @@ pub const INTERVAL: Duration = Duration::from_secs(5);
 /// The lower pods to delete: owned by `node`, not already going, whose upper counterpart
 /// (same namespace/name and UID) is absent. Pure over the two snapshots.
 pub fn orphans<'a>(
-    lower: &'a [Arc<Pod>],
+    lower: &'a [Arc<StoredPod>],
     upper_has: impl Fn(&str, &str, &str) -> bool,
     node: &str,
     namespace: &str,
-) -> Vec<&'a Pod> {
+) -> Vec<&'a StoredPod> {
     lower
         .iter()
         .map(AsRef::as_ref)
@@ -48,8 +49,8 @@ pub fn orphans<'a>(
 /// Runs until `shutdown`, starting once both stores are synced.
 pub async fn run(
     ctx: Arc<Context>,
-    upper_pods: Store<Pod>,
-    lower_pods: Store<Pod>,
+    upper_pods: Store<StoredPod>,
+    lower_pods: Store<StoredPod>,
     synced: Synced,
     shutdown: CancellationToken,
 ) {
@@ -104,7 +105,13 @@ mod tests {
     use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_UID_ANNOTATION};
     use serde_json::json;
 
-    fn lower(name: &str, ns: &str, owner: &str, uid: Option<&str>, deleting: bool) -> Arc<Pod> {
+    fn lower(
+        name: &str,
+        ns: &str,
+        owner: &str,
+        uid: Option<&str>,
+        deleting: bool,
+    ) -> Arc<StoredPod> {
         let mut meta = json!({"name": name, "namespace": ns, "labels": {OWNER_NODE_LABEL: owner}});
         if let Some(uid) = uid {
             meta["annotations"] = json!({UPPER_UID_ANNOTATION: uid});
@@ -119,7 +126,7 @@ mod tests {
     fn orphan_table() {
         let upper = [("ns", "a", "u-a"), ("other", "c", "u-c")];
         let upper_has = |ns: &str, name: &str, uid: &str| upper.contains(&(ns, name, uid));
-        let cases: Vec<(&str, Arc<Pod>, &str, bool)> = vec![
+        let cases: Vec<(&str, Arc<StoredPod>, &str, bool)> = vec![
             (
                 "upper exists: kept",
                 lower("a", "ns", "vk", Some("u-a"), false),

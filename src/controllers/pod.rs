@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
@@ -22,9 +23,10 @@ use super::{Context, Error, api_error, dependencies, is_status};
 use crate::clusters::Side;
 use crate::translate::meta::OWNER_NODE_LABEL;
 use crate::translate::pod::{
-    PodTranslation, is_owned_by, lower_gone_status, lower_pod, lower_pod_update, prune_for_store,
-    status_in_sync, status_is_informative, upper_status, upper_uid,
+    PodTranslation, is_owned_by, lower_gone_status, lower_pod, lower_pod_update, status_in_sync,
+    status_is_informative, upper_status, upper_uid,
 };
+use crate::translate::stored::StoredPod;
 
 /// Reason on an upper pod whose lower pod disappeared.
 pub const LOWER_POD_GONE: &str = "LowerPodGone";
@@ -107,16 +109,16 @@ fn was_mirrored(pod: &Pod) -> bool {
 
 /// A watch stream feeding a reflector store.
 pub type PodStream =
-    std::pin::Pin<Box<dyn futures::Stream<Item = Result<Pod, watcher::Error>> + Send>>;
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<StoredPod, watcher::Error>> + Send>>;
 
 /// The two pod watches the controller runs on, with their stores and whether each has
 /// completed its first list.
 pub struct PodWatches {
     /// Upper pods bound to this node.
-    pub upper_store: Store<Pod>,
+    pub upper_store: Store<StoredPod>,
     upper_stream: PodStream,
     /// Lower pods this node owns.
-    pub lower_store: Store<Pod>,
+    pub lower_store: Store<StoredPod>,
     lower_stream: PodStream,
     /// Turns true once both stores hold a complete list.
     pub synced: Synced,
@@ -151,12 +153,18 @@ impl Synced {
 fn reflected(
     api: Api<Pod>,
     config: watcher::Config,
-) -> (Store<Pod>, PodStream, watch::Receiver<bool>) {
+) -> (Store<StoredPod>, PodStream, watch::Receiver<bool>) {
     let (store, writer) = reflector::store();
     let (ready_tx, ready_rx) = watch::channel(false);
-    // The stores keep pods pruned to what reconciles compare (most of a pod's memory is
-    // spec detail read only when the lower pod is created, and managedFields).
-    let events = watcher::watcher(api, config).modify(prune_for_store);
+    // Pods are stored compactly: a full pod's spec detail is read only when its lower pod
+    // is created, and is most of its memory.
+    let events = watcher::watcher(api, config).map_ok(|event| match event {
+        watcher::Event::Apply(pod) => watcher::Event::Apply(StoredPod::from(pod)),
+        watcher::Event::Delete(pod) => watcher::Event::Delete(StoredPod::from(pod)),
+        watcher::Event::InitApply(pod) => watcher::Event::InitApply(StoredPod::from(pod)),
+        watcher::Event::Init => watcher::Event::Init,
+        watcher::Event::InitDone => watcher::Event::InitDone,
+    });
     let stream = reflector::reflector(writer, events)
         .default_backoff()
         .inspect_ok(move |event| {
@@ -198,7 +206,7 @@ pub fn watches(ctx: &Context) -> PodWatches {
 
 struct PodContext {
     ctx: Arc<Context>,
-    lower_pods: Store<Pod>,
+    lower_pods: Store<StoredPod>,
     synced: Synced,
 }
 
@@ -219,7 +227,7 @@ pub async fn run(
     } = watches;
     let controller = Controller::for_stream(upper_stream, upper_store)
         .with_config(ControllerConfig::default().concurrency(workers))
-        .watches_stream(lower_stream, |lower: Pod| {
+        .watches_stream(lower_stream, |lower: StoredPod| {
             let name = lower.metadata.name.clone()?;
             let namespace = lower.metadata.namespace.clone()?;
             Some(ObjectRef::new(&name).within(&namespace))
@@ -251,16 +259,17 @@ fn tokio_stream_interval(period: Duration) -> impl futures::Stream<Item = ()> + 
     )
 }
 
-fn key_of(pod: &Pod) -> String {
+fn key_of(meta: &ObjectMeta) -> String {
     format!(
         "{}/{}",
-        pod.metadata.namespace.as_deref().unwrap_or_default(),
-        pod.metadata.name.as_deref().unwrap_or_default()
+        meta.namespace.as_deref().unwrap_or_default(),
+        meta.name.as_deref().unwrap_or_default()
     )
 }
 
-async fn reconcile(upper: Arc<Pod>, pc: Arc<PodContext>) -> Result<Action, Error> {
-    let key = key_of(&upper);
+async fn reconcile(stored: Arc<StoredPod>, pc: Arc<PodContext>) -> Result<Action, Error> {
+    let key = key_of(&stored.metadata);
+    let upper = stored.to_pod();
     let span = info_span!("pod", pod = %key);
     async {
         pc.synced.wait().await?;
@@ -285,10 +294,10 @@ async fn reconcile_pod(upper: &Pod, pc: &PodContext, key: &str) -> Result<Action
     let name = upper.name_any();
     let namespace = upper.namespace().unwrap_or_default();
     let lower_ref = ObjectRef::new(&name).within(&namespace);
-    let lower = pc.lower_pods.get(&lower_ref);
+    let lower = pc.lower_pods.get(&lower_ref).map(|l| l.to_pod());
     let lower_api: Api<Pod> = Api::namespaced(ctx.lower.clone(), &namespace);
     let upper_api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &namespace);
-    let step = decide(upper, lower.as_deref(), &ctx.node_name);
+    let step = decide(upper, lower.as_ref(), &ctx.node_name);
     debug!(?step, "reconcile");
     match step {
         Step::Nothing | Step::WaitForLower => {}
@@ -308,11 +317,11 @@ async fn reconcile_pod(upper: &Pod, pc: &PodContext, key: &str) -> Result<Action
             }
         }
         Step::DeleteLower { grace } => {
-            delete_lower(&lower_api, lower.as_deref(), grace, key).await?;
+            delete_lower(&lower_api, lower.as_ref(), grace, key).await?;
             info!(cluster = "lower", ?grace, "deleting the lower pod");
         }
         Step::DeleteStale => {
-            delete_lower(&lower_api, lower.as_deref(), None, key).await?;
+            delete_lower(&lower_api, lower.as_ref(), None, key).await?;
             info!(
                 cluster = "lower",
                 "deleting a lower pod left by an earlier pod of this name"
@@ -335,7 +344,7 @@ async fn reconcile_pod(upper: &Pod, pc: &PodContext, key: &str) -> Result<Action
             info!(cluster = "upper", "lower pod gone; marked the pod Failed");
         }
         Step::Sync => {
-            if let Some(lower) = lower.as_deref() {
+            if let Some(lower) = lower.as_ref() {
                 sync(upper, lower, pc, &lower_api, &upper_api, key).await?;
             }
         }
@@ -529,8 +538,8 @@ async fn report(ctx: &Context, upper: &Pod, error: &Error) {
     }
 }
 
-fn error_policy(upper: Arc<Pod>, _error: &Error, pc: Arc<PodContext>) -> Action {
-    Action::requeue(pc.ctx.backoff(&key_of(&upper)))
+fn error_policy(upper: Arc<StoredPod>, _error: &Error, pc: Arc<PodContext>) -> Action {
+    Action::requeue(pc.ctx.backoff(&key_of(&upper.metadata)))
 }
 
 #[cfg(test)]

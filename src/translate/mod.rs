@@ -7,6 +7,7 @@ pub mod meta;
 pub mod pod;
 pub mod scheduling;
 pub mod service;
+pub mod stored;
 pub mod volume;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;

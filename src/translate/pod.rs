@@ -219,33 +219,6 @@ pub fn upper_uid(meta: &ObjectMeta) -> Option<&str> {
         .map(String::as_str)
 }
 
-/// Prunes a pod to what the controller needs between reconciles: identity, labels and
-/// annotations, container names and images, tolerations, activeDeadlineSeconds, nodeName
-/// and status — what `lower_pod_update`, status reflection and ownership read. The rest
-/// of the spec (probes, env, volumes…) is most of a pod's memory; the full upper pod is
-/// read again when its lower pod is created.
-pub fn prune_for_store(pod: &mut Pod) {
-    pod.metadata.managed_fields = None;
-    if let Some(spec) = pod.spec.as_mut() {
-        let keep = |c: &Container| Container {
-            name: c.name.clone(),
-            image: c.image.clone(),
-            ..Container::default()
-        };
-        *spec = PodSpec {
-            containers: spec.containers.iter().map(keep).collect(),
-            init_containers: spec
-                .init_containers
-                .as_ref()
-                .map(|cs| cs.iter().map(keep).collect()),
-            tolerations: spec.tolerations.take(),
-            active_deadline_seconds: spec.active_deadline_seconds,
-            node_name: spec.node_name.take(),
-            ..PodSpec::default()
-        };
-    }
-}
-
 /// The status to write on the upper pod so it shows what its lower copy is doing.
 pub fn upper_status(lower: &Pod, upper: &Pod) -> PodStatus {
     let from = lower.status.clone().unwrap_or_default();
@@ -1362,33 +1335,6 @@ mod tests {
             assert_eq!(trip_labels(&mut got, &ignore), labels(tripped), "{name}");
             assert_eq!(got, labels(left), "{name}");
         }
-    }
-
-    #[test]
-    fn a_pruned_pod_still_syncs_the_same() {
-        let upper = pod(patched(
-            updatable_upper(),
-            json!({"spec": {"containers": [{"name": "app", "image": "nginx:2"}]}}),
-        ));
-        let mut lower = pod(json!({
-            "metadata": {"name": "web", "namespace": "ns"},
-            "spec": {"containers": [{"name": "app", "image": "nginx:1",
-                "env": [{"name": "A", "value": "b"}],
-                "livenessProbe": {"httpGet": {"path": "/", "port": 80}}}]},
-        }));
-        let before = lower_pod(&upper, &translation(&[])).unwrap();
-        let mut pruned_upper = upper.clone();
-        prune_for_store(&mut pruned_upper);
-        prune_for_store(&mut lower);
-        let after = lower_pod(&pruned_upper, &translation(&[])).unwrap();
-        assert_eq!(
-            after.metadata, before.metadata,
-            "labels, annotations and marks unchanged"
-        );
-        let spec = pruned_upper.spec.unwrap();
-        assert_eq!(spec.containers[0].image.as_deref(), Some("nginx:2"));
-        assert!(spec.volumes.is_none() && spec.containers[0].env.is_none());
-        assert!(lower.spec.unwrap().containers[0].liveness_probe.is_none());
     }
 
     #[test]
