@@ -172,7 +172,13 @@ pub fn restore_constraints(spec: &mut PodSpec, stash: Option<&ClusterSelector>) 
                     }
                     None => affinity.node_affinity = Some(stashed.clone()),
                 },
-                (Some(affinity), None) => affinity.node_affinity = None,
+                // Required terms were written for upper nodes; preferred ones are soft and
+                // stay, as they do without a stash.
+                (Some(affinity), None) => {
+                    if let Some(node_affinity) = affinity.node_affinity.as_mut() {
+                        node_affinity.required_during_scheduling_ignored_during_execution = None;
+                    }
+                }
             }
         }
         None => {
@@ -732,5 +738,38 @@ mod tests {
             restore_constraints(&mut pod, parsed.as_ref());
             assert_eq!(pod, spec(want), "{original}");
         }
+    }
+
+    #[test]
+    fn a_stash_without_affinity_keeps_preferred_node_affinity() {
+        let mut spec: PodSpec = serde_json::from_value(serde_json::json!({
+            "containers": [],
+            "affinity": {"nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "type", "operator": "In", "values": ["virtual-kubelet"]}]}]},
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {"weight": 1, "preference": {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}}],
+            }},
+        }))
+        .unwrap();
+        let stash = ClusterSelector {
+            node_selector: Some([("disktype".to_owned(), "ssd".to_owned())].into()),
+            ..ClusterSelector::default()
+        };
+        restore_constraints(&mut spec, Some(&stash));
+        let node_affinity = spec.affinity.unwrap().node_affinity.unwrap();
+        assert!(
+            node_affinity
+                .required_during_scheduling_ignored_during_execution
+                .is_none()
+        );
+        assert_eq!(
+            node_affinity
+                .preferred_during_scheduling_ignored_during_execution
+                .unwrap()
+                .len(),
+            1
+        );
+        assert_eq!(spec.node_selector.unwrap()["disktype"], "ssd");
     }
 }
