@@ -31,9 +31,16 @@ pub struct Reflection {
     pub field_path: Option<String>,
 }
 
-/// What to publish for `lower`, if anything: it must name a reason.
+/// What to publish for `lower`, if anything: it must name a reason. The lower
+/// scheduler's Normal `Scheduled` is not reflected: it names a lower node where the upper
+/// pod shows the virtual node (whose own `Scheduled` the upper scheduler recorded), and it
+/// would cost an upper write for every pod of a burst.
 pub fn reflection(lower: &Event) -> Option<Reflection> {
     let reason = lower.reason.clone().filter(|r| !r.is_empty())?;
+    let warning = lower.type_.as_deref() == Some("Warning");
+    if !warning && reason == "Scheduled" {
+        return None;
+    }
     let mut note = lower.message.clone().unwrap_or_default();
     if note.len() > MAX_NOTE {
         let mut cut = MAX_NOTE;
@@ -44,7 +51,7 @@ pub fn reflection(lower: &Event) -> Option<Reflection> {
     }
     let action = format!("Lower{reason}-{:08x}", fnv1a(note.as_bytes()) as u32);
     Some(Reflection {
-        warning: lower.type_.as_deref() == Some("Warning"),
+        warning,
         reason,
         note,
         action,
@@ -218,6 +225,23 @@ mod tests {
         }));
         let note = reflection(&long).unwrap().note;
         assert!(note.len() <= MAX_NOTE && note.chars().all(|c| c == 'é'));
+    }
+
+    #[test]
+    fn the_lower_schedulers_normal_scheduled_is_not_reflected() {
+        let scheduled = |type_: &str| {
+            event(json!({
+                "metadata": {"name": "p.2", "namespace": "ns"},
+                "involvedObject": {"kind": "Pod", "name": "p", "namespace": "ns"},
+                "type": type_, "reason": "Scheduled",
+                "message": "Successfully assigned ns/p to lower-node-0",
+            }))
+        };
+        assert!(reflection(&scheduled("Normal")).is_none());
+        assert!(
+            reflection(&scheduled("Warning")).is_some(),
+            "a warning always comes up"
+        );
     }
 
     #[test]
