@@ -214,17 +214,29 @@ async fn delete_and_wait(upper: &Client, lower: &Client, ns: &str, n: usize) -> 
     let start = Instant::now();
     let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), ns);
     let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), ns);
-    upper_pods
-        .delete_collection(
-            &DeleteParams::default(),
-            &ListParams::default().labels("bench=1"),
-        )
-        .await?;
+    let lp = ListParams::default().labels("bench=1");
+    // A collection of thousands can outlast the API server's request timeout; what it
+    // deleted stays deleted, so the call is repeated until it completes.
+    let mut deleted = false;
+    for _ in 0..10 {
+        match upper_pods
+            .delete_collection(&DeleteParams::default(), &lp)
+            .await
+        {
+            Ok(_) => {
+                deleted = true;
+                break;
+            }
+            Err(error) => eprintln!("tensile-bench: deleting {n} pods, retrying: {error}"),
+        }
+    }
+    if !deleted {
+        bail!("could not delete the pods of {ns}");
+    }
     wait_for(
         &format!("{n} pods gone from both clusters"),
         WAIT,
         || async {
-            let lp = ListParams::default().labels("bench=1");
             let left = upper_pods.list_metadata(&lp).await?.items.len()
                 + lower_pods.list_metadata(&lp).await?.items.len();
             Ok((left == 0).then_some(()))
@@ -261,6 +273,35 @@ fn footprint(pid: u32) -> Result<(u64, u64, f64)> {
         kib("VmHWM:") * 1024,
         ticks as f64 / hz,
     ))
+}
+
+/// CPU seconds so far of every process of the pair and of virtual-node, by name.
+fn cpu_by_component(pair: &ClusterPair, vn: &VirtualNode) -> BTreeMap<String, f64> {
+    let mut pids: Vec<(String, u32)> = pair
+        .upper
+        .components()
+        .into_iter()
+        .chain(pair.lower.components())
+        .map(|(name, pid, _)| (name, pid))
+        .collect();
+    pids.push(("virtual-node".into(), vn.pid()));
+    pids.push(("tensile-bench".into(), std::process::id()));
+    pids.into_iter()
+        .filter_map(|(name, pid)| Some((name, footprint(pid).ok()?.2)))
+        .collect()
+}
+
+/// CPU seconds each component used between two samples, largest first.
+fn cpu_profile(before: &BTreeMap<String, f64>, after: &BTreeMap<String, f64>) -> String {
+    let mut used: Vec<(&String, f64)> = after
+        .iter()
+        .map(|(name, s)| (name, s - before.get(name).copied().unwrap_or(0.0)))
+        .filter(|(_, s)| *s >= 0.05)
+        .collect();
+    used.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let total: f64 = used.iter().map(|(_, s)| s).sum();
+    let parts: Vec<String> = used.iter().map(|(n, s)| format!("{n} {s:.1}")).collect();
+    format!("{total:.1} s: {}", parts.join(", "))
 }
 
 /// virtual-node's own counters, from its metrics endpoint.
@@ -412,13 +453,16 @@ async fn run(args: Args) -> Result<()> {
     let pods: Vec<Pod> = (0..n)
         .map(|i| labelled(pod(&format!("p-{i:05}"), spec.clone())))
         .collect();
+    let cpu = cpu_by_component(&pair, &vn);
     let (ns, baseline, _) = burst(&lower, "bench-baseline", pods, args.concurrency).await?;
+    let profile = cpu_profile(&cpu, &cpu_by_component(&pair, &vn));
     report.row("baseline (lower only)", "all Running", secs(baseline.total));
     report.row(
         "baseline (lower only)",
         "per pod p50 / p99",
         format!("{} / {}", ms(baseline.p50), ms(baseline.p99)),
     );
+    report.row("baseline (lower only)", "CPU seconds by component", profile);
     let _ = delete_and_wait(&lower, &lower, &ns.name, n).await;
     ns.delete().await?;
 
@@ -433,8 +477,10 @@ async fn run(args: Args) -> Result<()> {
         &format!("bench=1,tensile.dev/virtual-node={NODE}"),
         lower_timeline.clone(),
     );
+    let cpu = cpu_by_component(&pair, &vn);
     let (ns, direct, upper_timeline) =
         burst(&upper, "bench-direct", pods, args.concurrency).await?;
+    let profile = cpu_profile(&cpu, &cpu_by_component(&pair, &vn));
     let ratio = direct.total.as_secs_f64() / baseline.total.as_secs_f64().max(1e-9);
     report.row(
         "burst (nodeName)",
@@ -457,6 +503,7 @@ async fn run(args: Args) -> Result<()> {
         "ratio to baseline (target <= 1.2)",
         format!("{ratio:.2}"),
     );
+    report.row("burst (nodeName)", "CPU seconds by component", profile);
     wait_for("lower Running times", Duration::from_secs(30), || async {
         Ok((lock(&lower_timeline).running.len() >= n).then_some(()))
     })
@@ -491,7 +538,9 @@ async fn run(args: Args) -> Result<()> {
     let pods: Vec<Pod> = (0..n)
         .map(|i| labelled(pod(&format!("p-{i:05}"), pinned_spec(NODE))))
         .collect();
+    let cpu = cpu_by_component(&pair, &vn);
     let (ns, scheduled, _) = burst(&upper, "bench-scheduled", pods, args.concurrency).await?;
+    let profile = cpu_profile(&cpu, &cpu_by_component(&pair, &vn));
     let ratio = scheduled.total.as_secs_f64() / baseline.total.as_secs_f64().max(1e-9);
     report.row(
         "burst (scheduler)",
@@ -508,6 +557,7 @@ async fn run(args: Args) -> Result<()> {
         "ratio to baseline (target <= 1.2)",
         format!("{ratio:.2}"),
     );
+    report.row("burst (scheduler)", "CPU seconds by component", profile);
     let _ = delete_and_wait(&upper, &lower, &ns.name, n).await?;
     ns.delete().await?;
 
