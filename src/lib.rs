@@ -8,4 +8,5 @@ pub mod clusters;
 pub mod controllers;
 pub mod metrics;
 pub mod node;
+pub mod shutdown;
 pub mod translate;

@@ -78,7 +78,7 @@ async fn run(args: Args) -> Result<(), String> {
     );
 
     let shutdown = CancellationToken::new();
-    tokio::spawn(handle_signals(shutdown.clone()));
+    tokio::spawn(tensile::shutdown::on_signals(shutdown.clone()));
 
     let node_config = NodeConfig {
         name: args.nodename.clone(),
@@ -268,26 +268,4 @@ fn validate_node_name(name: &str) -> Result<(), String> {
             "--nodename {name:?} must be a DNS name of at most 63 characters (it is also a label value)"
         ))
     }
-}
-
-/// First SIGTERM/SIGINT: drain (stop watching, finish in-flight work). Second: exit now.
-async fn handle_signals(shutdown: CancellationToken) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        return;
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
-    info!("shutting down (signal again to exit at once)");
-    shutdown.cancel();
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
-    std::process::exit(130);
 }

@@ -12,7 +12,7 @@ use super::meta::{
     GLOBAL_ANNOTATION, LABEL_SELECTOR_ANNOTATION, OWNER_NODE_LABEL, SELECTED_NODE_ANNOTATION,
 };
 use super::pod::{DEFAULT_SERVICE_ACCOUNT, injected_token_volumes, service_account_name};
-use super::{TranslateError, lower_meta, object_ref};
+use super::{TranslateError, copy_meta, object_ref};
 
 /// Secret type of the legacy, controller-minted service-account tokens.
 const SERVICE_ACCOUNT_TOKEN_TYPE: &str = "kubernetes.io/service-account-token";
@@ -181,24 +181,10 @@ fn volume_dependencies(volume: &Volume, add: &mut impl FnMut(DependencyKind, &st
     }
 }
 
-/// Metadata of a lower copy of a pod's dependency: [`lower_meta`] plus `global`, which
-/// tells tensile-kube-era tooling the object belongs to the system.
-fn dependency_meta(
-    kind: &'static str,
-    upper: &ObjectMeta,
-    node_name: &str,
-) -> Result<ObjectMeta, TranslateError> {
-    let mut meta = lower_meta(kind, upper, node_name)?;
-    meta.annotations
-        .get_or_insert_default()
-        .insert(GLOBAL_ANNOTATION.to_owned(), "true".to_owned());
-    Ok(meta)
-}
-
 /// The lower copy of a ConfigMap.
 pub fn lower_config_map(upper: &ConfigMap, node_name: &str) -> Result<ConfigMap, TranslateError> {
     Ok(ConfigMap {
-        metadata: dependency_meta("ConfigMap", &upper.metadata, node_name)?,
+        metadata: copy_meta("ConfigMap", &upper.metadata, node_name)?,
         data: upper.data.clone(),
         binary_data: upper.binary_data.clone(),
         immutable: upper.immutable,
@@ -221,7 +207,7 @@ pub fn lower_secret(upper: &Secret, node_name: &str) -> Result<Secret, Translate
         });
     }
     Ok(Secret {
-        metadata: dependency_meta("Secret", &upper.metadata, node_name)?,
+        metadata: copy_meta("Secret", &upper.metadata, node_name)?,
         data: upper.data.clone(),
         string_data: upper.string_data.clone(),
         type_: upper.type_.clone(),
@@ -236,7 +222,7 @@ pub fn lower_service_account(
     node_name: &str,
 ) -> Result<ServiceAccount, TranslateError> {
     Ok(ServiceAccount {
-        metadata: dependency_meta("ServiceAccount", &upper.metadata, node_name)?,
+        metadata: copy_meta("ServiceAccount", &upper.metadata, node_name)?,
         automount_service_account_token: upper.automount_service_account_token,
         image_pull_secrets: upper.image_pull_secrets.clone(),
         secrets: None,
@@ -250,7 +236,7 @@ pub fn lower_pvc(
     upper: &PersistentVolumeClaim,
     node_name: &str,
 ) -> Result<PersistentVolumeClaim, TranslateError> {
-    let mut metadata = dependency_meta("PersistentVolumeClaim", &upper.metadata, node_name)?;
+    let mut metadata = copy_meta("PersistentVolumeClaim", &upper.metadata, node_name)?;
     let annotations = metadata.annotations.get_or_insert_default();
     annotations.retain(|key, _| {
         !PVC_BINDING_ANNOTATIONS.contains(&key.as_str())

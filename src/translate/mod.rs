@@ -80,6 +80,20 @@ pub(crate) fn object_ref(meta: &ObjectMeta) -> String {
     }
 }
 
+/// Metadata of a lower copy of a dependency or a Service: [`lower_meta`] plus `global`,
+/// which tells tensile-kube-era tooling the object belongs to the system.
+pub(crate) fn copy_meta(
+    kind: &'static str,
+    upper: &ObjectMeta,
+    node_name: &str,
+) -> Result<ObjectMeta, TranslateError> {
+    let mut meta = lower_meta(kind, upper, node_name)?;
+    meta.annotations
+        .get_or_insert_default()
+        .insert(meta::GLOBAL_ANNOTATION.to_owned(), "true".to_owned());
+    Ok(meta)
+}
+
 /// The metadata of a lower copy of `upper`: name, namespace, labels and annotations kept,
 /// everything the upper API server assigned cleared (the lower one assigns its own), and
 /// tensile's ownership marks added. Errors if `upper` has no name, namespace or uid.

@@ -21,8 +21,8 @@ use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
 use super::config::{SYSTEM_NAMESPACE, carry_server_fields};
-use super::meta::{ENDPOINT_SLICE_MANAGER, GLOBAL_ANNOTATION, LABEL_SELECTOR_ANNOTATION};
-use super::{TranslateError, lower_meta, object_ref};
+use super::meta::{ENDPOINT_SLICE_MANAGER, LABEL_SELECTOR_ANNOTATION};
+use super::{TranslateError, copy_meta, object_ref};
 
 /// Label naming the Service an EndpointSlice belongs to.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -46,19 +46,6 @@ pub enum Update<K> {
     Replace(K),
     /// A field that cannot change in place differs: delete it and create it anew.
     Recreate,
-}
-
-/// Metadata of a lower copy: [`lower_meta`] plus `global`.
-fn copy_meta(
-    kind: &'static str,
-    upper: &ObjectMeta,
-    node_name: &str,
-) -> Result<ObjectMeta, TranslateError> {
-    let mut meta = lower_meta(kind, upper, node_name)?;
-    meta.annotations
-        .get_or_insert_default()
-        .insert(GLOBAL_ANNOTATION.to_owned(), "true".to_owned());
-    Ok(meta)
 }
 
 /// The lower copy of a Service: selector moved to the `labelSelector` annotation, cluster

@@ -71,7 +71,7 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
 
     let shutdown = CancellationToken::new();
-    tokio::spawn(handle_signals(shutdown.clone()));
+    tokio::spawn(tensile::shutdown::on_signals(shutdown.clone()));
     let metrics = Arc::new(Metrics::default());
     let (pvcs, pvc_watch) = pvc::watch(client, metrics.clone(), shutdown.clone());
     let app = Arc::new(App {
@@ -122,26 +122,4 @@ fn nonempty(values: &[String]) -> BTreeSet<String> {
         .map(|v| v.trim().to_owned())
         .filter(|v| !v.is_empty())
         .collect()
-}
-
-/// First SIGTERM/SIGINT: drain (stop accepting, finish requests in flight). Second: exit now.
-async fn handle_signals(shutdown: CancellationToken) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        return;
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
-    info!("shutting down (signal again to exit at once)");
-    shutdown.cancel();
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
-    }
-    std::process::exit(130);
 }
