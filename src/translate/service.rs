@@ -365,7 +365,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_UID_ANNOTATION};
+    use crate::translate::meta::{GLOBAL_ANNOTATION, OWNER_NODE_LABEL, UPPER_UID_ANNOTATION};
     use serde_json::json;
 
     const NODE: &str = "vk";
