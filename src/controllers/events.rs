@@ -26,7 +26,6 @@ use tracing::debug;
 use super::Context;
 use super::pod::Synced;
 use crate::translate::events::{EventGate, Verdict, last_seen, occurrences, reflection};
-use crate::translate::pod::upper_uid;
 use crate::translate::stored::StoredPod;
 
 /// Events a pod may get at once.
@@ -110,7 +109,7 @@ async fn reflect(
     if about.uid.is_some() && about.uid != lower.metadata.uid {
         return; // about an earlier pod of this name
     }
-    let Some(origin) = upper_uid(&lower.metadata) else {
+    let Some(origin) = lower.upper_uid() else {
         return;
     };
     let Some(upper) = pods

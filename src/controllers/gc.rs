@@ -15,7 +15,6 @@ use tracing::{info, warn};
 
 use super::pod::Synced;
 use super::{Context, is_status};
-use crate::translate::pod::{is_owned_by, upper_uid};
 use crate::translate::stored::StoredPod;
 
 /// How often the stores are compared (in memory; cheap).
@@ -32,13 +31,13 @@ pub fn orphans<'a>(
     lower
         .iter()
         .map(AsRef::as_ref)
-        .filter(|p| is_owned_by(&p.metadata, node))
+        .filter(|p| p.is_owned_by(node))
         .filter(|p| p.metadata.deletion_timestamp.is_none())
         .filter(|p| namespace.is_empty() || p.metadata.namespace.as_deref() == Some(namespace))
         .filter(|p| {
             let ns = p.metadata.namespace.as_deref().unwrap_or_default();
             let name = p.metadata.name.as_deref().unwrap_or_default();
-            match upper_uid(&p.metadata) {
+            match p.upper_uid() {
                 Some(uid) => !upper_has(ns, name, uid),
                 None => true,
             }

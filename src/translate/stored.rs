@@ -4,14 +4,19 @@
 //! activeDeadlineSeconds, nodeName and status. Watch events are converted on arrival, so
 //! ten thousand mirrored pods fit in a small footprint; a reconcile rebuilds a `Pod` view.
 //! The status is kept as its JSON, a third of the size of its struct graph, and parsed
-//! back when a reconcile needs it.
+//! back when a reconcile needs it. Labels and annotations are kept as [`Pairs`], one
+//! buffer each instead of a `BTreeMap` (whose smallest node reserves room for eleven
+//! entries: half a kilobyte for the two to five a pod has).
 
 use std::borrow::Cow;
+use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus, Toleration};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Resource;
 use kube::core::NamespaceResourceScope;
+
+use super::meta::{OWNER_NODE_LABEL, UPPER_UID_ANNOTATION};
 
 /// A container as stored: its name and image.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -22,12 +27,74 @@ pub struct StoredContainer {
     pub image: Option<String>,
 }
 
+/// A string map of a few entries in one buffer: `text` holds the keys and values one
+/// after the other, `ends[i]` where the i-th of them ends. Entries keep the map's (sorted)
+/// order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Pairs {
+    text: Box<str>,
+    ends: Box<[u32]>,
+}
+
+impl Pairs {
+    /// Packs `map`. `None` if it is too large for 32-bit offsets (4 GiB: never for a real
+    /// object, whose metadata the API server caps at 256 KiB).
+    pub fn new(map: &BTreeMap<String, String>) -> Option<Self> {
+        let mut text = String::with_capacity(map.iter().map(|(k, v)| k.len() + v.len()).sum());
+        let mut ends = Vec::with_capacity(2 * map.len());
+        for part in map.iter().flat_map(|(k, v)| [k, v]) {
+            text.push_str(part);
+            ends.push(u32::try_from(text.len()).ok()?);
+        }
+        Some(Self {
+            text: text.into_boxed_str(),
+            ends: ends.into_boxed_slice(),
+        })
+    }
+
+    /// The entries, in key order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &str)> {
+        let mut start = 0;
+        let mut parts = self.ends.iter().map(move |&end| {
+            let end = end as usize;
+            let part = self.text.get(start..end).unwrap_or_default();
+            start = end;
+            part
+        });
+        std::iter::from_fn(move || Some((parts.next()?, parts.next()?)))
+    }
+
+    /// The value of `key`.
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.iter().find(|(k, _)| *k == key).map(|(_, v)| v)
+    }
+
+    /// Whether there are no entries.
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    /// The map back; `None` when empty.
+    pub fn to_map(&self) -> Option<BTreeMap<String, String>> {
+        (!self.is_empty()).then(|| {
+            self.iter()
+                .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                .collect()
+        })
+    }
+}
+
 /// A pod reduced to what the controllers compare. It deserializes from a pod's JSON.
 #[derive(Clone, Debug, Default, PartialEq, serde::Deserialize)]
 #[serde(from = "Pod")]
 pub struct StoredPod {
-    /// Metadata, without managedFields.
+    /// Metadata, without managedFields, and without labels and annotations: read those
+    /// with [`StoredPod::label`] and [`StoredPod::annotation`].
     pub metadata: ObjectMeta,
+    /// `metadata.labels`.
+    labels: Pairs,
+    /// `metadata.annotations`.
+    annotations: Pairs,
     /// `spec.nodeName`.
     pub node_name: Option<String>,
     /// `spec.containers`, names and images.
@@ -77,9 +144,13 @@ impl From<Pod> for StoredPod {
         metadata.finalizers = None;
         metadata.generate_name = None;
         metadata.creation_timestamp = None;
+        let labels = packed(metadata.labels.take());
+        let annotations = packed(metadata.annotations.take());
         let spec = spec.unwrap_or_default();
         Self {
             metadata,
+            labels,
+            annotations,
             containers: stored(&spec.containers),
             init_containers: stored(spec.init_containers.as_deref().unwrap_or_default()),
             node_name: spec.node_name,
@@ -92,7 +163,33 @@ impl From<Pod> for StoredPod {
     }
 }
 
+/// Packs a label or annotation map. One beyond 4 GiB cannot exist (the API server caps an
+/// object's metadata at 256 KiB), so it would be dropped rather than fail the watch.
+fn packed(map: Option<BTreeMap<String, String>>) -> Pairs {
+    map.and_then(|m| Pairs::new(&m)).unwrap_or_default()
+}
+
 impl StoredPod {
+    /// The value of label `key`.
+    pub fn label(&self, key: &str) -> Option<&str> {
+        self.labels.get(key)
+    }
+
+    /// The value of annotation `key`.
+    pub fn annotation(&self, key: &str) -> Option<&str> {
+        self.annotations.get(key)
+    }
+
+    /// Whether `node` owns it ([`super::pod::is_owned_by`] on a stored pod).
+    pub fn is_owned_by(&self, node: &str) -> bool {
+        self.label(OWNER_NODE_LABEL) == Some(node)
+    }
+
+    /// The UID of its upper pod ([`super::pod::upper_uid`] on a stored pod).
+    pub fn upper_uid(&self) -> Option<&str> {
+        self.annotation(UPPER_UID_ANNOTATION)
+    }
+
     /// The status.
     pub fn status(&self) -> Option<PodStatus> {
         // It was serialized from a `PodStatus` on arrival, so it parses back.
@@ -105,7 +202,11 @@ impl StoredPod {
     /// comparisons and patches of a reconcile, not for creating a pod.
     pub fn to_pod(&self) -> Pod {
         Pod {
-            metadata: self.metadata.clone(),
+            metadata: ObjectMeta {
+                labels: self.labels.to_map(),
+                annotations: self.annotations.to_map(),
+                ..self.metadata.clone()
+            },
             spec: Some(PodSpec {
                 node_name: self.node_name.clone(),
                 containers: containers(&self.containers),
@@ -178,6 +279,8 @@ mod tests {
         .unwrap();
         let stored = StoredPod::from(pod.clone());
         assert_eq!(stored.metadata.managed_fields, None);
+        assert_eq!(stored.label("app"), Some("web"));
+        assert_eq!(stored.label("other"), None);
         assert_eq!(stored.status(), pod.status);
         let view = stored.to_pod();
         let (spec, original) = (view.spec.unwrap(), pod.spec.unwrap());
@@ -196,5 +299,38 @@ mod tests {
         assert!(spec.volumes.is_none());
         assert_eq!(StoredPod::kind(&()), "Pod");
         assert_eq!(StoredPod::plural(&()), "pods");
+    }
+
+    #[test]
+    fn pairs_round_trip() {
+        let cases: Vec<(&str, Vec<(&str, &str)>)> = vec![
+            ("empty", vec![]),
+            ("one", vec![("app", "web")]),
+            ("empty key and value", vec![("", ""), ("k", "")]),
+            (
+                "several, unsorted input",
+                vec![("z", "1"), ("a", "{\"json\": true}"), ("m", "ünïcode")],
+            ),
+        ];
+        for (name, entries) in cases {
+            let map: BTreeMap<String, String> = entries
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            let pairs = Pairs::new(&map).unwrap();
+            assert_eq!(
+                pairs.to_map(),
+                (!map.is_empty()).then(|| map.clone()),
+                "{name}"
+            );
+            assert_eq!(pairs.is_empty(), map.is_empty(), "{name}");
+            for (k, v) in &map {
+                assert_eq!(pairs.get(k), Some(v.as_str()), "{name}: {k}");
+            }
+            assert_eq!(pairs.get("absent"), None, "{name}");
+            let keys: Vec<&str> = pairs.iter().map(|(k, _)| k).collect();
+            let want: Vec<&str> = map.keys().map(String::as_str).collect();
+            assert_eq!(keys, want, "{name}: key order");
+        }
     }
 }
