@@ -136,12 +136,19 @@ async fn run(args: Args) -> Result<(), String> {
             .map_err(|e| e.to_string())?;
         info!(node = %args.nodename, "node registered");
 
-        let watches = controllers::pod::watches(&ctx);
-        let (upper_pods, lower_pods, synced) = (
-            watches.upper_store.clone(),
-            watches.lower_store.clone(),
-            watches.synced.clone(),
-        );
+        let controllers::pod::PodWatches {
+            upper_store,
+            lower_store,
+            synced,
+            pump,
+            pods: pod_triggers,
+            status: status_triggers,
+        } = controllers::pod::watches(&ctx);
+        let stores = controllers::pod::PodStores {
+            upper: upper_store,
+            lower: lower_store,
+            synced: synced.clone(),
+        };
         let config_watches = controllers::config::watches(&ctx);
         let service_watches = optional
             .services
@@ -160,21 +167,11 @@ async fn run(args: Args) -> Result<(), String> {
         let config = controllers::config::run(
             ctx.clone(),
             config_watches,
-            controllers::config::PodStores {
-                upper: upper_pods.clone(),
-                lower: lower_pods.clone(),
-                synced: synced.clone(),
-            },
+            stores.clone(),
             args.full_resync_period,
             shutdown.clone(),
         );
-        let events = controllers::events::run(
-            ctx.clone(),
-            upper_pods.clone(),
-            lower_pods.clone(),
-            synced.clone(),
-            shutdown.clone(),
-        );
+        let events = controllers::events::run(ctx.clone(), stores.clone(), shutdown.clone());
         let services = async {
             if let Some(watches) = service_watches {
                 controllers::service::run(
@@ -197,13 +194,30 @@ async fn run(args: Args) -> Result<(), String> {
                 .await;
             }
         };
+        let workers = args.pod_sync_workers.max(1);
         let pods = controllers::pod::run(
             ctx.clone(),
-            watches,
-            args.pod_sync_workers.max(1),
+            pod_triggers,
+            stores.clone(),
+            workers,
             args.full_resync_period,
             shutdown.clone(),
         );
+        let status = controllers::status::run(
+            ctx.clone(),
+            status_triggers,
+            stores.clone(),
+            workers,
+            args.full_resync_period,
+            shutdown.clone(),
+        );
+        // The watches run until shutdown; the controllers stop on it by themselves.
+        let pump = async {
+            tokio::select! {
+                () = shutdown.cancelled() => {}
+                () = pump => {}
+            }
+        };
         let gc = async {
             let ready = async {
                 if synced.wait().await.is_ok() && watches_ready.wait().await.is_ok() {
@@ -214,14 +228,7 @@ async fn run(args: Args) -> Result<(), String> {
                 () = shutdown.cancelled() => {}
                 () = ready => {}
             }
-            controllers::gc::run(
-                ctx.clone(),
-                upper_pods,
-                lower_pods,
-                synced.clone(),
-                shutdown.clone(),
-            )
-            .await;
+            controllers::gc::run(ctx.clone(), stores.clone(), shutdown.clone()).await;
         };
         let keep_alive = node::keep_alive(
             upper.client.clone(),
@@ -232,7 +239,9 @@ async fn run(args: Args) -> Result<(), String> {
             registered,
             shutdown.clone(),
         );
-        tokio::join!(pods, gc, keep_alive, config, events, services, volumes);
+        tokio::join!(
+            pump, pods, status, gc, keep_alive, config, events, services, volumes
+        );
         Ok::<(), String>(())
     };
     let (result, (), served) = tokio::join!(

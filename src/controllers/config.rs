@@ -29,7 +29,7 @@ use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::pod::Synced;
+use super::pod::PodStores;
 use super::stores::{
     MetaIndex, ObjectStream, Ready, Reflected, every, indexed, log_outcome, reflected,
 };
@@ -42,7 +42,6 @@ use crate::translate::config::{
 };
 use crate::translate::meta::OWNER_NODE_LABEL;
 use crate::translate::pod::is_owned_by;
-use crate::translate::stored::StoredPod;
 
 /// How often unreferenced copies are looked for (in memory).
 const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
@@ -115,16 +114,6 @@ pub fn watches(ctx: &Context) -> ConfigWatches {
         secrets,
         ready: cm_ready.and(&secret_ready),
     }
-}
-
-/// The pod stores whose references keep copies alive.
-pub struct PodStores {
-    /// Upper pods bound to this node.
-    pub upper: Store<StoredPod>,
-    /// Lower pods this node owns.
-    pub lower: Store<StoredPod>,
-    /// Whether both have listed.
-    pub synced: Synced,
 }
 
 /// Runs until `shutdown`: one controller per kind, and the removal of unreferenced copies.

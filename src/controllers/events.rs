@@ -18,15 +18,14 @@ use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
 use kube::api::Api;
 use kube::runtime::events::{Event, EventType};
-use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use super::Context;
-use super::pod::Synced;
+use super::pod::PodStores;
 use crate::translate::events::{EventGate, Verdict, last_seen, occurrences, reflection};
-use crate::translate::stored::StoredPod;
 
 /// Events a pod may get at once.
 pub const BURST: u32 = 10;
@@ -39,16 +38,10 @@ const STARTUP_SLACK_SECONDS: i64 = 60;
 const REMEMBER: Duration = Duration::from_secs(3600);
 
 /// Runs until `shutdown`, once both pod stores are synced.
-pub async fn run(
-    ctx: Arc<Context>,
-    upper_pods: Store<StoredPod>,
-    lower_pods: Store<StoredPod>,
-    synced: Synced,
-    shutdown: CancellationToken,
-) {
+pub async fn run(ctx: Arc<Context>, pods: PodStores, shutdown: CancellationToken) {
     tokio::select! {
         () = shutdown.cancelled() => return,
-        synced = synced.wait() => if synced.is_err() { return },
+        synced = pods.synced.wait() => if synced.is_err() { return },
     }
     let started = Timestamp::now().as_second();
     let api: Api<LowerEvent> = if ctx.namespace.is_empty() {
@@ -65,10 +58,6 @@ pub async fn run(
     );
     let mut gate = EventGate::new(BURST, REFILL);
     let mut prune = tokio::time::interval(Duration::from_secs(300));
-    let pods = Pods {
-        upper: upper_pods,
-        lower: lower_pods,
-    };
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
@@ -85,16 +74,11 @@ pub async fn run(
     }
 }
 
-struct Pods {
-    upper: Store<StoredPod>,
-    lower: Store<StoredPod>,
-}
-
 /// Publishes `event` on the upper pod of the lower pod it is about, if that pod is this
 /// node's and the gate lets it through.
 async fn reflect(
     ctx: &Context,
-    pods: &Pods,
+    pods: &PodStores,
     gate: &mut EventGate,
     event: &LowerEvent,
     started: i64,

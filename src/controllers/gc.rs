@@ -9,11 +9,11 @@ use std::time::Duration;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Preconditions};
-use kube::runtime::reflector::{ObjectRef, Store};
+use kube::runtime::reflector::ObjectRef;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::pod::Synced;
+use super::pod::PodStores;
 use super::{Context, is_status};
 use crate::translate::stored::StoredPod;
 
@@ -46,13 +46,12 @@ pub fn orphans<'a>(
 }
 
 /// Runs until `shutdown`, starting once both stores are synced.
-pub async fn run(
-    ctx: Arc<Context>,
-    upper_pods: Store<StoredPod>,
-    lower_pods: Store<StoredPod>,
-    synced: Synced,
-    shutdown: CancellationToken,
-) {
+pub async fn run(ctx: Arc<Context>, pods: PodStores, shutdown: CancellationToken) {
+    let PodStores {
+        upper: upper_pods,
+        lower: lower_pods,
+        synced,
+    } = pods;
     tokio::select! {
         () = shutdown.cancelled() => return,
         synced = synced.wait() => if synced.is_err() { return },

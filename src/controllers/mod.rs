@@ -7,6 +7,7 @@ pub mod events;
 pub mod gc;
 pub mod pod;
 pub mod service;
+pub mod status;
 pub mod stores;
 pub mod volume;
 

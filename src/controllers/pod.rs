@@ -1,30 +1,34 @@
-//! Pods bound to the virtual node: mirrored down, status reflected up, updates and
-//! deletions followed. Level-triggered: each reconcile compares the upper pod with the
-//! lower pod in the store and does the one step that closes the gap, whatever woke it
-//! (an upper change, a lower change, a resync).
+//! Pods bound to the virtual node: mirrored down, updates and deletions followed.
+//! Level-triggered: each reconcile compares the upper pod with the lower pod in the store
+//! and does the one step that closes the gap, whatever woke it (an upper change, a lower
+//! change, a resync). Status is reflected up by [`super::status`], on a queue of its own
+//! fed by the same two watches ([`watches`]), so that a reflection never waits behind
+//! pods being created.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::{StreamExt, TryStreamExt};
-use k8s_openapi::api::core::v1::{Pod, PodStatus};
+use futures::SinkExt;
+use futures::channel::mpsc;
+use futures::{FutureExt, StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
-use serde_json::{Value, json};
+use serde_json::json;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
+use super::status::write_status;
 use super::{Context, Error, api_error, dependencies, is_status};
 use crate::clusters::Side;
 use crate::translate::meta::OWNER_NODE_LABEL;
 use crate::translate::pod::{
-    PodTranslation, is_owned_by, lower_gone_status, lower_pod, lower_pod_update, status_in_sync,
-    status_is_informative, upper_status, upper_uid,
+    PodTranslation, is_owned_by, lower_gone_status, lower_pod, lower_pod_update, upper_uid,
 };
 use crate::translate::stored::StoredPod;
 
@@ -108,25 +112,41 @@ fn was_mirrored(pod: &Pod) -> bool {
 }
 
 /// A watch stream feeding a reflector store.
-pub type PodStream =
+type PodStream =
     std::pin::Pin<Box<dyn futures::Stream<Item = Result<StoredPod, watcher::Error>> + Send>>;
 
-/// The two pod watches the controller runs on, with their stores and whether each has
-/// completed its first list.
+/// How many changed pods may wait for a controller to take them before the watch waits.
+const TRIGGER_BUFFER: usize = 1024;
+
+/// The changed pods one controller is woken by: upper pods bound to this node and lower
+/// pods it owns.
+pub struct Triggers {
+    pub(crate) upper: mpsc::Receiver<Arc<StoredPod>>,
+    pub(crate) lower: mpsc::Receiver<Arc<StoredPod>>,
+}
+
+/// The two pod watches, their stores, and the changes they hand to the pod controller and
+/// to the status reflector. Each pod is stored once; both controllers read the same stores.
 pub struct PodWatches {
     /// Upper pods bound to this node.
     pub upper_store: Store<StoredPod>,
-    upper_stream: PodStream,
     /// Lower pods this node owns.
     pub lower_store: Store<StoredPod>,
-    lower_stream: PodStream,
     /// Turns true once both stores hold a complete list.
     pub synced: Synced,
+    /// Drives both watches and hands each changed pod to both controllers; run it beside
+    /// them until shutdown.
+    pub pump: futures::future::BoxFuture<'static, ()>,
+    /// What wakes the pod controller ([`run`]).
+    pub pods: Triggers,
+    /// What wakes the status reflector ([`super::status::run`]).
+    pub status: Triggers,
 }
 
 /// Whether both stores are synced; any number of tasks may wait on it. (A reflector
 /// `Store::wait_until_ready` wakes only its most recent waiter, so it is awaited nowhere
-/// but inside kube-runtime's runner.)
+/// but inside kube-runtime's runner: the upper store by the pod controller's, the lower
+/// store by the status reflector's.)
 #[derive(Clone)]
 pub struct Synced {
     upper: watch::Receiver<bool>,
@@ -176,6 +196,24 @@ fn reflected(
     (store, Box::pin(stream), ready_rx)
 }
 
+/// Polls `stream` (which keeps its store current) and hands every changed pod, deletions
+/// included, to each of `to`. A controller that has stopped is skipped; the store is kept
+/// current for the others.
+async fn fan_out(mut stream: PodStream, side: Side, mut to: [mpsc::Sender<Arc<StoredPod>>; 2]) {
+    while let Some(changed) = stream.next().await {
+        match changed {
+            Ok(pod) => {
+                let pod = Arc::new(pod);
+                for tx in &mut to {
+                    // Fails only once that controller has stopped.
+                    let _ = tx.send(pod.clone()).await;
+                }
+            }
+            Err(error) => warn!(cluster = %side, %error, "watching pods; retrying with backoff"),
+        }
+    }
+}
+
 /// Sets up the watches: upper pods with `spec.nodeName=<node>` (in `--namespace` if
 /// given), lower pods labelled as this node's.
 pub fn watches(ctx: &Context) -> PodWatches {
@@ -192,16 +230,44 @@ pub fn watches(ctx: &Context) -> PodWatches {
         Api::all(ctx.lower.clone()),
         watcher::Config::default().labels(&format!("{OWNER_NODE_LABEL}={}", ctx.node_name)),
     );
+    let (pods_upper, pods_upper_rx) = mpsc::channel(TRIGGER_BUFFER);
+    let (pods_lower, pods_lower_rx) = mpsc::channel(TRIGGER_BUFFER);
+    let (status_upper, status_upper_rx) = mpsc::channel(TRIGGER_BUFFER);
+    let (status_lower, status_lower_rx) = mpsc::channel(TRIGGER_BUFFER);
+    let pump = futures::future::join(
+        fan_out(upper_stream, Side::Upper, [pods_upper, status_upper]),
+        fan_out(lower_stream, Side::Lower, [pods_lower, status_lower]),
+    )
+    .map(|((), ())| ())
+    .boxed();
     PodWatches {
         upper_store,
-        upper_stream,
         lower_store,
-        lower_stream,
         synced: Synced {
             upper: upper_ready,
             lower: lower_ready,
         },
+        pump,
+        pods: Triggers {
+            upper: pods_upper_rx,
+            lower: pods_lower_rx,
+        },
+        status: Triggers {
+            upper: status_upper_rx,
+            lower: status_lower_rx,
+        },
     }
+}
+
+/// The stores both pod controllers read.
+#[derive(Clone)]
+pub struct PodStores {
+    /// Upper pods bound to this node.
+    pub upper: Store<StoredPod>,
+    /// Lower pods this node owns.
+    pub lower: Store<StoredPod>,
+    /// Whether both are synced.
+    pub synced: Synced,
 }
 
 struct PodContext {
@@ -210,34 +276,31 @@ struct PodContext {
     synced: Synced,
 }
 
+/// The `ObjectRef` of the pod of the same namespace and name in the other cluster.
+pub(crate) fn same_name(pod: &Arc<StoredPod>) -> Option<ObjectRef<StoredPod>> {
+    let name = pod.metadata.name.as_deref()?;
+    let namespace = pod.metadata.namespace.as_deref()?;
+    Some(ObjectRef::new(name).within(namespace))
+}
+
 /// Runs the pod controller until `shutdown`.
 pub async fn run(
     ctx: Arc<Context>,
-    watches: PodWatches,
+    triggers: Triggers,
+    stores: PodStores,
     workers: u16,
     resync: Duration,
     shutdown: CancellationToken,
 ) {
-    let PodWatches {
-        upper_store,
-        upper_stream,
-        lower_store,
-        lower_stream,
-        synced,
-    } = watches;
-    let controller = Controller::for_stream(upper_stream, upper_store)
+    let controller = Controller::for_shared_stream(triggers.upper, stores.upper)
         .with_config(ControllerConfig::default().concurrency(workers))
-        .watches_stream(lower_stream, |lower: StoredPod| {
-            let name = lower.metadata.name.clone()?;
-            let namespace = lower.metadata.namespace.clone()?;
-            Some(ObjectRef::new(&name).within(&namespace))
-        })
+        .watches_shared_stream(triggers.lower, |lower: Arc<StoredPod>| same_name(&lower))
         .reconcile_all_on(tokio_stream_interval(resync))
         .graceful_shutdown_on(shutdown.cancelled_owned());
     let pod_ctx = Arc::new(PodContext {
         ctx,
-        lower_pods: lower_store,
-        synced,
+        lower_pods: stores.lower,
+        synced: stores.synced,
     });
     controller
         .run(reconcile, error_policy, pod_ctx)
@@ -249,7 +312,9 @@ pub async fn run(
         .await;
 }
 
-fn tokio_stream_interval(period: Duration) -> impl futures::Stream<Item = ()> + Send + 'static {
+pub(crate) fn tokio_stream_interval(
+    period: Duration,
+) -> impl futures::Stream<Item = ()> + Send + 'static {
     futures::stream::unfold(
         tokio::time::interval_at(tokio::time::Instant::now() + period, period),
         |mut interval| async move {
@@ -259,7 +324,7 @@ fn tokio_stream_interval(period: Duration) -> impl futures::Stream<Item = ()> + 
     )
 }
 
-fn key_of(meta: &ObjectMeta) -> String {
+pub(crate) fn key_of(meta: &ObjectMeta) -> String {
     format!(
         "{}/{}",
         meta.namespace.as_deref().unwrap_or_default(),
@@ -345,7 +410,7 @@ async fn reconcile_pod(upper: &Pod, pc: &PodContext, key: &str) -> Result<Action
         }
         Step::Sync => {
             if let Some(lower) = lower.as_ref() {
-                sync(upper, lower, pc, &lower_api, &upper_api, key).await?;
+                propagate_update(upper, lower, pc, &lower_api, key).await?;
             }
         }
     }
@@ -427,22 +492,16 @@ async fn create(
     }
 }
 
-async fn sync(
+/// Carries an upper pod's changed labels, annotations, images, tolerations or deadline
+/// down to its lower pod.
+async fn propagate_update(
     upper: &Pod,
     lower: &Pod,
     pc: &PodContext,
     lower_api: &Api<Pod>,
-    upper_api: &Api<Pod>,
     key: &str,
 ) -> Result<(), Error> {
     let ctx = &pc.ctx;
-    let desired = upper_status(lower, upper);
-    let informative = lower.status.as_ref().is_some_and(status_is_informative);
-    if informative && !status_in_sync(upper.status.as_ref(), &desired) {
-        write_status(upper_api, &upper.name_any(), &desired, key).await?;
-        ctx.metrics.status_writes.inc();
-        debug!(cluster = "upper", phase = ?desired.phase, "reflected status");
-    }
     let translation = PodTranslation {
         node_name: &ctx.node_name,
         ignore_labels: &ctx.ignore_labels,
@@ -459,50 +518,6 @@ async fn sync(
         ctx.metrics.lower_updates.inc();
         info!(cluster = "lower", "propagated an update");
     }
-    Ok(())
-}
-
-/// The status fields tensile owns on an upper pod: absent in `status` means cleared.
-const REFLECTED_FIELDS: &[&str] = &[
-    "phase",
-    "conditions",
-    "containerStatuses",
-    "initContainerStatuses",
-    "ephemeralContainerStatuses",
-    "podIP",
-    "podIPs",
-    "hostIP",
-    "hostIPs",
-    "startTime",
-    "reason",
-    "message",
-    "nominatedNodeName",
-];
-
-/// A merge patch that sets `status` and clears the reflected fields it leaves out.
-pub fn status_patch(status: &PodStatus) -> Value {
-    let mut body = serde_json::to_value(status).unwrap_or_else(|_| json!({}));
-    if let Some(map) = body.as_object_mut() {
-        for field in REFLECTED_FIELDS {
-            map.entry(*field).or_insert(Value::Null);
-        }
-    }
-    json!({ "status": body })
-}
-
-async fn write_status(
-    api: &Api<Pod>,
-    name: &str,
-    status: &PodStatus,
-    key: &str,
-) -> Result<(), Error> {
-    api.patch_status(
-        name,
-        &PatchParams::default(),
-        &Patch::Merge(&status_patch(status)),
-    )
-    .await
-    .map_err(api_error(Side::Upper, "writing the status of", "Pod", key))?;
     Ok(())
 }
 
@@ -545,7 +560,7 @@ fn error_policy(upper: Arc<StoredPod>, _error: &Error, pc: Arc<PodContext>) -> A
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{Value, json};
 
     const NODE: &str = "vk";
 
@@ -672,22 +687,5 @@ mod tests {
         for (name, upper, lower, want) in cases {
             assert_eq!(decide(&upper, lower.as_ref(), NODE), want, "{name}");
         }
-    }
-
-    #[test]
-    fn status_patch_clears_what_the_lower_status_lacks() {
-        let status: PodStatus =
-            serde_json::from_value(json!({"phase": "Running", "podIP": "10.1.1.1"})).unwrap();
-        let patch = status_patch(&status);
-        assert_eq!(patch["status"]["phase"], "Running");
-        assert_eq!(patch["status"]["podIP"], "10.1.1.1");
-        assert!(patch["status"]["reason"].is_null());
-        assert!(patch["status"].as_object().unwrap().contains_key("reason"));
-        assert!(
-            !patch["status"]
-                .as_object()
-                .unwrap()
-                .contains_key("qosClass")
-        );
     }
 }
