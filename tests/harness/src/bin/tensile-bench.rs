@@ -1,10 +1,12 @@
 //! tensile-bench: measures virtual-node on its own cluster pair and prints a table.
 //!
 //! Scenarios (DESIGN.md targets): burst vs. the same pods straight in the lower cluster,
-//! status reflection delay, deletion, footprint (memory, CPU, API requests per pod), and
-//! restart catch-up with the writes it made. Figures, not assertions.
+//! status reflection delay (during the burst, and for pods already mirrored and Running
+//! whose lower Ready condition the bench flips as a kubelet would), deletion, footprint
+//! (memory, CPU, API requests per pod), and restart catch-up with the writes it made.
+//! Figures, not assertions.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
@@ -14,15 +16,18 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::Client;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
-use serde_json::json;
+use serde_json::{Value, json};
 use tensile_harness::fixtures::{bound_pod, pinned_spec, pod};
 use tensile_harness::{
     ClusterPair, NodeShape, PairOptions, TestNamespace, VirtualNode, VirtualNodeOptions,
     node_is_ready, wait_for,
 };
+use tokio::task::JoinSet;
+use tokio::time::MissedTickBehavior;
 
 #[derive(Parser)]
 #[command(about = "Benchmarks virtual-node against a local cluster pair")]
@@ -40,6 +45,10 @@ struct Args {
     /// virtual-node's `--client-qps` / `--kube-api-qps` (burst = 2×).
     #[arg(long, default_value_t = 2000)]
     qps: u32,
+    /// Lower pods a second whose Ready condition the bench flips when measuring status
+    /// reflection for pods already mirrored (paced, so the figure is a latency).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
+    flip_rate: u32,
     /// The virtual-node binary (default: beside this one).
     #[arg(long)]
     virtual_node: Option<PathBuf>,
@@ -76,7 +85,7 @@ struct Timeline {
 
 type Shared = Arc<Mutex<Timeline>>;
 
-fn lock(t: &Shared) -> std::sync::MutexGuard<'_, Timeline> {
+fn lock<T>(t: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     t.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -177,7 +186,7 @@ struct Report {
 
 impl Report {
     fn row(&mut self, scenario: &str, measure: &str, value: String) {
-        println!("  {scenario:<28} {measure:<44} {value}");
+        println!("  {scenario:<34} {measure:<44} {value}");
         self.rows.push((scenario.into(), measure.into(), value));
     }
 }
@@ -244,6 +253,218 @@ async fn delete_and_wait(upper: &Client, lower: &Client, ns: &str, n: usize) -> 
     )
     .await?;
     Ok(start.elapsed())
+}
+
+/// When each pod was first seen, by a watch, with its Ready condition at one status.
+#[derive(Default)]
+struct ReadySightings {
+    /// The watch's first list is complete: sightings from now on are changes.
+    listed: bool,
+    first: HashMap<String, Instant>,
+    /// Pods seen at the status and later seen off it again.
+    reverted: BTreeSet<String>,
+}
+
+type SharedSightings = Arc<Mutex<ReadySightings>>;
+
+fn ready_status(pod: &Pod) -> Option<&str> {
+    pod.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .map(|c| c.status.as_str())
+}
+
+/// Watches the bench's pods of `api`, recording when each first shows Ready=`want`.
+async fn track_ready(api: Api<Pod>, want: &'static str, sightings: SharedSightings) {
+    let config = watcher::Config::default().labels("bench=1");
+    let mut events = std::pin::pin!(watcher::watcher(api, config).default_backoff());
+    while let Some(event) = events.next().await {
+        let at = Instant::now();
+        let pod = match event {
+            Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod)) => pod,
+            Ok(watcher::Event::InitDone) => {
+                lock(&sightings).listed = true;
+                continue;
+            }
+            _ => continue,
+        };
+        let Some(name) = pod.metadata.name.as_deref() else {
+            continue;
+        };
+        let mut seen = lock(&sightings);
+        if ready_status(&pod) == Some(want) {
+            seen.first.entry(name.to_owned()).or_insert(at);
+        } else if seen.first.contains_key(name) {
+            seen.reverted.insert(name.to_owned());
+        }
+    }
+}
+
+/// A strategic merge patch of a pod's status (conditions merge by type) that sets Ready
+/// and ContainersReady as a kubelet does when a readiness probe changes, with a fresh
+/// lastTransitionTime.
+fn ready_patch(ready: bool) -> Value {
+    let now = Time(k8s_openapi::jiff::Timestamp::now());
+    let (status, reason, message) = if ready {
+        ("True", Value::Null, Value::Null)
+    } else {
+        (
+            "False",
+            json!("ContainersNotReady"),
+            json!("containers with unready status: [app]"),
+        )
+    };
+    let condition = |kind: &str| {
+        json!({
+            "type": kind,
+            "status": status,
+            "lastTransitionTime": now,
+            "reason": reason,
+            "message": message,
+        })
+    };
+    json!({"status": {"conditions": [condition("Ready"), condition("ContainersReady")]}})
+}
+
+/// Plays the lower kubelet: sets the Ready condition of each lower pod `names` in `ns`,
+/// one pod every 1/`rate` s (the patches are not waited for one by one, so a slow one
+/// does not hold back the pace).
+async fn flip_ready(
+    lower: &Api<Pod>,
+    ns: &str,
+    names: &[String],
+    ready: bool,
+    rate: u32,
+) -> Result<()> {
+    let mut ticks = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(rate)));
+    ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut patches = JoinSet::new();
+    let finish = |done: Result<Result<()>, tokio::task::JoinError>| -> Result<()> {
+        done.context("status patch task")?
+    };
+    for name in names {
+        ticks.tick().await;
+        let (api, name, ns) = (lower.clone(), name.clone(), ns.to_owned());
+        let body = ready_patch(ready);
+        patches.spawn(async move {
+            api.patch_status(&name, &PatchParams::default(), &Patch::Strategic(body))
+                .await
+                .map(|_| ())
+                .with_context(|| format!("setting Ready={ready} on lower pod {ns}/{name}"))
+        });
+        while let Some(done) = patches.try_join_next() {
+            finish(done)?;
+        }
+    }
+    while let Some(done) = patches.join_next().await {
+        finish(done)?;
+    }
+    Ok(())
+}
+
+/// Status reflection for pods already mirrored and Running: flips the Ready condition of
+/// the lower pods `names` in `ns` to `ready` at `rate` pods a second and returns, sorted,
+/// each pod's delay from the bench's watch on the lower pods seeing the change to its
+/// watch on the upper pods seeing it.
+async fn ready_reflection(
+    upper: &Client,
+    lower: &Client,
+    ns: &str,
+    names: &[String],
+    ready: bool,
+    rate: u32,
+) -> Result<Vec<Duration>> {
+    let want = if ready { "True" } else { "False" };
+    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), ns);
+    let below = SharedSightings::default();
+    let above = SharedSightings::default();
+    // Dropping the set (on return or error) stops both watches.
+    let mut watches = JoinSet::new();
+    watches.spawn(track_ready(lower_pods.clone(), want, below.clone()));
+    watches.spawn(track_ready(
+        Api::namespaced(upper.clone(), ns),
+        want,
+        above.clone(),
+    ));
+    wait_for(
+        "the bench's watches on the upper and lower pods to list them",
+        Duration::from_secs(60),
+        || async { Ok((lock(&below).listed && lock(&above).listed).then_some(())) },
+    )
+    .await?;
+    for (side, seen) in [("lower", &below), ("upper", &above)] {
+        if let Some(name) = lock(seen).first.keys().next() {
+            bail!(
+                "{side} pod {ns}/{name} shows Ready={want} before the bench set it \
+                 (something else rewrites the condition: kwok's stages?)"
+            );
+        }
+    }
+    flip_ready(&lower_pods, ns, names, ready, rate).await?;
+    let n = names.len();
+    let missing = |seen: &SharedSightings| -> String {
+        let seen = lock(seen);
+        let left: Vec<&str> = names
+            .iter()
+            .filter(|name| !seen.first.contains_key(*name))
+            .map(String::as_str)
+            .take(10)
+            .collect();
+        left.join(", ")
+    };
+    wait_for(
+        &format!("{n} lower and upper pods to show Ready={want}"),
+        Duration::from_secs(120),
+        || async {
+            let done = lock(&below).first.len() >= n && lock(&above).first.len() >= n;
+            Ok(done.then_some(()))
+        },
+    )
+    .await
+    .with_context(|| {
+        format!(
+            "not seen with Ready={want} in {ns}: lower [{}], upper [{}]",
+            missing(&below),
+            missing(&above)
+        )
+    })?;
+    watches.shutdown().await;
+    for (side, seen) in [("lower", &below), ("upper", &above)] {
+        if let Some(name) = lock(seen).reverted.iter().next() {
+            bail!(
+                "{side} pod {ns}/{name} went back from Ready={want} after the bench set it: \
+                 something else rewrites the condition (kwok's stages?)"
+            );
+        }
+    }
+    let (below, above) = (lock(&below), lock(&above));
+    let mut delays = names
+        .iter()
+        .map(|name| {
+            let t0 = below.first.get(name);
+            let t1 = above.first.get(name);
+            match (t0, t1) {
+                (Some(t0), Some(t1)) => Ok(t1.saturating_duration_since(*t0)),
+                _ => Err(anyhow::anyhow!(
+                    "pod {ns}/{name} not seen with Ready={want}"
+                )),
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    delays.sort();
+    Ok(delays)
+}
+
+fn p50_p99_max(sorted: &[Duration]) -> String {
+    format!(
+        "{} / {} / {}",
+        ms(percentile(sorted, 50.0)),
+        ms(percentile(sorted, 99.0)),
+        ms(sorted.last().copied().unwrap_or_default())
+    )
 }
 
 /// Resident and peak memory (bytes) and CPU seconds of a process.
@@ -440,10 +661,12 @@ async fn run(args: Args) -> Result<()> {
     println!(
         "limits: virtual-node --client-qps/--kube-api-qps {} (burst {}), 32 pod workers; bench creates {} pods at a time; \
          apiservers --max-requests-inflight=1000 --max-mutating-requests-inflight=500; \
-         kube-scheduler and controller-manager qps 500; kwok pods Running at once (fast stages)\n",
+         kube-scheduler and controller-manager qps 500; kwok pods Running at once (fast stages); \
+         bench flips mirrored lower pods' Ready at {} pods/s\n",
         args.qps,
         2 * args.qps,
         args.concurrency,
+        args.flip_rate,
     );
     let mut report = Report { rows: Vec::new() };
     let n = args.pods;
@@ -518,7 +741,7 @@ async fn run(args: Args) -> Result<()> {
     };
     delays.sort();
     report.row(
-        "status reflection",
+        "status reflection (during burst)",
         "lower Running -> upper Running p50 / p99 (target p99 < 200 ms)",
         format!(
             "{} / {}",
@@ -526,6 +749,25 @@ async fn run(args: Args) -> Result<()> {
             ms(percentile(&delays, 99.0))
         ),
     );
+
+    // 2b. Status reflection for the pods now mirrored and Running: the bench flips each
+    // lower pod's Ready condition, paced, and times its own lower watch -> upper watch.
+    let names: Vec<String> = (0..n).map(|i| format!("p-{i:05}")).collect();
+    for (ready, measure) in [
+        (
+            false,
+            "lower Ready=False -> upper p50 / p99 / max (target p99 < 200 ms)",
+        ),
+        (true, "lower Ready=True -> upper p50 / p99 / max"),
+    ] {
+        let delays =
+            ready_reflection(&upper, &lower, &ns.name, &names, ready, args.flip_rate).await?;
+        report.row(
+            "status reflection (mirrored pods)",
+            measure,
+            p50_p99_max(&delays),
+        );
+    }
     let deletion = delete_and_wait(&upper, &lower, &ns.name, n).await?;
     report.row(
         "deletion",
