@@ -355,36 +355,44 @@ impl References {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// What the pods `present` reference as far as known, and the namespaces holding a
-    /// pod whose references are unknown. Forgets pods no longer present.
-    fn resolve(
+    /// What the present pods reference as far as known, and the namespaces holding a
+    /// pod whose references are unknown. Forgets pods no longer present. `pods` lists the
+    /// present pods (`namespace`, `name`), `is_present` answers for one; neither builds a
+    /// copy of ten thousand names.
+    fn resolve<'a>(
         &self,
-        present: &BTreeSet<(String, String)>,
+        pods: impl Iterator<Item = (&'a str, &'a str)>,
+        is_present: impl Fn(&str, &str) -> bool,
     ) -> (BTreeSet<Reference>, BTreeSet<String>) {
         let mut map = self.lock();
-        map.retain(|pod, _| present.contains(pod));
-        let mut known = BTreeSet::new();
+        map.retain(|(namespace, name), _| is_present(namespace, name));
+        let known = map.values().flatten().cloned().collect();
         let mut unknown = BTreeSet::new();
-        for pod in present {
-            match map.get(pod) {
-                Some(references) => known.extend(references.iter().cloned()),
-                None => {
-                    unknown.insert(pod.0.clone());
-                }
+        for (namespace, name) in pods {
+            if !unknown.contains(namespace)
+                && !map.contains_key(&(namespace.to_owned(), name.to_owned()))
+            {
+                unknown.insert(namespace.to_owned());
             }
         }
         (known, unknown)
     }
 }
 
-/// `namespace/name` of every pod in the two stores.
-fn present_pods(pods: &PodStores) -> BTreeSet<(String, String)> {
-    pods.upper
-        .state()
-        .iter()
-        .chain(pods.lower.state().iter())
-        .filter_map(|p| Some((p.namespace()?, p.metadata.name.clone()?)))
-        .collect()
+/// [`References::resolve`] over the pods in the two stores.
+fn resolve(references: &References, pods: &PodStores) -> (BTreeSet<Reference>, BTreeSet<String>) {
+    let (upper, lower) = (pods.upper.state(), pods.lower.state());
+    let listed = upper.iter().chain(lower.iter()).filter_map(|p| {
+        Some((
+            p.metadata.namespace.as_deref()?,
+            p.metadata.name.as_deref()?,
+        ))
+    });
+    let is_present = |namespace: &str, name: &str| {
+        let pod = ObjectRef::new(name).within(namespace);
+        pods.upper.get(&pod).is_some() || pods.lower.get(&pod).is_some()
+    };
+    references.resolve(listed, is_present)
 }
 
 /// A copy that may go: what it is and which one (UID).
@@ -444,7 +452,7 @@ async fn remove_unreferenced(
             () = shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
-        let (referenced, _) = ctx.references.resolve(&present_pods(&pods));
+        let (referenced, _) = resolve(&ctx.references, &pods);
         let mut candidates = unreferenced(&config_maps, &referenced, &ctx.node_name);
         candidates.extend(unreferenced(&secrets, &referenced, &ctx.node_name));
         let now = Instant::now();
@@ -487,7 +495,7 @@ async fn remove_in(
         }
     }
     let used_below = referenced(&in_namespace.items, ctx.with_service_account);
-    let (used_here, unknown) = ctx.references.resolve(&present_pods(pods));
+    let (used_here, unknown) = resolve(&ctx.references, pods);
     if unknown.contains(namespace) {
         debug!(
             namespace,
@@ -547,17 +555,17 @@ mod tests {
         .unwrap()
     }
 
-    fn key(namespace: &str, name: &str) -> (String, String) {
-        (namespace.to_owned(), name.to_owned())
-    }
-
     #[test]
     fn references_survive_pruned_stores_and_forget_departed_pods() {
         let references = References::default();
         references.record(&pod("a", "p1", "settings"), true);
         references.record(&pod("a", "p2", "other"), true);
-        let present: BTreeSet<_> = [key("a", "p1"), key("b", "unknown")].into();
-        let (known, unknown) = references.resolve(&present);
+        let resolve = |present: &[(&'static str, &'static str)]| {
+            references.resolve(present.iter().copied(), |ns, name| {
+                present.contains(&(ns, name))
+            })
+        };
+        let (known, unknown) = resolve(&[("a", "p1"), ("b", "unknown")]);
         assert_eq!(
             known,
             [(
@@ -568,8 +576,13 @@ mod tests {
             .into()
         );
         assert_eq!(unknown, ["b".to_owned()].into(), "nothing goes there yet");
-        // p2 is gone from the stores: forgotten.
-        let (known, _) = references.resolve(&[key("a", "p1"), key("a", "p2")].into());
+        // p2 was not present: forgotten, so once listed again its references are unknown.
+        let (known, unknown) = resolve(&[("a", "p1"), ("a", "p2")]);
+        assert_eq!(
+            unknown,
+            ["a".to_owned()].into(),
+            "p2's references are unknown now"
+        );
         assert_eq!(known.len(), 1);
         assert!(known.iter().all(|(_, _, name)| name == "settings"));
     }

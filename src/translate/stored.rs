@@ -101,8 +101,9 @@ pub struct StoredPod {
     pub containers: Vec<StoredContainer>,
     /// `spec.initContainers`, names and images.
     pub init_containers: Vec<StoredContainer>,
-    /// `spec.tolerations`.
-    pub tolerations: Option<Vec<Toleration>>,
+    /// `spec.tolerations`, as JSON (a `Toleration` is 112 bytes before its strings, and
+    /// every pod has at least the two the API server adds).
+    tolerations: Option<Box<[u8]>>,
     /// `spec.activeDeadlineSeconds`.
     pub active_deadline_seconds: Option<i64>,
     /// `status`, as JSON.
@@ -144,6 +145,9 @@ impl From<Pod> for StoredPod {
         metadata.finalizers = None;
         metadata.generate_name = None;
         metadata.creation_timestamp = None;
+        // Every write of a pod is a merge patch or carries a UID precondition; the
+        // reflector would copy it into the store's key as well.
+        metadata.resource_version = None;
         let labels = packed(metadata.labels.take());
         let annotations = packed(metadata.annotations.take());
         let spec = spec.unwrap_or_default();
@@ -154,13 +158,22 @@ impl From<Pod> for StoredPod {
             containers: stored(&spec.containers),
             init_containers: stored(spec.init_containers.as_deref().unwrap_or_default()),
             node_name: spec.node_name,
-            tolerations: spec.tolerations,
+            tolerations: spec.tolerations.as_ref().and_then(json),
             active_deadline_seconds: spec.active_deadline_seconds,
-            status: status
-                .and_then(|s| serde_json::to_vec(&s).ok())
-                .map(Vec::into_boxed_slice),
+            status: status.as_ref().and_then(json),
         }
     }
+}
+
+/// `value` as JSON.
+fn json<T: serde::Serialize>(value: &T) -> Option<Box<[u8]>> {
+    serde_json::to_vec(value).ok().map(Vec::into_boxed_slice)
+}
+
+/// Parses what [`json`] wrote.
+fn parsed<T: serde::de::DeserializeOwned>(json: Option<&[u8]>) -> Option<T> {
+    // It was serialized from a `T` on arrival, so it parses back.
+    json.and_then(|json| serde_json::from_slice(json).ok())
 }
 
 /// Packs a label or annotation map. One beyond 4 GiB cannot exist (the API server caps an
@@ -192,10 +205,12 @@ impl StoredPod {
 
     /// The status.
     pub fn status(&self) -> Option<PodStatus> {
-        // It was serialized from a `PodStatus` on arrival, so it parses back.
-        self.status
-            .as_deref()
-            .and_then(|json| serde_json::from_slice(json).ok())
+        parsed(self.status.as_deref())
+    }
+
+    /// `spec.tolerations`.
+    pub fn tolerations(&self) -> Option<Vec<Toleration>> {
+        parsed(self.tolerations.as_deref())
     }
 
     /// The `Pod` this stands for, with only the stored fields set — enough for the
@@ -212,7 +227,7 @@ impl StoredPod {
                 containers: containers(&self.containers),
                 init_containers: (!self.init_containers.is_empty())
                     .then(|| containers(&self.init_containers)),
-                tolerations: self.tolerations.clone(),
+                tolerations: self.tolerations(),
                 active_deadline_seconds: self.active_deadline_seconds,
                 ..PodSpec::default()
             }),
@@ -260,6 +275,7 @@ mod tests {
         let pod: Pod = serde_json::from_value(json!({
             "metadata": {
                 "name": "web", "namespace": "ns", "uid": "u", "labels": {"app": "web"},
+                "resourceVersion": "42",
                 "managedFields": [{"manager": "kubectl", "operation": "Update"}],
             },
             "spec": {
@@ -279,6 +295,7 @@ mod tests {
         .unwrap();
         let stored = StoredPod::from(pod.clone());
         assert_eq!(stored.metadata.managed_fields, None);
+        assert_eq!(stored.metadata.resource_version, None);
         assert_eq!(stored.label("app"), Some("web"));
         assert_eq!(stored.label("other"), None);
         assert_eq!(stored.status(), pod.status);
