@@ -520,3 +520,60 @@ async fn a_lower_admission_denial_is_reported_on_the_pending_upper_pod() {
         .await
         .unwrap();
 }
+
+fn ready_condition(pod: &Pod) -> Option<(String, Option<String>)> {
+    let condition = pod
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "Ready")?;
+    Some((condition.status.clone(), condition.reason.clone()))
+}
+
+#[tokio::test]
+async fn a_lower_readiness_change_is_reflected_up_for_a_running_pod() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let node = "vk-ready";
+    let _vn = start_node(pair, node, &[]).await;
+    let (upper, lower) = (
+        pair.upper.client().await.unwrap(),
+        pair.lower.client().await.unwrap(),
+    );
+    let ns = TestNamespace::create(&upper, "ready").await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), &ns.name);
+    upper_pods
+        .create(&PostParams::default(), &bound_pod("web", node))
+        .await
+        .unwrap();
+    wait_running(&upper_pods, "app=web", 1).await;
+    wait_running(&lower_pods, "app=web", 1).await;
+
+    // The lower kubelet (here: the test) reports the readiness probe failing, then passing.
+    for (status, reason) in [("False", Some("ContainersNotReady")), ("True", None)] {
+        let condition = json!({
+            "type": "Ready", "status": status, "reason": reason,
+            "lastTransitionTime": k8s_openapi::jiff::Timestamp::now().to_string(),
+        });
+        lower_pods
+            .patch_status(
+                "web",
+                &PatchParams::default(),
+                &Patch::Strategic(json!({"status": {"conditions": [condition]}})),
+            )
+            .await
+            .unwrap();
+        let want = (status.to_owned(), reason.map(str::to_owned));
+        let reflected = wait_for(&format!("upper Ready={status}"), TIMEOUT, || async {
+            let pod = upper_pods.get("web").await?;
+            Ok((ready_condition(&pod).as_ref() == Some(&want)).then_some(pod))
+        })
+        .await
+        .unwrap();
+        let phase = reflected.status.and_then(|s| s.phase);
+        assert_eq!(phase.as_deref(), Some("Running"), "still Running");
+    }
+    ns.delete().await.unwrap();
+}
