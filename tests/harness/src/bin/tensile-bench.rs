@@ -1,6 +1,7 @@
 //! tensile-bench: measures virtual-node on its own cluster pair and prints a table.
 //!
-//! Scenarios (DESIGN.md targets): burst vs. the same pods straight in the lower cluster,
+//! Scenarios (DESIGN.md targets): burst vs. the same pods straight in the lower cluster
+//! and vs. its floor (the same pods in both clusters at once, nothing of tensile involved),
 //! status reflection delay (during the burst, and for pods already mirrored and Running
 //! whose lower Ready condition the bench flips as a kubelet would), deletion, footprint
 //! (memory, CPU, API requests per pod), and restart catch-up with the writes it made.
@@ -15,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use futures::{StreamExt, TryStreamExt};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::Client;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -55,6 +56,10 @@ struct Args {
 }
 
 const NODE: &str = "vk-bench";
+/// The kwok node of the upper cluster the both-clusters floor binds its upper pods to
+/// (type `kwok`, untainted: the virtual node's pinned pods cannot select it). It exists
+/// only during that scenario.
+const UPPER_FLOOR_NODE: &str = "upper-kwok-floor";
 const PODS_PER_LOWER_NODE: usize = 1000;
 const WAIT: Duration = Duration::from_secs(1800);
 
@@ -209,6 +214,118 @@ async fn burst(
     tracker.abort();
     let result = latencies(&lock(&timeline), start);
     Ok((ns, result, timeline))
+}
+
+/// The floor under a burst onto the virtual node, with nothing of tensile involved: `n`
+/// pods straight in the lower cluster (as the baseline) and, at the same time, `n` pods in
+/// the upper cluster bound to its kwok node `upper_node`, each side `concurrency` at a
+/// time. Latencies are over all 2`n` pods; the total ends when the last of them is Running.
+async fn both_clusters(
+    upper: &Client,
+    lower: &Client,
+    upper_node: &str,
+    n: usize,
+    concurrency: usize,
+) -> Result<(TestNamespace, TestNamespace, Latencies)> {
+    let prefix = "bench-floor";
+    let upper_ns = TestNamespace::create(upper, prefix).await?;
+    let lower_ns = TestNamespace::create(lower, prefix).await?;
+    let upper_api: Api<Pod> = Api::namespaced(upper.clone(), &upper_ns.name);
+    let lower_api: Api<Pod> = Api::namespaced(lower.clone(), &lower_ns.name);
+    let upper_spec =
+        json!({"nodeName": upper_node, "containers": [{"name": "app", "image": "nginx"}]});
+    let lower_spec = json!({"containers": [{"name": "app", "image": "nginx"}]});
+    let upper_pods: Vec<Pod> = (0..n)
+        .map(|i| labelled(pod(&format!("p-{i:05}"), upper_spec.clone())))
+        .collect();
+    let lower_pods: Vec<Pod> = (0..n)
+        .map(|i| labelled(pod(&format!("p-{i:05}"), lower_spec.clone())))
+        .collect();
+    let (upper_timeline, lower_timeline) = (Shared::default(), Shared::default());
+    let upper_tracker = track_running(upper_api.clone(), "bench=1", upper_timeline.clone());
+    let lower_tracker = track_running(lower_api.clone(), "bench=1", lower_timeline.clone());
+    let start = Instant::now();
+    let upper_what = format!("{n} upper pods Running on {upper_node} ({prefix})");
+    let lower_what = format!("{n} lower pods Running ({prefix})");
+    let outcome = async {
+        tokio::try_join!(
+            create_all(&upper_api, upper_pods, concurrency, &upper_timeline),
+            create_all(&lower_api, lower_pods, concurrency, &lower_timeline),
+        )?;
+        tokio::try_join!(
+            wait_all_running(&upper_timeline, n, &upper_what),
+            wait_all_running(&lower_timeline, n, &lower_what),
+        )?;
+        anyhow::Ok(())
+    }
+    .await;
+    upper_tracker.abort();
+    lower_tracker.abort();
+    outcome.with_context(|| {
+        format!(
+            "both-clusters floor in upper {} and lower {}",
+            upper_ns.name, lower_ns.name
+        )
+    })?;
+    // One timeline of all 2n pods, the names told apart by cluster.
+    let mut all = Timeline::default();
+    for (side, timeline) in [("upper", &upper_timeline), ("lower", &lower_timeline)] {
+        let timeline = lock(timeline);
+        for (name, at) in &timeline.created {
+            all.created.insert(format!("{side}/{name}"), *at);
+        }
+        for (name, at) in &timeline.running {
+            all.running.insert(format!("{side}/{name}"), *at);
+        }
+    }
+    let result = latencies(&all, start);
+    Ok((upper_ns, lower_ns, result))
+}
+
+/// Adds the upper cluster's kwok node for the floor, after checking that the scheduler
+/// burst's pods could not select it.
+async fn add_upper_floor_node(pair: &ClusterPair, upper: &Client) -> Result<()> {
+    pair.upper
+        .add_nodes(&[UPPER_FLOOR_NODE.to_owned()])
+        .await
+        .with_context(|| format!("adding the upper kwok node {UPPER_FLOOR_NODE}"))?;
+    let nodes: Api<Node> = Api::all(upper.clone());
+    let node = nodes
+        .get(UPPER_FLOOR_NODE)
+        .await
+        .with_context(|| format!("reading node {UPPER_FLOOR_NODE}"))?;
+    let labels = node.metadata.labels.unwrap_or_default();
+    let pinned = pinned_spec(NODE);
+    if let Some(selector) = pinned.get("nodeSelector").and_then(Value::as_object) {
+        let matches = selector
+            .iter()
+            .all(|(k, v)| labels.get(k).map(String::as_str) == v.as_str());
+        if matches {
+            bail!("node {UPPER_FLOOR_NODE} matches the nodeSelector of the virtual node's pods");
+        }
+    }
+    Ok(())
+}
+
+/// Deletes the upper kwok node of the floor and waits until it is gone.
+async fn delete_upper_floor_node(upper: &Client) -> Result<()> {
+    let nodes: Api<Node> = Api::all(upper.clone());
+    nodes
+        .delete(UPPER_FLOOR_NODE, &DeleteParams::default())
+        .await
+        .with_context(|| format!("deleting node {UPPER_FLOOR_NODE}"))?;
+    wait_for(
+        &format!("node {UPPER_FLOOR_NODE} gone"),
+        Duration::from_secs(60),
+        || async {
+            Ok(nodes
+                .get_opt(UPPER_FLOOR_NODE)
+                .await?
+                .is_none()
+                .then_some(()))
+        },
+    )
+    .await
 }
 
 fn labelled(mut p: Pod) -> Pod {
@@ -631,6 +748,12 @@ async fn run(args: Args) -> Result<()> {
         memory: "4Ti".into(),
         pods: PODS_PER_LOWER_NODE.to_string(),
     };
+    // The upper cluster starts with no kwok node; the floor adds one of this shape.
+    options.upper.node_shape = NodeShape {
+        cpu: "1000".into(),
+        memory: "4Ti".into(),
+        pods: args.pods.max(110).to_string(),
+    };
     let apiserver = vec![
         "--max-requests-inflight=1000".to_owned(),
         "--max-mutating-requests-inflight=500".to_owned(),
@@ -689,6 +812,44 @@ async fn run(args: Args) -> Result<()> {
     let _ = delete_and_wait(&lower, &lower, &ns.name, n).await;
     ns.delete().await?;
 
+    // 1b. The floor of a burst onto the virtual node: the same pods straight in the lower
+    // cluster and, at the same time, in the upper cluster bound to a kwok node of its own
+    // (the upper API server's work per pod, which a virtual node cannot avoid), nothing of
+    // tensile involved. The node is deleted afterwards so the other scenarios run as without.
+    let label = "both clusters (no virtual node)";
+    add_upper_floor_node(&pair, &upper).await?;
+    let cpu = cpu_by_component(&pair, &vn);
+    let (upper_ns, lower_ns, floor) =
+        both_clusters(&upper, &lower, UPPER_FLOOR_NODE, n, args.concurrency).await?;
+    let profile = cpu_profile(&cpu, &cpu_by_component(&pair, &vn));
+    report.row(
+        label,
+        &format!("all {} Running (n in each)", 2 * n),
+        secs(floor.total),
+    );
+    report.row(
+        label,
+        "per pod p50 / p99",
+        format!("{} / {}", ms(floor.p50), ms(floor.p99)),
+    );
+    report.row(
+        label,
+        "ratio to baseline",
+        format!(
+            "{:.2}",
+            floor.total.as_secs_f64() / baseline.total.as_secs_f64().max(1e-9)
+        ),
+    );
+    report.row(label, "CPU seconds by component", profile);
+    tokio::try_join!(
+        delete_and_wait(&upper, &upper, &upper_ns.name, n),
+        delete_and_wait(&lower, &lower, &lower_ns.name, n),
+    )
+    .context("deleting the both-clusters floor's pods")?;
+    upper_ns.delete().await?;
+    lower_ns.delete().await?;
+    delete_upper_floor_node(&upper).await?;
+
     // 2. Burst onto the virtual node, bound directly; status reflection measured on it.
     let pods: Vec<Pod> = (0..n)
         .map(|i| labelled(bound_pod(&format!("p-{i:05}"), NODE)))
@@ -725,6 +886,14 @@ async fn run(args: Args) -> Result<()> {
         "burst (nodeName)",
         "ratio to baseline (target <= 1.2)",
         format!("{ratio:.2}"),
+    );
+    report.row(
+        "burst (nodeName)",
+        "ratio to both-clusters floor",
+        format!(
+            "{:.2}",
+            direct.total.as_secs_f64() / floor.total.as_secs_f64().max(1e-9)
+        ),
     );
     report.row("burst (nodeName)", "CPU seconds by component", profile);
     wait_for("lower Running times", Duration::from_secs(30), || async {
@@ -798,6 +967,14 @@ async fn run(args: Args) -> Result<()> {
         "burst (scheduler)",
         "ratio to baseline (target <= 1.2)",
         format!("{ratio:.2}"),
+    );
+    report.row(
+        "burst (scheduler)",
+        "ratio to both-clusters floor",
+        format!(
+            "{:.2}",
+            scheduled.total.as_secs_f64() / floor.total.as_secs_f64().max(1e-9)
+        ),
     );
     report.row("burst (scheduler)", "CPU seconds by component", profile);
     let _ = delete_and_wait(&upper, &lower, &ns.name, n).await?;
