@@ -97,6 +97,12 @@ pub struct Args {
     #[arg(long, default_value_t = 10)]
     pub pod_sync_workers: u16,
 
+    /// Pod statuses reflected at once (each is one write to the upper cluster); 0 for
+    /// three times `--pod-sync-workers`. Reflection has a queue of its own, so this bounds
+    /// only how many status writes may wait on a busy upper API server together.
+    #[arg(long, default_value_t = 0)]
+    pub status_sync_workers: u16,
+
     /// Heartbeat through a Lease in kube-node-lease (otherwise through node status).
     #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = true, default_missing_value = "true")]
     pub enable_node_lease: bool,

@@ -195,29 +195,42 @@ async fn run(args: Args) -> Result<(), String> {
             }
         };
         let workers = args.pod_sync_workers.max(1);
-        let pods = controllers::pod::run(
-            ctx.clone(),
-            pod_triggers,
-            stores.clone(),
-            workers,
-            args.full_resync_period,
+        let pods = on_own_task(
+            "pod controller",
             shutdown.clone(),
+            controllers::pod::run(
+                ctx.clone(),
+                pod_triggers,
+                stores.clone(),
+                workers,
+                args.full_resync_period,
+                shutdown.clone(),
+            ),
         );
-        let status = controllers::status::run(
-            ctx.clone(),
-            status_triggers,
-            stores.clone(),
-            workers,
-            args.full_resync_period,
+        let status_workers = match args.status_sync_workers {
+            0 => workers.saturating_mul(3),
+            n => n,
+        };
+        let status = on_own_task(
+            "status reflector",
             shutdown.clone(),
+            controllers::status::run(
+                ctx.clone(),
+                status_triggers,
+                stores.clone(),
+                status_workers,
+                args.full_resync_period,
+                shutdown.clone(),
+            ),
         );
         // The watches run until shutdown; the controllers stop on it by themselves.
-        let pump = async {
+        let stop = shutdown.clone();
+        let pump = on_own_task("pod watches", shutdown.clone(), async move {
             tokio::select! {
-                () = shutdown.cancelled() => {}
+                () = stop.cancelled() => {}
                 () = pump => {}
             }
-        };
+        });
         let gc = async {
             let ready = async {
                 if synced.wait().await.is_ok() && watches_ready.wait().await.is_ok() {
@@ -258,6 +271,20 @@ async fn run(args: Args) -> Result<(), String> {
     }
     info!("stopped");
     result
+}
+
+/// Runs `task` as a task of its own, so that the busiest parts (pod watches, pod
+/// controller, status reflector) use every core and one's work never waits for another's
+/// turn. Should it panic, everything shuts down rather than run on half-working.
+async fn on_own_task(
+    name: &'static str,
+    shutdown: CancellationToken,
+    task: impl Future<Output = ()> + Send + 'static,
+) {
+    if let Err(error) = tokio::spawn(task).await {
+        error!(task = name, %error, "task failed; shutting down");
+        shutdown.cancel();
+    }
 }
 
 /// The node name is also a label value on every lower object (ownership), so it must be
