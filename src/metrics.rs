@@ -30,6 +30,51 @@ impl Counter {
     }
 }
 
+/// Upper bounds of the [`Histogram`] buckets, in seconds.
+pub const LATENCY_BUCKETS: [f64; 11] =
+    [0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0];
+
+/// A latency histogram over [`LATENCY_BUCKETS`].
+#[derive(Debug, Default)]
+pub struct Histogram {
+    /// Observations per bucket (not cumulative); the last is above every bound.
+    buckets: [Counter; LATENCY_BUCKETS.len() + 1],
+    sum_micros: AtomicU64,
+}
+
+impl Histogram {
+    /// Records one observation.
+    pub fn observe(&self, took: std::time::Duration) {
+        let secs = took.as_secs_f64();
+        let bucket = LATENCY_BUCKETS
+            .iter()
+            .position(|bound| secs <= *bound)
+            .unwrap_or(LATENCY_BUCKETS.len());
+        self.buckets[bucket].inc();
+        let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        self.sum_micros.fetch_add(micros, Ordering::Relaxed);
+    }
+
+    /// Prometheus text for the histogram `name`.
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (i, bucket) in self.buckets.iter().enumerate() {
+            cumulative += bucket.get();
+            match LATENCY_BUCKETS.get(i) {
+                Some(bound) => {
+                    let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
+                }
+                None => {
+                    let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {cumulative}");
+                }
+            }
+        }
+        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {cumulative}");
+    }
+}
+
 /// API requests sent, by cluster and verb (to tell what each mirrored pod costs).
 #[derive(Debug, Default)]
 pub struct ApiRequests {
@@ -78,6 +123,8 @@ pub struct Metrics {
     pub errors: Counter,
     /// Upper pod status writes.
     pub status_writes: Counter,
+    /// How long the upper API server took to answer each status write.
+    pub status_write_seconds: Histogram,
     /// Lower pods created.
     pub lower_creates: Counter,
     /// Lower pods updated.
@@ -130,6 +177,11 @@ impl Metrics {
                 counter.get()
             );
         }
+        self.status_write_seconds.render(
+            &mut out,
+            "tensile_upper_status_write_seconds",
+            "How long the upper API server took to answer a pod status write.",
+        );
         let name = "tensile_api_requests_total";
         let _ = writeln!(
             out,
@@ -178,4 +230,40 @@ pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, String> {
     tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| format!("cannot listen on --metrics-addr {addr}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn histogram_renders_cumulative_buckets() {
+        let h = Histogram::default();
+        for ms in [1, 5, 7, 150, 9000] {
+            h.observe(Duration::from_millis(ms));
+        }
+        let mut out = String::new();
+        h.render(&mut out, "t", "help");
+        let value = |key: &str| -> String {
+            out.lines()
+                .find_map(|l| l.strip_prefix(key)?.strip_prefix(' '))
+                .unwrap_or_else(|| panic!("{key} missing in\n{out}"))
+                .to_owned()
+        };
+        let cases = [
+            ("t_bucket{le=\"0.005\"}", "2"), // 1 ms and exactly 5 ms
+            ("t_bucket{le=\"0.01\"}", "3"),
+            ("t_bucket{le=\"0.1\"}", "3"),
+            ("t_bucket{le=\"0.2\"}", "4"),
+            ("t_bucket{le=\"5\"}", "4"),
+            ("t_bucket{le=\"+Inf\"}", "5"),
+            ("t_count", "5"),
+            ("t_sum", "9.163"),
+        ];
+        for (key, want) in cases {
+            assert_eq!(value(key), want, "{key}");
+        }
+        assert!(out.contains("# TYPE t histogram"));
+    }
 }

@@ -6,7 +6,7 @@
 //! restart writes nothing for pods already in step.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
@@ -80,7 +80,10 @@ async fn reconcile(lower: Arc<StoredPod>, sc: Arc<StatusContext>) -> Result<Acti
         }
         let api: Api<Pod> =
             Api::namespaced(ctx.upper.clone(), &upper.namespace().unwrap_or_default());
-        match write_status(&api, &upper.name_any(), &desired, &key).await {
+        let started = Instant::now();
+        let written = write_status(&api, &upper.name_any(), &desired, &key).await;
+        ctx.metrics.status_write_seconds.observe(started.elapsed());
+        match written {
             Ok(()) => {
                 ctx.metrics.status_writes.inc();
                 ctx.succeeded(&backoff_key(&key));

@@ -659,6 +659,42 @@ async fn scrape(port: u16) -> Result<BTreeMap<String, f64>> {
         .collect())
 }
 
+/// p50 / p99 of the upper API server's answers to virtual-node's status writes between
+/// two scrapes, from its `tensile_upper_status_write_seconds` histogram: the bucket bound
+/// each falls under.
+fn status_write_quantiles(before: &BTreeMap<String, f64>, after: &BTreeMap<String, f64>) -> String {
+    const PREFIX: &str = "tensile_upper_status_write_seconds_bucket{le=\"";
+    let mut buckets: Vec<(f64, f64)> = after
+        .iter()
+        .filter_map(|(key, count)| {
+            let bound = key.strip_prefix(PREFIX)?.strip_suffix("\"}")?;
+            let bound = if bound == "+Inf" {
+                f64::INFINITY
+            } else {
+                bound.parse().ok()?
+            };
+            Some((bound, count - before.get(key).copied().unwrap_or(0.0)))
+        })
+        .collect();
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let Some(&(_, total)) = buckets.last() else {
+        return "no histogram (older virtual-node?)".to_owned();
+    };
+    let quantile = |q: f64| {
+        buckets
+            .iter()
+            .find(|(_, cumulative)| *cumulative >= q * total)
+            .map_or("-".to_owned(), |(bound, _)| {
+                if bound.is_finite() {
+                    format!("<= {} ms", bound * 1000.0)
+                } else {
+                    "> 5 s".to_owned()
+                }
+            })
+    };
+    format!("{} / {} ({total:.0} writes)", quantile(0.5), quantile(0.99))
+}
+
 /// Writes virtual-node made for pods: upper status writes, lower creates, updates and
 /// orphan deletions (the lease and node status are not pod writes).
 fn pod_writes(metrics: &BTreeMap<String, f64>) -> f64 {
@@ -862,8 +898,10 @@ async fn run(args: Args) -> Result<()> {
         lower_timeline.clone(),
     );
     let cpu = cpu_by_component(&pair, &vn);
+    let writes_before = scrape(vn.metrics_port).await?;
     let (ns, direct, upper_timeline) =
         burst(&upper, "bench-direct", pods, args.concurrency).await?;
+    let writes_after = scrape(vn.metrics_port).await?;
     let profile = cpu_profile(&cpu, &cpu_by_component(&pair, &vn));
     let ratio = direct.total.as_secs_f64() / baseline.total.as_secs_f64().max(1e-9);
     report.row(
@@ -917,6 +955,11 @@ async fn run(args: Args) -> Result<()> {
             ms(percentile(&delays, 50.0)),
             ms(percentile(&delays, 99.0))
         ),
+    );
+    report.row(
+        "status reflection (during burst)",
+        "upper API answering virtual-node's status writes p50 / p99",
+        status_write_quantiles(&writes_before, &writes_after),
     );
 
     // 2b. Status reflection for the pods now mirrored and Running: the bench flips each
