@@ -16,7 +16,37 @@ use tensile::translate::meta::{OWNER_NODE_LABEL, UPPER_UID_ANNOTATION};
 use tensile_harness::fixtures::{
     bound_pod, config_map, deployment, merge, pinned_spec, pod, secret,
 };
-use tensile_harness::{ClusterPair, TestNamespace, wait_for};
+use tensile_harness::{ClusterPair, TestNamespace, VirtualNode, wait_for};
+
+/// A virtual node and one pod `web` bound to it, in a namespace of its own.
+struct OnePod {
+    _vn: VirtualNode,
+    ns: TestNamespace,
+    upper_pods: Api<Pod>,
+    lower_pods: Api<Pod>,
+}
+
+async fn one_pod(node: &str, namespace: &str) -> OnePod {
+    let pair = ClusterPair::shared().await.unwrap();
+    let vn = start_node(pair, node, &[]).await;
+    let (upper, lower) = (
+        pair.upper.client().await.unwrap(),
+        pair.lower.client().await.unwrap(),
+    );
+    let ns = TestNamespace::create(&upper, namespace).await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper, &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower, &ns.name);
+    upper_pods
+        .create(&PostParams::default(), &bound_pod("web", node))
+        .await
+        .unwrap();
+    OnePod {
+        _vn: vn,
+        ns,
+        upper_pods,
+        lower_pods,
+    }
+}
 
 fn label(pod: &Pod, key: &str) -> Option<String> {
     pod.metadata.labels.as_ref()?.get(key).cloned()
@@ -402,20 +432,13 @@ async fn a_missing_secret_is_named_in_a_warning_and_the_pod_runs_once_it_exists(
 
 #[tokio::test]
 async fn updates_kubernetes_allows_reach_the_lower_pod() {
-    let pair = ClusterPair::shared().await.unwrap();
     let node = "vk-update";
-    let _vn = start_node(pair, node, &[]).await;
-    let (upper, lower) = (
-        pair.upper.client().await.unwrap(),
-        pair.lower.client().await.unwrap(),
-    );
-    let ns = TestNamespace::create(&upper, "update").await.unwrap();
-    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
-    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), &ns.name);
-    upper_pods
-        .create(&PostParams::default(), &bound_pod("web", node))
-        .await
-        .unwrap();
+    let OnePod {
+        _vn,
+        ns,
+        upper_pods,
+        lower_pods,
+    } = one_pod(node, "update").await;
     wait_running(&lower_pods, "app=web", 1).await;
 
     let patch = json!({
@@ -534,20 +557,12 @@ fn ready_condition(pod: &Pod) -> Option<(String, Option<String>)> {
 
 #[tokio::test]
 async fn a_lower_readiness_change_is_reflected_up_for_a_running_pod() {
-    let pair = ClusterPair::shared().await.unwrap();
-    let node = "vk-ready";
-    let _vn = start_node(pair, node, &[]).await;
-    let (upper, lower) = (
-        pair.upper.client().await.unwrap(),
-        pair.lower.client().await.unwrap(),
-    );
-    let ns = TestNamespace::create(&upper, "ready").await.unwrap();
-    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
-    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), &ns.name);
-    upper_pods
-        .create(&PostParams::default(), &bound_pod("web", node))
-        .await
-        .unwrap();
+    let OnePod {
+        _vn,
+        ns,
+        upper_pods,
+        lower_pods,
+    } = one_pod("vk-ready", "ready").await;
     wait_running(&upper_pods, "app=web", 1).await;
     wait_running(&lower_pods, "app=web", 1).await;
 

@@ -302,11 +302,23 @@ pub async fn run(
         lower_pods: stores.lower,
         synced: stores.synced,
     });
-    controller
-        .run(reconcile, error_policy, pod_ctx)
+    drain(
+        controller.run(reconcile, error_policy, pod_ctx),
+        "pod reconcile",
+    )
+    .await;
+}
+
+/// Runs a controller's result stream to its end; failures were reported by the reconcile
+/// itself, so they are only logged at debug here.
+pub(crate) async fn drain<T, E: std::fmt::Display>(
+    results: impl futures::Stream<Item = Result<T, E>>,
+    what: &'static str,
+) {
+    results
         .for_each(|result| async move {
             if let Err(error) = result {
-                debug!(%error, "pod reconcile");
+                debug!(%error, "{what}");
             }
         })
         .await;

@@ -8,7 +8,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
@@ -17,7 +16,9 @@ use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
 
-use super::pod::{PodStores, Step, Triggers, decide, key_of, same_name, tokio_stream_interval};
+use super::pod::{
+    PodStores, Step, Triggers, decide, drain, key_of, same_name, tokio_stream_interval,
+};
 use super::{Context, Error, api_error};
 use crate::clusters::Side;
 use crate::translate::pod::{status_in_sync, status_is_informative, upper_status};
@@ -43,14 +44,11 @@ pub async fn run(
         .reconcile_all_on(tokio_stream_interval(resync))
         .graceful_shutdown_on(shutdown.cancelled_owned());
     let status_ctx = Arc::new(StatusContext { ctx, pods: stores });
-    controller
-        .run(reconcile, error_policy, status_ctx)
-        .for_each(|result| async move {
-            if let Err(error) = result {
-                debug!(%error, "status reconcile");
-            }
-        })
-        .await;
+    drain(
+        controller.run(reconcile, error_policy, status_ctx),
+        "status reconcile",
+    )
+    .await;
 }
 
 /// The key under which failures back off, apart from the pod controller's.
