@@ -137,18 +137,12 @@ async fn run(args: Args) -> Result<(), String> {
         info!(node = %args.nodename, "node registered");
 
         let controllers::pod::PodWatches {
-            upper_store,
-            lower_store,
-            synced,
+            stores,
             pump,
             pods: pod_triggers,
             status: status_triggers,
         } = controllers::pod::watches(&ctx);
-        let stores = controllers::pod::PodStores {
-            upper: upper_store,
-            lower: lower_store,
-            synced: synced.clone(),
-        };
+        let synced = stores.synced.clone();
         let config_watches = controllers::config::watches(&ctx);
         let service_watches = optional
             .services

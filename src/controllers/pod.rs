@@ -128,12 +128,8 @@ pub struct Triggers {
 /// The two pod watches, their stores, and the changes they hand to the pod controller and
 /// to the status reflector. Each pod is stored once; both controllers read the same stores.
 pub struct PodWatches {
-    /// Upper pods bound to this node.
-    pub upper_store: Store<StoredPod>,
-    /// Lower pods this node owns.
-    pub lower_store: Store<StoredPod>,
-    /// Turns true once both stores hold a complete list.
-    pub synced: Synced,
+    /// The two stores, read by every controller that needs pods.
+    pub stores: PodStores,
     /// Drives both watches and hands each changed pod to both controllers; run it beside
     /// them until shutdown.
     pub pump: futures::future::BoxFuture<'static, ()>,
@@ -241,11 +237,13 @@ pub fn watches(ctx: &Context) -> PodWatches {
     .map(|((), ())| ())
     .boxed();
     PodWatches {
-        upper_store,
-        lower_store,
-        synced: Synced {
-            upper: upper_ready,
-            lower: lower_ready,
+        stores: PodStores {
+            upper: upper_store,
+            lower: lower_store,
+            synced: Synced {
+                upper: upper_ready,
+                lower: lower_ready,
+            },
         },
         pump,
         pods: Triggers {
