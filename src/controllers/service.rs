@@ -273,9 +273,13 @@ async fn reconcile_service(upper: Arc<Service>, shared: Arc<Shared>) -> Result<A
     result
 }
 
-/// The lower copy of the mirrored Service `namespace/name`, if it is this node's and
-/// reflects the upper Service as it is now.
-fn lower_service_of(shared: &Shared, namespace: &str, name: &str) -> Option<Arc<Service>> {
+/// The mirrored Service `namespace/name` (upper) and its lower copy, if that copy is this
+/// node's and reflects the upper Service as it is now.
+fn services_of(
+    shared: &Shared,
+    namespace: &str,
+    name: &str,
+) -> Option<(Arc<Service>, Arc<Service>)> {
     if !is_mirrored_service(namespace, name) {
         return None;
     }
@@ -287,7 +291,7 @@ fn lower_service_of(shared: &Shared, namespace: &str, name: &str) -> Option<Arc<
         && upper_uid(&lower.metadata) == upper.metadata.uid.as_deref()
         && lower.metadata.uid.is_some()
         && lower.metadata.deletion_timestamp.is_none();
-    current.then_some(lower)
+    current.then_some((upper, lower))
 }
 
 async fn reconcile_slice(upper: Arc<EndpointSlice>, shared: Arc<Shared>) -> Result<Action, Error> {
@@ -302,13 +306,7 @@ async fn reconcile_slice(upper: Arc<EndpointSlice>, shared: Arc<Shared>) -> Resu
     };
     // Without this node's copy of its Service there is nothing to attach it to; the copy
     // appearing wakes this slice.
-    let Some(service) = lower_service_of(&shared, &namespace, &service_name) else {
-        return Ok(Action::await_change());
-    };
-    let Some(upper_service) = shared
-        .upper_services
-        .get(&ObjectRef::new(&service_name).within(&namespace))
-    else {
+    let Some((upper_service, service)) = services_of(&shared, &namespace, &service_name) else {
         return Ok(Action::await_change());
     };
     let desired = lower_endpoint_slice(&upper, &ctx.node_name, &service)?;
@@ -337,13 +335,7 @@ async fn reconcile_endpoints(upper: Arc<Endpoints>, shared: Arc<Shared>) -> Resu
     if upper.metadata.deletion_timestamp.is_some() {
         return Ok(Action::await_change());
     }
-    let Some(service) = lower_service_of(&shared, &namespace, &name) else {
-        return Ok(Action::await_change());
-    };
-    let Some(upper_service) = shared
-        .upper_services
-        .get(&ObjectRef::new(&name).within(&namespace))
-    else {
+    let Some((upper_service, service)) = services_of(&shared, &namespace, &name) else {
         return Ok(Action::await_change());
     };
     let desired = lower_endpoints(&upper, &ctx.node_name, &service)?;
