@@ -35,8 +35,14 @@ async fn main() -> ExitCode {
 
 async fn run(args: Args) -> Result<(), String> {
     validate_node_name(&args.nodename)?;
-    let upper_config = clusters::load_config(Side::Upper, args.kubeconfig.as_deref()).await;
-    let lower_config = clusters::load_config(Side::Lower, Some(&args.client_kubeconfig)).await;
+    // Both kubeconfigs are read before either server is contacted, so a bad file is
+    // reported as such, never raced by the other cluster's connection error.
+    let upper_config = clusters::load_config(Side::Upper, args.kubeconfig.as_deref())
+        .await
+        .map_err(|e| e.to_string())?;
+    let lower_config = clusters::load_config(Side::Lower, Some(&args.client_kubeconfig))
+        .await
+        .map_err(|e| e.to_string())?;
     let upper_limit = RateLimit {
         qps: args.kube_api_qps,
         burst: args.kube_api_burst,
@@ -47,8 +53,8 @@ async fn run(args: Args) -> Result<(), String> {
     };
     let metrics = Arc::new(Metrics::default());
     let (upper, lower) = tokio::try_join!(
-        async { clusters::connect(Side::Upper, upper_config?, upper_limit, metrics.clone()).await },
-        async { clusters::connect(Side::Lower, lower_config?, lower_limit, metrics.clone()).await },
+        clusters::connect(Side::Upper, upper_config, upper_limit, metrics.clone()),
+        clusters::connect(Side::Lower, lower_config, lower_limit, metrics.clone()),
     )
     .map_err(|e: StartupError| e.to_string())?;
     let optional = args.optional_controllers();
