@@ -321,7 +321,9 @@ impl Cluster {
                     .with_context(|| format!("reading kwok stage {}", path.display()))
             })
             .collect::<Result<Vec<_>>>()?;
-            std::fs::write(&kwok_config, stages.join("\n---\n"))?;
+            let mut documents = stages;
+            documents.push(kwok_debugging_config(&dir.join("kwok"))?);
+            std::fs::write(&kwok_config, documents.join("\n---\n"))?;
             let kwok_port = free_port()?;
             cluster.spawn(
                 bins,
@@ -337,6 +339,13 @@ impl Cluster {
                     format!("--node-port={kwok_port}"),
                     format!("--server-address=127.0.0.1:{kwok_port}"),
                     "--node-lease-duration-seconds=40".into(),
+                    // The API server reaches kwok's kubelet API (logs, exec, attach,
+                    // port-forward) over TLS and verifies it against the cluster CA.
+                    format!("--tls-cert-file={}", p(&cluster.pki.kubelet_serving.cert)),
+                    format!(
+                        "--tls-private-key-file={}",
+                        p(&cluster.pki.kubelet_serving.key)
+                    ),
                 ],
             )?;
         }
@@ -517,6 +526,12 @@ impl Cluster {
         }
     }
 
+    /// The log file of kwok's [`KWOK_FOLLOW_CONTAINER`] containers; append
+    /// [`cri_log_line`]s to it to make `kubectl logs -f` print more.
+    pub fn kwok_follow_log(&self) -> PathBuf {
+        self.dir.join("kwok").join("follow.log")
+    }
+
     /// Every component's PID and log, for the playground's output.
     pub fn components(&self) -> Vec<(String, u32, PathBuf)> {
         self.lock()
@@ -524,6 +539,103 @@ impl Cluster {
             .map(|(_, p)| (p.name().to_owned(), p.pid(), p.log().to_owned()))
             .collect()
     }
+}
+
+/// Log lines every simulated container prints (`kubectl logs`), in order.
+pub const KWOK_LOG_LINES: [&str; 3] = ["hello from kwok", "second line", "third line"];
+/// The log of a simulated container's previous instance (`kubectl logs --previous`).
+pub const KWOK_PREVIOUS_LOG_LINE: &str = "previous instance";
+/// The container name whose log is [`Cluster::kwok_follow_log`], which a test may append
+/// to (`kubectl logs -f`); every other container's log never changes.
+pub const KWOK_FOLLOW_CONTAINER: &str = "follow";
+
+/// A line in the CRI log format the kubelet (and kwok) reads.
+pub fn cri_log_line(time: &str, text: &str) -> String {
+    format!("{time} stdout F {text}\n")
+}
+
+/// kwok's answers to the kubelet API: every container logs [`KWOK_LOG_LINES`] (one
+/// minute apart, ending an hour ago, so `--since` can tell them apart); `attach` prints
+/// what is appended to [`Cluster::kwok_follow_log`] from then on; `exec` runs the command in kwok's own environment; port-forward on any port
+/// runs `cat`, an echo.
+fn kwok_debugging_config(dir: &Path) -> Result<String> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let app = dir.join("app.log");
+    let previous = dir.join("previous.log");
+    let follow = dir.join("follow.log");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_secs();
+    let lines: String = KWOK_LOG_LINES
+        .iter()
+        .enumerate()
+        .map(|(i, line)| {
+            let at = now - 3600 - 60 * (KWOK_LOG_LINES.len() - 1 - i) as u64;
+            cri_log_line(&rfc3339(at), line)
+        })
+        .collect();
+    std::fs::write(&app, lines)?;
+    std::fs::write(
+        &previous,
+        cri_log_line(&rfc3339(now - 7200), KWOK_PREVIOUS_LOG_LINE),
+    )?;
+    std::fs::write(&follow, cri_log_line(&rfc3339(now), "following"))?;
+    let p = |path: &Path| path.display().to_string();
+    let documents = serde_json::json!([
+        {
+            "apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "ClusterLogs",
+            "metadata": {"name": "tensile-logs"},
+            "spec": {"logs": [
+                {"containers": [KWOK_FOLLOW_CONTAINER], "logsFile": p(&follow), "follow": true},
+                {"logsFile": p(&app), "previousLogsFile": p(&previous)},
+            ]},
+        },
+        {
+            "apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "ClusterAttach",
+            "metadata": {"name": "tensile-attach"},
+            "spec": {"attaches": [{"logsFile": p(&follow)}]},
+        },
+        {
+            "apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "ClusterExec",
+            "metadata": {"name": "tensile-exec"},
+            "spec": {"execs": [{"local": {"envs": [{"name": "TENSILE_KWOK", "value": "1"}]}}]},
+        },
+        {
+            "apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "ClusterPortForward",
+            "metadata": {"name": "tensile-port-forward"},
+            "spec": {"forwards": [{"command": ["cat"]}]},
+        },
+    ]);
+    let documents = documents.as_array().cloned().unwrap_or_default();
+    // JSON is YAML: each object one document.
+    Ok(documents
+        .iter()
+        .map(serde_json::Value::to_string)
+        .collect::<Vec<_>>()
+        .join("\n---\n"))
+}
+
+/// Seconds since the epoch as RFC 3339 (UTC, nanoseconds), as CRI logs write time.
+pub fn rfc3339(seconds: u64) -> String {
+    let days = seconds / 86_400;
+    let rem = seconds % 86_400;
+    // Civil from days (Howard Hinnant's algorithm).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.000000000Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
 }
 
 /// Whether a node's Ready condition is True.
@@ -540,4 +652,20 @@ pub async fn client_for(kubeconfig: &Path) -> Result<Client> {
         .with_context(|| format!("reading {}", kubeconfig.display()))?;
     let config = Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default()).await?;
     Ok(Client::try_from(config)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_dates() {
+        for (seconds, text) in [
+            (0, "1970-01-01T00:00:00.000000000Z"),
+            (951_782_400, "2000-02-29T00:00:00.000000000Z"),
+            (1_795_434_245, "2026-11-23T09:44:05.000000000Z"),
+        ] {
+            assert_eq!(rfc3339(seconds), text, "{seconds}");
+        }
+    }
 }

@@ -23,7 +23,10 @@ pub mod virtual_node;
 pub mod wait;
 
 pub use binaries::Binaries;
-pub use cluster::{Cluster, ClusterOptions, Component, NodeShape, client_for, node_is_ready};
+pub use cluster::{
+    Cluster, ClusterOptions, Component, KWOK_FOLLOW_CONTAINER, KWOK_LOG_LINES,
+    KWOK_PREVIOUS_LOG_LINE, NodeShape, client_for, cri_log_line, node_is_ready, rfc3339,
+};
 pub use pair::{ClusterPair, PairOptions, TestNamespace};
 pub use virtual_node::{VirtualNode, VirtualNodeOptions};
 pub use wait::wait_for;
