@@ -7,10 +7,6 @@ use std::time::Duration;
 use clap::{ArgAction, Parser};
 
 /// Joins a lower Kubernetes cluster to an upper one as a virtual node.
-///
-/// Accepted for compatibility with tensile-kube but without effect here: the kubelet
-/// certificate variables `APISERVER_CERT_LOCATION`, `APISERVER_KEY_LOCATION`,
-/// `APISERVER_CA_CERT_LOCATION` (the kubelet API is not served yet).
 #[derive(Parser, Debug, Clone)]
 #[command(name = "virtual-node", version, about, long_about = None)]
 pub struct Args {
@@ -127,17 +123,42 @@ pub struct Args {
     #[arg(long, env = "VKUBELET_POD_IP")]
     pub node_ip: Option<String>,
 
-    /// Kubelet API serving certificate (accepted; the kubelet API is not served yet).
-    #[arg(long, env = "APISERVER_CERT_LOCATION", hide = true)]
+    /// Kubelet API serving certificate, PEM (default: a self-signed one generated at start).
+    #[arg(long, env = "APISERVER_CERT_LOCATION")]
     pub apiserver_cert: Option<PathBuf>,
 
-    /// Kubelet API serving key (accepted; see above).
-    #[arg(long, env = "APISERVER_KEY_LOCATION", hide = true)]
+    /// Kubelet API serving key, PEM.
+    #[arg(long, env = "APISERVER_KEY_LOCATION")]
     pub apiserver_key: Option<PathBuf>,
 
-    /// CA for kubelet API clients (accepted; see above).
-    #[arg(long, env = "APISERVER_CA_CERT_LOCATION", hide = true)]
+    /// CA that kubelet API client certificates must chain to (default: the upper cluster's
+    /// CA from the `kube-root-ca.crt` ConfigMap in kube-system).
+    #[arg(
+        long = "client-verify-ca",
+        alias = "apiserver-ca-cert",
+        env = "APISERVER_CA_CERT_LOCATION"
+    )]
     pub apiserver_ca_cert: Option<PathBuf>,
+
+    /// Accept bearer tokens on the kubelet API, checked with a TokenReview in the upper cluster.
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true")]
+    pub authentication_token_webhook: bool,
+
+    /// Accepted for tensile-kube compatibility; token reviews are not cached.
+    #[arg(long, value_parser = parse_duration, default_value = "2m")]
+    pub authentication_token_webhook_cache_ttl: Duration,
+
+    /// How long an allowed kubelet API authorization is reused.
+    #[arg(long, value_parser = parse_duration, default_value = "5m")]
+    pub authorization_webhook_cache_authorized_ttl: Duration,
+
+    /// How long a denied kubelet API authorization is reused.
+    #[arg(long, value_parser = parse_duration, default_value = "30s")]
+    pub authorization_webhook_cache_unauthorized_ttl: Duration,
+
+    /// Serve the kubelet API to anyone, unauthenticated: a remote shell for all. Labs only.
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true")]
+    pub no_verify_clients: bool,
 }
 
 /// Which optional controllers `--enable-controllers` turns on.
@@ -168,28 +189,47 @@ impl Args {
     }
 }
 
-/// `10s`, `1m`, `1h`, `500ms`, or plain seconds — the forms tensile-kube users write.
+/// `10s`, `1m`, `1h`, `500ms`, plain seconds, or Go's compound form (`1m0s`, `1h30m`,
+/// `1.5s`, `300ms`) — the forms tensile-kube users write.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
-    let split = text
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(text.len());
-    let (number, unit) = text.split_at(split);
-    let value: f64 = number
-        .parse()
-        .map_err(|_| format!("invalid duration {text:?}"))?;
-    let seconds = match unit {
-        "" | "s" => value,
-        "ms" => value / 1000.0,
-        "m" => value * 60.0,
-        "h" => value * 3600.0,
-        _ => {
-            return Err(format!(
-                "invalid duration unit in {text:?} (use ms, s, m or h)"
-            ));
-        }
-    };
-    Duration::try_from_secs_f64(seconds).map_err(|e| format!("invalid duration {text:?}: {e}"))
+    let invalid = || format!("invalid duration {text:?}");
+    if text.is_empty() {
+        return Err(invalid());
+    }
+    if text.chars().all(|c| c.is_ascii_digit() || c == '.') {
+        let value: f64 = text.parse().map_err(|_| invalid())?;
+        return Duration::try_from_secs_f64(value).map_err(|e| format!("{}: {e}", invalid()));
+    }
+    let mut rest = text;
+    let mut seconds = 0.0;
+    while !rest.is_empty() {
+        let split = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        let (number, tail) = rest.split_at(split);
+        let value: f64 = number.parse().map_err(|_| invalid())?;
+        let unit_len = tail
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(tail.len());
+        let (unit, tail) = tail.split_at(unit_len);
+        let scale = match unit {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "s" => 1.0,
+            "m" => 60.0,
+            "h" => 3600.0,
+            _ => {
+                return Err(format!(
+                    "invalid duration unit in {text:?} (use ns, us, ms, s, m or h)"
+                ));
+            }
+        };
+        seconds += value * scale;
+        rest = tail;
+    }
+    Duration::try_from_secs_f64(seconds).map_err(|e| format!("{}: {e}", invalid()))
 }
 
 /// `host:port`, or `:port` for all interfaces (Go's form).
@@ -218,6 +258,14 @@ mod tests {
             ("5d", None),
             ("", None),
             ("s", None),
+            ("1m0s", Some(60_000)),
+            ("1h30m", Some(5_400_000)),
+            ("2m3.5s", Some(123_500)),
+            ("0s", Some(0)),
+            ("0", Some(0)),
+            ("1m0", None),
+            ("1x2s", None),
+            ("-1s", None),
         ];
         for (text, millis) in cases {
             let got = parse_duration(text).ok().map(|d| d.as_millis() as u64);

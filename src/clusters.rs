@@ -304,6 +304,11 @@ pub const UPPER_PERMISSIONS: &[Permission] = &[
         namespace: Some("kube-node-lease"),
         ..perm("update", "leases")
     },
+    // The kubelet API authorizes each caller like a kubelet.
+    Permission {
+        group: "authorization.k8s.io",
+        ..perm("create", "subjectaccessreviews")
+    },
 ];
 
 /// What virtual-node does in the lower cluster.

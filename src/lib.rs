@@ -6,6 +6,9 @@
 pub mod cli;
 pub mod clusters;
 pub mod controllers;
+pub mod descheduler;
+pub mod kubelet_api;
+pub mod leader;
 pub mod metrics;
 pub mod node;
 pub mod shutdown;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use clap::Parser;
-use k8s_openapi::api::core::v1::Taint;
+use k8s_openapi::api::core::v1::{ConfigMap, Taint};
 use kube::runtime::events::{Recorder, Reporter};
 use tensile::cli::Args;
 use tensile::clusters::{
@@ -13,6 +13,7 @@ use tensile::clusters::{
     StartupError, UPPER_PERMISSIONS, UPPER_PV_PERMISSIONS, UPPER_SERVICE_PERMISSIONS,
 };
 use tensile::controllers::{self, Context};
+use tensile::kubelet_api;
 use tensile::metrics::{self, Metrics};
 use tensile::node::{self, spec::NodeConfig};
 use tokio_util::sync::CancellationToken;
@@ -77,6 +78,8 @@ async fn run(args: Args) -> Result<(), String> {
     )
     .map_err(|e| e.to_string())?;
     let listener = metrics::bind(args.metrics_addr).await?;
+    let (kubelet_listener, kubelet_tls, kubelet_api) =
+        kubelet_api_setup(&args, &upper.client, &lower.client).await?;
     info!(
         node = %args.nodename, upper = %upper.server, lower = %lower.server,
         lower_version = %lower.version, pv_controllers = optional.volumes,
@@ -127,6 +130,11 @@ async fn run(args: Args) -> Result<(), String> {
         shutdown.clone(),
     );
     let serve = metrics::serve(listener, metrics.clone(), shutdown.clone());
+    let kubelet_serve = on_own_task(
+        "kubelet API",
+        shutdown.clone(),
+        kubelet_api::serve(kubelet_listener, kubelet_tls, kubelet_api, shutdown.clone()),
+    );
 
     let main = async {
         // Register only once capacity is known, so the node never offers room it lacks.
@@ -257,7 +265,7 @@ async fn run(args: Args) -> Result<(), String> {
         );
         Ok::<(), String>(())
     };
-    let (result, (), served) = tokio::join!(
+    let (result, (), served, ()) = tokio::join!(
         async {
             let result = main.await;
             shutdown.cancel();
@@ -265,12 +273,85 @@ async fn run(args: Args) -> Result<(), String> {
         },
         capacity_watch,
         serve,
+        kubelet_serve,
     );
     if let Err(e) = served {
         error!(error = %e, "metrics server");
     }
     info!("stopped");
     result
+}
+
+/// The kubelet API's port, TLS and authenticator. The client CA defaults to the upper
+/// cluster's (the `kube-root-ca.crt` ConfigMap), which signs kube-apiserver's kubelet
+/// client certificate in a standard cluster.
+async fn kubelet_api_setup(
+    args: &Args,
+    upper: &kube::Client,
+    lower: &kube::Client,
+) -> Result<
+    (
+        tokio::net::TcpListener,
+        rustls::ServerConfig,
+        Arc<kubelet_api::KubeletApi>,
+    ),
+    String,
+> {
+    let ca_pem = match &args.apiserver_ca_cert {
+        Some(path) => Some(
+            tokio::fs::read(path)
+                .await
+                .map_err(|e| format!("--client-verify-ca {}: {e}", path.display()))?,
+        ),
+        None if args.no_verify_clients => None,
+        None => {
+            let config_maps: kube::Api<ConfigMap> =
+                kube::Api::namespaced(upper.clone(), "kube-system");
+            let found = config_maps.get_opt("kube-root-ca.crt").await.map_err(|e| {
+                format!("upper cluster: reading kube-system/kube-root-ca.crt for the kubelet API's client CA: {e}")
+            })?;
+            let pem = found
+                .and_then(|cm| cm.data)
+                .and_then(|mut data| data.remove("ca.crt"))
+                .ok_or_else(|| {
+                    "upper cluster: no kube-system/kube-root-ca.crt with ca.crt: set                      APISERVER_CA_CERT_LOCATION (--client-verify-ca) for the kubelet API"
+                        .to_owned()
+                })?;
+            Some(pem.into_bytes())
+        }
+    };
+    if args.no_verify_clients {
+        warn!(
+            "--no-verify-clients: the kubelet API (logs, exec, port-forward) is open to              ANYONE who reaches port {}: never do this outside a lab",
+            args.kubelet_port
+        );
+    }
+    let auth = kubelet_api::auth::Authenticator::new(
+        ca_pem.as_deref(),
+        upper.clone(),
+        args.nodename.clone(),
+        kubelet_api::auth::AuthConfig {
+            token_webhook: args.authentication_token_webhook,
+            authorized_ttl: args.authorization_webhook_cache_authorized_ttl,
+            unauthorized_ttl: args.authorization_webhook_cache_unauthorized_ttl,
+            no_verify: args.no_verify_clients,
+        },
+    )?;
+    let address = args.node_ip.clone().unwrap_or_else(|| "127.0.0.1".into());
+    let cert = kubelet_api::ServingCert {
+        cert: args.apiserver_cert.clone(),
+        key: args.apiserver_key.clone(),
+        sans: vec![address, args.nodename.clone(), "localhost".into()],
+    };
+    let tls = kubelet_api::tls_config(&cert, &auth).map_err(|e| e.to_string())?;
+    let addr = std::net::SocketAddr::from(([0, 0, 0, 0], args.kubelet_port));
+    let listener = kubelet_api::bind(addr).await.map_err(|e| e.to_string())?;
+    let api = Arc::new(kubelet_api::KubeletApi {
+        lower: lower.clone(),
+        node: args.nodename.clone(),
+        auth,
+    });
+    Ok((listener, tls, api))
 }
 
 /// Runs `task` as a task of its own, so that the busiest parts (pod watches, pod

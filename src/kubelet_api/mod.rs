@@ -1,0 +1,647 @@
+//! Kubelet API served by virtual-node (logs, exec, attach, port-forward, pods, stats),
+//! proxied to the lower cluster: kube-apiserver reaches it at the node's daemon endpoint.
+
+pub mod auth;
+pub mod route;
+pub mod spdy;
+pub mod streams;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response, StatusCode, header};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper_util::rt::TokioIo;
+use k8s_openapi::api::core::v1::Pod;
+use kube::Client;
+use kube::api::{Api, ListParams, LogParams};
+use rustls::ServerConfig;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_UID_ANNOTATION};
+use auth::{Authenticator, Refused, RequestClientCert};
+use route::{Route, Target};
+
+type Body = UnsyncBoxBody<Bytes, std::io::Error>;
+
+/// The serving certificate: from files, or generated at start.
+#[derive(Clone, Debug)]
+pub struct ServingCert {
+    /// PEM certificate chain (`APISERVER_CERT_LOCATION`).
+    pub cert: Option<PathBuf>,
+    /// PEM private key (`APISERVER_KEY_LOCATION`).
+    pub key: Option<PathBuf>,
+    /// Names and addresses a generated certificate is valid for.
+    pub sans: Vec<String>,
+}
+
+/// Why the kubelet API cannot start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// A certificate or key could not be read or used.
+    #[error("kubelet API certificate: {0}")]
+    Certificate(String),
+    /// The port is taken.
+    #[error("cannot listen on the kubelet port {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// The TLS configuration: the serving certificate, and client certificates requested.
+pub fn tls_config(cert: &ServingCert, auth: &Authenticator) -> Result<ServerConfig, StartError> {
+    let bad = |e: &dyn std::fmt::Display| StartError::Certificate(e.to_string());
+    let (chain, key) = match (&cert.cert, &cert.key) {
+        (Some(cert_path), Some(key_path)) => {
+            let chain = CertificateDer::pem_file_iter(cert_path)
+                .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+                .map_err(|e| bad(&format!("{}: {e}", cert_path.display())))?;
+            let key = PrivateKeyDer::from_pem_file(key_path)
+                .map_err(|e| bad(&format!("{}: {e}", key_path.display())))?;
+            (chain, key)
+        }
+        (None, None) => {
+            let generated =
+                rcgen::generate_simple_self_signed(cert.sans.clone()).map_err(|e| bad(&e))?;
+            info!(
+                names = ?cert.sans,
+                "kubelet API: no APISERVER_CERT_LOCATION/APISERVER_KEY_LOCATION, serving a \
+                 self-signed certificate (the upper API server accepts it only without \
+                 --kubelet-certificate-authority)"
+            );
+            let key = PrivateKeyDer::try_from(generated.signing_key.serialize_der())
+                .map_err(|e| bad(&e))?;
+            (vec![generated.cert.der().clone()], key)
+        }
+        _ => {
+            return Err(StartError::Certificate(
+                "set both the certificate and the key (APISERVER_CERT_LOCATION and \
+                 APISERVER_KEY_LOCATION), or neither"
+                    .into(),
+            ));
+        }
+    };
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| bad(&e))?;
+    let builder = match auth.handshake_verifier() {
+        Some(verifier) => {
+            builder.with_client_cert_verifier(Arc::new(RequestClientCert::new(verifier)))
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut config = builder.with_single_cert(chain, key).map_err(|e| bad(&e))?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(config)
+}
+
+/// What every request handler needs.
+pub struct KubeletApi {
+    /// The lower cluster, where the calls go.
+    pub lower: Client,
+    /// This virtual node's name.
+    pub node: String,
+    /// Who may call.
+    pub auth: Authenticator,
+}
+
+impl std::fmt::Debug for KubeletApi {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubeletApi")
+            .field("node", &self.node)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Binds the kubelet port.
+pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, StartError> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind { addr, source })
+}
+
+/// Serves until `shutdown`; connections in flight are dropped then.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    tls: ServerConfig,
+    api: Arc<KubeletApi>,
+    shutdown: CancellationToken,
+) {
+    let acceptor = TlsAcceptor::from(Arc::new(tls));
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        let accepted = tokio::select! {
+            () = shutdown.cancelled() => break,
+            accepted = listener.accept() => accepted,
+        };
+        let (tcp, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                warn!(%error, "kubelet API: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let _ = tcp.set_nodelay(true);
+        let (acceptor, api) = (acceptor.clone(), api.clone());
+        connections.spawn(
+            async move {
+                let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp))
+                    .await
+                {
+                    Ok(Ok(tls)) => tls,
+                    Ok(Err(error)) => {
+                        debug!(%error, "TLS handshake failed");
+                        return;
+                    }
+                    Err(_) => return,
+                };
+                let certs: Option<Arc<Vec<CertificateDer<'static>>>> = tls
+                    .get_ref()
+                    .1
+                    .peer_certificates()
+                    .map(|c| Arc::new(c.to_vec()));
+                let service = hyper::service::service_fn(move |req| {
+                    let (api, certs) = (api.clone(), certs.clone());
+                    async move { Ok::<_, Infallible>(handle(api, certs.as_deref(), req).await) }
+                });
+                let served = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(tls), service)
+                    .with_upgrades()
+                    .await;
+                if let Err(error) = served {
+                    debug!(%error, "kubelet API connection ended");
+                }
+            }
+            .instrument(info_span!("kubelet_api", %peer)),
+        );
+        while connections.try_join_next().is_some() {}
+    }
+    connections.abort_all();
+}
+
+fn text(status: StatusCode, message: impl Into<String>) -> Response<Body> {
+    let mut response = Response::new(
+        Full::new(Bytes::from(message.into()))
+            .map_err(|never| match never {})
+            .boxed_unsync(),
+    );
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+}
+
+fn json(value: &impl serde::Serialize) -> Response<Body> {
+    match serde_json::to_vec(value) {
+        Ok(bytes) => {
+            let mut response = text(StatusCode::OK, String::new());
+            *response.body_mut() = Full::new(Bytes::from(bytes))
+                .map_err(|never| match never {})
+                .boxed_unsync();
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            );
+            response
+        }
+        Err(error) => text(StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),
+    }
+}
+
+/// An error from the lower API server, with its code and message, as a kubelet would give it.
+fn lower_error(what: &str, error: &kube::Error) -> Response<Body> {
+    match error {
+        kube::Error::Api(status) => text(
+            StatusCode::from_u16(status.code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            status.message.clone(),
+        ),
+        other => text(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("{what} in the lower cluster: {other}"),
+        ),
+    }
+}
+
+async fn handle(
+    api: Arc<KubeletApi>,
+    certs: Option<&Vec<CertificateDer<'static>>>,
+    req: Request<Incoming>,
+) -> Response<Body> {
+    let query = route::query_pairs(req.uri().query());
+    let Some(route) = route::route(req.uri().path(), &query) else {
+        return text(StatusCode::NOT_FOUND, "404 page not found\n");
+    };
+    if route == Route::Healthz {
+        return text(StatusCode::OK, "ok");
+    }
+    if !api.auth.open() {
+        let authorization = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
+        let user = match api.auth.user(certs.map(Vec::as_slice), authorization).await {
+            Ok(user) => user,
+            Err(refused) => return refusal(&refused),
+        };
+        let (verb, subresource) = (route::verb(req.method()), route::subresource(&route));
+        if let Err(refused) = api.auth.authorize(&user, verb, subresource).await {
+            return refusal(&refused);
+        }
+    }
+    match route {
+        Route::Healthz => text(StatusCode::OK, "ok"),
+        Route::Pods | Route::RunningPods => pods(&api, route == Route::RunningPods).await,
+        Route::StatsSummary => stats_summary(&api).await,
+        Route::Logs(target) => match mirrored(&api, &target).await {
+            Ok(pods) => logs(pods, &target, &query).await,
+            Err(response) => response,
+        },
+        Route::Exec(target, command, flags) => {
+            if command.is_empty() {
+                return text(StatusCode::BAD_REQUEST, "missing command");
+            }
+            let (pod, container) = (target.pod.clone(), target.container.clone());
+            upgrade(
+                &api,
+                req,
+                &target,
+                "v4.channel.k8s.io",
+                move |conn, pods| streams::exec(conn, pods, pod, container, Some(command), flags),
+            )
+            .await
+        }
+        Route::Attach(target, flags) => {
+            let (pod, container) = (target.pod.clone(), target.container.clone());
+            upgrade(
+                &api,
+                req,
+                &target,
+                "v4.channel.k8s.io",
+                move |conn, pods| streams::exec(conn, pods, pod, container, None, flags),
+            )
+            .await
+        }
+        Route::PortForward(target) => {
+            let pod = target.pod.clone();
+            upgrade(
+                &api,
+                req,
+                &target,
+                "portforward.k8s.io",
+                move |conn, pods| streams::port_forward(conn, pods, pod),
+            )
+            .await
+        }
+    }
+}
+
+fn refusal(refused: &Refused) -> Response<Body> {
+    if let Refused::Review(error) = refused {
+        warn!(%error, "kubelet API: authorization review failed");
+    }
+    text(refused.status(), refused.to_string())
+}
+
+/// The lower pod's API, if the target is a pod this node mirrors (else the kubelet's 404).
+async fn mirrored(api: &KubeletApi, target: &Target) -> Result<Api<Pod>, Response<Body>> {
+    let pods: Api<Pod> = Api::namespaced(api.lower.clone(), &target.namespace);
+    let not_found = || {
+        text(
+            StatusCode::NOT_FOUND,
+            format!(
+                "pod \"{}/{}\" does not exist on node {}",
+                target.namespace, target.pod, api.node
+            ),
+        )
+    };
+    let pod = match pods.get_opt(&target.pod).await {
+        Ok(Some(pod)) => pod,
+        Ok(None) => return Err(not_found()),
+        Err(error) => return Err(lower_error("reading the pod", &error)),
+    };
+    let meta = &pod.metadata;
+    let ours = meta
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(OWNER_NODE_LABEL))
+        .is_some_and(|n| *n == api.node);
+    let uid_matches = target.uid.as_ref().is_none_or(|uid| {
+        meta.annotations
+            .as_ref()
+            .and_then(|a| a.get(UPPER_UID_ANNOTATION))
+            .is_some_and(|u| u == uid)
+    });
+    if ours && uid_matches {
+        Ok(pods)
+    } else {
+        Err(not_found())
+    }
+}
+
+/// Log parameters from a kubelet `containerLogs` query.
+pub fn log_params(
+    container: &str,
+    query: &std::collections::BTreeMap<String, Vec<String>>,
+) -> Result<LogParams, String> {
+    let last = |name: &str| query.get(name).and_then(|v| v.last()).map(String::as_str);
+    let boolean =
+        |name: &str| last(name).is_some_and(|v| v == "1" || v.eq_ignore_ascii_case("true"));
+    let number = |name: &str| -> Result<Option<i64>, String> {
+        last(name)
+            .map(|v| {
+                v.parse::<i64>()
+                    .map_err(|_| format!("invalid {name} {v:?}"))
+            })
+            .transpose()
+    };
+    // The kubelet's old `tail` parameter; "all" is no limit.
+    let tail = match last("tail") {
+        Some("all") => None,
+        Some(_) => number("tail")?,
+        None => None,
+    };
+    let since_time = last("sinceTime")
+        .map(|v| {
+            v.parse::<k8s_openapi::jiff::Timestamp>()
+                .map_err(|e| format!("invalid sinceTime {v:?}: {e}"))
+        })
+        .transpose()?;
+    Ok(LogParams {
+        container: Some(container.to_owned()),
+        follow: boolean("follow"),
+        limit_bytes: number("limitBytes")?,
+        pretty: false,
+        previous: boolean("previous"),
+        since_seconds: number("sinceSeconds")?,
+        since_time,
+        tail_lines: number("tailLines")?.or(tail),
+        timestamps: boolean("timestamps"),
+    })
+}
+
+async fn logs(
+    pods: Api<Pod>,
+    target: &Target,
+    query: &std::collections::BTreeMap<String, Vec<String>>,
+) -> Response<Body> {
+    let params = match log_params(&target.container, query) {
+        Ok(params) => params,
+        Err(message) => return text(StatusCode::BAD_REQUEST, message),
+    };
+    let reader = match pods.log_stream(&target.pod, &params).await {
+        Ok(reader) => reader,
+        Err(error) => return lower_error("reading the log", &error),
+    };
+    // Each chunk is sent as soon as it is read, so `-f` shows lines as they come; the
+    // stream ends when the client goes (hyper drops the body).
+    let chunks = futures::stream::unfold(Box::pin(reader), |mut reader| async move {
+        let mut buffer = vec![0u8; 16 * 1024];
+        match futures::AsyncReadExt::read(&mut reader, &mut buffer).await {
+            Ok(0) => None,
+            Ok(n) => {
+                buffer.truncate(n);
+                Some((Ok(Frame::data(Bytes::from(buffer))), reader))
+            }
+            Err(error) => Some((Err(error), reader)),
+        }
+    });
+    let mut response = Response::new(BodyExt::boxed_unsync(StreamBody::new(chunks)));
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+    response
+}
+
+/// Answers an SPDY upgrade with 101 and hands the connection to `serve`.
+async fn upgrade<F, Fut>(
+    api: &KubeletApi,
+    mut req: Request<Incoming>,
+    target: &Target,
+    protocol: &'static str,
+    serve: F,
+) -> Response<Body>
+where
+    F: FnOnce(spdy::Connection, Api<Pod>) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let upgrade = req
+        .headers()
+        .get(header::UPGRADE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    if !upgrade.eq_ignore_ascii_case("SPDY/3.1") {
+        return text(
+            StatusCode::BAD_REQUEST,
+            "this call needs an Upgrade: SPDY/3.1 connection",
+        );
+    }
+    let offered: Vec<String> = req
+        .headers()
+        .get_all("X-Stream-Protocol-Version")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(',').map(|p| p.trim().to_owned()))
+        .collect();
+    if !offered.is_empty() && !offered.iter().any(|p| p == protocol) {
+        return text(
+            StatusCode::FORBIDDEN,
+            format!(
+                "unable to upgrade: no common protocol; offered {offered:?}, served {protocol}"
+            ),
+        );
+    }
+    let pods = match mirrored(api, target).await {
+        Ok(pods) => pods,
+        Err(response) => return response,
+    };
+    let on_upgrade = hyper::upgrade::on(&mut req);
+    let span = info_span!("stream", pod = %format!("{}/{}", target.namespace, target.pod));
+    tokio::spawn(
+        async move {
+            match on_upgrade.await {
+                Ok(upgraded) => serve(spdy::Connection::server(TokioIo::new(upgraded)), pods).await,
+                Err(error) => warn!(%error, "kubelet API: upgrade failed"),
+            }
+        }
+        .instrument(span),
+    );
+    let mut response = text(StatusCode::SWITCHING_PROTOCOLS, String::new());
+    let headers = response.headers_mut();
+    headers.remove(header::CONTENT_TYPE);
+    headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+    headers.insert(header::UPGRADE, HeaderValue::from_static("SPDY/3.1"));
+    headers.insert(
+        "X-Stream-Protocol-Version",
+        HeaderValue::from_static(protocol),
+    );
+    response
+}
+
+/// `/pods` and `/runningpods/`: the lower pods this node mirrors.
+async fn pods(api: &KubeletApi, running_only: bool) -> Response<Body> {
+    let list = Api::<Pod>::all(api.lower.clone())
+        .list(&ListParams::default().labels(&format!("{OWNER_NODE_LABEL}={}", api.node)))
+        .await;
+    match list {
+        Ok(mut list) => {
+            if running_only {
+                list.items.retain(|p| {
+                    p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+                });
+            }
+            json(&serde_json::json!({
+                "kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": list.items,
+            }))
+        }
+        Err(error) => lower_error("listing pods", &error),
+    }
+}
+
+/// `/stats/summary`: from the lower cluster's metrics API; 404 where it has none.
+async fn stats_summary(api: &KubeletApi) -> Response<Body> {
+    let request = match Request::get("/apis/metrics.k8s.io/v1beta1/pods").body(Vec::new()) {
+        Ok(request) => request,
+        Err(error) => return text(StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),
+    };
+    match api.lower.request::<serde_json::Value>(request).await {
+        Ok(metrics) => json(&stats::summary(&api.node, &metrics)),
+        Err(kube::Error::Api(status)) if status.code == 404 => text(
+            StatusCode::NOT_FOUND,
+            "stats are not available: the lower cluster serves no metrics API (metrics.k8s.io)",
+        ),
+        Err(error) => lower_error("reading pod metrics", &error),
+    }
+}
+
+pub mod stats {
+    //! The kubelet's stats Summary built from the lower cluster's PodMetrics: pure.
+
+    use serde_json::{Value, json};
+
+    use crate::node::quantity::parse_milli;
+
+    /// A Summary (node and pods, CPU and working-set memory) of `metrics`, a PodMetricsList.
+    pub fn summary(node: &str, metrics: &Value) -> Value {
+        let mut node_cpu: i128 = 0;
+        let mut node_memory: i128 = 0;
+        let pods: Vec<Value> = metrics["items"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+            .iter()
+            .map(|pod| {
+                let time = pod["timestamp"].clone();
+                let (mut cpu, mut memory) = (0i128, 0i128);
+                let containers: Vec<Value> = pod["containers"]
+                    .as_array()
+                    .map(Vec::as_slice)
+                    .unwrap_or_default()
+                    .iter()
+                    .map(|c| {
+                        let c_cpu = c["usage"]["cpu"].as_str().and_then(parse_milli).unwrap_or(0);
+                        let c_memory = c["usage"]["memory"]
+                            .as_str()
+                            .and_then(parse_milli)
+                            .unwrap_or(0)
+                            / 1000;
+                        cpu += c_cpu;
+                        memory += c_memory;
+                        json!({
+                            "name": c["name"],
+                            "cpu": {"time": time, "usageNanoCores": c_cpu * 1_000_000},
+                            "memory": {"time": time, "workingSetBytes": c_memory},
+                        })
+                    })
+                    .collect();
+                node_cpu += cpu;
+                node_memory += memory;
+                json!({
+                    "podRef": {"name": pod["metadata"]["name"], "namespace": pod["metadata"]["namespace"], "uid": pod["metadata"]["uid"]},
+                    "startTime": time,
+                    "cpu": {"time": time, "usageNanoCores": cpu * 1_000_000},
+                    "memory": {"time": time, "workingSetBytes": memory},
+                    "containers": containers,
+                })
+            })
+            .collect();
+        json!({
+            "node": {
+                "nodeName": node,
+                "cpu": {"usageNanoCores": node_cpu * 1_000_000},
+                "memory": {"workingSetBytes": node_memory},
+            },
+            "pods": pods,
+        })
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn summary_sums_containers() {
+            let metrics = json!({"items": [{
+                "metadata": {"name": "web", "namespace": "ns"},
+                "timestamp": "2026-01-01T00:00:00Z",
+                "containers": [
+                    {"name": "a", "usage": {"cpu": "250m", "memory": "64Mi"}},
+                    {"name": "b", "usage": {"cpu": "1500000n", "memory": "1Ki"}},
+                ],
+            }]});
+            let s = summary("vk", &metrics);
+            assert_eq!(s["pods"][0]["cpu"]["usageNanoCores"], 251_500_000);
+            assert_eq!(
+                s["pods"][0]["memory"]["workingSetBytes"],
+                64 * 1024 * 1024 + 1024
+            );
+            assert_eq!(s["node"]["cpu"]["usageNanoCores"], 251_500_000);
+            assert_eq!(s["pods"][0]["podRef"]["name"], "web");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_parameters() {
+        let q = |s: &str| route::query_pairs(Some(s));
+        let p = log_params(
+            "app",
+            &q("follow=true&tailLines=5&timestamps=1&limitBytes=10&previous=true&sinceSeconds=60"),
+        )
+        .unwrap();
+        assert!(p.follow && p.timestamps && p.previous);
+        assert_eq!(
+            (p.tail_lines, p.limit_bytes, p.since_seconds),
+            (Some(5), Some(10), Some(60))
+        );
+        assert_eq!(p.container.as_deref(), Some("app"));
+        let p = log_params("app", &q("sinceTime=2026-11-23T10%3A00%3A00Z&tail=2")).unwrap();
+        assert_eq!(p.tail_lines, Some(2));
+        assert!(p.since_time.is_some());
+        assert_eq!(log_params("app", &q("tail=all")).unwrap().tail_lines, None);
+        assert!(log_params("app", &q("tailLines=x")).is_err());
+        assert!(log_params("app", &q("sinceTime=yesterday")).is_err());
+        let p = log_params("app", &q("")).unwrap();
+        assert!(!p.follow && p.tail_lines.is_none());
+    }
+}

@@ -1,0 +1,734 @@
+//! A server-side SPDY/3.1 connection, as kube-apiserver speaks it (moby/spdystream via
+//! `k8s.io/apimachinery/pkg/util/httpstream/spdy`) for exec, attach and port-forward.
+//!
+//! One reader task decodes frames and routes them; one writer task owns the sending half and
+//! the header deflater, so frames leave in one order and the zlib stream stays consistent.
+//! There is no flow control: the Go peer neither sends nor expects WINDOW_UPDATE.
+//!
+//! Back-pressure: each stream's received DATA goes through a bounded queue of
+//! [`STREAM_QUEUE`] frames. When it is full the reader task waits, which stops reading the
+//! whole connection (TCP then pushes back on the peer). A slow stream therefore stalls the
+//! others, as it does in spdystream itself; the alternative, unbounded queues, would let a
+//! peer exhaust memory. Sent DATA is bounded by [`SEND_QUEUE`] frames of at most
+//! [`MAX_DATA_FRAME`] bytes across the connection.
+
+pub mod frame;
+pub mod headers;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, ready};
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio_util::sync::{CancellationToken, PollSemaphore};
+use tracing::{debug, trace, warn};
+
+use frame::{Frame, FrameDecoder, FrameEncoder, goaway, rst};
+
+/// Largest DATA frame this server sends; larger writes are split.
+pub const MAX_DATA_FRAME: usize = 32 * 1024;
+/// Received DATA frames queued per stream before the connection stops reading.
+pub const STREAM_QUEUE: usize = 16;
+/// Sent DATA frames queued across the connection before writers wait.
+pub const SEND_QUEUE: usize = 32;
+/// Accepted streams queued before the connection stops reading.
+const ACCEPT_QUEUE: usize = 16;
+/// Control frames (replies, PING echoes, resets) queued for the writer.
+const CONTROL_QUEUE: usize = 64;
+/// Bytes written to the transport in one go.
+const WRITE_BATCH: usize = 256 * 1024;
+
+/// How a stream's receiving half ended; read by [`StreamReader`] once its queue is empty.
+const OPEN: u8 = 0;
+const FIN: u8 = 1;
+const RESET: u8 = 2;
+
+/// A frame for the writer task; DATA carries the permit it took from the send budget.
+struct Outgoing {
+    frame: Frame,
+    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+/// Orders for the writer task that come from the connection rather than from a stream.
+enum Ctrl {
+    /// A frame to send ahead of queued DATA (SYN_REPLY, PING echo, refusals).
+    Frame(Frame),
+    /// Write what is queued, then GOAWAY if given, then close the transport.
+    Shutdown {
+        goaway: Option<u32>,
+        done: Option<oneshot::Sender<()>>,
+    },
+}
+
+/// What the reader task keeps per open stream.
+struct Entry {
+    /// `None` once the peer has sent FIN.
+    data: Option<mpsc::Sender<Bytes>>,
+    end: Arc<AtomicU8>,
+    local_closed: bool,
+}
+
+/// State the reader task shares with the stream writers.
+#[derive(Default)]
+struct Shared {
+    streams: Mutex<HashMap<u32, Entry>>,
+    last_stream_id: AtomicU32,
+}
+
+impl Shared {
+    fn streams(&self) -> MutexGuard<'_, HashMap<u32, Entry>> {
+        // A panic while holding the lock cannot leave the map inconsistent; keep going.
+        self.streams
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Records our FIN (or reset); forgets the stream if the peer has finished too.
+    fn local_closed(&self, id: u32, reset: bool) {
+        let mut streams = self.streams();
+        let forget = match streams.get_mut(&id) {
+            Some(entry) if reset => {
+                entry.end.store(RESET, Ordering::Release);
+                true
+            }
+            Some(entry) => {
+                entry.local_closed = true;
+                entry.data.is_none()
+            }
+            None => false,
+        };
+        if forget {
+            streams.remove(&id);
+        }
+    }
+}
+
+/// A server-side SPDY/3.1 connection over an upgraded HTTP connection.
+pub struct Connection {
+    accept: mpsc::Receiver<Stream>,
+    ctrl: mpsc::Sender<Ctrl>,
+    /// Keeps the writer task alive; it ends when this and every stream half are gone.
+    _alive: mpsc::UnboundedSender<Outgoing>,
+}
+
+impl std::fmt::Debug for Connection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Connection").finish_non_exhaustive()
+    }
+}
+
+impl Connection {
+    /// Starts serving on `io` (after the HTTP 101 upgrade); spawns its reader/writer tasks, which end when the peer goes away, on GOAWAY, or when the Connection and every Stream are dropped.
+    pub fn server<IO>(io: IO) -> Connection
+    where
+        IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    {
+        let (read_half, write_half) = tokio::io::split(io);
+        let (accept_tx, accept) = mpsc::channel(ACCEPT_QUEUE);
+        let (ctrl, ctrl_rx) = mpsc::channel(CONTROL_QUEUE);
+        let (alive, data_rx) = mpsc::unbounded_channel();
+        let shared = Arc::new(Shared::default());
+        let permits = Arc::new(Semaphore::new(SEND_QUEUE));
+        let stop = CancellationToken::new();
+        let reader = Reader {
+            ctrl: ctrl.clone(),
+            accept: Some(accept_tx),
+            outgoing: alive.downgrade(),
+            permits: permits.clone(),
+            shared: shared.clone(),
+        };
+        tokio::spawn(reader.run(read_half, stop.clone()));
+        tokio::spawn(write_loop(
+            write_half, ctrl_rx, data_rx, permits, shared, stop,
+        ));
+        Connection {
+            accept,
+            ctrl,
+            _alive: alive,
+        }
+    }
+
+    /// The next stream the peer opened (SYN_STREAM), already answered with SYN_REPLY. None once the connection has ended.
+    pub async fn accept(&mut self) -> Option<Stream> {
+        self.accept.recv().await
+    }
+
+    /// Sends GOAWAY and closes the connection after queued frames are written.
+    pub async fn close(self) {
+        let (done, written) = oneshot::channel();
+        let order = Ctrl::Shutdown {
+            goaway: Some(goaway::OK),
+            done: Some(done),
+        };
+        if self.ctrl.send(order).await.is_ok() {
+            // An error only means the writer already ended.
+            let _ = written.await;
+        }
+    }
+}
+
+/// One stream the peer opened.
+pub struct Stream {
+    id: u32,
+    headers: Vec<(String, String)>,
+    reader: StreamReader,
+    writer: StreamWriter,
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stream")
+            .field("id", &self.id)
+            .field("headers", &self.headers)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Stream {
+    /// The SPDY stream id.
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    /// A request header of the SYN_STREAM (case-insensitive name), e.g. "streamtype", "port", "requestid".
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// All request headers of the SYN_STREAM, names lowercase.
+    pub fn headers(&self) -> &[(String, String)] {
+        &self.headers
+    }
+
+    /// Splits into the receiving half (AsyncRead: EOF after the peer's FIN; an io::Error of kind ConnectionReset after RST_STREAM) and the sending half (AsyncWrite; poll_shutdown sends FIN, an empty DATA frame with FLAG_FIN; dropping it without shutdown also sends FIN).
+    pub fn split(self) -> (StreamReader, StreamWriter) {
+        (self.reader, self.writer)
+    }
+}
+
+/// The receiving half of a stream.
+pub struct StreamReader {
+    id: u32,
+    data: mpsc::Receiver<Bytes>,
+    pending: Bytes,
+    end: Arc<AtomicU8>,
+    _alive: mpsc::UnboundedSender<Outgoing>,
+}
+
+impl std::fmt::Debug for StreamReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamReader")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AsyncRead for StreamReader {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        if self.pending.is_empty() {
+            match ready!(self.data.poll_recv(cx)) {
+                Some(chunk) => self.pending = chunk,
+                None => {
+                    return Poll::Ready(match self.end.load(Ordering::Acquire) {
+                        FIN => Ok(()),
+                        RESET => Err(io::Error::new(
+                            io::ErrorKind::ConnectionReset,
+                            "stream reset",
+                        )),
+                        _ => Err(io::Error::new(
+                            io::ErrorKind::ConnectionAborted,
+                            "SPDY connection ended before the stream finished",
+                        )),
+                    });
+                }
+            }
+        }
+        let n = self.pending.len().min(buf.remaining());
+        buf.put_slice(&self.pending.split_to(n));
+        Poll::Ready(Ok(()))
+    }
+}
+
+/// The sending half of a stream.
+pub struct StreamWriter {
+    id: u32,
+    outgoing: mpsc::UnboundedSender<Outgoing>,
+    permits: PollSemaphore,
+    end: Arc<AtomicU8>,
+    shared: Arc<Shared>,
+    closed: bool,
+}
+
+impl std::fmt::Debug for StreamWriter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamWriter")
+            .field("id", &self.id)
+            .field("closed", &self.closed)
+            .finish_non_exhaustive()
+    }
+}
+
+impl StreamWriter {
+    /// Aborts the stream with RST_STREAM (CANCEL) instead of a FIN.
+    pub fn reset(mut self) {
+        self.closed = true;
+        self.shared.local_closed(self.id, true);
+        self.send(
+            Frame::RstStream {
+                stream_id: self.id,
+                status: rst::CANCEL,
+            },
+            None,
+        );
+    }
+
+    fn send(&self, frame: Frame, permit: Option<tokio::sync::OwnedSemaphorePermit>) -> bool {
+        self.outgoing
+            .send(Outgoing {
+                frame,
+                _permit: permit,
+            })
+            .is_ok()
+    }
+
+    fn finish(&mut self) {
+        // After a reset the stream is gone on both sides; a FIN then would be a protocol error.
+        if !self.closed && self.end.load(Ordering::Acquire) != RESET {
+            self.closed = true;
+            // Queued behind this stream's DATA, so the FIN is never written before it.
+            self.send(
+                Frame::Data {
+                    stream_id: self.id,
+                    fin: true,
+                    data: Bytes::new(),
+                },
+                None,
+            );
+            self.shared.local_closed(self.id, false);
+        }
+    }
+}
+
+fn broken_pipe() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::BrokenPipe,
+        "SPDY stream or connection closed",
+    )
+}
+
+impl AsyncWrite for StreamWriter {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        if self.closed {
+            return Poll::Ready(Err(broken_pipe()));
+        }
+        if self.end.load(Ordering::Acquire) == RESET {
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::ConnectionReset,
+                "stream reset",
+            )));
+        }
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        let Some(permit) = ready!(self.permits.poll_acquire(cx)) else {
+            return Poll::Ready(Err(broken_pipe()));
+        };
+        let n = buf.len().min(MAX_DATA_FRAME);
+        let frame = Frame::Data {
+            stream_id: self.id,
+            fin: false,
+            data: Bytes::copy_from_slice(&buf[..n]),
+        };
+        if self.send(frame, Some(permit)) {
+            Poll::Ready(Ok(n))
+        } else {
+            Poll::Ready(Err(broken_pipe()))
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // The writer task flushes the transport whenever its queue runs dry.
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.finish();
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl Drop for StreamWriter {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+/// The reader task's state.
+struct Reader {
+    ctrl: mpsc::Sender<Ctrl>,
+    /// `None` after GOAWAY; new streams are then refused.
+    accept: Option<mpsc::Sender<Stream>>,
+    /// Weak, so the reader alone does not keep the connection alive.
+    outgoing: mpsc::WeakUnboundedSender<Outgoing>,
+    permits: Arc<Semaphore>,
+    shared: Arc<Shared>,
+}
+
+/// Why the reader stopped.
+#[derive(Debug, thiserror::Error)]
+enum ReadError {
+    #[error("reading the transport: {0}")]
+    Io(#[from] io::Error),
+    #[error(transparent)]
+    Frame(#[from] frame::FrameError),
+    #[error("peer sent GOAWAY")]
+    GoAway,
+    #[error("writer ended")]
+    WriterGone,
+}
+
+impl Reader {
+    async fn run<R: AsyncRead + Unpin>(mut self, mut io: R, stop: CancellationToken) {
+        let result = tokio::select! {
+            r = self.read_frames(&mut io) => r,
+            () = stop.cancelled() => Err(ReadError::WriterGone),
+        };
+        let goaway = match &result {
+            Ok(()) => {
+                debug!("SPDY peer closed the connection");
+                None
+            }
+            Err(e @ (ReadError::GoAway | ReadError::WriterGone)) => {
+                debug!(reason = %e, "SPDY connection ending");
+                None
+            }
+            Err(ReadError::Io(e)) => {
+                debug!(error = %e, "SPDY connection read failed");
+                None
+            }
+            Err(ReadError::Frame(e)) => {
+                warn!(error = %e, "SPDY peer sent a malformed frame; closing the connection");
+                Some(goaway::PROTOCOL_ERROR)
+            }
+        };
+        // Streams the peer did not finish read as aborted from here on.
+        self.shared.streams().clear();
+        self.accept = None;
+        if !stop.is_cancelled() {
+            let order = Ctrl::Shutdown { goaway, done: None };
+            tokio::select! {
+                _ = self.ctrl.send(order) => {}
+                () = stop.cancelled() => {}
+            }
+        }
+    }
+
+    async fn read_frames<R: AsyncRead + Unpin>(&mut self, io: &mut R) -> Result<(), ReadError> {
+        let mut decoder = FrameDecoder::new();
+        let mut buf = BytesMut::with_capacity(16 * 1024);
+        loop {
+            while let Some(frame) = decoder.decode(&mut buf)? {
+                self.handle(frame).await?;
+            }
+            if buf.capacity() - buf.len() < 4096 {
+                buf.reserve(16 * 1024);
+            }
+            if io.read_buf(&mut buf).await? == 0 {
+                return Ok(());
+            }
+        }
+    }
+
+    async fn control(&self, frame: Frame) -> Result<(), ReadError> {
+        self.ctrl
+            .send(Ctrl::Frame(frame))
+            .await
+            .map_err(|_| ReadError::WriterGone)
+    }
+
+    async fn handle(&mut self, frame: Frame) -> Result<(), ReadError> {
+        match frame {
+            Frame::SynStream {
+                stream_id,
+                flags,
+                headers,
+                ..
+            } => self.open(stream_id, flags, headers).await,
+            Frame::Data {
+                stream_id,
+                fin,
+                data,
+            } => {
+                let sender = match self.shared.streams().get(&stream_id) {
+                    Some(entry) => entry.data.clone(),
+                    None => {
+                        trace!(
+                            stream_id,
+                            "SPDY DATA for a stream that is not open; ignored"
+                        );
+                        return Ok(());
+                    }
+                };
+                let Some(sender) = sender else {
+                    debug!(stream_id, "SPDY DATA after the peer's FIN; ignored");
+                    return Ok(());
+                };
+                // An error means the StreamReader was dropped; the data has nowhere to go.
+                if !data.is_empty() {
+                    let _ = sender.send(data).await;
+                }
+                if fin {
+                    drop(sender);
+                    self.remote_fin(stream_id);
+                }
+                Ok(())
+            }
+            Frame::SynReply { stream_id, .. } => {
+                debug!(
+                    stream_id,
+                    "SPDY SYN_REPLY for a stream this server never opened; ignored"
+                );
+                Ok(())
+            }
+            Frame::RstStream { stream_id, status } => {
+                debug!(stream_id, status, "SPDY peer reset a stream");
+                if let Some(entry) = self.shared.streams().remove(&stream_id) {
+                    entry.end.store(RESET, Ordering::Release);
+                }
+                Ok(())
+            }
+            Frame::Ping { id } => {
+                // Odd ids are the client's own pings; even ones would answer pings we never send.
+                if id % 2 == 1 {
+                    self.control(Frame::Ping { id }).await
+                } else {
+                    Ok(())
+                }
+            }
+            Frame::GoAway {
+                last_good_stream_id,
+                status,
+            } => {
+                debug!(last_good_stream_id, status, "SPDY peer sent GOAWAY");
+                Err(ReadError::GoAway)
+            }
+            // kube-apiserver sends none of these; SPDY/3 lets a receiver ignore them here.
+            Frame::Headers { .. }
+            | Frame::Settings { .. }
+            | Frame::WindowUpdate { .. }
+            | Frame::Unknown { .. } => Ok(()),
+        }
+    }
+
+    fn remote_fin(&self, stream_id: u32) {
+        let mut streams = self.shared.streams();
+        let forget = match streams.get_mut(&stream_id) {
+            Some(entry) => {
+                entry.end.store(FIN, Ordering::Release);
+                entry.data = None;
+                entry.local_closed
+            }
+            None => false,
+        };
+        if forget {
+            streams.remove(&stream_id);
+        }
+    }
+
+    async fn open(
+        &mut self,
+        stream_id: u32,
+        flags: u8,
+        headers: Vec<(String, String)>,
+    ) -> Result<(), ReadError> {
+        let refuse = |status| Frame::RstStream { stream_id, status };
+        // Client-initiated ids are odd and increase (SPDY/3 section 2.3.2).
+        if stream_id.is_multiple_of(2)
+            || stream_id <= self.shared.last_stream_id.load(Ordering::Relaxed)
+        {
+            let in_use = self.shared.streams().contains_key(&stream_id);
+            debug!(
+                stream_id,
+                "SPDY SYN_STREAM with an id out of order; refused"
+            );
+            return self
+                .control(refuse(if in_use {
+                    rst::STREAM_IN_USE
+                } else {
+                    rst::PROTOCOL_ERROR
+                }))
+                .await;
+        }
+        self.shared
+            .last_stream_id
+            .store(stream_id, Ordering::Relaxed);
+        let accept = self.accept.as_ref().filter(|a| !a.is_closed()).cloned();
+        let (Some(accept), Some(outgoing)) = (accept, self.outgoing.upgrade()) else {
+            debug!(stream_id, "SPDY SYN_STREAM while not accepting; refused");
+            return self.control(refuse(rst::REFUSED_STREAM)).await;
+        };
+        let (data_tx, data_rx) = mpsc::channel(STREAM_QUEUE);
+        let end = Arc::new(AtomicU8::new(OPEN));
+        let fin = flags & frame::FLAG_FIN != 0;
+        if fin {
+            end.store(FIN, Ordering::Release);
+        }
+        self.shared.streams().insert(
+            stream_id,
+            Entry {
+                data: (!fin).then_some(data_tx),
+                end: end.clone(),
+                local_closed: false,
+            },
+        );
+        // The reply is queued before the Stream exists, so it precedes any DATA on it.
+        self.control(Frame::SynReply {
+            stream_id,
+            flags: 0,
+            headers: Vec::new(),
+        })
+        .await?;
+        let stream = Stream {
+            id: stream_id,
+            headers,
+            reader: StreamReader {
+                id: stream_id,
+                data: data_rx,
+                pending: Bytes::new(),
+                end: end.clone(),
+                _alive: outgoing.clone(),
+            },
+            writer: StreamWriter {
+                id: stream_id,
+                outgoing,
+                permits: PollSemaphore::new(self.permits.clone()),
+                end,
+                shared: self.shared.clone(),
+                closed: false,
+            },
+        };
+        // An error means the Connection was dropped; dropping the Stream sends its FIN.
+        let _ = accept.send(stream).await;
+        Ok(())
+    }
+}
+
+async fn write_loop<W: AsyncWrite + Unpin>(
+    mut io: W,
+    mut ctrl: mpsc::Receiver<Ctrl>,
+    mut data: mpsc::UnboundedReceiver<Outgoing>,
+    permits: Arc<Semaphore>,
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+) {
+    let mut encoder = match FrameEncoder::new() {
+        Ok(encoder) => encoder,
+        Err(e) => {
+            warn!(error = %e, "SPDY header compressor failed to start");
+            stop.cancel();
+            return;
+        }
+    };
+    let mut wire = Vec::with_capacity(WRITE_BATCH);
+    let mut held = Vec::new();
+    let mut finished: Option<(Option<u32>, Option<oneshot::Sender<()>>)> = None;
+    while finished.is_none() {
+        // Control frames first, so PING echoes and replies do not wait behind bulk DATA.
+        let first = tokio::select! {
+            biased;
+            () = stop.cancelled() => break,
+            Some(order) = ctrl.recv() => Ok(order),
+            outgoing = data.recv() => match outgoing {
+                Some(outgoing) => Err(outgoing),
+                // Every handle is gone: nobody can use the connection any more.
+                None => Ok(Ctrl::Shutdown { goaway: Some(goaway::OK), done: None }),
+            },
+        };
+        let mut next = Some(first);
+        while let Some(item) = next.take() {
+            match item {
+                Ok(Ctrl::Frame(frame)) => encode(&mut encoder, &frame, &mut wire),
+                Ok(Ctrl::Shutdown { goaway, done }) => {
+                    finished = Some((goaway, done));
+                    break;
+                }
+                Err(outgoing) => {
+                    encode(&mut encoder, &outgoing.frame, &mut wire);
+                    held.push(outgoing);
+                }
+            }
+            if wire.len() < WRITE_BATCH {
+                next = match ctrl.try_recv() {
+                    Ok(order) => Some(Ok(order)),
+                    Err(_) => data.try_recv().ok().map(Err),
+                };
+            }
+        }
+        if let Some((goaway, _)) = &finished {
+            // What streams queued before the shutdown still goes out, then GOAWAY.
+            while let Ok(outgoing) = data.try_recv() {
+                encode(&mut encoder, &outgoing.frame, &mut wire);
+            }
+            if let Some(status) = goaway {
+                let last = shared.last_stream_id.load(Ordering::Relaxed);
+                encode(
+                    &mut encoder,
+                    &Frame::GoAway {
+                        last_good_stream_id: last,
+                        status: *status,
+                    },
+                    &mut wire,
+                );
+            }
+        }
+        let written = tokio::select! {
+            r = async {
+                io.write_all(&wire).await?;
+                io.flush().await
+            } => r,
+            () = stop.cancelled() => break,
+        };
+        wire.clear();
+        held.clear();
+        if let Err(e) = written {
+            debug!(error = %e, "SPDY connection write failed");
+            break;
+        }
+    }
+    if finished.is_some() {
+        let _ = io.shutdown().await;
+    }
+    // Writers waiting for send budget learn at once that the connection is gone.
+    permits.close();
+    drop(data);
+    stop.cancel();
+    if let Some((_, Some(done))) = finished {
+        let _ = done.send(());
+    }
+}
+
+fn encode(encoder: &mut FrameEncoder, frame: &Frame, wire: &mut Vec<u8>) {
+    if let Err(e) = encoder.encode(frame, wire) {
+        // Only an oversized header block can fail, and this server sends none.
+        warn!(error = %e, "SPDY frame could not be encoded; dropped");
+    }
+}
