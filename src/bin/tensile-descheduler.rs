@@ -1,0 +1,195 @@
+//! tensile-descheduler: gives upper pods that a lower cluster cannot place another
+//! chance. Wiring only; the logic is in `tensile::descheduler`.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use clap::error::ErrorKind;
+use kube::runtime::events::{Recorder, Reporter};
+use tensile::clusters::{self, RateLimit, Side};
+use tensile::descheduler::cli::{Args, strip_klog_flags};
+use tensile::descheduler::metrics::{self, Metrics};
+use tensile::descheduler::select::{Policy, parse_policy};
+use tensile::descheduler::{Config, Descheduler};
+use tensile::leader::{self, LeaseConfig};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+/// Usage errors (flags, policy file) exit with 2, like Go's flag package.
+const USAGE: u8 = 2;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let (argv, ignored) = strip_klog_flags(std::env::args());
+    let args = match Args::try_parse_from(argv) {
+        Ok(args) => args,
+        Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            let rendered = e.to_string();
+            let line = rendered.lines().next().unwrap_or("invalid arguments");
+            eprintln!(
+                "tensile-descheduler: {}",
+                line.trim_start_matches("error: ")
+            );
+            return ExitCode::from(USAGE);
+        }
+    };
+    let filter = tracing_subscriber::EnvFilter::try_new(&args.log_level)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).init();
+    if !ignored.is_empty() {
+        info!(flags = ?ignored, "klog flags accepted and ignored (use --log-level)");
+    }
+    let policy = match policy(&args) {
+        Ok(policy) => policy,
+        Err(message) => {
+            eprintln!("tensile-descheduler: {message}");
+            return ExitCode::from(USAGE);
+        }
+    };
+    match run(args, policy).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("tensile-descheduler: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn policy(args: &Args) -> Result<Policy, String> {
+    let mut policy = Policy {
+        max_pod_lifetime: args.max_pod_lifetime,
+        max_pods_per_node: (args.max_pods_to_evict_per_node > 0)
+            .then_some(args.max_pods_to_evict_per_node),
+        evict_local_storage_pods: args.evict_local_storage_pods,
+    };
+    if let Some(path) = &args.policy_config_file {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read --policy-config-file {shown}: {e}"))?;
+        let file = parse_policy(&shown, &text).map_err(|e| e.to_string())?;
+        for name in &file.ignored_strategies {
+            warn!(strategy = %name, "policy strategy ignored: tensile runs PodLifeTime only");
+        }
+        if let Some(lifetime) = file.max_pod_lifetime {
+            policy.max_pod_lifetime = lifetime;
+        }
+    }
+    Ok(policy)
+}
+
+async fn run(args: Args, policy: Policy) -> Result<(), String> {
+    let config = clusters::load_config(Side::Upper, args.kubeconfig.as_deref())
+        .await
+        .map_err(|e| e.to_string())?;
+    let limit = RateLimit {
+        qps: 50.0,
+        burst: 100,
+    };
+    let upper = clusters::connect(
+        Side::Upper,
+        config,
+        limit,
+        Arc::new(tensile::metrics::Metrics::default()),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let listener = tensile::metrics::bind(args.metrics_addr).await?;
+    let identity = args
+        .leader_elect_identity
+        .clone()
+        .filter(|i| !i.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty()))
+        .unwrap_or_else(|| format!("tensile-descheduler-{}", std::process::id()));
+    info!(
+        upper = %upper.server, %identity, interval = ?args.descheduling_interval,
+        lifetime = ?policy.max_pod_lifetime, dry_run = args.dry_run, "starting"
+    );
+
+    let shutdown = CancellationToken::new();
+    tokio::spawn(tensile::shutdown::on_signals(shutdown.clone()));
+    let metrics = Arc::new(Metrics::default());
+    let serve = metrics::serve(listener, metrics.clone(), shutdown.clone());
+
+    let election_stop = CancellationToken::new();
+    let mut always_leader = None;
+    let (leader, election) = if args.leader_elect {
+        let namespace = args
+            .leader_elect_resource_namespace
+            .clone()
+            .filter(|n| !n.is_empty())
+            .unwrap_or_else(|| "kube-system".into());
+        let lease = LeaseConfig {
+            lease_duration: args.leader_elect_lease_duration,
+            renew_deadline: args.leader_elect_renew_deadline,
+            retry_period: args.leader_elect_retry_period,
+            ..LeaseConfig::new(&namespace, &args.leader_elect_resource_name, &identity)
+        };
+        let (rx, election) = leader::elect(upper.client.clone(), lease, election_stop.clone());
+        (rx, Some(tokio::spawn(election)))
+    } else {
+        let (tx, rx) = watch::channel(true);
+        // Held until the end of `run`: the receiver always reads `true`.
+        always_leader = Some(tx);
+        (rx, None)
+    };
+    {
+        let metrics = metrics.clone();
+        let mut leader = leader.clone();
+        tokio::spawn(async move {
+            while leader.changed().await.is_ok() {
+                metrics.leader.set(i64::from(*leader.borrow()));
+            }
+        });
+    }
+    let reporter = Reporter {
+        controller: "tensile-descheduler".into(),
+        instance: Some(identity.clone()),
+    };
+    let descheduler = Descheduler::new(
+        upper.client.clone(),
+        Recorder::new(upper.client.clone(), reporter),
+        Config {
+            node_selector: args.node_selector.clone(),
+            policy,
+            dry_run: args.dry_run,
+            interval: args.descheduling_interval,
+        },
+        metrics.clone(),
+    );
+    let work = async {
+        if args.descheduling_interval == Duration::ZERO {
+            // tensile-kube's meaning of 0: one round, then exit.
+            let mut waiting = leader.clone();
+            // The guard `wait_for` returns locks the channel: drop it before the round.
+            let lead = tokio::select! {
+                () = shutdown.cancelled() => false,
+                ready = waiting.wait_for(|l| *l) => ready.is_ok(),
+            };
+            if lead && let Err(e) = descheduler.round(&leader, &shutdown).await {
+                error!(error = %e, "round failed");
+            }
+        } else {
+            descheduler.run(leader.clone(), shutdown.clone()).await;
+        }
+        // Drained: give the Lease up so another replica takes over at once.
+        election_stop.cancel();
+        if let Some(election) = election {
+            let _ = election.await;
+        }
+        shutdown.cancel();
+    };
+    let ((), served) = tokio::join!(work, serve);
+    if let Err(e) = served {
+        error!(error = %e, "metrics server");
+    }
+    drop(always_leader);
+    info!("stopped");
+    Ok(())
+}

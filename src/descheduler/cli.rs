@@ -1,0 +1,209 @@
+//! Command line of `tensile-descheduler`, with tensile-kube's descheduler flag names.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{ArgAction, Parser};
+
+use crate::cli::{parse_addr, parse_duration};
+
+/// Gives pods that a lower cluster cannot place another chance.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "tensile-descheduler", version, about, long_about = None)]
+pub struct Args {
+    /// Kubeconfig of the upper cluster (default: $KUBECONFIG, ~/.kube/config, in-cluster).
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// Time between rounds (Go durations such as `1m0s` work; 0 runs one round and exits).
+    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    pub descheduling_interval: Duration,
+
+    /// A `DeschedulerPolicy` file; its PodLifeTime `maxPodLifeTimeSeconds` sets the
+    /// lifetime (other strategies are reported as ignored).
+    #[arg(long)]
+    pub policy_config_file: Option<PathBuf>,
+
+    /// Log and emit `WouldReschedule` events; change nothing else.
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true")]
+    pub dry_run: bool,
+
+    /// Label selector narrowing the virtual nodes (those labelled `type=virtual-kubelet`).
+    #[arg(long, default_value = "")]
+    pub node_selector: String,
+
+    /// At most this many pods moved per node per round (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    pub max_pods_to_evict_per_node: usize,
+
+    /// Also move pods with local storage (emptyDir with medium or sizeLimit, hostPath).
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true")]
+    pub evict_local_storage_pods: bool,
+
+    /// A pod Pending on a virtual node longer than this is moved (the policy file wins).
+    #[arg(long, value_parser = parse_duration, default_value = "180s")]
+    pub max_pod_lifetime: Duration,
+
+    /// Address of `/healthz` and `/metrics`.
+    #[arg(long, value_parser = parse_addr, default_value = ":10258")]
+    pub metrics_addr: SocketAddr,
+
+    /// Elect a leader among replicas through a Lease (off: this replica always acts).
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = true, default_missing_value = "true")]
+    pub leader_elect: bool,
+
+    /// Namespace of the leader-election Lease (default: this pod's, else kube-system).
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub leader_elect_resource_namespace: Option<String>,
+
+    /// Name of the leader-election Lease.
+    #[arg(long, default_value = "tensile-descheduler")]
+    pub leader_elect_resource_name: String,
+
+    /// This replica's identity in the Lease (default: the host name).
+    #[arg(long, env = "POD_NAME")]
+    pub leader_elect_identity: Option<String>,
+
+    /// How long a leader that stopped renewing keeps the Lease.
+    #[arg(long, value_parser = parse_duration, default_value = "15s")]
+    pub leader_elect_lease_duration: Duration,
+
+    /// The leader stops acting when it could not renew for this long.
+    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    pub leader_elect_renew_deadline: Duration,
+
+    /// How often the Lease is renewed or tried.
+    #[arg(long, value_parser = parse_duration, default_value = "2s")]
+    pub leader_elect_retry_period: Duration,
+
+    /// Log filter (`info`, `debug`, or a tracing directive).
+    #[arg(long, default_value = "info")]
+    pub log_level: String,
+}
+
+/// klog flags whose value may follow as the next argument.
+const KLOG_WITH_VALUE: [&str; 9] = [
+    "v",
+    "vmodule",
+    "log_dir",
+    "log-dir",
+    "log_file",
+    "log-file",
+    "log_file_max_size",
+    "stderrthreshold",
+    "log_backtrace_at",
+];
+/// klog flags that are switches.
+const KLOG_SWITCHES: [&str; 7] = [
+    "logtostderr",
+    "alsologtostderr",
+    "skip_headers",
+    "skip_log_headers",
+    "add_dir_header",
+    "one_output",
+    "log-flush-frequency",
+];
+
+/// Splits klog's flags (`-v 4`, `--v=4`, `--logtostderr`, `--klog.*`, ...) off `argv`:
+/// tensile-kube's manifests pass them; tensile logs through tracing instead.
+pub fn strip_klog_flags(argv: impl IntoIterator<Item = String>) -> (Vec<String>, Vec<String>) {
+    let mut kept = Vec::new();
+    let mut ignored = Vec::new();
+    let mut iter = argv.into_iter().peekable();
+    if let Some(program) = iter.next() {
+        kept.push(program);
+    }
+    while let Some(arg) = iter.next() {
+        let flag = arg.trim_start_matches('-');
+        if arg == "--" || !arg.starts_with('-') || flag.is_empty() {
+            kept.push(arg);
+            continue;
+        }
+        let (name, has_value) = match flag.split_once('=') {
+            Some((name, _)) => (name, true),
+            None => (flag, false),
+        };
+        let name = name.to_owned();
+        if name.starts_with("klog.") || KLOG_SWITCHES.contains(&name.as_str()) {
+            ignored.push(arg);
+        } else if KLOG_WITH_VALUE.contains(&name.as_str()) {
+            ignored.push(arg);
+            if !has_value
+                && let Some(value) = iter.next_if(|next| !next.starts_with("--"))
+                && let Some(last) = ignored.last_mut()
+            {
+                last.push(' ');
+                last.push_str(&value);
+            }
+        } else {
+            kept.push(arg);
+        }
+    }
+    (kept, ignored)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn argv(args: &[&str]) -> Vec<String> {
+        std::iter::once("tensile-descheduler")
+            .chain(args.iter().copied())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    #[test]
+    fn tensile_kube_command_line_parses() {
+        let (kept, ignored) = strip_klog_flags(argv(&[
+            "--kubeconfig=/etc/kube/config",
+            "--descheduling-interval=1m0s",
+            "--policy-config-file",
+            "/policy.yaml",
+            "--dry-run",
+            "--node-selector=type=virtual-kubelet",
+            "--max-pods-to-evict-per-node=5",
+            "--evict-local-storage-pods",
+            "--v=4",
+            "-v",
+            "2",
+            "--logtostderr",
+            "--klog.alsologtostderr=true",
+        ]));
+        assert_eq!(
+            ignored,
+            [
+                "--v=4",
+                "-v 2",
+                "--logtostderr",
+                "--klog.alsologtostderr=true"
+            ]
+        );
+        let args = Args::try_parse_from(kept).unwrap();
+        assert_eq!(args.descheduling_interval, Duration::from_secs(60));
+        assert_eq!(args.policy_config_file, Some("/policy.yaml".into()));
+        assert!(args.dry_run);
+        assert!(args.evict_local_storage_pods);
+        assert_eq!(args.max_pods_to_evict_per_node, 5);
+        assert_eq!(args.node_selector, "type=virtual-kubelet");
+        assert_eq!(args.max_pod_lifetime, Duration::from_secs(180));
+        assert!(args.leader_elect);
+    }
+
+    #[test]
+    fn defaults_and_bad_flags() {
+        let args = Args::try_parse_from(argv(&[])).unwrap();
+        assert_eq!(args.descheduling_interval, Duration::from_secs(10));
+        assert!(!args.dry_run);
+        for bad in [
+            &["--descheduling-interval=soon"][..],
+            &["--max-pods-to-evict-per-node=-1"],
+            &["--no-such-flag"],
+            &["--max-pod-lifetime=3d"],
+        ] {
+            let (kept, _) = strip_klog_flags(argv(bad));
+            assert!(Args::try_parse_from(kept).is_err(), "{bad:?}");
+        }
+    }
+}

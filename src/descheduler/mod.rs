@@ -1,0 +1,411 @@
+//! tensile-descheduler: gives upper pods that a lower cluster cannot place another chance.
+//!
+//! [`select`] decides (pure); this module reads the upper cluster, acts on the verdicts
+//! (evict a controlled pod, re-create a bare one), and counts what it did.
+
+pub mod cli;
+pub mod metrics;
+pub mod select;
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, EvictParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::events::{Event, EventType, Recorder};
+use kube::{Client, Resource};
+use tokio::sync::{Notify, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, debug, info, info_span, warn};
+
+use self::metrics::Metrics;
+use self::select::{Method, MoveReason, Policy, Verdict};
+
+/// What a round does.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// Extra label selector for virtual nodes (`--node-selector`), ANDed with
+    /// `type=virtual-kubelet`.
+    pub node_selector: String,
+    /// Which pods, and how many per node.
+    pub policy: Policy,
+    /// Log and emit `WouldReschedule` only.
+    pub dry_run: bool,
+    /// Time between rounds.
+    pub interval: Duration,
+}
+
+/// Why a round or one pod's move failed (retried next round).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// Listing nodes or pods failed.
+    #[error("listing {what} (upper): {source}")]
+    List {
+        /// What was listed.
+        what: &'static str,
+        /// The error.
+        source: kube::Error,
+    },
+    /// A call about one pod failed.
+    #[error("{action} pod {pod} (upper): {source}")]
+    Pod {
+        /// What was being done.
+        action: &'static str,
+        /// `namespace/name`.
+        pod: String,
+        /// The error.
+        source: kube::Error,
+    },
+}
+
+/// The outcome of acting on one pod.
+#[derive(Debug, PartialEq, Eq)]
+enum Acted {
+    Moved,
+    WouldMove,
+    /// It vanished or changed mid-round, or is no longer selected.
+    Changed,
+    /// A PodDisruptionBudget refused the eviction (429): next round.
+    Disruption,
+}
+
+/// The descheduler: one upper client, the recorder, the counters.
+pub struct Descheduler {
+    client: Client,
+    recorder: Recorder,
+    config: Config,
+    metrics: Arc<Metrics>,
+}
+
+impl Descheduler {
+    /// A descheduler acting on `client`'s cluster.
+    pub fn new(client: Client, recorder: Recorder, config: Config, metrics: Arc<Metrics>) -> Self {
+        Self {
+            client,
+            recorder,
+            config,
+            metrics,
+        }
+    }
+
+    /// Runs a round every interval while `leader` says so, until `shutdown`, and at once
+    /// when a pod bound to a node is refused below (watched, so the lower scheduler's
+    /// verdict is acted on without waiting for the interval). A round in progress stops
+    /// between pods as soon as leadership is lost or shutdown begins.
+    pub async fn run(&self, mut leader: watch::Receiver<bool>, shutdown: CancellationToken) {
+        let refused = Arc::new(Notify::new());
+        let watch = watch_refusals(self.client.clone(), refused.clone());
+        let rounds = async {
+            loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    changed = leader.wait_for(|l| *l) => if changed.is_err() { return },
+                }
+                let started = tokio::time::Instant::now();
+                if let Err(error) = self.round(&leader, &shutdown).await {
+                    self.metrics.errors.inc();
+                    warn!(%error, "round failed; retrying next round");
+                }
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = tokio::time::sleep_until(started + self.config.interval) => {}
+                    () = refused.notified() => {
+                        // A burst of refusals makes one round, not one each.
+                        tokio::select! {
+                            () = shutdown.cancelled() => return,
+                            () = tokio::time::sleep_until(started + MIN_ROUND_GAP) => {}
+                        }
+                    }
+                }
+            }
+        };
+        tokio::select! {
+            () = rounds => {}
+            () = watch => {}
+        }
+    }
+
+    /// One round over every virtual node.
+    pub async fn round(
+        &self,
+        leader: &watch::Receiver<bool>,
+        shutdown: &CancellationToken,
+    ) -> Result<(), Error> {
+        let mut selector = format!(
+            "{}={}",
+            select::VIRTUAL_NODE_LABEL.0,
+            select::VIRTUAL_NODE_LABEL.1
+        );
+        if !self.config.node_selector.trim().is_empty() {
+            selector.push(',');
+            selector.push_str(self.config.node_selector.trim());
+        }
+        let nodes: Api<Node> = Api::all(self.client.clone());
+        let virtual_nodes: BTreeSet<String> = nodes
+            .list_metadata(&ListParams::default().labels(&selector))
+            .await
+            .map_err(|source| Error::List {
+                what: "virtual nodes",
+                source,
+            })?
+            .items
+            .into_iter()
+            .filter_map(|n| n.metadata.name)
+            .collect();
+        let pods: Api<Pod> = Api::all(self.client.clone());
+        let mut candidates = Vec::new();
+        for node in &virtual_nodes {
+            let fields = format!("spec.nodeName={node},status.phase=Pending");
+            let list = pods
+                .list(&ListParams::default().fields(&fields))
+                .await
+                .map_err(|source| Error::List {
+                    what: "pods on virtual nodes",
+                    source,
+                })?;
+            candidates.extend(list.items);
+        }
+        let selected = select::select(
+            &candidates,
+            &virtual_nodes,
+            &self.config.policy,
+            Timestamp::now(),
+        );
+        debug!(nodes = virtual_nodes.len(), pods = selected.len(), "round");
+        for (pod, node, verdict) in selected {
+            let _ = self.metrics.considered.inc();
+            let reason = match verdict {
+                Verdict::Skip(skip) => {
+                    self.metrics.skip(skip.label());
+                    continue;
+                }
+                Verdict::Move(reason) => reason,
+            };
+            if shutdown.is_cancelled() || !*leader.borrow() {
+                info!("round stopped: shutting down or no longer the leader");
+                return Ok(());
+            }
+            let name = pod_key(pod);
+            let span = info_span!("pod", pod = %name, node = %node);
+            match self.act(pod, &node, &reason).instrument(span.clone()).await {
+                Ok(Acted::Moved) => {
+                    self.metrics.moved.inc();
+                }
+                Ok(Acted::WouldMove) => {
+                    self.metrics.would_move.inc();
+                }
+                Ok(Acted::Changed) => self.metrics.skip("changed"),
+                Ok(Acted::Disruption) => self.metrics.skip("disruption_budget"),
+                Err(error) => {
+                    let _ = self.metrics.errors.inc();
+                    span.in_scope(|| warn!(%error, "not moved; retrying next round"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn act(&self, seen: &Pod, node: &str, reason: &MoveReason) -> Result<Acted, Error> {
+        let namespace = seen.metadata.namespace.clone().unwrap_or_default();
+        let name = seen.metadata.name.clone().unwrap_or_default();
+        let key = format!("{namespace}/{name}");
+        let pods: Api<Pod> = Api::namespaced(self.client.clone(), &namespace);
+        let pod_error = |action| {
+            let pod = key.clone();
+            move |source| Error::Pod {
+                action,
+                pod,
+                source,
+            }
+        };
+        // Read it again: the list may be a round old.
+        let Some(pod) = pods.get_opt(&name).await.map_err(pod_error("reading"))? else {
+            debug!("vanished");
+            return Ok(Acted::Changed);
+        };
+        let same = pod.metadata.uid == seen.metadata.uid
+            && pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
+            && matches!(
+                select::judge(&pod, &self.config.policy, Timestamp::now()),
+                Verdict::Move(_)
+            );
+        if !same {
+            debug!("changed since listed; skipped");
+            return Ok(Acted::Changed);
+        }
+        let method = select::method(&pod);
+        if self.config.dry_run {
+            info!(?method, %reason, "dry run: would reschedule");
+            self.event(
+                &pod,
+                "WouldReschedule",
+                format!("would move it off {node}: {reason}"),
+            )
+            .await;
+            return Ok(Acted::WouldMove);
+        }
+        let acted = match method {
+            Method::Evict => self.evict(&pods, &pod, node).await?,
+            Method::Recreate => self.recreate(&pods, &pod, node).await?,
+        };
+        if acted == Acted::Moved {
+            info!(?method, %reason, "rescheduled");
+            self.event(&pod, "Rescheduled", format!("moved off {node}: {reason}"))
+                .await;
+        }
+        Ok(acted)
+    }
+
+    /// Marks the pod (the webhook remembers the node for its owner), then evicts it.
+    async fn evict(&self, pods: &Api<Pod>, pod: &Pod, node: &str) -> Result<Acted, Error> {
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let key = pod_key(pod);
+        let mut patch = select::mark_patch(pod, node);
+        // The resourceVersion makes the patch fail if the pod changed since read.
+        patch["metadata"]["resourceVersion"] = pod.metadata.resource_version.clone().into();
+        match pods
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => {}
+            Err(e) if is_status(&e, 404) || is_status(&e, 409) => return Ok(Acted::Changed),
+            Err(source) => {
+                return Err(Error::Pod {
+                    action: "marking",
+                    pod: key,
+                    source,
+                });
+            }
+        }
+        let params = EvictParams {
+            delete_options: Some(DeleteParams {
+                preconditions: Some(kube::api::Preconditions {
+                    uid: pod.metadata.uid.clone(),
+                    resource_version: None,
+                }),
+                ..DeleteParams::default()
+            }),
+            post_options: PostParams::default(),
+        };
+        match pods.evict(&name, &params).await {
+            Ok(_) => Ok(Acted::Moved),
+            Err(e) if is_status(&e, 429) => {
+                info!("eviction refused by a PodDisruptionBudget; retrying next round");
+                Ok(Acted::Disruption)
+            }
+            Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(Acted::Changed),
+            Err(source) => Err(Error::Pod {
+                action: "evicting",
+                pod: key,
+                source,
+            }),
+        }
+    }
+
+    /// Creates the replacement, and deletes the old pod only once it exists.
+    async fn recreate(&self, pods: &Api<Pod>, pod: &Pod, node: &str) -> Result<Acted, Error> {
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let key = pod_key(pod);
+        let new = select::replacement(pod, node);
+        let new_name = new.metadata.name.clone().unwrap_or_default();
+        match pods.create(&PostParams::default(), &new).await {
+            Ok(_) => {}
+            // A previous round created it but could not delete the old pod.
+            Err(e) if is_status(&e, 409) => {
+                let existing = pods.get_opt(&new_name).await.ok().flatten();
+                let ours = existing.is_some_and(|p| {
+                    p.metadata
+                        .labels
+                        .as_ref()
+                        .and_then(|l| l.get(select::CREATED_BY_DESCHEDULER_LABEL))
+                        .is_some_and(|v| v == "true")
+                });
+                if !ours {
+                    return Err(Error::Pod {
+                        action: "re-creating",
+                        pod: key,
+                        source: e,
+                    });
+                }
+            }
+            Err(source) => {
+                return Err(Error::Pod {
+                    action: "re-creating",
+                    pod: key,
+                    source,
+                });
+            }
+        }
+        debug!(replacement = %new_name, "replacement created");
+        let params = DeleteParams {
+            preconditions: Some(kube::api::Preconditions {
+                uid: pod.metadata.uid.clone(),
+                resource_version: None,
+            }),
+            ..DeleteParams::default()
+        };
+        match pods.delete(&name, &params).await {
+            Ok(_) => Ok(Acted::Moved),
+            Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(Acted::Moved),
+            Err(source) => Err(Error::Pod {
+                action: "deleting the re-created",
+                pod: key,
+                source,
+            }),
+        }
+    }
+
+    async fn event(&self, pod: &Pod, reason: &str, note: String) {
+        let event = Event {
+            type_: EventType::Normal,
+            reason: reason.into(),
+            note: Some(note),
+            action: "Reschedule".into(),
+            secondary: None,
+        };
+        if let Err(error) = self.recorder.publish(&event, &pod.object_ref(&())).await {
+            debug!(%error, cluster = "upper", "publishing the event");
+        }
+    }
+}
+
+/// Rounds woken by a refusal start at least this far apart.
+const MIN_ROUND_GAP: Duration = Duration::from_millis(200);
+
+/// Watches Pending pods and wakes `refused` whenever one bound to a node carries the lower
+/// scheduler's verdict. Runs until dropped; watch errors are retried with backoff.
+async fn watch_refusals(client: Client, refused: Arc<Notify>) {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, watcher};
+    let pods: Api<Pod> = Api::all(client);
+    let config = watcher::Config::default().fields("status.phase=Pending");
+    let mut events = std::pin::pin!(watcher(pods, config).default_backoff().applied_objects());
+    while let Some(event) = events.next().await {
+        match event {
+            Ok(pod) => {
+                let bound = pod.spec.as_ref().is_some_and(|s| s.node_name.is_some());
+                if bound
+                    && pod.metadata.deletion_timestamp.is_none()
+                    && select::refused(&pod).is_some()
+                {
+                    refused.notify_one();
+                }
+            }
+            Err(error) => debug!(%error, cluster = "upper", "watching Pending pods"),
+        }
+    }
+}
+
+fn pod_key(pod: &Pod) -> String {
+    format!(
+        "{}/{}",
+        pod.metadata.namespace.as_deref().unwrap_or_default(),
+        pod.metadata.name.as_deref().unwrap_or_default()
+    )
+}
+
+fn is_status(error: &kube::Error, code: u16) -> bool {
+    matches!(error, kube::Error::Api(status) if status.code == code)
+}

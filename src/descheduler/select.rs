@@ -1,0 +1,976 @@
+//! PURE: which upper pods on virtual nodes get another chance, and what a moved pod looks
+//! like. No client, no async; table-tested.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{
+    Affinity, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Pod,
+    PodCondition,
+};
+use k8s_openapi::jiff::Timestamp;
+use serde::Deserialize;
+
+/// Label of virtual nodes (tensile-kube's).
+pub const VIRTUAL_NODE_LABEL: (&str, &str) = ("type", "virtual-kubelet");
+/// Annotation naming the virtual node(s) a pod was moved off, comma-separated.
+pub const UNSCHEDULABLE_NODE_ANNOTATION: &str = "unschedulable-node";
+/// Annotation counting how often a pod (or its predecessors) was moved.
+pub const DESCHEDULE_COUNT_ANNOTATION: &str = "sigs.k8s.io/deschedule-count";
+/// Label of bare pods the descheduler re-created.
+pub const CREATED_BY_DESCHEDULER_LABEL: &str = "create-by-descheduler";
+/// Annotation of mirror (static) pods.
+const MIRROR_ANNOTATION: &str = "kubernetes.io/config.mirror";
+const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
+
+/// What a round acts on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Policy {
+    /// A pod Pending longer than this is moved even without a verdict from below.
+    pub max_pod_lifetime: Duration,
+    /// At most this many pods per node per round (`None`: no limit).
+    pub max_pods_per_node: Option<usize>,
+    /// Move pods with local storage (emptyDir with medium or sizeLimit, hostPath) too.
+    pub evict_local_storage_pods: bool,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            max_pod_lifetime: Duration::from_secs(180),
+            max_pods_per_node: None,
+            evict_local_storage_pods: false,
+        }
+    }
+}
+
+/// Why a pod is moved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MoveReason {
+    /// The lower scheduler's verdict, reflected up (`Unschedulable`, `SchedulerError`).
+    Refused {
+        /// The condition's reason.
+        reason: String,
+        /// The condition's message.
+        message: String,
+    },
+    /// Pending for longer than the lifetime.
+    PendingTooLong(Duration),
+}
+
+impl std::fmt::Display for MoveReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Refused { reason, message } if message.is_empty() => {
+                write!(f, "the lower cluster reported {reason}")
+            }
+            Self::Refused { reason, message } => {
+                write!(f, "the lower cluster reported {reason}: {message}")
+            }
+            Self::PendingTooLong(age) => write!(f, "Pending for {}s", age.as_secs()),
+        }
+    }
+}
+
+/// Why a pod on a virtual node is left alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Skip {
+    /// Not Pending (Running, or finished).
+    NotPending,
+    /// Pending, but neither refused below nor past the lifetime yet.
+    TooYoung,
+    /// In kube-system.
+    KubeSystem,
+    /// A mirror (static) pod.
+    Mirror,
+    /// Owned by a DaemonSet.
+    DaemonSet,
+    /// Uses local storage and `--evict-local-storage-pods` is off.
+    LocalStorage,
+    /// Being deleted.
+    Deleting,
+    /// The node's limit for this round is reached.
+    NodeLimit,
+}
+
+impl Skip {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::NotPending => "not_pending",
+            Self::TooYoung => "too_young",
+            Self::KubeSystem => "kube_system",
+            Self::Mirror => "mirror",
+            Self::DaemonSet => "daemonset",
+            Self::LocalStorage => "local_storage",
+            Self::Deleting => "deleting",
+            Self::NodeLimit => "node_limit",
+        }
+    }
+
+    /// Every reason, for metrics.
+    pub const ALL: [Skip; 8] = [
+        Self::NotPending,
+        Self::TooYoung,
+        Self::KubeSystem,
+        Self::Mirror,
+        Self::DaemonSet,
+        Self::LocalStorage,
+        Self::Deleting,
+        Self::NodeLimit,
+    ];
+}
+
+/// The verdict on one pod bound to a virtual node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Move it.
+    Move(MoveReason),
+    /// Leave it.
+    Skip(Skip),
+}
+
+/// Judges one pod bound to a virtual node at `now`, ignoring per-node limits.
+pub fn judge(pod: &Pod, policy: &Policy, now: Timestamp) -> Verdict {
+    let meta = &pod.metadata;
+    if meta.deletion_timestamp.is_some() {
+        return Verdict::Skip(Skip::Deleting);
+    }
+    if meta.namespace.as_deref() == Some("kube-system") {
+        return Verdict::Skip(Skip::KubeSystem);
+    }
+    if meta
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.contains_key(MIRROR_ANNOTATION))
+    {
+        return Verdict::Skip(Skip::Mirror);
+    }
+    if meta
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.kind == "DaemonSet")
+    {
+        return Verdict::Skip(Skip::DaemonSet);
+    }
+    let status = pod.status.as_ref();
+    if !matches!(
+        status.and_then(|s| s.phase.as_deref()),
+        None | Some("Pending")
+    ) {
+        return Verdict::Skip(Skip::NotPending);
+    }
+    if !policy.evict_local_storage_pods && has_local_storage(pod) {
+        return Verdict::Skip(Skip::LocalStorage);
+    }
+    if let Some(condition) = refused(pod) {
+        return Verdict::Move(MoveReason::Refused {
+            reason: condition.reason.clone().unwrap_or_default(),
+            message: condition.message.clone().unwrap_or_default(),
+        });
+    }
+    let age = meta
+        .creation_timestamp
+        .as_ref()
+        .map(|t| now.duration_since(t.0))
+        .and_then(|d| Duration::try_from(d).ok())
+        .unwrap_or_default();
+    if age > policy.max_pod_lifetime {
+        Verdict::Move(MoveReason::PendingTooLong(age))
+    } else {
+        Verdict::Skip(Skip::TooYoung)
+    }
+}
+
+/// The reflected `PodScheduled=False` condition with reason `Unschedulable` or
+/// `SchedulerError`: the lower scheduler's verdict.
+pub fn refused(pod: &Pod) -> Option<&PodCondition> {
+    pod.status.as_ref()?.conditions.as_ref()?.iter().find(|c| {
+        c.type_ == "PodScheduled"
+            && c.status == "False"
+            && matches!(
+                c.reason.as_deref(),
+                Some("Unschedulable" | "SchedulerError")
+            )
+    })
+}
+
+/// Whether the pod uses storage that dies with its node (as the Kubernetes descheduler
+/// counts it: emptyDir with a medium or size limit, hostPath).
+pub fn has_local_storage(pod: &Pod) -> bool {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.volumes.as_ref())
+        .into_iter()
+        .flatten()
+        .any(|v| {
+            v.host_path.is_some()
+                || v.empty_dir.as_ref().is_some_and(|e| {
+                    e.medium.as_deref().is_some_and(|m| !m.is_empty()) || e.size_limit.is_some()
+                })
+        })
+}
+
+/// One round's verdicts over `pods` (those bound to a node in `virtual_nodes`; others are
+/// not returned), in a stable order, with the per-node limit applied.
+pub fn select<'a>(
+    pods: impl IntoIterator<Item = &'a Pod>,
+    virtual_nodes: &BTreeSet<String>,
+    policy: &Policy,
+    now: Timestamp,
+) -> Vec<(&'a Pod, String, Verdict)> {
+    let mut bound: Vec<(&Pod, String)> = pods
+        .into_iter()
+        .filter_map(|p| {
+            let node = p.spec.as_ref()?.node_name.as_ref()?;
+            virtual_nodes.contains(node).then(|| (p, node.clone()))
+        })
+        .collect();
+    // Oldest first, so a limit per node never starves the pods that waited longest.
+    bound.sort_by(|(a, _), (b, _)| {
+        let key = |p: &Pod| {
+            (
+                p.metadata.creation_timestamp.as_ref().map(|t| t.0),
+                p.metadata.namespace.clone(),
+                p.metadata.name.clone(),
+            )
+        };
+        key(a).cmp(&key(b))
+    });
+    let mut moved: BTreeMap<String, usize> = BTreeMap::new();
+    bound
+        .into_iter()
+        .map(|(pod, node)| {
+            let mut verdict = judge(pod, policy, now);
+            if matches!(verdict, Verdict::Move(_)) {
+                let count = moved.entry(node.clone()).or_default();
+                if policy.max_pods_per_node.is_some_and(|max| *count >= max) {
+                    verdict = Verdict::Skip(Skip::NodeLimit);
+                } else {
+                    *count += 1;
+                }
+            }
+            (pod, node, verdict)
+        })
+        .collect()
+}
+
+/// How a pod is moved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Method {
+    /// A controller owns it: evict it, the controller makes a replacement.
+    Evict,
+    /// A bare pod: re-create it, then delete the old one.
+    Recreate,
+}
+
+/// Evict what a controller re-creates; re-create the rest.
+pub fn method(pod: &Pod) -> Method {
+    let controlled = pod
+        .metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .any(|o| o.controller == Some(true));
+    if controlled {
+        Method::Evict
+    } else {
+        Method::Recreate
+    }
+}
+
+/// The pod's `sigs.k8s.io/deschedule-count` plus one (an unreadable count restarts at 1).
+pub fn next_count(pod: &Pod) -> u32 {
+    pod.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(DESCHEDULE_COUNT_ANNOTATION))
+        .and_then(|c| c.trim().parse::<u32>().ok())
+        .unwrap_or(0)
+        .saturating_add(1)
+}
+
+/// The nodes already named in `unschedulable-node`, plus `node`, sorted and unique.
+pub fn unschedulable_nodes(pod: &Pod, node: &str) -> Vec<String> {
+    let mut nodes: BTreeSet<String> = pod
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(UNSCHEDULABLE_NODE_ANNOTATION))
+        .map(|v| {
+            v.split(',')
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default();
+    nodes.insert(node.to_owned());
+    nodes.into_iter().collect()
+}
+
+/// The merge patch that marks a pod before its eviction: `unschedulable-node` and the
+/// counter (tensile-kube's strings; the webhook remembers the node for the owner). A pod
+/// already marked for `node` (its eviction was refused, e.g. by a PodDisruptionBudget) is
+/// marked again, which refreshes the webhook's memory, but not counted again.
+pub fn mark_patch(pod: &Pod, node: &str) -> serde_json::Value {
+    let annotations = pod.metadata.annotations.as_ref();
+    let marked = annotations
+        .and_then(|a| a.get(UNSCHEDULABLE_NODE_ANNOTATION))
+        .is_some_and(|v| v.split(',').any(|n| n.trim() == node));
+    let count = match annotations.and_then(|a| a.get(DESCHEDULE_COUNT_ANNOTATION)) {
+        Some(count) if marked => count.clone(),
+        _ => next_count(pod).to_string(),
+    };
+    serde_json::json!({
+        "metadata": {
+            "annotations": {
+                UNSCHEDULABLE_NODE_ANNOTATION: unschedulable_nodes(pod, node).join(","),
+                DESCHEDULE_COUNT_ANNOTATION: count,
+            }
+        }
+    })
+}
+
+/// The replacement of a bare pod that failed on `node`: the same pod, unbound, with
+/// identity and status cleared, every annotation kept, the counter incremented, labelled
+/// `create-by-descheduler=true`, and required to avoid every virtual node it failed on.
+pub fn replacement(pod: &Pod, node: &str) -> Pod {
+    let avoid = unschedulable_nodes(pod, node);
+    let count = next_count(pod);
+    let mut new = pod.clone();
+    let meta = &mut new.metadata;
+    meta.name = Some(replacement_name(pod, count));
+    meta.uid = None;
+    meta.resource_version = None;
+    meta.creation_timestamp = None;
+    meta.deletion_timestamp = None;
+    meta.deletion_grace_period_seconds = None;
+    meta.generation = None;
+    meta.managed_fields = None;
+    meta.self_link = None;
+    meta.labels
+        .get_or_insert_with(Default::default)
+        .insert(CREATED_BY_DESCHEDULER_LABEL.into(), "true".into());
+    let annotations = meta.annotations.get_or_insert_with(Default::default);
+    annotations.insert(DESCHEDULE_COUNT_ANNOTATION.into(), count.to_string());
+    annotations.insert(UNSCHEDULABLE_NODE_ANNOTATION.into(), avoid.join(","));
+    new.status = None;
+    if let Some(spec) = new.spec.as_mut() {
+        spec.node_name = None;
+        avoid_nodes(spec, &avoid);
+    }
+    new
+}
+
+/// `<name>-<count>`, the previous round's `-<count-1>` replaced rather than stacked. The
+/// name is deterministic so that a round that created the replacement but could not
+/// delete the old pod finds it again instead of making a second one.
+pub fn replacement_name(pod: &Pod, count: u32) -> String {
+    let name = pod.metadata.name.as_deref().unwrap_or_default();
+    let recreated = pod
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(CREATED_BY_DESCHEDULER_LABEL))
+        .is_some_and(|v| v == "true");
+    let previous = format!("-{}", count.saturating_sub(1));
+    let base = match name.strip_suffix(&previous) {
+        Some(base) if recreated && !base.is_empty() => base,
+        _ => name,
+    };
+    let suffix = format!("-{count}");
+    let mut end = base.len().min(253 - suffix.len());
+    while !base.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{suffix}", base[..end].trim_end_matches(['-', '.']))
+}
+
+/// Adds `kubernetes.io/hostname NotIn avoid` to every required node selector term (a pod
+/// may be placed when ANY term matches, so each needs it), or one term of its own.
+fn avoid_nodes(spec: &mut k8s_openapi::api::core::v1::PodSpec, avoid: &[String]) {
+    let requirement = NodeSelectorRequirement {
+        key: HOSTNAME_LABEL.into(),
+        operator: "NotIn".into(),
+        values: Some(avoid.to_vec()),
+    };
+    let required = spec
+        .affinity
+        .get_or_insert_with(Affinity::default)
+        .node_affinity
+        .get_or_insert_with(NodeAffinity::default)
+        .required_during_scheduling_ignored_during_execution
+        .get_or_insert_with(|| NodeSelector {
+            node_selector_terms: Vec::new(),
+        });
+    if required.node_selector_terms.is_empty() {
+        required
+            .node_selector_terms
+            .push(NodeSelectorTerm::default());
+    }
+    for term in &mut required.node_selector_terms {
+        let expressions = term.match_expressions.get_or_insert_with(Vec::new);
+        // An earlier round's requirement is replaced, not stacked.
+        expressions.retain(|e| !(e.key == HOSTNAME_LABEL && e.operator == "NotIn"));
+        expressions.push(requirement.clone());
+    }
+}
+
+/// A `DeschedulerPolicy` file as tensile-kube ships it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PolicyFile {
+    /// `strategies.PodLifeTime.params.maxPodLifeTimeSeconds`, when PodLifeTime is enabled.
+    pub max_pod_lifetime: Option<Duration>,
+    /// Strategies named in the file that tensile does not run (reported as ignored).
+    pub ignored_strategies: Vec<String>,
+}
+
+/// Why a policy file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    /// Neither YAML nor JSON of the expected shape.
+    #[error("policy file {path}: {message}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// What the parser said.
+        message: String,
+    },
+    /// Not a `DeschedulerPolicy`.
+    #[error("policy file {path}: kind is {kind:?}, expected DeschedulerPolicy")]
+    Kind {
+        /// The file.
+        path: String,
+        /// The kind found.
+        kind: String,
+    },
+}
+
+#[derive(Deserialize)]
+struct RawPolicy {
+    #[serde(default)]
+    kind: Option<String>,
+    #[serde(default)]
+    strategies: BTreeMap<String, RawStrategy>,
+}
+
+#[derive(Deserialize)]
+struct RawStrategy {
+    #[serde(default = "enabled_default")]
+    enabled: bool,
+    #[serde(default)]
+    params: Option<RawParams>,
+}
+
+fn enabled_default() -> bool {
+    true
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RawParams {
+    #[serde(default)]
+    max_pod_life_time_seconds: Option<u64>,
+}
+
+/// Parses a `DeschedulerPolicy` (YAML or JSON). `path` only names the file in errors.
+pub fn parse_policy(path: &str, text: &str) -> Result<PolicyFile, PolicyError> {
+    let raw: RawPolicy = serde_saphyr::from_str(text).map_err(|e| PolicyError::Parse {
+        path: path.to_owned(),
+        message: e.to_string(),
+    })?;
+    if let Some(kind) = raw.kind.filter(|k| k != "DeschedulerPolicy") {
+        return Err(PolicyError::Kind {
+            path: path.to_owned(),
+            kind,
+        });
+    }
+    let mut file = PolicyFile::default();
+    for (name, strategy) in raw.strategies {
+        if name == "PodLifeTime" {
+            if strategy.enabled {
+                file.max_pod_lifetime = strategy
+                    .params
+                    .and_then(|p| p.max_pod_life_time_seconds)
+                    .map(Duration::from_secs);
+            }
+        } else {
+            file.ignored_strategies.push(name);
+        }
+    }
+    Ok(file)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{Value, json};
+
+    const NOW: i64 = 1_000_000;
+
+    fn now() -> Timestamp {
+        Timestamp::from_second(NOW).unwrap()
+    }
+
+    /// A pod on `vk` created `age` seconds before NOW, merged with `extra`.
+    fn pod(name: &str, age: i64, extra: Value) -> Pod {
+        let created = Timestamp::from_second(NOW - age).unwrap().to_string();
+        let mut base = json!({
+            "metadata": {"name": name, "namespace": "app", "uid": format!("uid-{name}"),
+                         "resourceVersion": "7", "creationTimestamp": created},
+            "spec": {"nodeName": "vk", "containers": [{"name": "c", "image": "i"}]},
+            "status": {"phase": "Pending"},
+        });
+        merge(&mut base, extra);
+        serde_json::from_value(base).unwrap()
+    }
+
+    fn merge(base: &mut Value, extra: Value) {
+        match (base, extra) {
+            (Value::Object(b), Value::Object(e)) => {
+                for (k, v) in e {
+                    merge(b.entry(k).or_insert(Value::Null), v);
+                }
+            }
+            (b, e) => *b = e,
+        }
+    }
+
+    fn unschedulable() -> Value {
+        json!({"status": {"conditions": [{"type": "PodScheduled", "status": "False",
+            "reason": "Unschedulable", "message": "0/3 nodes are available"}]}})
+    }
+
+    #[test]
+    fn judges() {
+        let policy = Policy::default();
+        let refused = Verdict::Move(MoveReason::Refused {
+            reason: "Unschedulable".into(),
+            message: "0/3 nodes are available".into(),
+        });
+        let cases: Vec<(&str, Pod, Policy, Verdict)> = vec![
+            (
+                "refused below: at once",
+                pod("a", 1, unschedulable()),
+                policy.clone(),
+                refused.clone(),
+            ),
+            (
+                "scheduler error below",
+                pod(
+                    "a",
+                    1,
+                    json!({"status": {"conditions": [{"type": "PodScheduled",
+                    "status": "False", "reason": "SchedulerError"}]}}),
+                ),
+                policy.clone(),
+                Verdict::Move(MoveReason::Refused {
+                    reason: "SchedulerError".into(),
+                    message: String::new(),
+                }),
+            ),
+            (
+                "pending past the lifetime",
+                pod("a", 181, json!({})),
+                policy.clone(),
+                Verdict::Move(MoveReason::PendingTooLong(Duration::from_secs(181))),
+            ),
+            (
+                "pending within the lifetime",
+                pod("a", 179, json!({})),
+                policy.clone(),
+                Verdict::Skip(Skip::TooYoung),
+            ),
+            (
+                "scheduled below, still pulling",
+                pod(
+                    "a",
+                    100,
+                    json!({"status": {"conditions": [{"type": "PodScheduled", "status": "True"}]}}),
+                ),
+                policy.clone(),
+                Verdict::Skip(Skip::TooYoung),
+            ),
+            (
+                "running, however old",
+                pod("a", 100_000, json!({"status": {"phase": "Running"}})),
+                policy.clone(),
+                Verdict::Skip(Skip::NotPending),
+            ),
+            (
+                "failed",
+                pod("a", 100_000, json!({"status": {"phase": "Failed"}})),
+                policy.clone(),
+                Verdict::Skip(Skip::NotPending),
+            ),
+            (
+                "kube-system",
+                pod(
+                    "a",
+                    1,
+                    json!({"metadata": {"namespace": "kube-system"}, "status": unschedulable()["status"]}),
+                ),
+                policy.clone(),
+                Verdict::Skip(Skip::KubeSystem),
+            ),
+            (
+                "mirror pod",
+                pod(
+                    "a",
+                    1000,
+                    json!({"metadata": {"annotations": {"kubernetes.io/config.mirror": "x"}}}),
+                ),
+                policy.clone(),
+                Verdict::Skip(Skip::Mirror),
+            ),
+            (
+                "daemonset pod",
+                pod(
+                    "a",
+                    1000,
+                    json!({"metadata": {"ownerReferences": [{"apiVersion": "apps/v1",
+                    "kind": "DaemonSet", "name": "d", "uid": "u", "controller": true}]}}),
+                ),
+                policy.clone(),
+                Verdict::Skip(Skip::DaemonSet),
+            ),
+            (
+                "being deleted",
+                pod(
+                    "a",
+                    1000,
+                    json!({"metadata": {"deletionTimestamp": "2020-01-01T00:00:00Z"}}),
+                ),
+                policy.clone(),
+                Verdict::Skip(Skip::Deleting),
+            ),
+            (
+                "hostPath",
+                pod(
+                    "a",
+                    1000,
+                    json!({"spec": {"volumes": [{"name": "h", "hostPath": {"path": "/x"}}]}}),
+                ),
+                policy.clone(),
+                Verdict::Skip(Skip::LocalStorage),
+            ),
+            (
+                "emptyDir in memory",
+                pod(
+                    "a",
+                    1000,
+                    json!({"spec": {"volumes": [{"name": "e", "emptyDir": {"medium": "Memory"}}]}}),
+                ),
+                policy.clone(),
+                Verdict::Skip(Skip::LocalStorage),
+            ),
+            (
+                "emptyDir with a size limit",
+                pod(
+                    "a",
+                    1000,
+                    json!({"spec": {"volumes": [{"name": "e", "emptyDir": {"sizeLimit": "1Gi"}}]}}),
+                ),
+                policy.clone(),
+                Verdict::Skip(Skip::LocalStorage),
+            ),
+            (
+                "plain emptyDir is not local storage",
+                pod(
+                    "a",
+                    1,
+                    json!({"spec": {"volumes": [{"name": "e", "emptyDir": {}}]}, "status": unschedulable()["status"]}),
+                ),
+                policy.clone(),
+                refused.clone(),
+            ),
+            (
+                "local storage allowed by flag",
+                pod(
+                    "a",
+                    1,
+                    json!({"spec": {"volumes": [{"name": "h", "hostPath": {"path": "/x"}}]}, "status": unschedulable()["status"]}),
+                ),
+                Policy {
+                    evict_local_storage_pods: true,
+                    ..Policy::default()
+                },
+                refused.clone(),
+            ),
+            (
+                "shorter lifetime",
+                pod("a", 11, json!({})),
+                Policy {
+                    max_pod_lifetime: Duration::from_secs(10),
+                    ..Policy::default()
+                },
+                Verdict::Move(MoveReason::PendingTooLong(Duration::from_secs(11))),
+            ),
+        ];
+        for (name, pod, policy, want) in cases {
+            assert_eq!(judge(&pod, &policy, now()), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn selects_per_node_with_limits() {
+        let on = |name: &str, age: i64, node: &str| {
+            pod(
+                name,
+                age,
+                json!({"spec": {"nodeName": node}, "status": unschedulable()["status"]}),
+            )
+        };
+        let pods = vec![
+            on("young", 1, "vk"),
+            on("old", 50, "vk"),
+            on("middle", 20, "vk"),
+            on("other", 5, "vk2"),
+            on("regular", 5, "worker"),
+            pod("unbound", 5, json!({"spec": {"nodeName": null}})),
+        ];
+        let virtual_nodes: BTreeSet<String> = ["vk".to_owned(), "vk2".to_owned()].into();
+        let cases = [
+            (
+                None,
+                vec![
+                    ("old", true),
+                    ("middle", true),
+                    ("other", true),
+                    ("young", true),
+                ],
+            ),
+            (
+                Some(1),
+                vec![
+                    ("old", true),
+                    ("middle", false),
+                    ("other", true),
+                    ("young", false),
+                ],
+            ),
+            (
+                Some(2),
+                vec![
+                    ("old", true),
+                    ("middle", true),
+                    ("other", true),
+                    ("young", false),
+                ],
+            ),
+        ];
+        for (limit, want) in cases {
+            let policy = Policy {
+                max_pods_per_node: limit,
+                ..Policy::default()
+            };
+            let got: Vec<(String, bool)> = select(&pods, &virtual_nodes, &policy, now())
+                .into_iter()
+                .map(|(p, _, v)| {
+                    if let Verdict::Skip(skip) = &v {
+                        assert_eq!(*skip, Skip::NodeLimit);
+                    }
+                    (
+                        p.metadata.name.clone().unwrap(),
+                        matches!(v, Verdict::Move(_)),
+                    )
+                })
+                .collect();
+            let want: Vec<(String, bool)> =
+                want.into_iter().map(|(n, m)| (n.to_owned(), m)).collect();
+            assert_eq!(got, want, "limit {limit:?}");
+        }
+    }
+
+    #[test]
+    fn methods() {
+        let owned = |controller: bool| {
+            pod(
+                "a",
+                1,
+                json!({"metadata": {"ownerReferences": [{"apiVersion": "apps/v1",
+                "kind": "ReplicaSet", "name": "r", "uid": "u", "controller": controller}]}}),
+            )
+        };
+        assert_eq!(method(&owned(true)), Method::Evict);
+        assert_eq!(method(&owned(false)), Method::Recreate);
+        assert_eq!(method(&pod("a", 1, json!({}))), Method::Recreate);
+    }
+
+    #[test]
+    fn marks_before_eviction() {
+        let cases = [
+            (
+                json!({}),
+                json!({"unschedulable-node": "vk", "sigs.k8s.io/deschedule-count": "1"}),
+            ),
+            (
+                json!({"unschedulable-node": "vk2", "sigs.k8s.io/deschedule-count": "3"}),
+                json!({"unschedulable-node": "vk,vk2", "sigs.k8s.io/deschedule-count": "4"}),
+            ),
+            (
+                json!({"unschedulable-node": "vk", "sigs.k8s.io/deschedule-count": "3"}),
+                json!({"unschedulable-node": "vk", "sigs.k8s.io/deschedule-count": "3"}),
+            ),
+            (
+                json!({"sigs.k8s.io/deschedule-count": "garbage"}),
+                json!({"unschedulable-node": "vk", "sigs.k8s.io/deschedule-count": "1"}),
+            ),
+        ];
+        for (annotations, want) in cases {
+            let p = pod("a", 1, json!({"metadata": {"annotations": annotations}}));
+            assert_eq!(mark_patch(&p, "vk")["metadata"]["annotations"], want);
+        }
+    }
+
+    #[test]
+    fn replacement_keeps_everything_but_identity() {
+        let old = pod(
+            "web",
+            300,
+            json!({
+                "metadata": {"labels": {"app": "web"}, "annotations": {"keep": "me", "clusterSelector": "{}"},
+                             "managedFields": [{"manager": "m"}]},
+                "spec": {"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution":
+                    {"nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]},
+                        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["b"]}]}]}}}},
+            }),
+        );
+        let first = replacement(&old, "vk");
+        let v = serde_json::to_value(&first).unwrap();
+        assert_eq!(v["metadata"]["name"], "web-1");
+        for gone in [
+            "uid",
+            "resourceVersion",
+            "creationTimestamp",
+            "managedFields",
+        ] {
+            assert!(v["metadata"].get(gone).is_none(), "{gone}");
+        }
+        assert!(v.get("status").is_none());
+        assert!(v["spec"].get("nodeName").is_none());
+        assert_eq!(
+            v["metadata"]["labels"],
+            json!({"app": "web", "create-by-descheduler": "true"})
+        );
+        assert_eq!(
+            v["metadata"]["annotations"],
+            json!({"keep": "me", "clusterSelector": "{}", "unschedulable-node": "vk",
+                   "sigs.k8s.io/deschedule-count": "1"})
+        );
+        let not_in =
+            json!({"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["vk"]});
+        let terms = &v["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            ["nodeSelectorTerms"];
+        assert_eq!(terms[0]["matchExpressions"][1], not_in);
+        assert_eq!(terms[1]["matchExpressions"][1], not_in);
+
+        // A second round: all annotations still there, counter 2, both nodes avoided once.
+        let mut placed = first.clone();
+        placed.spec.as_mut().unwrap().node_name = Some("vk2".into());
+        let second = serde_json::to_value(replacement(&placed, "vk2")).unwrap();
+        assert_eq!(second["metadata"]["name"], "web-2");
+        assert_eq!(second["metadata"]["annotations"]["keep"], "me");
+        assert_eq!(
+            second["metadata"]["annotations"]["sigs.k8s.io/deschedule-count"],
+            "2"
+        );
+        let terms = &second["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            ["nodeSelectorTerms"];
+        assert_eq!(terms[0]["matchExpressions"].as_array().unwrap().len(), 2);
+        assert_eq!(
+            terms[0]["matchExpressions"][1]["values"],
+            json!(["vk", "vk2"])
+        );
+
+        // No affinity at all: one term of its own.
+        let bare = serde_json::to_value(replacement(&pod("b", 1, json!({})), "vk")).unwrap();
+        assert_eq!(
+            bare["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+                ["nodeSelectorTerms"],
+            json!([{"matchExpressions": [not_in]}])
+        );
+    }
+
+    #[test]
+    fn replacement_names() {
+        let named = |name: &str, recreated: bool| {
+            let labels = if recreated {
+                json!({"create-by-descheduler": "true"})
+            } else {
+                json!({})
+            };
+            pod(
+                name,
+                1,
+                json!({"metadata": {"name": name, "labels": labels}}),
+            )
+        };
+        let cases = [
+            (named("web", false), 1, "web-1"),
+            (named("web-1", true), 2, "web-2"),
+            (named("web-1", false), 2, "web-1-2"),
+            (named("app-9", true), 10, "app-10"),
+            (
+                named(&"x".repeat(260), false),
+                1,
+                &*format!("{}-1", "x".repeat(251)),
+            ),
+        ];
+        for (p, count, want) in cases {
+            assert_eq!(replacement_name(&p, count), want);
+        }
+    }
+
+    #[test]
+    fn policy_files() {
+        let tensile_kube = r#"
+apiVersion: "descheduler/v1alpha1"
+kind: "DeschedulerPolicy"
+strategies:
+  "PodLifeTime":
+     enabled: true
+     params:
+        maxPodLifeTimeSeconds: 120
+  "RemoveDuplicates":
+     enabled: true
+"#;
+        let cases: Vec<(&str, Result<PolicyFile, &str>)> = vec![
+            (
+                tensile_kube,
+                Ok(PolicyFile {
+                    max_pod_lifetime: Some(Duration::from_secs(120)),
+                    ignored_strategies: vec!["RemoveDuplicates".into()],
+                }),
+            ),
+            (
+                r#"{"kind": "DeschedulerPolicy", "strategies": {"PodLifeTime": {"params": {"maxPodLifeTimeSeconds": 30}}}}"#,
+                Ok(PolicyFile {
+                    max_pod_lifetime: Some(Duration::from_secs(30)),
+                    ignored_strategies: vec![],
+                }),
+            ),
+            (
+                "kind: DeschedulerPolicy\nstrategies:\n  PodLifeTime:\n    enabled: false\n    params:\n      maxPodLifeTimeSeconds: 5\n",
+                Ok(PolicyFile::default()),
+            ),
+            ("kind: DeschedulerPolicy\n", Ok(PolicyFile::default())),
+            ("kind: ConfigMap\n", Err("kind is \"ConfigMap\"")),
+            ("strategies: [1, 2", Err("policy file p.yaml")),
+            (
+                "strategies:\n  PodLifeTime:\n    params:\n      maxPodLifeTimeSeconds: soon\n",
+                Err("policy file p.yaml"),
+            ),
+        ];
+        for (text, want) in cases {
+            match (parse_policy("p.yaml", text), want) {
+                (Ok(got), Ok(want)) => assert_eq!(got, want, "{text}"),
+                (Err(got), Err(want)) => assert!(got.to_string().contains(want), "{got} / {want}"),
+                (got, want) => panic!("{text}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,419 @@
+//! Leader election on a coordination.k8s.io/v1 Lease, for binaries that run several
+//! replicas and must act from one only (the descheduler; virtual-node's HA later).
+//!
+//! Like client-go's leaderelection: a replica takes the Lease when it is free or its
+//! holder has not renewed it for `lease_duration` (measured on the local clock, from when
+//! this replica last saw the record change, so clocks need not agree); the holder renews
+//! every `retry_period`, and stops acting at once when it could not renew within
+//! `renew_deadline`. On shutdown the holder releases the Lease so another takes over
+//! without waiting for it to expire. Writes use the Lease's resourceVersion, so two
+//! replicas never both win.
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::Timestamp;
+use kube::Client;
+use kube::api::{Api, PostParams};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+/// Which Lease, who we are, and the timings.
+#[derive(Clone, Debug)]
+pub struct LeaseConfig {
+    /// Namespace of the Lease.
+    pub namespace: String,
+    /// Name of the Lease.
+    pub name: String,
+    /// This replica's identity (e.g. the pod name), written as the holder.
+    pub identity: String,
+    /// How long a holder that stopped renewing keeps the Lease.
+    pub lease_duration: Duration,
+    /// The holder stops acting when it could not renew for this long (< lease_duration).
+    pub renew_deadline: Duration,
+    /// How often to renew, or to try to acquire.
+    pub retry_period: Duration,
+}
+
+impl LeaseConfig {
+    /// client-go's defaults: 15 s lease, 10 s renew deadline, 2 s retry period.
+    pub fn new(namespace: &str, name: &str, identity: &str) -> Self {
+        Self {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+            identity: identity.to_owned(),
+            lease_duration: Duration::from_secs(15),
+            renew_deadline: Duration::from_secs(10),
+            retry_period: Duration::from_secs(2),
+        }
+    }
+}
+
+/// What to do with the Lease as last read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// It does not exist: create it, held by us.
+    Create,
+    /// We hold it: renew it.
+    Renew,
+    /// It is free or expired: take it.
+    Take,
+    /// Another holds it and it is still live.
+    Wait,
+}
+
+/// The part of the Lease whose change shows that its holder is alive.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Record {
+    holder: Option<String>,
+    renew_time: Option<Timestamp>,
+    transitions: Option<i32>,
+}
+
+/// The pure decision logic: what this replica saw of the Lease, and when.
+#[derive(Debug)]
+pub struct Elector {
+    identity: String,
+    lease_duration: Duration,
+    observed: Option<(Record, Instant)>,
+}
+
+impl Elector {
+    /// An elector for `identity` that considers a Lease unrenewed for `lease_duration` expired.
+    pub fn new(identity: &str, lease_duration: Duration) -> Self {
+        Self {
+            identity: identity.to_owned(),
+            lease_duration,
+            observed: None,
+        }
+    }
+
+    /// Decides on the Lease as read at `now` (`None`: it does not exist).
+    pub fn decide(&mut self, lease: Option<&LeaseSpec>, now: Instant) -> Decision {
+        let Some(spec) = lease else {
+            self.observed = None;
+            return Decision::Create;
+        };
+        let record = Record {
+            holder: spec.holder_identity.clone().filter(|h| !h.is_empty()),
+            renew_time: spec.renew_time.as_ref().map(|t| t.0),
+            transitions: spec.lease_transitions,
+        };
+        let Some(holder) = record.holder.clone() else {
+            self.observed = Some((record, now));
+            return Decision::Take;
+        };
+        if holder == self.identity {
+            self.observed = Some((record, now));
+            return Decision::Renew;
+        }
+        let seen_at = match &self.observed {
+            Some((seen, at)) if *seen == record => *at,
+            _ => {
+                self.observed = Some((record, now));
+                now
+            }
+        };
+        // The holder's own duration counts, so replicas configured apart still agree.
+        let duration = spec
+            .lease_duration_seconds
+            .and_then(|s| u64::try_from(s).ok())
+            .map_or(self.lease_duration, Duration::from_secs);
+        if now.saturating_duration_since(seen_at) >= duration {
+            Decision::Take
+        } else {
+            Decision::Wait
+        }
+    }
+}
+
+/// Whether a holder that last renewed at `last_renew` may still act at `now`.
+pub fn still_leader(last_renew: Option<Instant>, renew_deadline: Duration, now: Instant) -> bool {
+    last_renew.is_some_and(|at| now.saturating_duration_since(at) < renew_deadline)
+}
+
+/// Why a Lease write failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    /// The API call failed (a conflict means another replica wrote first).
+    #[error("lease {namespace}/{name} (upper): {source}")]
+    Api {
+        /// Namespace of the Lease.
+        namespace: String,
+        /// Name of the Lease.
+        name: String,
+        /// The error.
+        source: kube::Error,
+    },
+    /// The API call did not answer in time.
+    #[error("lease {namespace}/{name} (upper): no answer within the renew deadline")]
+    Timeout {
+        /// Namespace of the Lease.
+        namespace: String,
+        /// Name of the Lease.
+        name: String,
+    },
+}
+
+/// Runs the election until `shutdown`, publishing "we are the leader" on the returned
+/// receiver; the future must be polled (spawned) for the election to run. On shutdown it
+/// releases the Lease if held, then publishes `false`.
+pub fn elect(
+    client: Client,
+    config: LeaseConfig,
+    shutdown: CancellationToken,
+) -> (watch::Receiver<bool>, impl Future<Output = ()> + Send) {
+    let (tx, rx) = watch::channel(false);
+    (rx, run(client, config, tx, shutdown))
+}
+
+async fn run(
+    client: Client,
+    config: LeaseConfig,
+    leader: watch::Sender<bool>,
+    shutdown: CancellationToken,
+) {
+    let leases: Api<Lease> = Api::namespaced(client, &config.namespace);
+    let mut elector = Elector::new(&config.identity, config.lease_duration);
+    let mut last_renew: Option<Instant> = None;
+    loop {
+        // A leader's attempt may last only until its renew deadline: past it, it must
+        // already have stopped acting, however long the API server takes to answer.
+        let budget = match last_renew {
+            Some(at) => config.renew_deadline.saturating_sub(at.elapsed()),
+            None => config.renew_deadline,
+        };
+        let attempt = tokio::time::timeout(budget, try_once(&leases, &config, &mut elector));
+        let outcome = tokio::select! {
+            () = shutdown.cancelled() => break,
+            outcome = attempt => outcome.unwrap_or_else(|_| Err(LeaseError::Timeout {
+                namespace: config.namespace.clone(),
+                name: config.name.clone(),
+            })),
+        };
+        let now = Instant::now();
+        match outcome {
+            Ok(true) => last_renew = Some(now),
+            Ok(false) => last_renew = None,
+            Err(error) => debug!(%error, identity = %config.identity, "lease not renewed"),
+        }
+        let is_leader = still_leader(last_renew, config.renew_deadline, now);
+        if !is_leader {
+            last_renew = None;
+        }
+        leader.send_if_modified(|was| {
+            if *was == is_leader {
+                return false;
+            }
+            if is_leader {
+                info!(lease = %config.name, identity = %config.identity, "became the leader");
+            } else {
+                warn!(lease = %config.name, identity = %config.identity, "no longer the leader");
+            }
+            *was = is_leader;
+            true
+        });
+        // While leading, wake up in time to stop acting at the renew deadline.
+        let wait = match last_renew {
+            Some(at) => config.retry_period.min(
+                config
+                    .renew_deadline
+                    .saturating_sub(now.saturating_duration_since(at)),
+            ),
+            None => config.retry_period,
+        };
+        tokio::select! {
+            () = shutdown.cancelled() => break,
+            () = tokio::time::sleep(wait) => {}
+        }
+    }
+    let was_leader = *leader.borrow();
+    leader.send_replace(false);
+    if was_leader {
+        release(&leases, &config).await;
+    }
+}
+
+/// One read-decide-write. Ok(true): we hold the Lease now.
+async fn try_once(
+    leases: &Api<Lease>,
+    config: &LeaseConfig,
+    elector: &mut Elector,
+) -> Result<bool, LeaseError> {
+    let api_error = |source| LeaseError::Api {
+        namespace: config.namespace.clone(),
+        name: config.name.clone(),
+        source,
+    };
+    let current = leases.get_opt(&config.name).await.map_err(api_error)?;
+    let decision = elector.decide(
+        current.as_ref().and_then(|l| l.spec.as_ref()),
+        Instant::now(),
+    );
+    let now = MicroTime(Timestamp::now());
+    let duration = i32::try_from(config.lease_duration.as_secs()).unwrap_or(i32::MAX);
+    match decision {
+        Decision::Wait => Ok(false),
+        Decision::Create => {
+            let lease = Lease {
+                metadata: ObjectMeta {
+                    name: Some(config.name.clone()),
+                    namespace: Some(config.namespace.clone()),
+                    ..ObjectMeta::default()
+                },
+                spec: Some(LeaseSpec {
+                    holder_identity: Some(config.identity.clone()),
+                    lease_duration_seconds: Some(duration),
+                    acquire_time: Some(now.clone()),
+                    renew_time: Some(now),
+                    lease_transitions: Some(0),
+                    ..LeaseSpec::default()
+                }),
+            };
+            leases
+                .create(&PostParams::default(), &lease)
+                .await
+                .map_err(api_error)?;
+            Ok(true)
+        }
+        Decision::Renew | Decision::Take => {
+            let Some(mut lease) = current else {
+                return Ok(false);
+            };
+            let spec = lease.spec.get_or_insert_with(LeaseSpec::default);
+            if decision == Decision::Take {
+                spec.holder_identity = Some(config.identity.clone());
+                spec.acquire_time = Some(now.clone());
+                spec.lease_transitions = Some(spec.lease_transitions.unwrap_or(0) + 1);
+            }
+            spec.lease_duration_seconds = Some(duration);
+            spec.renew_time = Some(now);
+            // `replace` carries the resourceVersion read above: a concurrent writer wins,
+            // we get a conflict and try again next period.
+            leases
+                .replace(&config.name, &PostParams::default(), &lease)
+                .await
+                .map_err(api_error)?;
+            Ok(true)
+        }
+    }
+}
+
+/// Gives the Lease up (holder cleared), so another replica takes it at once.
+async fn release(leases: &Api<Lease>, config: &LeaseConfig) {
+    let released = async {
+        let Some(mut lease) = leases.get_opt(&config.name).await? else {
+            return Ok(());
+        };
+        let Some(spec) = lease.spec.as_mut() else {
+            return Ok(());
+        };
+        if spec.holder_identity.as_deref() != Some(config.identity.as_str()) {
+            return Ok(());
+        }
+        spec.holder_identity = None;
+        spec.lease_duration_seconds = Some(1);
+        spec.renew_time = Some(MicroTime(Timestamp::now()));
+        leases
+            .replace(&config.name, &PostParams::default(), &lease)
+            .await
+            .map(|_| ())
+    };
+    match tokio::time::timeout(config.renew_deadline, released).await {
+        Ok(Ok(())) => info!(lease = %config.name, identity = %config.identity, "lease released"),
+        Ok(Err(error)) => {
+            warn!(lease = %config.name, %error, cluster = "upper", "releasing the lease")
+        }
+        Err(_) => warn!(lease = %config.name, cluster = "upper", "releasing the lease timed out"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(holder: Option<&str>, renew_second: i64, duration: i32) -> LeaseSpec {
+        LeaseSpec {
+            holder_identity: holder.map(str::to_owned),
+            renew_time: Some(MicroTime(Timestamp::from_second(renew_second).unwrap())),
+            lease_duration_seconds: Some(duration),
+            ..LeaseSpec::default()
+        }
+    }
+
+    #[test]
+    fn decisions() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        // (steps of (lease, seconds after t0), expected decision at each step)
+        type Step = (Option<LeaseSpec>, u64, Decision);
+        let cases: Vec<(&str, Vec<Step>)> = vec![
+            ("missing", vec![(None, 0, Decision::Create)]),
+            (
+                "ours",
+                vec![(Some(spec(Some("me"), 1, 15)), 0, Decision::Renew)],
+            ),
+            (
+                "released",
+                vec![(Some(spec(None, 1, 1)), 0, Decision::Take)],
+            ),
+            (
+                "empty holder",
+                vec![(Some(spec(Some(""), 1, 15)), 0, Decision::Take)],
+            ),
+            (
+                "another renewing",
+                vec![
+                    (Some(spec(Some("other"), 1, 15)), 0, Decision::Wait),
+                    (Some(spec(Some("other"), 2, 15)), 14, Decision::Wait),
+                    (Some(spec(Some("other"), 3, 15)), 28, Decision::Wait),
+                ],
+            ),
+            (
+                "another stopped renewing",
+                vec![
+                    (Some(spec(Some("other"), 1, 15)), 0, Decision::Wait),
+                    (Some(spec(Some("other"), 1, 15)), 14, Decision::Wait),
+                    (Some(spec(Some("other"), 1, 15)), 15, Decision::Take),
+                ],
+            ),
+            (
+                "the holder's duration counts",
+                vec![
+                    (Some(spec(Some("other"), 1, 60)), 0, Decision::Wait),
+                    (Some(spec(Some("other"), 1, 60)), 30, Decision::Wait),
+                    (Some(spec(Some("other"), 1, 60)), 60, Decision::Take),
+                ],
+            ),
+            (
+                "a stale clock on the holder does not matter",
+                vec![(Some(spec(Some("other"), -100_000, 15)), 0, Decision::Wait)],
+            ),
+        ];
+        for (name, steps) in cases {
+            let mut elector = Elector::new("me", s(15));
+            for (i, (lease, at, want)) in steps.into_iter().enumerate() {
+                assert_eq!(
+                    elector.decide(lease.as_ref(), t0 + s(at)),
+                    want,
+                    "{name}, step {i}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_leader_stops_at_the_renew_deadline() {
+        let t0 = Instant::now();
+        let deadline = Duration::from_secs(10);
+        assert!(!still_leader(None, deadline, t0));
+        assert!(still_leader(
+            Some(t0),
+            deadline,
+            t0 + Duration::from_secs(9)
+        ));
+        assert!(!still_leader(Some(t0), deadline, t0 + deadline));
+    }
+}

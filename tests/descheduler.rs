@@ -1,0 +1,751 @@
+//! tensile-descheduler end to end: an upper cluster with one regular (kwok) node, a lower
+//! one of 4-CPU nodes, virtual-node, the webhook, and two descheduler replicas.
+//! One pair for every case (they share 2 cores with everything else).
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use common::{TIMEOUT, running, start_node};
+use futures::StreamExt;
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use serde_json::{Value, json};
+use tensile_harness::fixtures::{deployment, pod};
+use tensile_harness::{
+    ClusterOptions, ClusterPair, NodeShape, PairOptions, TestNamespace, wait_for,
+};
+
+const REGULAR: &str = "upper-node-0";
+const INTERVAL_SECS: u64 = 2;
+
+fn sibling_binary(name: &str) -> PathBuf {
+    let path = Path::new(env!("CARGO_BIN_EXE_virtual-node")).with_file_name(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build it with `cargo build -p tensile-webhook --bin tensile-webhook`",
+        path.display()
+    );
+    path
+}
+
+/// A child process killed on drop, its output in `log`.
+struct Child {
+    child: tokio::process::Child,
+    log: PathBuf,
+    port: u16,
+}
+
+impl Child {
+    fn spawn(program: &Path, args: &[String], log: PathBuf, port: u16) -> Self {
+        let out = std::fs::File::create(&log).unwrap();
+        let child = tokio::process::Command::new(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        Self { child, log, port }
+    }
+
+    /// GET `path` from its HTTP port: (status line, body).
+    async fn get(&self, path: &str) -> (String, String) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+            .await
+            .unwrap();
+        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await.unwrap();
+        let mut reply = String::new();
+        stream.read_to_string(&mut reply).await.unwrap();
+        let (head, body) = reply.split_once("\r\n\r\n").unwrap();
+        (head.lines().next().unwrap().to_owned(), body.to_owned())
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGKILL, and wait.
+    async fn kill(mut self) {
+        self.child.kill().await.unwrap();
+    }
+
+    /// SIGTERM, then the exit status.
+    async fn terminate(mut self) -> std::process::ExitStatus {
+        let pid = nix::unistd::Pid::from_raw(self.child.id().unwrap() as i32);
+        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+        tokio::time::timeout(TIMEOUT, self.child.wait())
+            .await
+            .unwrap()
+            .unwrap()
+    }
+}
+
+async fn start_webhook(pair: &ClusterPair) -> Child {
+    let bin = sibling_binary("tensile-webhook");
+    let certs = pair.dir.join("webhook-certs");
+    std::fs::create_dir_all(&certs).unwrap();
+    let generated = std::process::Command::new(&bin)
+        .args(["gen-certs", "--host", "127.0.0.1", "--days", "2", "--out"])
+        .arg(&certs)
+        .output()
+        .unwrap();
+    assert!(generated.status.success(), "{generated:?}");
+    let ca_bundle = String::from_utf8(generated.stdout)
+        .unwrap()
+        .trim()
+        .to_owned();
+    let port = tensile_harness::ports::free_port().unwrap();
+    let p = |path: PathBuf| path.display().to_string();
+    let webhook = Child::spawn(
+        &bin,
+        &[
+            "--address".into(),
+            "127.0.0.1".into(),
+            "--port".into(),
+            port.to_string(),
+            "--tlscert".into(),
+            p(certs.join("tls.crt")),
+            "--tlskey".into(),
+            p(certs.join("tls.key")),
+            "--kubeconfig".into(),
+            p(pair.upper_kubeconfig().to_owned()),
+            "--log-level".into(),
+            "debug".into(),
+        ],
+        pair.dir.join("tensile-webhook.log"),
+        port,
+    );
+    wait_for("tensile-webhook listening", TIMEOUT, || async {
+        Ok(tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .ok()
+            .map(|_| ()))
+    })
+    .await
+    .unwrap();
+    let config: MutatingWebhookConfiguration = serde_json::from_value(json!({
+        "metadata": {"name": "tensile-webhook"},
+        "webhooks": [{
+            "name": "tensile-webhook.tensile.dev",
+            "admissionReviewVersions": ["v1"],
+            "sideEffects": "None",
+            "timeoutSeconds": 5,
+            "failurePolicy": "Fail",
+            "clientConfig": {"url": format!("https://127.0.0.1:{port}/mutate"), "caBundle": ca_bundle},
+            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+                       "resources": ["pods"], "scope": "Namespaced"}],
+            "objectSelector": {"matchLabels": {"virtual-pod": "true"}},
+            "namespaceSelector": {"matchExpressions": [
+                {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["kube-system"]}]},
+        }],
+    }))
+    .unwrap();
+    let upper = pair.upper.client().await.unwrap();
+    Api::<MutatingWebhookConfiguration>::all(upper)
+        .create(&PostParams::default(), &config)
+        .await
+        .unwrap();
+    webhook
+}
+
+/// The identity deploy/descheduler runs as, with exactly the RBAC it ships.
+const SERVICE_ACCOUNT: &str = "system:serviceaccount:tensile-system:tensile-descheduler";
+
+async fn shipped_rbac_kubeconfig(pair: &ClusterPair) -> PathBuf {
+    let upper = pair.upper.client().await.unwrap();
+    let ns: k8s_openapi::api::core::v1::Namespace =
+        serde_json::from_value(json!({"metadata": {"name": "tensile-system"}})).unwrap();
+    Api::all(upper)
+        .create(&PostParams::default(), &ns)
+        .await
+        .unwrap();
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("deploy/descheduler/rbac.yaml");
+    let output = std::process::Command::new(pair.bin("kubectl"))
+        .arg("--kubeconfig")
+        .arg(pair.upper_kubeconfig())
+        .args(["apply", "-n", "tensile-system", "-f"])
+        .arg(manifest)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    pair.upper
+        .kubeconfig_for(SERVICE_ACCOUNT, &["system:serviceaccounts"])
+        .unwrap()
+}
+
+fn start_descheduler(pair: &ClusterPair, kubeconfig: &Path, name: &str, extra: &[&str]) -> Child {
+    let port = tensile_harness::ports::free_port().unwrap();
+    let mut args: Vec<String> = vec![
+        "--kubeconfig".into(),
+        kubeconfig.display().to_string(),
+        format!("--descheduling-interval={INTERVAL_SECS}s"),
+        format!("--metrics-addr=127.0.0.1:{port}"),
+        format!("--leader-elect-identity={name}"),
+        "--leader-elect-resource-namespace=tensile-system".into(),
+        "--leader-elect-retry-period=500ms".into(),
+        "--log-level=tensile=debug,info".into(),
+        "--v=4".into(),
+    ];
+    args.extend(extra.iter().map(ToString::to_string));
+    Child::spawn(
+        &sibling_binary("tensile-descheduler"),
+        &args,
+        pair.dir.join(format!("{name}.log")),
+        port,
+    )
+}
+
+async fn set_unschedulable(nodes: &Api<Node>, name: &str, cordoned: bool) {
+    nodes
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"unschedulable": cordoned}})),
+        )
+        .await
+        .unwrap();
+}
+
+fn refused_below(pod: &Pod) -> bool {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .into_iter()
+        .flatten()
+        .any(|c| {
+            c.type_ == "PodScheduled"
+                && c.status == "False"
+                && c.reason.as_deref() == Some("Unschedulable")
+        })
+}
+
+fn node_of(pod: &Pod) -> Option<&str> {
+    pod.spec.as_ref()?.node_name.as_deref()
+}
+
+fn annotation<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
+    pod.metadata
+        .annotations
+        .as_ref()?
+        .get(key)
+        .map(String::as_str)
+}
+
+fn not_in_hostnames(pod: &Pod) -> Vec<Vec<String>> {
+    let value = serde_json::to_value(pod).unwrap();
+    value["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        ["nodeSelectorTerms"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|t| t["matchExpressions"].as_array().cloned().unwrap_or_default())
+        .filter(|e| e["key"] == "kubernetes.io/hostname" && e["operator"] == "NotIn")
+        .map(|e| serde_json::from_value(e["values"].clone()).unwrap())
+        .collect()
+}
+
+async fn events(api: &Api<Event>, reason: &str) -> Vec<Event> {
+    api.list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.reason.as_deref() == Some(reason))
+        .collect()
+}
+
+fn big_spec(cpu: &str) -> Value {
+    json!({"containers": [{"name": "app", "image": "nginx",
+        "resources": {"requests": {"cpu": cpu, "memory": "1Gi"}}}]})
+}
+
+#[tokio::test]
+async fn descheduler_moves_what_the_lower_cluster_cannot_place() {
+    let mut options = PairOptions::default();
+    options.upper = ClusterOptions {
+        nodes: 1,
+        ..options.upper
+    };
+    options.lower.node_shape = NodeShape {
+        cpu: "4".into(),
+        ..NodeShape::default()
+    };
+    let pair = ClusterPair::start(options).await.unwrap();
+    let upper = pair.upper.client().await.unwrap();
+    let nodes: Api<Node> = Api::all(upper.clone());
+    wait_for("the regular upper node", TIMEOUT, || async {
+        Ok(nodes
+            .get_opt(REGULAR)
+            .await?
+            .filter(tensile_harness::node_is_ready)
+            .map(|_| ()))
+    })
+    .await
+    .unwrap();
+    let _webhook = start_webhook(&pair).await;
+    let kubeconfig = shipped_rbac_kubeconfig(&pair).await;
+    // The first placement must go to the virtual node: keep the regular one closed until
+    // the pod is bound.
+    set_unschedulable(&nodes, REGULAR, true).await;
+    let _vk = start_node(&pair, "vk-node", &[]).await;
+    let ns = TestNamespace::create(&upper, "desched").await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let event_api: Api<Event> = Api::namespaced(upper.clone(), &ns.name);
+
+    // A Running pod (bound straight to vk-node) and a pod Pending for a reason that is not
+    // the lower scheduler's (a ConfigMap that does not exist yet), both to be left alone.
+    let mut quiet = pod(
+        "quiet",
+        json!({"nodeName": "vk-node", "containers": [{"name": "app", "image": "nginx"}]}),
+    );
+    quiet
+        .metadata
+        .labels
+        .get_or_insert_default()
+        .insert("virtual-pod".into(), "true".into());
+    pods.create(&PostParams::default(), &quiet).await.unwrap();
+    let mut waiting = pod(
+        "waiting",
+        json!({"nodeName": "vk-node", "containers": [{"name": "app", "image": "nginx",
+            "env": [{"name": "X", "valueFrom": {"configMapKeyRef": {"name": "missing", "key": "k"}}}]}]}),
+    );
+    waiting
+        .metadata
+        .labels
+        .get_or_insert_default()
+        .insert("virtual-pod".into(), "true".into());
+    let waiting_uid = pods
+        .create(&PostParams::default(), &waiting)
+        .await
+        .unwrap()
+        .metadata
+        .uid;
+    wait_for("quiet Running", TIMEOUT, || async {
+        Ok(pods.get("quiet").await?).map(|p| running(&p).then_some(()))
+    })
+    .await
+    .unwrap();
+
+    // --dry-run first, alone: it reports, and changes nothing.
+    let dry = start_descheduler(
+        &pair,
+        &kubeconfig,
+        "desched-dry",
+        // A short lifetime, so that it would also move `waiting` (Pending, not refused).
+        &["--dry-run", "--leader-elect=false", "--max-pod-lifetime=1s"],
+    );
+    let mut fragmented = deployment("big", 1, big_spec("6"));
+    let template = fragmented
+        .spec
+        .as_mut()
+        .unwrap()
+        .template
+        .metadata
+        .as_mut()
+        .unwrap();
+    template
+        .labels
+        .get_or_insert_default()
+        .insert("virtual-pod".into(), "true".into());
+    let deployments: Api<Deployment> = Api::namespaced(upper.clone(), &ns.name);
+    deployments
+        .create(&PostParams::default(), &fragmented)
+        .await
+        .unwrap();
+    let first = wait_for("big refused below", TIMEOUT, || async {
+        let list = pods
+            .list(&ListParams::default().labels("app=big"))
+            .await?
+            .items;
+        Ok(list
+            .into_iter()
+            .find(|p| node_of(p) == Some("vk-node") && refused_below(p)))
+    })
+    .await
+    .unwrap();
+    let would = |name: String, why: &'static str| {
+        let event_api = event_api.clone();
+        async move {
+            wait_for(&format!("WouldReschedule for {name}"), TIMEOUT, || async {
+                let found = events(&event_api, "WouldReschedule")
+                    .await
+                    .into_iter()
+                    .any(|e| {
+                        e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name.as_str())
+                            && e.note.as_deref().is_some_and(|n| n.contains(why))
+                    });
+                Ok(found.then_some(()))
+            })
+            .await
+            .unwrap();
+        }
+    };
+    would(first.metadata.name.clone().unwrap(), "Unschedulable").await;
+    would("waiting".into(), "Pending for").await;
+    let waiting_now = pods.get("waiting").await.unwrap();
+    assert_eq!(
+        waiting_now.metadata.uid, waiting_uid,
+        "dry run moved waiting"
+    );
+    assert_eq!(
+        annotation(&waiting_now, "sigs.k8s.io/deschedule-count"),
+        None
+    );
+    let still = pods
+        .get(first.metadata.name.as_deref().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(still.metadata.uid, first.metadata.uid, "dry run moved it");
+    assert_eq!(annotation(&still, "sigs.k8s.io/deschedule-count"), None);
+    assert!(events(&event_api, "Rescheduled").await.is_empty());
+    let status = dry.terminate().await;
+    assert!(status.success(), "dry run exit: {status}");
+
+    // Two replicas; the regular node opens. The pod moves there within about one interval.
+    // The evicted pod is gone by the time its replacement runs: watch for its mark.
+    let marked = {
+        let fields = format!("metadata.name={}", first.metadata.name.as_deref().unwrap());
+        let watched = watcher(pods.clone(), watcher::Config::default().fields(&fields));
+        tokio::spawn(async move {
+            let mut watched = std::pin::pin!(watched.applied_objects());
+            while let Some(pod) = watched.next().await {
+                let pod = pod.unwrap();
+                if annotation(&pod, "unschedulable-node").is_some() {
+                    return pod;
+                }
+            }
+            panic!("watch ended");
+        })
+    };
+    set_unschedulable(&nodes, REGULAR, false).await;
+    let refused_at = Instant::now();
+    // tensile-kube's policy file; a lifetime long enough that `waiting` stays.
+    let policy = pair.dir.join("policy.yaml");
+    std::fs::write(
+        &policy,
+        "apiVersion: descheduler/v1alpha1\nkind: DeschedulerPolicy\nstrategies:\n  PodLifeTime:\n    enabled: true\n    params:\n      maxPodLifeTimeSeconds: 3600\n",
+    )
+    .unwrap();
+    let policy_flag = format!("--policy-config-file={}", policy.display());
+    let lease_flags = [
+        policy_flag.as_str(),
+        "--leader-elect-lease-duration=3s",
+        "--leader-elect-renew-deadline=2s",
+    ];
+    let a = start_descheduler(&pair, &kubeconfig, "desched-a", &lease_flags);
+    let b = start_descheduler(&pair, &kubeconfig, "desched-b", &lease_flags);
+    let replacement = wait_for("big Running on the regular node", TIMEOUT, || async {
+        let list = pods
+            .list(&ListParams::default().labels("app=big"))
+            .await?
+            .items;
+        Ok(list
+            .into_iter()
+            .find(|p| node_of(p) == Some(REGULAR) && running(p)))
+    })
+    .await
+    .unwrap();
+    let took = refused_at.elapsed();
+    println!(
+        "big: refused below → replacement Running on {REGULAR}: {took:?} (includes descheduler start)"
+    );
+    assert_eq!(
+        not_in_hostnames(&replacement),
+        [vec!["vk-node".to_owned()]],
+        "the webhook keeps the replacement off vk-node"
+    );
+    let marked = tokio::time::timeout(TIMEOUT, marked)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(annotation(&marked, "unschedulable-node"), Some("vk-node"));
+    assert_eq!(
+        annotation(&marked, "sigs.k8s.io/deschedule-count"),
+        Some("1")
+    );
+    let moved = events(&event_api, "Rescheduled").await;
+    assert!(
+        moved
+            .iter()
+            .any(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref())
+                == first.metadata.name.as_deref()
+                && e.note
+                    .as_deref()
+                    .is_some_and(|n| n.contains("vk-node") && n.contains("Unschedulable"))),
+        "{moved:?}"
+    );
+
+    // Time from the lower verdict to the replacement Running, descheduler already running.
+    Api::<Deployment>::namespaced(upper.clone(), &ns.name)
+        .delete("big", &Default::default())
+        .await
+        .unwrap();
+    common::wait_gone(&pods, "app=big").await;
+    let mut timings = Vec::new();
+    for i in 0..5 {
+        let name = format!("timed-{i}");
+        let labels = format!("app={name}");
+        set_unschedulable(&nodes, REGULAR, true).await;
+        let mut timed = deployment(&name, 1, big_spec("6"));
+        let template = timed
+            .spec
+            .as_mut()
+            .unwrap()
+            .template
+            .metadata
+            .as_mut()
+            .unwrap();
+        template
+            .labels
+            .get_or_insert_default()
+            .insert("virtual-pod".into(), "true".into());
+        deployments
+            .create(&PostParams::default(), &timed)
+            .await
+            .unwrap();
+        wait_for(&format!("{name} bound to vk-node"), TIMEOUT, || async {
+            let list = pods
+                .list(&ListParams::default().labels(&labels))
+                .await?
+                .items;
+            Ok(list
+                .iter()
+                .any(|p| node_of(p) == Some("vk-node"))
+                .then_some(()))
+        })
+        .await
+        .unwrap();
+        // Both moments from a watch, so polling adds nothing to the figure.
+        let watched = watcher(pods.clone(), watcher::Config::default().labels(&labels));
+        let mut watched = std::pin::pin!(watched.applied_objects());
+        set_unschedulable(&nodes, REGULAR, false).await;
+        let mut refused = None;
+        let ran = tokio::time::timeout(TIMEOUT, async {
+            while let Some(pod) = watched.next().await {
+                let pod = pod.unwrap();
+                if refused.is_none() && refused_below(&pod) {
+                    refused = Some(Instant::now());
+                }
+                if node_of(&pod) == Some(REGULAR) && running(&pod) {
+                    return Instant::now();
+                }
+            }
+            panic!("watch ended");
+        })
+        .await
+        .unwrap_or_else(|_| panic!("{name} not Running on {REGULAR} in time"));
+        let refused = refused.expect("the refusal was seen");
+        timings.push(ran - refused);
+        deployments
+            .delete(&name, &Default::default())
+            .await
+            .unwrap();
+        common::wait_gone(&pods, &labels).await;
+    }
+    timings.sort();
+    println!(
+        "lower Unschedulable → replacement Running: median {:?} of {timings:?}",
+        timings[2]
+    );
+    assert!(
+        timings[2] < Duration::from_secs(INTERVAL_SECS + 5),
+        "median {:?} not within about one interval",
+        timings[2]
+    );
+
+    // Nothing but virtual nodes has room now: the regular node is closed again.
+    set_unschedulable(&nodes, REGULAR, true).await;
+    let _vk2 = start_node(&pair, "vk-node2", &[]).await;
+    // A bare pod: re-created with its annotations, the counter, and the NotIn affinity;
+    // vk-node2 cannot place it either (nothing else has room), so it moves twice.
+    let mut bare = pod("bare", big_spec("6"));
+    bare.spec.as_mut().unwrap().node_name = Some("vk-node".into());
+    bare.spec.as_mut().unwrap().tolerations = Some(vec![
+        serde_json::from_value(tensile_harness::fixtures::virtual_node_toleration()).unwrap(),
+    ]);
+    bare.metadata.annotations = Some([("keep".to_owned(), "me".to_owned())].into());
+    pods.create(&PostParams::default(), &bare).await.unwrap();
+    let second = wait_for("bare-2", TIMEOUT, || async {
+        Ok(pods.get_opt("bare-2").await?)
+    })
+    .await
+    .unwrap();
+    assert_eq!(annotation(&second, "keep"), Some("me"));
+    assert_eq!(
+        annotation(&second, "sigs.k8s.io/deschedule-count"),
+        Some("2")
+    );
+    assert_eq!(
+        annotation(&second, "unschedulable-node"),
+        Some("vk-node,vk-node2")
+    );
+    assert_eq!(
+        second
+            .metadata
+            .labels
+            .as_ref()
+            .unwrap()
+            .get("create-by-descheduler")
+            .map(String::as_str),
+        Some("true")
+    );
+    assert_eq!(
+        not_in_hostnames(&second),
+        [vec!["vk-node".to_owned(), "vk-node2".to_owned()]]
+    );
+    let rescheduled = events(&event_api, "Rescheduled").await;
+    for name in ["bare", "bare-1"] {
+        assert!(
+            rescheduled
+                .iter()
+                .any(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name)),
+            "no Rescheduled for {name}: {rescheduled:?}"
+        );
+    }
+    wait_for("bare and bare-1 gone", TIMEOUT, || async {
+        Ok(
+            (pods.get_opt("bare").await?.is_none() && pods.get_opt("bare-1").await?.is_none())
+                .then_some(()),
+        )
+    })
+    .await
+    .unwrap();
+
+    // Left alone, many rounds later.
+    for name in ["quiet", "waiting"] {
+        let p = pods.get(name).await.unwrap();
+        assert_eq!(
+            annotation(&p, "sigs.k8s.io/deschedule-count"),
+            None,
+            "{name}"
+        );
+        assert_eq!(node_of(&p), Some("vk-node"), "{name}");
+    }
+
+    // Only the leader acted.
+    let lease = Api::<Lease>::namespaced(upper.clone(), "tensile-system")
+        .get("tensile-descheduler")
+        .await
+        .unwrap();
+    let holder = lease.spec.unwrap().holder_identity.unwrap();
+    let (a_log, b_log) = (a.log_text(), b.log_text());
+    let acted = |log: &str| log.lines().filter(|l| l.contains("rescheduled")).count();
+    let (leader_log, other_log) = if holder == "desched-a" {
+        (&a_log, &b_log)
+    } else {
+        (&b_log, &a_log)
+    };
+    assert_eq!(acted(leader_log), 8, "leader {holder}:\n{leader_log}");
+    assert_eq!(acted(other_log), 0, "follower:\n{other_log}");
+    assert!(leader_log.contains("klog flags accepted and ignored"));
+    let (leader, follower) = if holder == "desched-a" {
+        (&a, &b)
+    } else {
+        (&b, &a)
+    };
+    let (status, _) = leader.get("/healthz").await;
+    assert!(status.contains("200"), "{status}");
+    let (_, metrics) = leader.get("/metrics").await;
+    for line in [
+        "tensile_descheduler_pods_moved_total 8",
+        "tensile_descheduler_leader 1",
+        "tensile_descheduler_pods_skipped_total{reason=\"not_pending\"}",
+    ] {
+        assert!(metrics.contains(line), "{line} missing:\n{metrics}");
+    }
+    let (_, metrics) = follower.get("/metrics").await;
+    assert!(
+        metrics.contains("tensile_descheduler_pods_moved_total 0"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("tensile_descheduler_leader 0"),
+        "{metrics}"
+    );
+    // The leader dies without a word: the other takes over once the Lease expires (3 s),
+    // then releases it on SIGTERM.
+    let (dead, survivor) = if holder == "desched-a" {
+        (a, b)
+    } else {
+        (b, a)
+    };
+    dead.kill().await;
+    let killed = Instant::now();
+    let leases = Api::<Lease>::namespaced(upper.clone(), "tensile-system");
+    let survivor_name = if holder == "desched-a" {
+        "desched-b"
+    } else {
+        "desched-a"
+    };
+    wait_for("the survivor to lead", TIMEOUT, || async {
+        let lease = leases.get("tensile-descheduler").await?;
+        let now = lease.spec.and_then(|s| s.holder_identity);
+        Ok((now.as_deref() == Some(survivor_name)).then_some(()))
+    })
+    .await
+    .unwrap();
+    println!(
+        "leader killed → the other leads after {:?}",
+        killed.elapsed()
+    );
+    let (_, metrics) = survivor.get("/metrics").await;
+    assert!(
+        metrics.contains("tensile_descheduler_leader 1"),
+        "{metrics}"
+    );
+    let status = survivor.terminate().await;
+    assert!(status.success(), "{status}");
+    let released = leases.get("tensile-descheduler").await.unwrap();
+    assert_eq!(
+        released.spec.unwrap().holder_identity,
+        None,
+        "released on SIGTERM"
+    );
+    ns.delete().await.unwrap();
+}
+
+#[test]
+fn bad_flags_and_policy_files_exit_2_with_one_line() {
+    let bin = sibling_binary("tensile-descheduler");
+    let dir = tempfile::tempdir().unwrap();
+    let bad_policy = dir.path().join("policy.yaml");
+    std::fs::write(&bad_policy, "kind: ConfigMap\n").unwrap();
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (vec!["--descheduling-interval=soon".into()], "soon"),
+        (vec!["--no-such-flag".into()], "--no-such-flag"),
+        (
+            vec!["--policy-config-file=/nonexistent/policy.yaml".into()],
+            "cannot read",
+        ),
+        (
+            vec![format!("--policy-config-file={}", bad_policy.display())],
+            "DeschedulerPolicy",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = std::process::Command::new(&bin)
+            .args(&args)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: {stderr}");
+        assert!(stderr.contains(want), "{args:?}: {stderr}");
+    }
+}
