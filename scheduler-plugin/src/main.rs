@@ -1,8 +1,60 @@
-//! tensile-scheduler-extender: kube-scheduler extender for virtual nodes (not built yet; see the issue tracker).
+//! tensile-scheduler-extender: wiring only.
 
 use std::process::ExitCode;
+use std::sync::Arc;
 
-fn main() -> ExitCode {
-    eprintln!("tensile-scheduler-extender: not implemented yet");
-    ExitCode::FAILURE
+use clap::Parser;
+use tensile_scheduler_extender::cli::Cli;
+use tensile_scheduler_extender::metrics::Metrics;
+use tensile_scheduler_extender::server::{self, App};
+use tensile_scheduler_extender::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::info;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log_level)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).init();
+    match run(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("tensile-scheduler-extender: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), String> {
+    let clusters = cli.clusters().map_err(|e| e.to_string())?;
+    let tls = match (&cli.tls_cert, &cli.tls_key) {
+        (Some(cert), Some(key)) => {
+            Some(server::tls_acceptor(cert, key).map_err(|e| e.to_string())?)
+        }
+        _ => None,
+    };
+    let listener = tokio::net::TcpListener::bind(cli.listen)
+        .await
+        .map_err(|e| format!("cannot listen on {}: {e}", cli.listen))?;
+    let shutdown = CancellationToken::new();
+    tokio::spawn(tensile::shutdown::on_signals(shutdown.clone()));
+    let (extender, watches) = watch::connect(&clusters, cli.on_unknown, shutdown.clone())
+        .await
+        .map_err(|e| e.to_string())?;
+    let nodes: Vec<&str> = clusters.iter().map(|(n, _)| n.as_str()).collect();
+    info!(listen = %cli.listen, tls = tls.is_some(), virtual_nodes = ?nodes, "serving");
+    let app = Arc::new(App {
+        extender,
+        metrics: Metrics::default(),
+    });
+    tokio::join!(
+        async {
+            server::serve(listener, tls, server::router(app), shutdown.clone()).await;
+            shutdown.cancel();
+        },
+        watches,
+    );
+    info!("stopped");
+    Ok(())
 }

@@ -8,14 +8,13 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use k8s_openapi::api::core::v1::{Node, Pod, PodSpec, ResourceRequirements};
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-use super::quantity::{format_milli, milli};
+use super::quantity::format_milli;
+pub use super::resources::{Resources, node_usable, pod_requests};
+use super::resources::{add, phase_is_terminal, pod_footprint, to_resources};
 use crate::translate::meta::OWNER_NODE_LABEL;
-
-/// Resource name → milli-units.
-pub type Resources = BTreeMap<String, i128>;
 
 #[derive(Clone, Debug, PartialEq)]
 struct NodeUsage {
@@ -145,19 +144,16 @@ impl LowerCapacity {
             .as_ref()
             .and_then(|l| l.get(OWNER_NODE_LABEL))
             .is_some_and(|owner| *owner == self.our_node);
-        let terminal = pod
-            .status
-            .as_ref()
-            .and_then(|s| s.phase.as_deref())
-            .is_some_and(|p| p == "Succeeded" || p == "Failed");
+        let terminal = phase_is_terminal(pod.status.as_ref().and_then(|s| s.phase.as_deref()));
         let spec = pod.spec.as_ref()?;
         let node = spec.node_name.clone().filter(|n| !n.is_empty())?;
         if ours || terminal {
             return None;
         }
-        let mut requests = pod_requests(spec);
-        *requests.entry("pods".into()).or_default() += 1000;
-        Some(PodUsage { node, requests })
+        Some(PodUsage {
+            node,
+            requests: pod_footprint(spec),
+        })
     }
 
     /// What the virtual node offers: per resource, the sum over usable nodes of their
@@ -165,9 +161,7 @@ impl LowerCapacity {
     pub fn capacity(&self) -> BTreeMap<String, Quantity> {
         let mut total = Resources::new();
         for usage in self.nodes.values().filter(|n| n.usable) {
-            for (resource, amount) in &usage.allocatable {
-                *total.entry(resource.clone()).or_default() += amount;
-            }
+            add(&mut total, &usage.allocatable);
         }
         for pod in self.pods.values() {
             if !self.nodes.get(&pod.node).is_some_and(|n| n.usable) {
@@ -194,82 +188,10 @@ fn pod_key(pod: &Pod) -> String {
     )
 }
 
-fn to_resources(list: &BTreeMap<String, Quantity>) -> Resources {
-    list.iter().map(|(k, v)| (k.clone(), milli(v))).collect()
-}
-
-fn requests_of(resources: Option<&ResourceRequirements>) -> Resources {
-    resources
-        .and_then(|r| r.requests.as_ref())
-        .map(to_resources)
-        .unwrap_or_default()
-}
-
-fn add(into: &mut Resources, from: &Resources) {
-    for (resource, amount) in from {
-        *into.entry(resource.clone()).or_default() += amount;
-    }
-}
-
-fn max_into(into: &mut Resources, from: &Resources) {
-    for (resource, amount) in from {
-        let slot = into.entry(resource.clone()).or_default();
-        *slot = (*slot).max(*amount);
-    }
-}
-
-/// A pod's effective requests, as the scheduler computes them: the larger of (regular
-/// containers + sidecars) and, for each init container, its request plus the sidecars
-/// started before it; plus overhead. Pod-level requests, where set, win for their
-/// resources.
-pub fn pod_requests(spec: &PodSpec) -> Resources {
-    let mut running = Resources::new();
-    for container in &spec.containers {
-        add(&mut running, &requests_of(container.resources.as_ref()));
-    }
-    let mut sidecars = Resources::new();
-    let mut init_peak = Resources::new();
-    for init in spec.init_containers.iter().flatten() {
-        let requests = requests_of(init.resources.as_ref());
-        if init.restart_policy.as_deref() == Some("Always") {
-            add(&mut sidecars, &requests);
-            max_into(&mut init_peak, &sidecars);
-        } else {
-            let mut during = sidecars.clone();
-            add(&mut during, &requests);
-            max_into(&mut init_peak, &during);
-        }
-    }
-    add(&mut running, &sidecars);
-    max_into(&mut running, &init_peak);
-    if let Some(pod_level) = spec.resources.as_ref().and_then(|r| r.requests.as_ref()) {
-        running.extend(to_resources(pod_level));
-    }
-    if let Some(overhead) = &spec.overhead {
-        add(&mut running, &to_resources(overhead));
-    }
-    running
-}
-
-/// Whether a lower node can take pods the virtual node sends: Ready, schedulable, and
-/// without a NoSchedule/NoExecute taint (mirrored pods carry no tolerations for it).
-pub fn node_usable(node: &Node) -> bool {
-    let ready = node
-        .status
-        .as_ref()
-        .and_then(|s| s.conditions.as_ref())
-        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
-    let spec = node.spec.as_ref();
-    let unschedulable = spec.and_then(|s| s.unschedulable).unwrap_or(false);
-    let tainted = spec
-        .and_then(|s| s.taints.as_ref())
-        .is_some_and(|ts| ts.iter().any(|t| t.effect != "PreferNoSchedule"));
-    ready && !unschedulable && !tainted
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::api::core::v1::PodSpec;
     use serde_json::json;
 
     fn node(name: &str, cpu: &str, ready: bool) -> Node {

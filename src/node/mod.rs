@@ -3,6 +3,7 @@
 
 pub mod capacity;
 pub mod quantity;
+pub mod resources;
 pub mod spec;
 
 use std::collections::BTreeMap;

@@ -72,6 +72,25 @@ pub fn format_milli(milli: i128) -> Quantity {
     }
 }
 
+/// Formats milli-units for a person: binary suffixes where exact (`4Gi`, `512Mi`), else
+/// as [`format_milli`] (`6`, `500m`).
+pub fn format_readable(milli: i128) -> String {
+    if milli % 1000 == 0 {
+        let whole = milli / 1000;
+        for (suffix, unit) in [
+            ("Ti", 1i128 << 40),
+            ("Gi", 1 << 30),
+            ("Mi", 1 << 20),
+            ("Ki", 1 << 10),
+        ] {
+            if whole != 0 && whole % unit == 0 {
+                return format!("{}{suffix}", whole / unit);
+            }
+        }
+    }
+    format_milli(milli).0
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -112,5 +131,14 @@ mod tests {
         assert_eq!(format_milli(7_500).0, "7500m");
         assert_eq!(format_milli(0).0, "0");
         assert_eq!(format_milli(34_359_738_368_000).0, "34359738368");
+    }
+
+    #[test]
+    fn formats_readably() {
+        assert_eq!(format_readable(6_000), "6");
+        assert_eq!(format_readable(500), "500m");
+        assert_eq!(format_readable(34_359_738_368_000), "32Gi");
+        assert_eq!(format_readable(536_870_912_000), "512Mi");
+        assert_eq!(format_readable(0), "0");
     }
 }

@@ -1,0 +1,397 @@
+//! filter and prioritize over the cached lower clusters: plain functions of the request
+//! and the caches, no API call.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use k8s_openapi::api::core::v1::Pod;
+
+use crate::cache::ClusterCache;
+use crate::fit::{ClusterFit, Demand, Search};
+use crate::wire::{ExtenderArgs, ExtenderFilterResult, HostPriority, NodeList, node_name};
+
+/// What to do with a virtual node whose lower cluster is not known (not synced yet,
+/// unreachable).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum OnUnknown {
+    /// The virtual node fails filter, with the reason.
+    #[default]
+    Fail,
+    /// The virtual node passes filter (the lower scheduler decides).
+    Pass,
+}
+
+/// One lower cluster: its cache and whether it can be trusted.
+#[derive(Debug, Default)]
+pub struct ClusterState {
+    /// Nodes and pods.
+    pub cache: ClusterCache,
+    /// The node watch has listed everything once.
+    pub nodes_synced: bool,
+    /// The pod watch has listed everything once.
+    pub pods_synced: bool,
+    /// Why the lower API server is not answering, while it is not.
+    pub unreachable: Option<String>,
+}
+
+impl ClusterState {
+    /// `Err(why)` when the cache cannot be trusted.
+    pub fn known(&self) -> Result<(), String> {
+        if let Some(error) = &self.unreachable {
+            return Err(format!("unreachable ({error})"));
+        }
+        if !(self.nodes_synced && self.pods_synced) {
+            return Err("not synced yet".into());
+        }
+        Ok(())
+    }
+}
+
+/// A lower cluster's state, shared between its watch (writer) and requests (readers).
+#[derive(Debug, Default, Clone)]
+pub struct SharedCluster(Arc<RwLock<ClusterState>>);
+
+impl SharedCluster {
+    /// Reads it.
+    pub fn read(&self) -> RwLockReadGuard<'_, ClusterState> {
+        self.0.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Changes it.
+    pub fn write(&self) -> RwLockWriteGuard<'_, ClusterState> {
+        self.0.write().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// How one node fared in one filter call (for metrics).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Outcome {
+    /// A regular node, passed untouched.
+    NotVirtual,
+    /// A virtual node whose lower cluster takes the pod.
+    Fits,
+    /// A virtual node whose lower cluster does not.
+    NoFit,
+    /// A virtual node whose lower cluster is not known.
+    Unknown,
+    /// The pod's `clusterSelector` is unreadable.
+    BadPod,
+}
+
+impl Outcome {
+    /// Metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::NotVirtual => "not_virtual",
+            Self::Fits => "fits",
+            Self::NoFit => "no_fit",
+            Self::Unknown => "unknown",
+            Self::BadPod => "bad_pod",
+        }
+    }
+}
+
+/// The extender: virtual node name → its lower cluster.
+#[derive(Debug, Default, Clone)]
+pub struct Extender {
+    /// Virtual node name → lower cluster.
+    pub clusters: BTreeMap<String, SharedCluster>,
+    /// Unknown clusters fail or pass.
+    pub on_unknown: OnUnknown,
+}
+
+/// One virtual node's verdict.
+enum Verdict {
+    Pass(i64),
+    Fail { reason: String, resolvable: bool },
+}
+
+impl Extender {
+    /// Whether every lower cluster's cache has synced (for `/readyz`), else which not.
+    pub fn ready(&self) -> Result<(), String> {
+        let waiting: Vec<String> = self
+            .clusters
+            .iter()
+            .filter_map(|(node, c)| c.read().known().err().map(|e| format!("{node}: {e}")))
+            .collect();
+        if waiting.is_empty() {
+            Ok(())
+        } else {
+            Err(waiting.join("; "))
+        }
+    }
+
+    fn verdict(
+        &self,
+        cluster: &SharedCluster,
+        demand: &Result<Demand, String>,
+        search: Search,
+    ) -> (Verdict, Outcome) {
+        let state = cluster.read();
+        if let Err(why) = state.known() {
+            return match self.on_unknown {
+                OnUnknown::Pass => (Verdict::Pass(0), Outcome::Unknown),
+                OnUnknown::Fail => (
+                    Verdict::Fail {
+                        reason: why,
+                        resolvable: false,
+                    },
+                    Outcome::Unknown,
+                ),
+            };
+        }
+        let demand = match demand {
+            Ok(demand) => demand,
+            Err(why) => {
+                return (
+                    Verdict::Fail {
+                        reason: why.clone(),
+                        resolvable: false,
+                    },
+                    Outcome::BadPod,
+                );
+            }
+        };
+        match state.cache.fit(demand, search) {
+            ClusterFit::Fits { score } => (Verdict::Pass(score), Outcome::Fits),
+            ClusterFit::NoFit {
+                reason,
+                resources_only,
+            } => (
+                Verdict::Fail {
+                    reason,
+                    resolvable: resources_only,
+                },
+                Outcome::NoFit,
+            ),
+        }
+    }
+
+    /// `filter`: regular nodes pass untouched; a virtual node passes when its lower
+    /// cluster takes the pod. Returns the answer and each node's outcome.
+    pub fn filter(&self, args: &ExtenderArgs) -> (ExtenderFilterResult, Vec<Outcome>) {
+        let demand = demand_of(args.pod.as_ref());
+        let mut result = ExtenderFilterResult::default();
+        let mut outcomes = Vec::new();
+        let mut judge = |name: &str, result: &mut ExtenderFilterResult| -> bool {
+            let Some(cluster) = self.clusters.get(name) else {
+                outcomes.push(Outcome::NotVirtual);
+                return true;
+            };
+            let (verdict, outcome) = self.verdict(cluster, &demand, Search::First);
+            outcomes.push(outcome);
+            match verdict {
+                Verdict::Pass(_) => true,
+                Verdict::Fail { reason, resolvable } => {
+                    let reason = format!("lower cluster of {name}: {reason}");
+                    if resolvable {
+                        result.failed_nodes.insert(name.to_owned(), reason);
+                    } else {
+                        result
+                            .failed_and_unresolvable_nodes
+                            .insert(name.to_owned(), reason);
+                    }
+                    false
+                }
+            }
+        };
+        if let Some(names) = &args.node_names {
+            let passed = names
+                .iter()
+                .filter(|name| judge(name, &mut result))
+                .cloned()
+                .collect();
+            result.node_names = Some(passed);
+        } else if let Some(nodes) = &args.nodes {
+            let items = nodes
+                .items
+                .iter()
+                .filter(|node| judge(node_name(node).unwrap_or_default(), &mut result))
+                .cloned()
+                .collect();
+            result.nodes = Some(NodeList {
+                items,
+                rest: nodes.rest.clone(),
+            });
+        } else {
+            result.error = "ExtenderArgs without Nodes or NodeNames".into();
+        }
+        (result, outcomes)
+    }
+
+    /// `prioritize`: a virtual node scores 0–10 by the room its best lower node keeps
+    /// after taking the pod; regular nodes and virtual nodes that do not fit score 0.
+    pub fn prioritize(&self, args: &ExtenderArgs) -> Vec<HostPriority> {
+        let demand = demand_of(args.pod.as_ref());
+        let score = |name: &str| match self.clusters.get(name) {
+            None => 0,
+            Some(cluster) => match self.verdict(cluster, &demand, Search::Best).0 {
+                Verdict::Pass(score) => score,
+                Verdict::Fail { .. } => 0,
+            },
+        };
+        let names: Vec<&str> = match (&args.node_names, &args.nodes) {
+            (Some(names), _) => names.iter().map(String::as_str).collect(),
+            (None, Some(nodes)) => nodes
+                .items
+                .iter()
+                .map(|n| node_name(n).unwrap_or_default())
+                .collect(),
+            (None, None) => Vec::new(),
+        };
+        names
+            .into_iter()
+            .map(|name| HostPriority {
+                host: name.to_owned(),
+                score: score(name),
+            })
+            .collect()
+    }
+}
+
+fn demand_of(pod: Option<&Pod>) -> Result<Demand, String> {
+    let pod = pod.ok_or_else(|| "ExtenderArgs without Pod".to_owned())?;
+    Demand::of(pod).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::wire::decode;
+    use k8s_openapi::api::core::v1::Node;
+    use serde_json::json;
+
+    fn cluster(cpu: &str, synced: bool) -> SharedCluster {
+        let cluster = SharedCluster::default();
+        {
+            let mut state = cluster.write();
+            state.nodes_synced = synced;
+            state.pods_synced = synced;
+            let node: Node = serde_json::from_value(json!({
+                "metadata": {"name": "n1"},
+                "status": {"allocatable": {"cpu": cpu, "memory": "8Gi", "pods": "110"},
+                           "conditions": [{"type": "Ready", "status": "True"}]},
+            }))
+            .unwrap();
+            state.cache.apply_node(&node);
+        }
+        cluster
+    }
+
+    fn extender(on_unknown: OnUnknown) -> Extender {
+        Extender {
+            clusters: [
+                ("vk-small".to_owned(), cluster("4", true)),
+                ("vk-big".to_owned(), cluster("16", true)),
+                ("vk-new".to_owned(), cluster("16", false)),
+            ]
+            .into(),
+            on_unknown,
+        }
+    }
+
+    fn pod(cpu: &str) -> serde_json::Value {
+        json!({"metadata": {"name": "p", "namespace": "ns"}, "spec": {"containers": [
+            {"name": "c", "resources": {"requests": {"cpu": cpu}}}]}})
+    }
+
+    #[test]
+    fn filter_by_names() {
+        let args = decode(
+            json!({"Pod": pod("6"), "NodeNames": ["regular", "vk-small", "vk-big", "vk-new"]})
+                .to_string()
+                .as_bytes(),
+        )
+        .unwrap();
+        let (result, outcomes) = extender(OnUnknown::Fail).filter(&args);
+        assert_eq!(result.node_names.unwrap(), ["regular", "vk-big"]);
+        assert_eq!(
+            result.failed_nodes["vk-small"],
+            "lower cluster of vk-small: no node fits cpu 6 (largest free 4)"
+        );
+        assert_eq!(
+            result.failed_and_unresolvable_nodes["vk-new"],
+            "lower cluster of vk-new: not synced yet"
+        );
+        assert_eq!(
+            outcomes,
+            [
+                Outcome::NotVirtual,
+                Outcome::NoFit,
+                Outcome::Fits,
+                Outcome::Unknown
+            ]
+        );
+        assert!(result.nodes.is_none());
+    }
+
+    #[test]
+    fn filter_whole_nodes_passes_them_back_untouched() {
+        let node =
+            |name: &str| json!({"metadata": {"name": name, "uid": "u"}, "status": {"extra": [1]}});
+        let list = json!({"kind": "NodeList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"},
+                          "items": [node("regular"), node("vk-small"), node("vk-new")]});
+        let args = decode(
+            json!({"Pod": pod("1"), "Nodes": list})
+                .to_string()
+                .as_bytes(),
+        )
+        .unwrap();
+        let (result, _) = extender(OnUnknown::Pass).filter(&args);
+        let back = serde_json::to_value(result.nodes.unwrap()).unwrap();
+        assert_eq!(
+            back,
+            json!({"kind": "NodeList", "apiVersion": "v1", "metadata": {"resourceVersion": "1"},
+                   "items": [node("regular"), node("vk-small"), node("vk-new")]}),
+            "--on-unknown=pass lets the unsynced cluster through"
+        );
+        assert!(result.node_names.is_none());
+    }
+
+    #[test]
+    fn unreachable_and_bad_annotation_fail_unresolvable() {
+        let e = extender(OnUnknown::Fail);
+        e.clusters["vk-big"].write().unreachable = Some("connection refused".into());
+        let mut bad = pod("1");
+        bad["metadata"]["annotations"] = json!({"clusterSelector": "{"});
+        let args = decode(
+            json!({"Pod": bad, "NodeNames": ["vk-small", "vk-big"]})
+                .to_string()
+                .as_bytes(),
+        )
+        .unwrap();
+        let (result, outcomes) = e.filter(&args);
+        assert_eq!(result.node_names.unwrap(), Vec::<String>::new());
+        assert_eq!(
+            result.failed_and_unresolvable_nodes["vk-big"],
+            "lower cluster of vk-big: unreachable (connection refused)"
+        );
+        assert!(
+            result.failed_and_unresolvable_nodes["vk-small"].contains("clusterSelector"),
+            "{:?}",
+            result.failed_and_unresolvable_nodes
+        );
+        assert_eq!(outcomes, [Outcome::BadPod, Outcome::Unknown]);
+        assert_eq!(
+            e.ready().unwrap_err(),
+            "vk-big: unreachable (connection refused); vk-new: not synced yet"
+        );
+    }
+
+    #[test]
+    fn prioritize_prefers_room() {
+        let args = decode(
+            json!({"Pod": pod("2"), "NodeNames": ["regular", "vk-small", "vk-big", "vk-new"]})
+                .to_string()
+                .as_bytes(),
+        )
+        .unwrap();
+        let scores = extender(OnUnknown::Fail).prioritize(&args);
+        let score = |host: &str| scores.iter().find(|s| s.host == host).unwrap().score;
+        assert_eq!(score("regular"), 0);
+        assert_eq!(score("vk-new"), 0);
+        assert!(score("vk-big") > score("vk-small"), "{scores:?}");
+        assert!(score("vk-small") > 0);
+    }
+}

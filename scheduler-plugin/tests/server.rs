@@ -1,0 +1,181 @@
+//! The HTTP server without clusters: routes, bad input, drain on shutdown, TLS.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::json;
+use tensile_scheduler_extender::extender::{Extender, SharedCluster};
+use tensile_scheduler_extender::metrics::Metrics;
+use tensile_scheduler_extender::server::{self, App};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> (u16, String) {
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut response = Vec::new();
+    let _ = stream.read_to_end(&mut response).await;
+    let response = String::from_utf8_lossy(&response).into_owned();
+    let status = response
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+async fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
+    let stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    exchange(stream, method, path, body).await
+}
+
+async fn start(
+    extender: Extender,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+) -> (u16, CancellationToken, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0))
+        .await
+        .unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let app = Arc::new(App {
+        extender,
+        metrics: Metrics::default(),
+    });
+    let shutdown = CancellationToken::new();
+    let served = tokio::spawn(server::serve(
+        listener,
+        tls,
+        server::router(app),
+        shutdown.clone(),
+    ));
+    (port, shutdown, served)
+}
+
+#[tokio::test]
+async fn routes_bad_input_and_drain() {
+    let mut extender = Extender::default();
+    extender
+        .clusters
+        .insert("vk".into(), SharedCluster::default());
+    let (port, shutdown, served) = start(extender, None).await;
+
+    assert_eq!(http(port, "GET", "/healthz", "").await.0, 200);
+    let (status, body) = http(port, "GET", "/readyz", "").await;
+    assert_eq!((status, body.as_str()), (503, "vk: not synced yet\n"));
+
+    for bad in [
+        "",
+        "{",
+        "{\"Pod\": {}, \"NodeNames\": [",
+        "[]",
+        "{\"Pod\": {}}",
+    ] {
+        let (status, body) = http(port, "POST", "/filter", bad).await;
+        assert_eq!(status, 400, "{bad:?}: {body}");
+        let answer: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert!(!answer["Error"].as_str().unwrap().is_empty(), "{body}");
+        let (status, _) = http(port, "POST", "/prioritize", bad).await;
+        assert_eq!(status, 400, "{bad:?}");
+    }
+    let args = json!({"Pod": {"metadata": {"name": "p"}}, "NodeNames": ["vk", "regular"]});
+    let (status, body) = http(port, "POST", "/filter", &args.to_string()).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&body).unwrap(),
+        json!({"NodeNames": ["regular"], "FailedNodes": {},
+               "FailedAndUnresolvableNodes": {"vk": "lower cluster of vk: not synced yet"},
+               "Error": ""})
+    );
+    let (_, metrics) = http(port, "GET", "/metrics", "").await;
+    assert!(
+        metrics.contains("tensile_extender_bad_requests_total{verb=\"filter\"} 5"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("tensile_extender_lower_cluster_known{node=\"vk\"} 0"),
+        "{metrics}"
+    );
+
+    // A request in flight when shutdown begins is still answered.
+    let mut slow = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let body = args.to_string();
+    let head = format!(
+        "POST /filter HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    slow.write_all(head.as_bytes()).await.unwrap();
+    slow.write_all(&body.as_bytes()[..5]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await; // let the server read the head
+    shutdown.cancel();
+    slow.write_all(&body.as_bytes()[5..]).await.unwrap();
+    let mut response = String::new();
+    slow.read_to_string(&mut response).await.unwrap();
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    tokio::time::timeout(Duration::from_secs(5), served)
+        .await
+        .expect("drained and stopped")
+        .unwrap();
+    assert!(
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err(),
+        "no longer listening"
+    );
+}
+
+#[tokio::test]
+async fn serves_tls() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
+        .unwrap()
+        .self_signed(&key)
+        .unwrap();
+    let (cert_path, key_path) = (dir.path().join("tls.crt"), dir.path().join("tls.key"));
+    std::fs::write(&cert_path, cert.pem()).unwrap();
+    std::fs::write(&key_path, key.serialize_pem()).unwrap();
+    let acceptor = server::tls_acceptor(&cert_path, &key_path).unwrap();
+    let (port, shutdown, served) = start(Extender::default(), Some(acceptor)).await;
+
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(cert.der().clone()).unwrap();
+    let config = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
+    let tls = connector.connect(name, tcp).await.unwrap();
+    let (status, body) = exchange(tls, "GET", "/healthz", "").await;
+    assert_eq!((status, body.as_str()), (200, "ok"));
+
+    assert!(
+        server::tls_acceptor(&key_path, &cert_path).is_err(),
+        "swapped files"
+    );
+    shutdown.cancel();
+    served.await.unwrap();
+}

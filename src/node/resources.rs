@@ -1,0 +1,161 @@
+//! Resource arithmetic shared by the virtual node's capacity and the scheduler extender's
+//! fit: quantities as milli-units per resource name, a pod's effective requests as the
+//! scheduler computes them, and which lower nodes can take pods at all. Pure: no client.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Node, PodSpec, ResourceRequirements};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+use super::quantity::milli;
+
+/// Resource name → milli-units.
+pub type Resources = BTreeMap<String, i128>;
+
+/// The resource every bound pod takes one of (in milli-units, like every other).
+pub const PODS: &str = "pods";
+/// One pod, in milli-units of [`PODS`].
+pub const ONE_POD: i128 = 1000;
+
+/// A resource list in milli-units.
+pub fn to_resources(list: &BTreeMap<String, Quantity>) -> Resources {
+    list.iter().map(|(k, v)| (k.clone(), milli(v))).collect()
+}
+
+fn requests_of(resources: Option<&ResourceRequirements>) -> Resources {
+    resources
+        .and_then(|r| r.requests.as_ref())
+        .map(to_resources)
+        .unwrap_or_default()
+}
+
+/// Adds `from` into `into`, resource by resource.
+pub fn add(into: &mut Resources, from: &Resources) {
+    for (resource, amount) in from {
+        *into.entry(resource.clone()).or_default() += amount;
+    }
+}
+
+/// Subtracts `from` from `into`, resource by resource (dropping what reaches zero).
+pub fn subtract(into: &mut Resources, from: &Resources) {
+    for (resource, amount) in from {
+        if let Some(slot) = into.get_mut(resource) {
+            *slot -= amount;
+            if *slot == 0 {
+                into.remove(resource);
+            }
+        } else if *amount != 0 {
+            into.insert(resource.clone(), -amount);
+        }
+    }
+}
+
+fn max_into(into: &mut Resources, from: &Resources) {
+    for (resource, amount) in from {
+        let slot = into.entry(resource.clone()).or_default();
+        *slot = (*slot).max(*amount);
+    }
+}
+
+/// A pod's effective requests, as the scheduler computes them: the larger of (regular
+/// containers + sidecars) and, for each init container, its request plus the sidecars
+/// started before it; plus overhead. Pod-level requests, where set, win for their
+/// resources.
+pub fn pod_requests(spec: &PodSpec) -> Resources {
+    let mut running = Resources::new();
+    for container in &spec.containers {
+        add(&mut running, &requests_of(container.resources.as_ref()));
+    }
+    let mut sidecars = Resources::new();
+    let mut init_peak = Resources::new();
+    for init in spec.init_containers.iter().flatten() {
+        let requests = requests_of(init.resources.as_ref());
+        if init.restart_policy.as_deref() == Some("Always") {
+            add(&mut sidecars, &requests);
+            max_into(&mut init_peak, &sidecars);
+        } else {
+            let mut during = sidecars.clone();
+            add(&mut during, &requests);
+            max_into(&mut init_peak, &during);
+        }
+    }
+    add(&mut running, &sidecars);
+    max_into(&mut running, &init_peak);
+    if let Some(pod_level) = spec.resources.as_ref().and_then(|r| r.requests.as_ref()) {
+        running.extend(to_resources(pod_level));
+    }
+    if let Some(overhead) = &spec.overhead {
+        add(&mut running, &to_resources(overhead));
+    }
+    running
+}
+
+/// What a bound pod takes on its node: its effective requests and one [`PODS`].
+pub fn pod_footprint(spec: &PodSpec) -> Resources {
+    let mut requests = pod_requests(spec);
+    *requests.entry(PODS.into()).or_default() += ONE_POD;
+    requests
+}
+
+/// Whether a pod in this phase no longer takes room on its node.
+pub fn phase_is_terminal(phase: Option<&str>) -> bool {
+    matches!(phase, Some("Succeeded" | "Failed"))
+}
+
+/// Whether a node's Ready condition is True.
+pub fn node_ready(node: &Node) -> bool {
+    node.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// Whether a node is cordoned (`spec.unschedulable`).
+pub fn node_cordoned(node: &Node) -> bool {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.unschedulable)
+        .unwrap_or(false)
+}
+
+/// Whether a taint effect keeps pods that do not tolerate it off a node
+/// (`PreferNoSchedule` only steers).
+pub fn effect_repels(effect: &str) -> bool {
+    effect == "NoSchedule" || effect == "NoExecute"
+}
+
+/// Whether a lower node can take pods the virtual node sends: Ready, schedulable, and
+/// without a NoSchedule/NoExecute taint (mirrored pods carry no tolerations for it).
+pub fn node_usable(node: &Node) -> bool {
+    let tainted = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|ts| ts.iter().any(|t| effect_repels(&t.effect)));
+    node_ready(node) && !node_cordoned(node) && !tainted
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subtract_undoes_add() {
+        let a = Resources::from([("cpu".into(), 1500), ("pods".into(), 1000)]);
+        let b = Resources::from([("cpu".into(), 500), ("memory".into(), 7)]);
+        let mut sum = Resources::new();
+        add(&mut sum, &a);
+        add(&mut sum, &b);
+        subtract(&mut sum, &b);
+        assert_eq!(sum, a);
+        subtract(&mut sum, &a);
+        assert!(sum.is_empty());
+    }
+
+    #[test]
+    fn prefer_no_schedule_does_not_repel() {
+        assert!(effect_repels("NoSchedule"));
+        assert!(effect_repels("NoExecute"));
+        assert!(!effect_repels("PreferNoSchedule"));
+    }
+}
