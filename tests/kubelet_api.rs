@@ -394,7 +394,6 @@ async fn kubectl_logs_exec_attach_and_port_forward_reach_a_pod_on_the_virtual_no
 }
 
 #[tokio::test]
-#[ignore = "open: through vk-node the TTY stalls once the resize is forwarded (issue 10)"]
 async fn a_tty_and_its_resize_reach_a_pod_on_the_virtual_node() {
     let pair = ClusterPair::shared().await.unwrap();
     let (_vn, ns) = pod_on_virtual_node(pair, "vk-kubelet-tty", "kubelet-tty").await;

@@ -516,7 +516,11 @@ async fn pods(api: &KubeletApi, running_only: bool) -> Response<Body> {
 
 /// `/stats/summary`: from the lower cluster's metrics API; 404 where it has none.
 async fn stats_summary(api: &KubeletApi) -> Response<Body> {
-    let request = match Request::get("/apis/metrics.k8s.io/v1beta1/pods").body(Vec::new()) {
+    // PodMetrics carry their pod's labels: only the pods this node mirrors. (Node names
+    // and the label key need no escaping beyond `/` and `=`.)
+    let selector = format!("{OWNER_NODE_LABEL}%3D{}", api.node).replace('/', "%2F");
+    let uri = format!("/apis/metrics.k8s.io/v1beta1/pods?labelSelector={selector}");
+    let request = match Request::get(uri).body(Vec::new()) {
         Ok(request) => request,
         Err(error) => return text(StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),
     };

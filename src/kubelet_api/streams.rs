@@ -25,6 +25,9 @@ struct ExecStreams {
     stdout: Option<StreamWriter>,
     stderr: Option<StreamWriter>,
     resize: Option<StreamReader>,
+    /// The sending halves of the client's input streams (stdin, resize), kept open until the
+    /// call ends: the client reads its stdin stream and, at our FIN, stops sending input.
+    held: Vec<StreamWriter>,
 }
 
 impl ExecStreams {
@@ -42,10 +45,16 @@ impl ExecStreams {
         let (reader, writer) = stream.split();
         match kind.as_str() {
             "error" => self.error = Some(writer),
-            "stdin" => self.stdin = Some(reader),
+            "stdin" => {
+                self.stdin = Some(reader);
+                self.held.push(writer);
+            }
             "stdout" => self.stdout = Some(writer),
             "stderr" => self.stderr = Some(writer),
-            "resize" => self.resize = Some(reader),
+            "resize" => {
+                self.resize = Some(reader);
+                self.held.push(writer);
+            }
             other => debug!(streamtype = other, "unknown stream type ignored"),
         }
     }
@@ -120,6 +129,8 @@ pub async fn exec(
         }
         let _ = error.shutdown().await;
     }
+    // The FINs of every stream go out before GOAWAY.
+    drop(streams);
     conn.close().await;
 }
 

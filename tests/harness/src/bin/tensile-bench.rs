@@ -23,6 +23,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::{Value, json};
 use tensile_harness::fixtures::{bound_pod, pinned_spec, pod};
+use tensile_harness::measure::{cpu_by_component, cpu_profile, footprint, percentile};
 use tensile_harness::{
     ClusterPair, NodeShape, PairOptions, TestNamespace, VirtualNode, VirtualNodeOptions,
     node_is_ready, wait_for,
@@ -142,14 +143,6 @@ async fn wait_all_running(timeline: &Shared, n: usize, what: &str) -> Result<()>
         Ok((lock(timeline).running.len() >= n).then_some(()))
     })
     .await
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
 struct Latencies {
@@ -584,64 +577,6 @@ fn p50_p99_max(sorted: &[Duration]) -> String {
     )
 }
 
-/// Resident and peak memory (bytes) and CPU seconds of a process.
-fn footprint(pid: u32) -> Result<(u64, u64, f64)> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kib = |key: &str| -> u64 {
-        status
-            .lines()
-            .find(|l| l.starts_with(key))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // Fields after the parenthesised command name; utime and stime are the 14th and 15th.
-    let after = stat
-        .rsplit_once(')')
-        .map(|(_, rest)| rest)
-        .unwrap_or_default();
-    let fields: Vec<&str> = after.split_whitespace().collect();
-    let ticks: u64 = fields.get(11).and_then(|v| v.parse().ok()).unwrap_or(0)
-        + fields.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
-    // USER_HZ, the unit of utime/stime in /proc, is 100 on Linux whatever the kernel's HZ.
-    let hz = 100.0;
-    Ok((
-        kib("VmRSS:") * 1024,
-        kib("VmHWM:") * 1024,
-        ticks as f64 / hz,
-    ))
-}
-
-/// CPU seconds so far of every process of the pair and of virtual-node, by name.
-fn cpu_by_component(pair: &ClusterPair, vn: &VirtualNode) -> BTreeMap<String, f64> {
-    let mut pids: Vec<(String, u32)> = pair
-        .upper
-        .components()
-        .into_iter()
-        .chain(pair.lower.components())
-        .map(|(name, pid, _)| (name, pid))
-        .collect();
-    pids.push(("virtual-node".into(), vn.pid()));
-    pids.push(("tensile-bench".into(), std::process::id()));
-    pids.into_iter()
-        .filter_map(|(name, pid)| Some((name, footprint(pid).ok()?.2)))
-        .collect()
-}
-
-/// CPU seconds each component used between two samples, largest first.
-fn cpu_profile(before: &BTreeMap<String, f64>, after: &BTreeMap<String, f64>) -> String {
-    let mut used: Vec<(&String, f64)> = after
-        .iter()
-        .map(|(name, s)| (name, s - before.get(name).copied().unwrap_or(0.0)))
-        .filter(|(_, s)| *s >= 0.05)
-        .collect();
-    used.sort_by(|a, b| b.1.total_cmp(&a.1));
-    let total: f64 = used.iter().map(|(_, s)| s).sum();
-    let parts: Vec<String> = used.iter().map(|(n, s)| format!("{n} {s:.1}")).collect();
-    format!("{total:.1} s: {}", parts.join(", "))
-}
-
 /// virtual-node's own counters, from its metrics endpoint.
 async fn scrape(port: u16) -> Result<BTreeMap<String, f64>> {
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
@@ -835,9 +770,9 @@ async fn run(args: Args) -> Result<()> {
     let pods: Vec<Pod> = (0..n)
         .map(|i| labelled(pod(&format!("p-{i:05}"), spec.clone())))
         .collect();
-    let cpu = cpu_by_component(&pair, &vn);
+    let cpu = cpu_by_component(&pair, &vn, "tensile-bench");
     let (ns, baseline, _) = burst(&lower, "bench-baseline", pods, args.concurrency).await?;
-    let profile = cpu_profile(&cpu, &cpu_by_component(&pair, &vn));
+    let profile = cpu_profile(&cpu, &cpu_by_component(&pair, &vn, "tensile-bench"));
     report.row("baseline (lower only)", "all Running", secs(baseline.total));
     report.row(
         "baseline (lower only)",
@@ -854,10 +789,10 @@ async fn run(args: Args) -> Result<()> {
     // tensile involved. The node is deleted afterwards so the other scenarios run as without.
     let label = "both clusters (no virtual node)";
     add_upper_floor_node(&pair, &upper).await?;
-    let cpu = cpu_by_component(&pair, &vn);
+    let cpu = cpu_by_component(&pair, &vn, "tensile-bench");
     let (upper_ns, lower_ns, floor) =
         both_clusters(&upper, &lower, UPPER_FLOOR_NODE, n, args.concurrency).await?;
-    let profile = cpu_profile(&cpu, &cpu_by_component(&pair, &vn));
+    let profile = cpu_profile(&cpu, &cpu_by_component(&pair, &vn, "tensile-bench"));
     report.row(
         label,
         &format!("all {} Running (n in each)", 2 * n),
@@ -897,12 +832,12 @@ async fn run(args: Args) -> Result<()> {
         &format!("bench=1,tensile.dev/virtual-node={NODE}"),
         lower_timeline.clone(),
     );
-    let cpu = cpu_by_component(&pair, &vn);
+    let cpu = cpu_by_component(&pair, &vn, "tensile-bench");
     let writes_before = scrape(vn.metrics_port).await?;
     let (ns, direct, upper_timeline) =
         burst(&upper, "bench-direct", pods, args.concurrency).await?;
     let writes_after = scrape(vn.metrics_port).await?;
-    let profile = cpu_profile(&cpu, &cpu_by_component(&pair, &vn));
+    let profile = cpu_profile(&cpu, &cpu_by_component(&pair, &vn, "tensile-bench"));
     let ratio = direct.total.as_secs_f64() / baseline.total.as_secs_f64().max(1e-9);
     report.row(
         "burst (nodeName)",
@@ -992,9 +927,9 @@ async fn run(args: Args) -> Result<()> {
     let pods: Vec<Pod> = (0..n)
         .map(|i| labelled(pod(&format!("p-{i:05}"), pinned_spec(NODE))))
         .collect();
-    let cpu = cpu_by_component(&pair, &vn);
+    let cpu = cpu_by_component(&pair, &vn, "tensile-bench");
     let (ns, scheduled, _) = burst(&upper, "bench-scheduled", pods, args.concurrency).await?;
-    let profile = cpu_profile(&cpu, &cpu_by_component(&pair, &vn));
+    let profile = cpu_profile(&cpu, &cpu_by_component(&pair, &vn, "tensile-bench"));
     let ratio = scheduled.total.as_secs_f64() / baseline.total.as_secs_f64().max(1e-9);
     report.row(
         "burst (scheduler)",

@@ -1,0 +1,105 @@
+//! What the benchmarks measure about processes: percentiles, memory and CPU seconds from
+//! `/proc`, CPU by component of a cluster pair.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use anyhow::Result;
+
+use crate::{ClusterPair, VirtualNode};
+
+/// The `p`th percentile (0–100, nearest rank) of `sorted`; zero when empty.
+pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// Resident and peak memory (bytes) and CPU seconds of a process.
+pub fn footprint(pid: u32) -> Result<(u64, u64, f64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib = |key: &str| -> u64 {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // Fields after the parenthesised command name; utime and stime are the 14th and 15th.
+    let after = stat
+        .rsplit_once(')')
+        .map(|(_, rest)| rest)
+        .unwrap_or_default();
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks: u64 = fields.get(11).and_then(|v| v.parse().ok()).unwrap_or(0)
+        + fields.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
+    // USER_HZ, the unit of utime/stime in /proc, is 100 on Linux whatever the kernel's HZ.
+    let hz = 100.0;
+    Ok((
+        kib("VmRSS:") * 1024,
+        kib("VmHWM:") * 1024,
+        ticks as f64 / hz,
+    ))
+}
+
+/// CPU seconds so far of every process of the pair, of virtual-node and of this process
+/// (named `me`), by name.
+pub fn cpu_by_component(pair: &ClusterPair, vn: &VirtualNode, me: &str) -> BTreeMap<String, f64> {
+    let mut pids: Vec<(String, u32)> = pair
+        .upper
+        .components()
+        .into_iter()
+        .chain(pair.lower.components())
+        .map(|(name, pid, _)| (name, pid))
+        .collect();
+    pids.push(("virtual-node".into(), vn.pid()));
+    pids.push((me.to_owned(), std::process::id()));
+    pids.into_iter()
+        .filter_map(|(name, pid)| Some((name, footprint(pid).ok()?.2)))
+        .collect()
+}
+
+/// CPU seconds each component used between two samples, largest first.
+pub fn cpu_profile(before: &BTreeMap<String, f64>, after: &BTreeMap<String, f64>) -> String {
+    let mut used: Vec<(&String, f64)> = after
+        .iter()
+        .map(|(name, s)| (name, s - before.get(name).copied().unwrap_or(0.0)))
+        .filter(|(_, s)| *s >= 0.05)
+        .collect();
+    used.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let total: f64 = used.iter().map(|(_, s)| s).sum();
+    let parts: Vec<String> = used.iter().map(|(n, s)| format!("{n} {s:.1}")).collect();
+    format!("{total:.1} s: {}", parts.join(", "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let ms = |v: &[u64]| {
+            v.iter()
+                .map(|&m| Duration::from_millis(m))
+                .collect::<Vec<_>>()
+        };
+        let cases: [(&[u64], f64, u64); 5] = [
+            (&[], 50.0, 0),
+            (&[7], 99.0, 7),
+            (&[1, 2, 3, 4], 50.0, 2),
+            (&[1, 2, 3, 4], 99.0, 4),
+            (&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 90.0, 9),
+        ];
+        for (values, p, want) in cases {
+            assert_eq!(
+                percentile(&ms(values), p),
+                Duration::from_millis(want),
+                "{values:?} p{p}"
+            );
+        }
+    }
+}
