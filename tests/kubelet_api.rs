@@ -335,6 +335,18 @@ async fn port_forward_echoes(pair: &ClusterPair, kubeconfig: &Path, ns: &str, na
             assert_eq!(text(&back), message);
         }
     }
+    // A client that half-closes once it has sent (`nc -N`) still gets its answer.
+    let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", ports[0]))
+        .await
+        .unwrap();
+    conn.write_all(b"half-closed\n").await.unwrap();
+    conn.shutdown().await.unwrap();
+    let mut back = vec![0; b"half-closed\n".len()];
+    tokio::time::timeout(TIMEOUT, conn.read_exact(&mut back))
+        .await
+        .expect("echo after a half-close in time")
+        .unwrap();
+    assert_eq!(text(&back), "half-closed\n");
     forward.stop().await;
 }
 

@@ -228,29 +228,43 @@ impl Authenticator {
         peer_certs: Option<&[CertificateDer<'static>]>,
         authorization: Option<&str>,
     ) -> Result<User, Refused> {
-        if let Some([end_entity, intermediates @ ..]) = peer_certs {
-            let Some(ca) = &self.ca else {
-                return Err(Refused::Unauthenticated(
-                    "no client CA is configured".into(),
-                ));
-            };
-            ca.verify_client_cert(end_entity, intermediates, UnixTime::now())
-                .map_err(|e| Refused::Unauthenticated(format!("client certificate: {e}")))?;
-            return certificate_user(end_entity).ok_or_else(|| {
-                Refused::Unauthenticated("client certificate has no common name".into())
-            });
-        }
+        // As the kubelet's union authenticator: a certificate that fails leaves the token
+        // to try, and the certificate's refusal is the answer only without one.
+        let certificate = match peer_certs.map(|certs| self.certificate_user(certs)) {
+            Some(Ok(user)) => return Ok(user),
+            Some(Err(refused)) => Some(refused),
+            None => None,
+        };
         let token = authorization
-            .and_then(|h| h.strip_prefix("Bearer "))
-            .map(str::trim)
+            .and_then(|h| h.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim())
             .filter(|t| !t.is_empty());
-        match token {
-            Some(token) if self.config.token_webhook => self.review_token(token).await,
-            Some(_) => Err(Refused::Unauthenticated(
+        match (token, certificate) {
+            (Some(token), _) if self.config.token_webhook => self.review_token(token).await,
+            (_, Some(refused)) => Err(refused),
+            (Some(_), None) => Err(Refused::Unauthenticated(
                 "bearer tokens are not accepted (--authentication-token-webhook is off)".into(),
             )),
-            None => Err(Refused::Unauthenticated("no credentials".into())),
+            (None, _) => Err(Refused::Unauthenticated("no credentials".into())),
         }
+    }
+
+    fn certificate_user(&self, certs: &[CertificateDer<'static>]) -> Result<User, Refused> {
+        let [end_entity, intermediates @ ..] = certs else {
+            return Err(Refused::Unauthenticated(
+                "empty client certificate chain".into(),
+            ));
+        };
+        let Some(ca) = &self.ca else {
+            return Err(Refused::Unauthenticated(
+                "no client CA is configured".into(),
+            ));
+        };
+        ca.verify_client_cert(end_entity, intermediates, UnixTime::now())
+            .map_err(|e| Refused::Unauthenticated(format!("client certificate: {e}")))?;
+        certificate_user(end_entity)
+            .ok_or_else(|| Refused::Unauthenticated("client certificate has no common name".into()))
     }
 
     async fn review_token(&self, token: &str) -> Result<User, Refused> {

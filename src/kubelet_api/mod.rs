@@ -32,6 +32,10 @@ use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_UID_ANNOTATION};
 use auth::{Authenticator, Refused, RequestClientCert};
 use route::{Route, Target};
 
+/// How long a client has to send its request headers (hyper's own default, which needs a
+/// timer to apply).
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
 type Body = UnsyncBoxBody<Bytes, std::io::Error>;
 
 /// The serving certificate: from files, or generated at start.
@@ -157,6 +161,11 @@ pub async fn serve(
             }
         };
         let _ = tcp.set_nodelay(true);
+        // A peer that vanished (exec, port-forward sessions last long) is noticed.
+        let keepalive = socket2::TcpKeepalive::new()
+            .with_time(Duration::from_secs(30))
+            .with_interval(Duration::from_secs(10));
+        let _ = socket2::SockRef::from(&tcp).set_tcp_keepalive(&keepalive);
         let (acceptor, api) = (acceptor.clone(), api.clone());
         connections.spawn(
             async move {
@@ -180,6 +189,8 @@ pub async fn serve(
                     async move { Ok::<_, Infallible>(handle(api, certs.as_deref(), req).await) }
                 });
                 let served = hyper::server::conn::http1::Builder::new()
+                    .timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(HEADER_READ_TIMEOUT)
                     .serve_connection(TokioIo::new(tls), service)
                     .with_upgrades()
                     .await;
@@ -539,7 +550,7 @@ pub mod stats {
 
     use serde_json::{Value, json};
 
-    use crate::node::quantity::parse_milli;
+    use crate::node::quantity::{parse_milli, parse_nano};
 
     /// A Summary (node and pods, CPU and working-set memory) of `metrics`, a PodMetricsList.
     pub fn summary(node: &str, metrics: &Value) -> Value {
@@ -559,7 +570,7 @@ pub mod stats {
                     .unwrap_or_default()
                     .iter()
                     .map(|c| {
-                        let c_cpu = c["usage"]["cpu"].as_str().and_then(parse_milli).unwrap_or(0);
+                        let c_cpu = c["usage"]["cpu"].as_str().and_then(parse_nano).unwrap_or(0);
                         let c_memory = c["usage"]["memory"]
                             .as_str()
                             .and_then(parse_milli)
@@ -569,7 +580,7 @@ pub mod stats {
                         memory += c_memory;
                         json!({
                             "name": c["name"],
-                            "cpu": {"time": time, "usageNanoCores": c_cpu * 1_000_000},
+                            "cpu": {"time": time, "usageNanoCores": c_cpu},
                             "memory": {"time": time, "workingSetBytes": c_memory},
                         })
                     })
@@ -579,7 +590,7 @@ pub mod stats {
                 json!({
                     "podRef": {"name": pod["metadata"]["name"], "namespace": pod["metadata"]["namespace"], "uid": pod["metadata"]["uid"]},
                     "startTime": time,
-                    "cpu": {"time": time, "usageNanoCores": cpu * 1_000_000},
+                    "cpu": {"time": time, "usageNanoCores": cpu},
                     "memory": {"time": time, "workingSetBytes": memory},
                     "containers": containers,
                 })
@@ -588,7 +599,7 @@ pub mod stats {
         json!({
             "node": {
                 "nodeName": node,
-                "cpu": {"usageNanoCores": node_cpu * 1_000_000},
+                "cpu": {"usageNanoCores": node_cpu},
                 "memory": {"workingSetBytes": node_memory},
             },
             "pods": pods,

@@ -147,7 +147,12 @@ pub fn route(path: &str, query: &BTreeMap<String, Vec<String>>) -> Option<Route>
         [ns, pod, uid, container] => Some(target(ns, pod, Some(uid), container)),
         _ => None,
     };
-    let valid = |t: &Target| !t.namespace.is_empty() && !t.pod.is_empty();
+    // Names go into lower-cluster URLs: only what Kubernetes accepts as names gets there.
+    let valid = |t: &Target| {
+        dns_label(&t.namespace)
+            && dns_subdomain(&t.pod)
+            && (t.container.is_empty() || dns_label(&t.container))
+    };
     match segments.as_slice() {
         ["healthz"] => Some(Route::Healthz),
         ["pods"] => Some(Route::Pods),
@@ -167,10 +172,30 @@ pub fn route(path: &str, query: &BTreeMap<String, Vec<String>>) -> Option<Route>
         ["attach", rest @ ..] => pod_and_container(rest)
             .filter(valid)
             .map(|t| Route::Attach(t, streams)),
-        ["portForward", ns, pod] => Some(Route::PortForward(target(ns, pod, None, ""))),
-        ["portForward", ns, pod, uid] => Some(Route::PortForward(target(ns, pod, Some(uid), ""))),
+        ["portForward", ns, pod] => Some(target(ns, pod, None, ""))
+            .filter(valid)
+            .map(Route::PortForward),
+        ["portForward", ns, pod, uid] => Some(target(ns, pod, Some(uid), ""))
+            .filter(valid)
+            .map(Route::PortForward),
         _ => None,
     }
+}
+
+/// A DNS-1123 label: namespaces and container names.
+fn dns_label(name: &str) -> bool {
+    name.len() <= 63
+        && !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+        && !name.ends_with('-')
+}
+
+/// A DNS-1123 subdomain: pod names.
+fn dns_subdomain(name: &str) -> bool {
+    name.len() <= 253 && name.split('.').all(dns_label)
 }
 
 #[cfg(test)]
@@ -239,6 +264,17 @@ mod tests {
             ),
             ("/exec/ns", None),
             ("/run/ns/web/app", None),
+            // names a lower URL must never carry
+            ("/containerLogs/ns/..%2Fsecrets/app", None),
+            ("/containerLogs/ns/web%3Fx=1/app", None),
+            ("/exec/NS/web/app?command=sh", None),
+            ("/exec/ns/web/-app?command=sh", None),
+            ("/portForward//web", None),
+            ("/portForward/ns/web.a_b", None),
+            (
+                "/containerLogs/ns/web.v2/app",
+                Some(Route::Logs(t("ns", "web.v2", None, "app"))),
+            ),
             ("/", None),
             ("/configz", None),
         ];

@@ -2,9 +2,9 @@
 //! (remotecommand v4, portforward.k8s.io) joined to the same call on the lower pod, which
 //! kube's client makes over WebSocket.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use futures::SinkExt;
+use futures::{FutureExt, SinkExt};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Status;
 use kube::api::{Api, AttachParams, AttachedProcess, TerminalSize};
@@ -16,6 +16,12 @@ use super::spdy::{Connection, Stream, StreamReader, StreamWriter};
 
 /// How long the client has to open the streams it asked for (the kubelet's default).
 const STREAM_CREATION_TIMEOUT: Duration = Duration::from_secs(30);
+/// Bytes buffered per stdin, stdout and stderr toward the lower call.
+const STREAM_BUFFER: usize = 64 * 1024;
+/// How long a port-forward connection carries the other direction once one has ended.
+const PORT_FORWARD_LINGER: Duration = Duration::from_secs(1);
+/// How long an error stream waits for its data stream (the kubelet's pairing timeout).
+const PORT_FORWARD_PAIRING: Duration = STREAM_CREATION_TIMEOUT;
 
 /// The streams of one exec or attach.
 #[derive(Debug, Default)]
@@ -103,16 +109,28 @@ pub async fn exec(
         stdout: flags.stdout,
         stderr: flags.stderr && !flags.tty,
         tty: flags.tty,
-        max_stdin_buf_size: None,
-        max_stdout_buf_size: None,
-        max_stderr_buf_size: None,
+        // kube's default is 1 KiB, a DATA frame per KiB: slow for `kubectl cp`.
+        max_stdin_buf_size: Some(STREAM_BUFFER),
+        max_stdout_buf_size: Some(STREAM_BUFFER),
+        max_stderr_buf_size: Some(STREAM_BUFFER),
     };
     let started = match &command {
         Some(command) => pods.exec(&pod, command.clone(), &params).await,
         None => pods.attach(&pod, &params).await,
     };
     let status = match started {
-        Ok(process) => run_process(process, &mut streams).await,
+        Ok(process) => {
+            // The client may go away without a word (killed, network gone) while the
+            // command prints nothing: the end of the connection ends the lower call too.
+            let closed = async { while conn.accept().await.is_some() {} };
+            tokio::select! {
+                status = run_process(process, &mut streams) => status,
+                () = closed => {
+                    debug!(pod = %pod, "exec/attach: the client went away; ending the lower call");
+                    return;
+                }
+            }
+        }
         Err(kube::Error::Api(status)) => Status {
             status: Some("Failure".into()),
             message: Some(status.message.clone()),
@@ -148,20 +166,27 @@ async fn run_process(mut process: AttachedProcess, streams: &mut ExecStreams) ->
     let stdout = copy_out(process.stdout(), streams.stdout.take());
     let stderr = copy_out(process.stderr(), streams.stderr.take());
     tokio::join!(stdout, stderr);
-    for task in [input, resize].into_iter().flatten() {
-        task.abort();
-    }
+    // Output is done (or was never asked for): the status ends the call, so a command fed
+    // only stdin keeps it until it exits.
     let status = match status {
         Some(status) => status.await,
         None => None,
     };
-    if let Err(error) = process.join().await {
-        debug!(%error, "lower exec connection ended");
+    for task in [input, resize].into_iter().flatten() {
+        task.abort();
     }
-    status.unwrap_or_else(|| Status {
-        status: Some("Success".into()),
-        ..Status::default()
-    })
+    let joined = process.join().await;
+    match (status, joined) {
+        (Some(status), _) => status,
+        // The lower side sends a status for every end, Success included; none means the
+        // connection broke, and the client must not read that as exit code 0.
+        (None, Err(error)) => failure(&format!(
+            "lower cluster: the exec connection ended without the command's status: {error}"
+        )),
+        (None, Ok(())) => {
+            failure("lower cluster: the exec connection ended without the command's status")
+        }
+    }
 }
 
 async fn copy_out(from: Option<impl AsyncRead + Unpin>, to: Option<StreamWriter>) {
@@ -247,18 +272,20 @@ pub fn parse_resizes(bytes: &[u8]) -> (Vec<TerminalSize>, usize) {
 /// Serves port-forward on `conn`: each request (an `error` and a `data` stream with the
 /// same `requestid`) becomes one connection to that port of the lower pod.
 pub async fn port_forward(mut conn: Connection, pods: Api<Pod>, pod: String) {
-    let mut errors: std::collections::HashMap<String, StreamWriter> = Default::default();
+    let mut errors: std::collections::HashMap<String, (StreamWriter, Instant)> = Default::default();
     let mut tasks = tokio::task::JoinSet::new();
     while let Some(stream) = conn.accept().await {
         let request = stream.header("requestid").unwrap_or_default().to_owned();
         let port = stream.header("port").and_then(|p| p.parse::<u16>().ok());
+        // An error stream whose data stream never came is given up (and closed).
+        errors.retain(|_, (_, opened)| opened.elapsed() < PORT_FORWARD_PAIRING);
         match stream.header("streamtype") {
             Some("error") => {
                 let (_, writer) = stream.split();
-                errors.insert(request, writer);
+                errors.insert(request, (writer, Instant::now()));
             }
             Some("data") => {
-                let error = errors.remove(&request);
+                let error = errors.remove(&request).map(|(writer, _)| writer);
                 let (pods, pod) = (pods.clone(), pod.clone());
                 tasks.spawn(forward_one(stream, error, port, pods, pod));
             }
@@ -289,17 +316,29 @@ async fn forward_one(
             .ok_or("lower cluster: no port-forward stream")?;
         let lower_error = forwarder.take_error(port);
         let (mut up_read, mut up_write) = tokio::io::split(upstream);
-        let to_lower = async {
-            let _ = tokio::io::copy(&mut from_client, &mut up_write).await;
-            let _ = up_write.shutdown().await;
+        let pod_closed = {
+            // The client's FIN is not passed down: kube's forwarder would close the whole
+            // lower connection and drop the answer still on its way. Once one direction
+            // ends, the other gets a moment to finish, as containerd gives it.
+            let to_lower = tokio::io::copy(&mut from_client, &mut up_write);
+            let to_upper = tokio::io::copy(&mut up_read, &mut to_client);
+            tokio::pin!(to_lower, to_upper);
+            tokio::select! {
+                _ = &mut to_upper => true,
+                _ = &mut to_lower => tokio::time::timeout(PORT_FORWARD_LINGER, &mut to_upper)
+                    .await
+                    .is_ok(),
+            }
         };
-        let to_upper = async {
-            let _ = tokio::io::copy(&mut up_read, &mut to_client).await;
-            let _ = to_client.shutdown().await;
-        };
-        tokio::join!(to_lower, to_upper);
+        let _ = to_client.shutdown().await;
+        // The lower error (if any) is final once the pod side has closed; otherwise only
+        // one already received counts.
         let message = match lower_error {
-            Some(error) => error.await,
+            Some(error) if pod_closed => tokio::time::timeout(PORT_FORWARD_LINGER, error)
+                .await
+                .ok()
+                .flatten(),
+            Some(error) => error.now_or_never().flatten(),
             None => None,
         };
         drop(forwarder);

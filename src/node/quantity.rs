@@ -6,6 +6,16 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 /// Parses a quantity (`100m`, `1.5Gi`, `2e3`, `128974848`) into milli-units, rounding a
 /// fraction of a milli-unit up as Kubernetes does. `None` if it is not a quantity.
 pub fn parse_milli(text: &str) -> Option<i128> {
+    parse_scaled(text, 3)
+}
+
+/// Parses a quantity into nano-units (CPU usage in nanocores), a fraction rounded up.
+pub fn parse_nano(text: &str) -> Option<i128> {
+    parse_scaled(text, 9)
+}
+
+/// Parses a quantity into units of 10^-`scale`, rounding a fraction of one up.
+fn parse_scaled(text: &str, scale: i32) -> Option<i128> {
     let text = text.trim();
     let (negative, text) = match text.strip_prefix('-') {
         Some(rest) => (true, rest),
@@ -47,7 +57,7 @@ pub fn parse_milli(text: &str) -> Option<i128> {
         }
     };
     let scaled = mantissa.checked_mul(1i128.checked_shl(exp2)?)?;
-    let power = exp10 + 3 - frac_len;
+    let power = exp10 + scale - frac_len;
     let milli = if power >= 0 {
         scaled.checked_mul(10i128.checked_pow(u32::try_from(power).ok()?)?)?
     } else {
@@ -122,6 +132,20 @@ mod tests {
         ];
         for (text, want) in cases {
             assert_eq!(parse_milli(text), *want, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn parses_nano_units_as_metrics_write_cpu() {
+        let cases: &[(&str, Option<i128>)] = &[
+            ("1500000n", Some(1_500_000)),
+            ("250m", Some(250_000_000)),
+            ("2", Some(2_000_000_000)),
+            ("3u", Some(3_000)),
+            ("x", None),
+        ];
+        for (text, want) in cases {
+            assert_eq!(parse_nano(text), *want, "{text:?}");
         }
     }
 
