@@ -197,6 +197,19 @@ async fn join_and_demo(pair: &ClusterPair, node: &str) -> Result<VirtualNode> {
         Ok((phase.as_deref() == Some("Running")).then_some(()))
     })
     .await?;
+    // Through the upper API server and the virtual node's kubelet API, as `kubectl logs`.
+    wait_for(
+        "kubectl logs vk-demo through the virtual node",
+        WAIT,
+        || async {
+            Ok(pods
+                .logs("vk-demo", &Default::default())
+                .await
+                .ok()
+                .map(|_| ()))
+        },
+    )
+    .await?;
     Ok(virtual_node)
 }
 
@@ -230,6 +243,9 @@ fn print_summary(pair: &ClusterPair, elapsed: Duration, node: Option<&str>) {
         println!("  {upper} get pods -o wide       # vk-demo runs on {node} ...");
         println!("  {lower} get pods,cm,secrets -o wide   # ... and really in the lower cluster");
         println!("  {upper} describe node {node}");
+        println!("  {upper} logs vk-demo               # the kubelet API, served by {node}");
+        println!("  {upper} exec vk-demo -- echo hi   # commands run inside kwok here");
+        println!("  {upper} port-forward pod/vk-demo 8080:80   # kwok echoes what you send");
     }
     println!("  {lower} get nodes,pods -A");
     let dir = pair.dir.display();
