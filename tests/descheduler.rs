@@ -19,7 +19,7 @@ use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::{Value, json};
-use tensile_harness::fixtures::{deployment, pod};
+use tensile_harness::fixtures::{deployment, pod, with_template_label};
 use tensile_harness::{
     ClusterOptions, ClusterPair, NodeShape, PairOptions, TestNamespace, wait_for,
 };
@@ -350,19 +350,8 @@ async fn descheduler_moves_what_the_lower_cluster_cannot_place() {
         // A short lifetime, so that it would also move `waiting` (Pending, not refused).
         &["--dry-run", "--leader-elect=false", "--max-pod-lifetime=1s"],
     );
-    let mut fragmented = deployment("big", 1, big_spec("6"));
-    let template = fragmented
-        .spec
-        .as_mut()
-        .unwrap()
-        .template
-        .metadata
-        .as_mut()
-        .unwrap();
-    template
-        .labels
-        .get_or_insert_default()
-        .insert("virtual-pod".into(), "true".into());
+    let fragmented =
+        with_template_label(deployment("big", 1, big_spec("6")), "virtual-pod", "true");
     let deployments: Api<Deployment> = Api::namespaced(upper.clone(), &ns.name);
     deployments
         .create(&PostParams::default(), &fragmented)
@@ -502,19 +491,7 @@ async fn descheduler_moves_what_the_lower_cluster_cannot_place() {
         let name = format!("timed-{i}");
         let labels = format!("app={name}");
         set_unschedulable(&nodes, REGULAR, true).await;
-        let mut timed = deployment(&name, 1, big_spec("6"));
-        let template = timed
-            .spec
-            .as_mut()
-            .unwrap()
-            .template
-            .metadata
-            .as_mut()
-            .unwrap();
-        template
-            .labels
-            .get_or_insert_default()
-            .insert("virtual-pod".into(), "true".into());
+        let timed = with_template_label(deployment(&name, 1, big_spec("6")), "virtual-pod", "true");
         deployments
             .create(&PostParams::default(), &timed)
             .await

@@ -19,7 +19,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::{Value, json};
 use tensile::translate::meta::CLUSTER_SELECTOR_ANNOTATION;
 use tensile::translate::scheduling::parse_cluster_selector;
-use tensile_harness::fixtures::{deployment, pod};
+use tensile_harness::fixtures::{deployment, pod, with_template_label};
 use tensile_harness::{
     ClusterPair, PairOptions, TestNamespace, VirtualNodeOptions, node_is_ready, wait_for,
 };
@@ -241,23 +241,15 @@ async fn labelled_pods_burst_onto_the_virtual_node_with_their_selector_below() {
     }
 
     // A labelled Deployment selecting a lower-only label, with no toleration.
-    let mut web = deployment(
-        "web",
-        2,
-        app_spec(json!({"nodeSelector": {"disktype": "ssd"}})),
+    let web = with_template_label(
+        deployment(
+            "web",
+            2,
+            app_spec(json!({"nodeSelector": {"disktype": "ssd"}})),
+        ),
+        "virtual-pod",
+        "true",
     );
-    let template = web
-        .spec
-        .as_mut()
-        .unwrap()
-        .template
-        .metadata
-        .as_mut()
-        .unwrap();
-    template
-        .labels
-        .get_or_insert_default()
-        .insert("virtual-pod".into(), "true".into());
     Api::<Deployment>::namespaced(upper.clone(), &ns.name)
         .create(&PostParams::default(), &web)
         .await

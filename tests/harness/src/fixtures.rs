@@ -44,6 +44,22 @@ pub fn deployment(name: &str, replicas: i32, spec: Value) -> Deployment {
     }))
 }
 
+/// The same Deployment with `key: value` added to its pod template's labels (e.g.
+/// `virtual-pod: "true"`, which the webhook and descheduler look for).
+pub fn with_template_label(mut deployment: Deployment, key: &str, value: &str) -> Deployment {
+    if let Some(metadata) = deployment
+        .spec
+        .as_mut()
+        .and_then(|spec| spec.template.metadata.as_mut())
+    {
+        metadata
+            .labels
+            .get_or_insert_default()
+            .insert(key.into(), value.into());
+    }
+    deployment
+}
+
 /// A bare pod.
 pub fn pod(name: &str, spec: Value) -> Pod {
     from(json!({"metadata": {"name": name, "labels": {"app": name}}, "spec": spec}))
