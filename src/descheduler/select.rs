@@ -4,12 +4,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{
-    Affinity, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Pod,
-    PodCondition,
-};
+use k8s_openapi::api::core::v1::{Pod, PodCondition};
 use k8s_openapi::jiff::Timestamp;
 use serde::Deserialize;
+
+use crate::translate::scheduling::avoid_nodes;
 
 /// Label of virtual nodes (tensile-kube's).
 pub const VIRTUAL_NODE_LABEL: (&str, &str) = ("type", "virtual-kubelet");
@@ -21,7 +20,6 @@ pub const DESCHEDULE_COUNT_ANNOTATION: &str = "sigs.k8s.io/deschedule-count";
 pub const CREATED_BY_DESCHEDULER_LABEL: &str = "create-by-descheduler";
 /// Annotation of mirror (static) pods.
 const MIRROR_ANNOTATION: &str = "kubernetes.io/config.mirror";
-const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
 
 /// What a round acts on.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -386,36 +384,6 @@ pub fn replacement_name(pod: &Pod, count: u32) -> String {
         end -= 1;
     }
     format!("{}{suffix}", base[..end].trim_end_matches(['-', '.']))
-}
-
-/// Adds `kubernetes.io/hostname NotIn avoid` to every required node selector term (a pod
-/// may be placed when ANY term matches, so each needs it), or one term of its own.
-fn avoid_nodes(spec: &mut k8s_openapi::api::core::v1::PodSpec, avoid: &[String]) {
-    let requirement = NodeSelectorRequirement {
-        key: HOSTNAME_LABEL.into(),
-        operator: "NotIn".into(),
-        values: Some(avoid.to_vec()),
-    };
-    let required = spec
-        .affinity
-        .get_or_insert_with(Affinity::default)
-        .node_affinity
-        .get_or_insert_with(NodeAffinity::default)
-        .required_during_scheduling_ignored_during_execution
-        .get_or_insert_with(|| NodeSelector {
-            node_selector_terms: Vec::new(),
-        });
-    if required.node_selector_terms.is_empty() {
-        required
-            .node_selector_terms
-            .push(NodeSelectorTerm::default());
-    }
-    for term in &mut required.node_selector_terms {
-        let expressions = term.match_expressions.get_or_insert_with(Vec::new);
-        // An earlier round's requirement is replaced, not stacked.
-        expressions.retain(|e| !(e.key == HOSTNAME_LABEL && e.operator == "NotIn"));
-        expressions.push(requirement.clone());
-    }
 }
 
 /// A `DeschedulerPolicy` file as tensile-kube ships it.

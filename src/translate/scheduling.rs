@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 
 use super::TranslateError;
 use super::meta::CLUSTER_SELECTOR_ANNOTATION;
+use super::volume::HOSTNAME_LABEL;
 
 /// A pod's original constraints, as JSON `{"nodeSelector":…,"affinity":…,"tolerations":…}`
 /// (tensile-kube's `ClustersNodeSelection`).
@@ -219,6 +220,50 @@ fn normalise(spec: &mut PodSpec) {
             && affinity.pod_anti_affinity.is_none()
         {
             spec.affinity = None;
+        }
+    }
+}
+
+/// Adds `kubernetes.io/hostname NotIn [nodes]` to every alternative of the required node
+/// affinity (merging into an existing such requirement), so the pod avoids `nodes`
+/// whichever alternative it matches. tensile-kube added it only to alternatives that
+/// already had one. The webhook (descheduler memory) and the descheduler (bare pods) both
+/// keep pods off nodes with it.
+pub fn avoid_nodes(spec: &mut PodSpec, nodes: &[String]) {
+    let requirement = || NodeSelectorRequirement {
+        key: HOSTNAME_LABEL.to_owned(),
+        operator: "NotIn".to_owned(),
+        values: Some(nodes.to_vec()),
+    };
+    let affinity = spec.affinity.get_or_insert_with(Affinity::default);
+    let node_affinity = affinity
+        .node_affinity
+        .get_or_insert_with(NodeAffinity::default);
+    let required = node_affinity
+        .required_during_scheduling_ignored_during_execution
+        .get_or_insert_with(|| NodeSelector {
+            node_selector_terms: Vec::new(),
+        });
+    if required.node_selector_terms.is_empty() {
+        required
+            .node_selector_terms
+            .push(NodeSelectorTerm::default());
+    }
+    for term in &mut required.node_selector_terms {
+        let expressions = term.match_expressions.get_or_insert_with(Vec::new);
+        match expressions
+            .iter_mut()
+            .find(|e| e.key == HOSTNAME_LABEL && e.operator == "NotIn")
+        {
+            Some(existing) => {
+                let values = existing.values.get_or_insert_with(Vec::new);
+                for node in nodes {
+                    if !values.contains(node) {
+                        values.push(node.clone());
+                    }
+                }
+            }
+            None => expressions.push(requirement()),
         }
     }
 }

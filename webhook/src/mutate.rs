@@ -6,14 +6,13 @@ use std::time::Instant;
 
 use json_patch::jsonptr::PointerBuf;
 use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation};
-use k8s_openapi::api::core::v1::{
-    Affinity, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Pod, PodSpec,
-    Toleration,
-};
+#[cfg(test)]
+use k8s_openapi::api::core::v1::PodSpec;
+use k8s_openapi::api::core::v1::{Affinity, Pod, Toleration};
 use serde::Deserialize;
 use serde_json::Value;
 use tensile::translate::meta::{CLUSTER_SELECTOR_ANNOTATION, VIRTUAL_POD_LABEL};
-use tensile::translate::scheduling::{parse_cluster_selector, stash_constraints};
+use tensile::translate::scheduling::{avoid_nodes, parse_cluster_selector, stash_constraints};
 
 use crate::memory::DeschedulerMemory;
 use crate::review::AdmissionRequest;
@@ -24,7 +23,7 @@ pub const CREATED_BY_DESCHEDULER_LABEL: &str = "create-by-descheduler";
 /// Pod annotation the descheduler sets, naming the node it moves the pod off.
 pub const UNSCHEDULABLE_NODE_ANNOTATION: &str = "unschedulable-node";
 /// Node label matched to keep a descheduled pod's sibling off the node it left.
-pub const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
+pub use tensile::translate::volume::HOSTNAME_LABEL;
 /// Key of the virtual node's taint (tensile-kube's default).
 pub const VIRTUAL_NODE_TAINT_KEY: &str = "virtual-kubelet.io/provider";
 const NOT_READY: &str = "node.kubernetes.io/not-ready";
@@ -400,49 +399,6 @@ fn covers(t: &Toleration, wanted: &Toleration) -> bool {
     let key = t.key.as_deref().is_none_or(str::is_empty) || t.key == wanted.key;
     let effect = t.effect.as_deref().is_none_or(str::is_empty) || t.effect == wanted.effect;
     exists && key && effect
-}
-
-/// Adds `kubernetes.io/hostname NotIn [nodes]` to every alternative of the required node
-/// affinity (merging into an existing such requirement), so the pod avoids `nodes`
-/// whichever alternative it matches. tensile-kube added it only to alternatives that
-/// already had one.
-pub fn avoid_nodes(spec: &mut PodSpec, nodes: &[String]) {
-    let requirement = || NodeSelectorRequirement {
-        key: HOSTNAME_LABEL.to_owned(),
-        operator: "NotIn".to_owned(),
-        values: Some(nodes.to_vec()),
-    };
-    let affinity = spec.affinity.get_or_insert_with(Affinity::default);
-    let node_affinity = affinity
-        .node_affinity
-        .get_or_insert_with(NodeAffinity::default);
-    let required = node_affinity
-        .required_during_scheduling_ignored_during_execution
-        .get_or_insert_with(|| NodeSelector {
-            node_selector_terms: Vec::new(),
-        });
-    if required.node_selector_terms.is_empty() {
-        required
-            .node_selector_terms
-            .push(NodeSelectorTerm::default());
-    }
-    for term in &mut required.node_selector_terms {
-        let expressions = term.match_expressions.get_or_insert_with(Vec::new);
-        match expressions
-            .iter_mut()
-            .find(|e| e.key == HOSTNAME_LABEL && e.operator == "NotIn")
-        {
-            Some(existing) => {
-                let values = existing.values.get_or_insert_with(Vec::new);
-                for node in nodes {
-                    if !values.contains(node) {
-                        values.push(node.clone());
-                    }
-                }
-            }
-            None => expressions.push(requirement()),
-        }
-    }
 }
 
 /// Builds the smallest JSON patch that turns the raw object into the mutated one, one
