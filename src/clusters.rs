@@ -17,24 +17,7 @@ use tower::limit::RateLimitLayer;
 use tower::util::MapRequestLayer;
 
 use crate::metrics::Metrics;
-
-/// Which cluster a client, an error or a log line is about.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Side {
-    /// The cluster users talk to, where the virtual node is registered.
-    Upper,
-    /// The cluster the pods really run in.
-    Lower,
-}
-
-impl fmt::Display for Side {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Upper => "upper",
-            Self::Lower => "lower",
-        })
-    }
-}
+use crate::side::Side;
 
 /// Why virtual-node could not start; one line, naming the cluster.
 #[derive(Debug, thiserror::Error)]

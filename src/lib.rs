@@ -3,6 +3,7 @@
 //! Pure translation (`translate`, and the capacity math in `node::capacity`) is kept apart
 //! from everything that calls an API server (`node`, `controllers`); `main.rs` only wires.
 
+pub mod api;
 pub mod cli;
 pub mod clusters;
 pub mod controllers;
@@ -12,4 +13,5 @@ pub mod leader;
 pub mod metrics;
 pub mod node;
 pub mod shutdown;
+pub mod side;
 pub mod translate;

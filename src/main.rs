@@ -9,13 +9,14 @@ use k8s_openapi::api::core::v1::{ConfigMap, Taint};
 use kube::runtime::events::{Recorder, Reporter};
 use tensile::cli::Args;
 use tensile::clusters::{
-    self, LOWER_PERMISSIONS, LOWER_PV_PERMISSIONS, LOWER_SERVICE_PERMISSIONS, RateLimit, Side,
+    self, LOWER_PERMISSIONS, LOWER_PV_PERMISSIONS, LOWER_SERVICE_PERMISSIONS, RateLimit,
     StartupError, UPPER_PERMISSIONS, UPPER_PV_PERMISSIONS, UPPER_SERVICE_PERMISSIONS,
 };
 use tensile::controllers::{self, Context};
 use tensile::kubelet_api;
 use tensile::metrics::{self, Metrics};
 use tensile::node::{self, spec::NodeConfig};
+use tensile::side::Side;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 

@@ -12,7 +12,7 @@ use axum::http::StatusCode;
 use axum::routing::get;
 use tokio_util::sync::CancellationToken;
 
-use crate::clusters::Side;
+use crate::side::Side;
 
 /// A monotonically increasing counter.
 #[derive(Debug, Default)]

@@ -12,7 +12,8 @@ use kube::api::Api;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use kube::{Client, Resource};
-use tensile::clusters::{Side, load_config};
+use tensile::clusters::load_config;
+use tensile::side::Side;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 

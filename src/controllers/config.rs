@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
-use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use kube::api::{Api, ListParams, PostParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
@@ -33,8 +33,9 @@ use super::pod::PodStores;
 use super::stores::{
     MetaIndex, ObjectStream, Ready, Reflected, every, indexed, log_outcome, reflected,
 };
-use super::{Context, Error, api_error, is_status};
-use crate::clusters::Side;
+use super::{Context, Error, api_error};
+use crate::api::{Deleted, delete_exact, is_status};
+use crate::side::Side;
 use crate::translate::TranslateError;
 use crate::translate::config::{
     Copied, CopyState, Reference, SYSTEM_NAMESPACE, copy_state, holds, kind_of, referenced,
@@ -311,23 +312,12 @@ async fn delete_copy<K: Kept>(
     let namespace = copy.namespace().unwrap_or_default();
     let name = copy.name_any();
     let key = format!("{namespace}/{name}");
-    let params = DeleteParams {
-        preconditions: Some(Preconditions {
-            uid: copy.meta().uid.clone(),
-            resource_version: None,
-        }),
-        ..DeleteParams::default()
-    };
-    let result = api.delete(&name, &params).await;
+    let result = delete_exact(api, &name, copy.meta().uid.clone(), None).await;
     ctx.known_present.forget(kind, &namespace, &name);
-    match result {
-        Ok(_) => {
-            info!(object = %key, kind, cluster = "lower", why, "deleted the copy");
-            Ok(())
-        }
-        Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(()),
-        Err(e) => Err(api_error(Side::Lower, "deleting", kind, &key)(e)),
+    if result.map_err(api_error(Side::Lower, "deleting", kind, &key))? == Deleted::Now {
+        info!(object = %key, kind, cluster = "lower", why, "deleted the copy");
     }
+    Ok(())
 }
 
 fn error_policy<K: Kept>(copy: Arc<K>, _error: &Error, kc: Arc<KindContext>) -> Action {
@@ -510,31 +500,21 @@ async fn remove_in(
         let (kind, _, name) = &copy.reference;
         let key = format!("{namespace}/{name}");
         let kind_name = kind_of(*kind);
-        let params = DeleteParams {
-            preconditions: Some(Preconditions {
-                uid: copy.uid.clone(),
-                resource_version: None,
-            }),
-            ..DeleteParams::default()
-        };
+        let uid = copy.uid.clone();
         let result = match kind {
             crate::translate::deps::DependencyKind::ConfigMap => {
-                Api::<ConfigMap>::namespaced(ctx.lower.clone(), namespace)
-                    .delete(name, &params)
-                    .await
-                    .map(|_| ())
+                let api = Api::<ConfigMap>::namespaced(ctx.lower.clone(), namespace);
+                delete_exact(&api, name, uid, None).await
             }
-            _ => Api::<Secret>::namespaced(ctx.lower.clone(), namespace)
-                .delete(name, &params)
-                .await
-                .map(|_| ()),
+            _ => {
+                let api = Api::<Secret>::namespaced(ctx.lower.clone(), namespace);
+                delete_exact(&api, name, uid, None).await
+            }
         };
         ctx.known_present.forget(kind_name, namespace, name);
-        match result {
-            Ok(()) => info!(object = %key, kind = kind_name, cluster = "lower",
-                "deleted a copy no pod references any more"),
-            Err(e) if is_status(&e, 404) || is_status(&e, 409) => {}
-            Err(e) => return Err(api_error(Side::Lower, "deleting", kind_name, &key)(e)),
+        if result.map_err(api_error(Side::Lower, "deleting", kind_name, &key))? == Deleted::Now {
+            info!(object = %key, kind = kind_name, cluster = "lower",
+                "deleted a copy no pod references any more");
         }
     }
     Ok(())

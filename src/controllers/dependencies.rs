@@ -17,8 +17,9 @@ use kube::api::{Api, PostParams};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
-use super::{Context, Error, api_error, is_status};
-use crate::clusters::Side;
+use super::{Context, Error, api_error};
+use crate::api::is_status;
+use crate::side::Side;
 use crate::translate::TranslateError;
 use crate::translate::config::stamped_copy;
 use crate::translate::deps::{

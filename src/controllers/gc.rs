@@ -8,13 +8,14 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, Preconditions};
+use kube::api::Api;
 use kube::runtime::reflector::ObjectRef;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use super::Context;
 use super::pod::PodStores;
-use super::{Context, is_status};
+use crate::api::{Deleted, delete_exact};
 use crate::translate::stored::StoredPod;
 
 /// How often the stores are compared (in memory; cheap).
@@ -76,19 +77,12 @@ pub async fn run(ctx: Arc<Context>, pods: PodStores, shutdown: CancellationToken
             );
             let api: Api<Pod> =
                 Api::namespaced(ctx.lower.clone(), &orphan.namespace().unwrap_or_default());
-            let params = DeleteParams {
-                preconditions: Some(Preconditions {
-                    uid: orphan.metadata.uid.clone(),
-                    resource_version: None,
-                }),
-                ..DeleteParams::default()
-            };
-            match api.delete(&orphan.name_any(), &params).await {
-                Ok(_) => {
+            match delete_exact(&api, &orphan.name_any(), orphan.metadata.uid.clone(), None).await {
+                Ok(Deleted::Now) => {
                     ctx.metrics.orphans_deleted.inc();
                     info!(pod = %key, cluster = "lower", "deleted an orphaned lower pod (its upper pod is gone)");
                 }
-                Err(e) if is_status(&e, 404) || is_status(&e, 409) => {}
+                Ok(Deleted::AlreadyGone) => {}
                 Err(error) => {
                     warn!(pod = %key, cluster = "lower", %error, "deleting an orphaned pod")
                 }

@@ -19,8 +19,8 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Client, Resource};
 
-use crate::clusters::Side;
 use crate::metrics::Metrics;
+use crate::side::Side;
 use crate::translate::TranslateError;
 
 /// Everything a reconcile may go wrong on; each names the object and the cluster.
@@ -107,11 +107,6 @@ pub(crate) fn api_error(
         key,
         source,
     }
-}
-
-/// Whether an API error is a 404 / 409.
-pub(crate) fn is_status(error: &kube::Error, code: u16) -> bool {
-    matches!(error, kube::Error::Api(status) if status.code == code)
 }
 
 /// What every controller shares.

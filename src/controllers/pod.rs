@@ -14,7 +14,7 @@ use futures::{FutureExt, StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -24,8 +24,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::status::write_status;
-use super::{Context, Error, api_error, dependencies, is_status};
-use crate::clusters::Side;
+use super::{Context, Error, api_error, dependencies};
+use crate::api::{Deleted, delete_exact, is_status};
+use crate::side::Side;
 use crate::translate::meta::OWNER_NODE_LABEL;
 use crate::translate::pod::{
     PodTranslation, is_owned_by, lower_gone_status, lower_pod, lower_pod_update, upper_uid,
@@ -377,18 +378,11 @@ async fn reconcile_pod(upper: &Pod, pc: &PodContext, key: &str) -> Result<Action
     match step {
         Step::Nothing | Step::WaitForLower => {}
         Step::FinishDeletion => {
-            let params = DeleteParams {
-                grace_period_seconds: Some(0),
-                preconditions: Some(Preconditions {
-                    uid: upper.metadata.uid.clone(),
-                    resource_version: None,
-                }),
-                ..DeleteParams::default()
-            };
-            match upper_api.delete(&name, &params).await {
-                Ok(_) => info!(cluster = "upper", "lower pod gone; finished the deletion"),
-                Err(e) if is_status(&e, 404) || is_status(&e, 409) => {}
-                Err(e) => return Err(api_error(Side::Upper, "deleting", "Pod", key)(e)),
+            let deleted = delete_exact(&upper_api, &name, upper.metadata.uid.clone(), Some(0))
+                .await
+                .map_err(api_error(Side::Upper, "deleting", "Pod", key))?;
+            if deleted == Deleted::Now {
+                info!(cluster = "upper", "lower pod gone; finished the deletion");
             }
         }
         Step::DeleteLower { grace } => {
@@ -436,19 +430,16 @@ async fn delete_lower(
     let Some(lower) = lower else {
         return Ok(());
     };
-    let params = DeleteParams {
-        grace_period_seconds: grace.and_then(|g| u32::try_from(g).ok()),
-        preconditions: Some(Preconditions {
-            uid: lower.metadata.uid.clone(),
-            resource_version: None,
-        }),
-        ..DeleteParams::default()
-    };
-    match lower_api.delete(&lower.name_any(), &params).await {
-        Ok(_) => Ok(()),
-        Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(()),
-        Err(e) => Err(api_error(Side::Lower, "deleting", "Pod", key)(e)),
-    }
+    let grace = grace.and_then(|g| u32::try_from(g).ok());
+    delete_exact(
+        lower_api,
+        &lower.name_any(),
+        lower.metadata.uid.clone(),
+        grace,
+    )
+    .await
+    .map_err(api_error(Side::Lower, "deleting", "Pod", key))?;
+    Ok(())
 }
 
 async fn create(

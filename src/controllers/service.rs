@@ -19,7 +19,7 @@ use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::core::v1::{Endpoints, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use kube::api::{Api, PostParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
@@ -32,8 +32,9 @@ use tracing::{debug, info, warn};
 
 use super::dependencies::ensure_namespace;
 use super::stores::{Ready, Reflected, every, log_outcome, reflected, tick_or_wake};
-use super::{Context, Error, api_error, is_status};
-use crate::clusters::Side;
+use super::{Context, Error, api_error};
+use crate::api::{Deleted, delete_exact, is_status};
+use crate::side::Side;
 use crate::translate::TranslateError;
 use crate::translate::meta::OWNER_NODE_LABEL;
 use crate::translate::pod::{is_owned_by, upper_uid};
@@ -499,21 +500,13 @@ async fn delete_copy<K: Mirrored>(ctx: &Context, copy: &K, why: &str) -> Result<
     let name = copy.name_any();
     let key = format!("{namespace}/{name}");
     let api: Api<K> = Api::namespaced(ctx.lower.clone(), &namespace);
-    let params = DeleteParams {
-        preconditions: Some(Preconditions {
-            uid: copy.meta().uid.clone(),
-            resource_version: None,
-        }),
-        ..DeleteParams::default()
-    };
-    match api.delete(&name, &params).await {
-        Ok(_) => {
-            info!(object = %key, kind, cluster = "lower", why, "deleted the copy");
-            Ok(())
-        }
-        Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(()),
-        Err(e) => Err(api_error(Side::Lower, "deleting", kind, &key)(e)),
+    let deleted = delete_exact(&api, &name, copy.meta().uid.clone(), None)
+        .await
+        .map_err(api_error(Side::Lower, "deleting", kind, &key))?;
+    if deleted == Deleted::Now {
+        info!(object = %key, kind, cluster = "lower", why, "deleted the copy");
     }
+    Ok(())
 }
 
 /// Deletes copies whose original is gone (or re-created, or no longer mirrored): on every

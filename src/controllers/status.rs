@@ -20,7 +20,7 @@ use super::pod::{
     PodStores, Step, Triggers, decide, drain, key_of, same_name, tokio_stream_interval,
 };
 use super::{Context, Error, api_error};
-use crate::clusters::Side;
+use crate::side::Side;
 use crate::translate::pod::{status_in_sync, status_is_informative, upper_status};
 use crate::translate::stored::StoredPod;
 

@@ -14,7 +14,7 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
@@ -23,8 +23,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::stores::{Ready, Reflected, every, log_outcome, reflected, tick_or_wake};
-use super::{Context, Error, api_error, is_status};
-use crate::clusters::Side;
+use super::{Context, Error, api_error};
+use crate::api::{Deleted, delete_exact, is_status};
+use crate::side::Side;
 use crate::translate::config::SYSTEM_NAMESPACE;
 use crate::translate::meta::OWNER_NODE_LABEL;
 use crate::translate::pod::{is_owned_by, upper_uid};
@@ -351,33 +352,23 @@ async fn delete_lower_claim(
 ) -> Result<(), Error> {
     let api: Api<PersistentVolumeClaim> =
         Api::namespaced(ctx.lower.clone(), &lower.namespace().unwrap_or_default());
-    let params = DeleteParams {
-        preconditions: Some(Preconditions {
-            uid: lower.metadata.uid.clone(),
-            resource_version: None,
-        }),
-        ..DeleteParams::default()
-    };
-    let result = api.delete(&lower.name_any(), &params).await;
+    let result = delete_exact(&api, &lower.name_any(), lower.metadata.uid.clone(), None).await;
     ctx.known_present.forget(
         "PersistentVolumeClaim",
         &lower.namespace().unwrap_or_default(),
         &lower.name_any(),
     );
-    match result {
-        Ok(_) => {
-            info!(claim = %key, cluster = "lower",
-                "the upper claim is gone; deleted the lower one (kept by the lower cluster while a pod uses it)");
-            Ok(())
-        }
-        Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(()),
-        Err(e) => Err(api_error(
-            Side::Lower,
-            "deleting",
-            "PersistentVolumeClaim",
-            key,
-        )(e)),
+    if result.map_err(api_error(
+        Side::Lower,
+        "deleting",
+        "PersistentVolumeClaim",
+        key,
+    ))? == Deleted::Now
+    {
+        info!(claim = %key, cluster = "lower",
+            "the upper claim is gone; deleted the lower one (kept by the lower cluster while a pod uses it)");
     }
+    Ok(())
 }
 
 async fn delete_upper_volume(
@@ -386,22 +377,13 @@ async fn delete_upper_volume(
     why: &str,
 ) -> Result<(), Error> {
     let name = volume.name_any();
-    let params = DeleteParams {
-        preconditions: Some(Preconditions {
-            uid: volume.metadata.uid.clone(),
-            resource_version: None,
-        }),
-        ..DeleteParams::default()
-    };
-    match Api::<PersistentVolume>::all(ctx.upper.clone())
-        .delete(&name, &params)
-        .await
-    {
-        Ok(_) => {
+    let api = Api::<PersistentVolume>::all(ctx.upper.clone());
+    match delete_exact(&api, &name, volume.metadata.uid.clone(), None).await {
+        Ok(Deleted::Now) => {
             info!(volume = %name, cluster = "upper", why, "deleted the reflected volume");
             Ok(())
         }
-        Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(()),
+        Ok(Deleted::AlreadyGone) => Ok(()),
         Err(e) => Err(api_error(
             Side::Upper,
             "deleting",

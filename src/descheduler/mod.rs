@@ -22,6 +22,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use self::metrics::Metrics;
 use self::select::{Method, MoveReason, Policy, Verdict};
+use crate::api::{delete_exact, is_status};
 
 /// What a round does.
 #[derive(Clone, Debug)]
@@ -339,16 +340,8 @@ impl Descheduler {
             }
         }
         debug!(replacement = %new_name, "replacement created");
-        let params = DeleteParams {
-            preconditions: Some(kube::api::Preconditions {
-                uid: pod.metadata.uid.clone(),
-                resource_version: None,
-            }),
-            ..DeleteParams::default()
-        };
-        match pods.delete(&name, &params).await {
+        match delete_exact(&pods, &name, pod.metadata.uid.clone(), None).await {
             Ok(_) => Ok(Acted::Moved),
-            Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(Acted::Moved),
             Err(source) => Err(Error::Pod {
                 action: "deleting the re-created",
                 pod: key,
@@ -404,8 +397,4 @@ fn pod_key(pod: &Pod) -> String {
         pod.metadata.namespace.as_deref().unwrap_or_default(),
         pod.metadata.name.as_deref().unwrap_or_default()
     )
-}
-
-fn is_status(error: &kube::Error, code: u16) -> bool {
-    matches!(error, kube::Error::Api(status) if status.code == code)
 }

@@ -6,7 +6,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use clap::Parser;
-use tensile::clusters::{self, Side};
+use tensile::clusters;
+use tensile::side::Side;
 use tensile_webhook::cli::{Cli, Command, GenCertsArgs, ServeArgs};
 use tensile_webhook::memory::DeschedulerMemory;
 use tensile_webhook::metrics::Metrics;
