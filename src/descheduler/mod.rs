@@ -340,7 +340,7 @@ impl Descheduler {
             }
         }
         debug!(replacement = %new_name, "replacement created");
-        match delete_exact(&pods, &name, pod.metadata.uid.clone(), None).await {
+        match delete_exact(pods, &name, pod.metadata.uid.clone(), None).await {
             Ok(_) => Ok(Acted::Moved),
             Err(source) => Err(Error::Pod {
                 action: "deleting the re-created",
