@@ -12,7 +12,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{TIMEOUT, start_node, wait_running};
+use common::{TIMEOUT, metric, start_node, wait_running};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Endpoints, Namespace, Pod, Secret, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -31,23 +31,6 @@ const NO_SERVICES: &str = "--enable-controllers=PVControllers";
 /// A full resync every second, so that "nothing is written when nothing changed" shows
 /// within seconds.
 const FAST_RESYNC: &str = "--full-resync-period=1s";
-
-/// The value of the series `series` (name and labels) on the node's metrics endpoint.
-async fn metric(vn: &VirtualNode, series: &str) -> u64 {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", vn.metrics_port))
-        .await
-        .unwrap();
-    stream
-        .write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
-        .await
-        .unwrap();
-    let mut text = String::new();
-    stream.read_to_string(&mut text).await.unwrap();
-    text.lines()
-        .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0)
-}
 
 /// Writes the node has sent to the lower cluster so far.
 async fn lower_writes(vn: &VirtualNode) -> u64 {

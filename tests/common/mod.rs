@@ -83,3 +83,31 @@ pub fn names(pods: &[Pod]) -> BTreeSet<String> {
         .filter_map(|p| p.metadata.name.clone())
         .collect()
 }
+
+/// The value of the series `series` (its name and labels, exactly as exposed) on the
+/// node's metrics endpoint. Panics when the endpoint does not export it, so an assertion
+/// on a renamed metric fails instead of reading 0.
+pub async fn metric(vn: &VirtualNode, series: &str) -> u64 {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", vn.metrics_port))
+        .await
+        .unwrap();
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await
+        .unwrap();
+    let mut text = String::new();
+    stream.read_to_string(&mut text).await.unwrap();
+    series_value(&text, series)
+        .unwrap_or_else(|| panic!("the metrics endpoint exports no series {series}"))
+}
+
+/// The value of `series` in a Prometheus text exposition, if it is there.
+fn series_value(text: &str, series: &str) -> Option<u64> {
+    text.lines().find_map(|line| {
+        let (name, value) = line.rsplit_once(' ')?;
+        (name == series)
+            .then(|| value.parse::<f64>().ok())?
+            .map(|v| v as u64)
+    })
+}
