@@ -1,6 +1,7 @@
 //! Controllers: one file per kind. They read from reflector stores and call the API only
 //! to change something; translation is delegated to the pure `translate` module.
 
+pub mod adopt;
 pub mod config;
 pub mod dependencies;
 pub mod events;

@@ -107,6 +107,14 @@ impl ClusterPair {
             .await
     }
 
+    /// Starts one more cluster beside the pair, e.g. a second upper cluster whose virtual
+    /// node shares the pair's lower cluster. Its state lives in the pair's directory under
+    /// `options.name` (which must differ from `upper` and `lower`); its processes end when
+    /// it is dropped, or with the test process.
+    pub async fn start_cluster(&self, options: ClusterOptions) -> Result<Cluster> {
+        Cluster::start(&self.binaries, options, &self.dir, &self.reaper).await
+    }
+
     pub(crate) fn reaper(&self) -> &Reaper {
         &self.reaper
     }
