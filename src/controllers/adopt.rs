@@ -136,17 +136,36 @@ where
         return Ok(());
     }
     // Only when there is something to adopt (an upgrade): the UIDs of this upper cluster's
-    // objects of the kind, metadata only.
-    let upper_uids: HashSet<String> = Api::<K>::all(upper.clone())
-        .list_metadata(&ListParams::default())
-        .await
-        .map_err(api_error(Side::Upper, "listing", kind_name, "*"))?
-        .items
-        .into_iter()
-        .filter_map(|o: PartialObjectMeta<K>| o.metadata.uid)
-        .collect();
+    // objects of the kind, metadata only; or, without the right to list them, each read.
+    let upper_all: Api<K> = Api::all(upper.clone());
+    let upper_uids: Option<HashSet<String>> =
+        match upper_all.list_metadata(&ListParams::default()).await {
+            Ok(list) => Some(
+                list.items
+                    .into_iter()
+                    .filter_map(|o: PartialObjectMeta<K>| o.metadata.uid)
+                    .collect(),
+            ),
+            Err(e) if is_status(&e, 403) => None,
+            Err(e) => return Err(api_error(Side::Upper, "listing", kind_name, "*")(e)),
+        };
     for object in unclaimed.items {
-        if !is_adoptable(&object.metadata, &upper_uids) {
+        let namespace = object.metadata.namespace.clone().unwrap_or_default();
+        let origin_here = match &upper_uids {
+            Some(uids) => is_adoptable(&object.metadata, uids),
+            None => {
+                let name = object.metadata.name.as_deref().unwrap_or_default();
+                let key = format!("{namespace}/{name}");
+                let origin = Api::<K>::namespaced(upper.clone(), &namespace)
+                    .get_metadata_opt(name)
+                    .await
+                    .map_err(api_error(Side::Upper, "reading", kind_name, &key))?;
+                let uids: HashSet<String> =
+                    origin.and_then(|o| o.metadata.uid).into_iter().collect();
+                is_adoptable(&object.metadata, &uids)
+            }
+        };
+        if !origin_here {
             *found.unknown_origin.entry(kind_name).or_default() += 1;
             continue;
         }
@@ -156,7 +175,6 @@ where
         ) else {
             continue;
         };
-        let namespace = object.metadata.namespace.clone().unwrap_or_default();
         let api: Api<K> = Api::namespaced(lower.clone(), &namespace);
         // The UID in the patch is a precondition: an object re-created meanwhile is not
         // marked.
