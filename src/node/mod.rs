@@ -167,8 +167,11 @@ pub async fn watch_capacity(
                 }
             }
         }
-        if nodes_synced && pods_synced {
-            let now = capacity.capacity();
+        // Only events that moved the sums produce an output to compare and publish.
+        if nodes_synced
+            && pods_synced
+            && let Some(now) = capacity.capacity_if_changed()
+        {
             tx.send_if_modified(|current| {
                 let changed = current.as_ref() != Some(&now);
                 if changed {
