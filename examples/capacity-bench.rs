@@ -1,4 +1,4 @@
-//! capacity-bench: what keeping the virtual node's capacity current costs per lower pod
+//! capacity-bench (`cargo run --release --example capacity-bench`): what keeping the virtual node's capacity current costs per lower pod
 //! event at scale. Builds a lower cluster's worth of nodes and pods (no API server: the
 //! cost measured is the fold, not the watch), feeds them to `LowerCapacity` as a relist
 //! would, then applies changed pods one at a time and reads the capacity after each, as
