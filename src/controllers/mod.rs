@@ -6,6 +6,8 @@ pub mod dependencies;
 pub mod events;
 pub mod gc;
 pub mod pod;
+pub mod presence;
+pub mod references;
 pub mod service;
 pub mod status;
 pub mod stores;
@@ -19,6 +21,8 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Client, Resource};
 
+use self::presence::PresenceCache;
+use self::references::References;
 use crate::metrics::Metrics;
 use crate::side::Side;
 use crate::translate::TranslateError;
@@ -131,9 +135,9 @@ pub struct Context {
     failures: Mutex<HashMap<String, u32>>,
     /// Lower dependencies recently seen to exist, so creating many pods that share one
     /// ConfigMap does not read it each time.
-    pub(crate) known_present: dependencies::PresenceCache,
+    pub(crate) known_present: PresenceCache,
     /// What each pod references, kept apart from the pod stores (which may be pruned).
-    pub(crate) references: config::References,
+    pub(crate) references: References,
 }
 
 impl Context {
@@ -159,8 +163,8 @@ impl Context {
             recorder,
             metrics,
             failures: Mutex::default(),
-            known_present: dependencies::PresenceCache::default(),
-            references: config::References::default(),
+            known_present: PresenceCache::default(),
+            references: References::default(),
         }
     }
 
