@@ -4,6 +4,7 @@
 pub mod config;
 pub mod dependencies;
 pub mod events;
+pub mod failure_backoff;
 pub mod gc;
 pub mod pod;
 pub mod presence;
@@ -13,14 +14,14 @@ pub mod status;
 pub mod stores;
 pub mod volume;
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Client, Resource};
 
+use self::failure_backoff::FailureBackoff;
 use self::presence::PresenceCache;
 use self::references::References;
 use crate::metrics::Metrics;
@@ -132,7 +133,7 @@ pub struct Context {
     /// Counters.
     pub metrics: Arc<Metrics>,
     /// Consecutive failures per object, for backoff.
-    failures: Mutex<HashMap<String, u32>>,
+    failures: Mutex<FailureBackoff>,
     /// Lower dependencies recently seen to exist, so creating many pods that share one
     /// ConfigMap does not read it each time.
     pub(crate) known_present: PresenceCache,
@@ -169,19 +170,17 @@ impl Context {
     }
 
     /// Records a failure of `key` and returns how long to wait before the next try:
-    /// 250 ms doubling up to 30 s.
+    /// 250 ms doubling up to 30 s (see [`FailureBackoff`], which also forgets objects that
+    /// stopped failing without a success, e.g. deleted ones).
     pub(crate) fn backoff(&self, key: &str) -> Duration {
         let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
-        let n = failures.entry(key.to_owned()).or_default();
-        *n = n.saturating_add(1);
-        let exp = (*n - 1).min(7);
-        Duration::from_millis(250 << exp).min(Duration::from_secs(30))
+        failures.failed(Instant::now(), key)
     }
 
     /// Forgets the failures of `key` after a success.
     pub(crate) fn succeeded(&self, key: &str) {
         let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
-        failures.remove(key);
+        failures.succeeded(key);
     }
 
     /// Publishes a Warning event about `object` in the upper cluster (deduplicated into a
