@@ -131,6 +131,8 @@ pub struct Metrics {
     pub lower_updates: Counter,
     /// Orphaned lower pods deleted.
     pub orphans_deleted: Counter,
+    /// Lower events not reflected up because the publish queue was full.
+    pub events_dropped: Counter,
     /// Whether every watch has synced and the node is registered.
     pub ready: AtomicBool,
 }
@@ -169,6 +171,11 @@ impl Metrics {
                 "tensile_orphans_deleted_total",
                 "Orphaned lower pods deleted.",
                 &self.orphans_deleted,
+            ),
+            (
+                "tensile_upper_events_dropped_total",
+                "Lower events not reflected up because the publish queue was full.",
+                &self.events_dropped,
             ),
         ] {
             let _ = writeln!(
