@@ -35,7 +35,7 @@ use super::stores::{
     MetaIndex, ObjectStream, Ready, Reflected, every, indexed, log_outcome, reflected,
 };
 use super::{Context, Error, api_error};
-use crate::api::{Deleted, delete_exact, is_status};
+use crate::api::{Deleted, Replaced, delete_exact, is_status, replace_exact};
 use crate::side::Side;
 use crate::translate::TranslateError;
 use crate::translate::config::{
@@ -256,21 +256,14 @@ async fn keep_in_step<K: Kept>(copy: &K, kc: &KindContext) -> Result<Action, Err
     if holds(copy, &desired) {
         return Ok(Action::await_change());
     }
-    match lower_api
-        .replace(
-            &name,
-            &PostParams::default(),
-            &replacement(copy, desired.clone()),
-        )
-        .await
-    {
-        Ok(_) => {
+    match replace_exact(&lower_api, &name, &replacement(copy, desired.clone())).await {
+        Ok(Replaced::Now) => {
             info!(object = %key, kind, cluster = "lower", "updated the copy from its upper original");
             Ok(Action::await_change())
         }
         // Changed meanwhile (or our store lags our own write): again on the newer copy.
-        Err(e) if is_status(&e, 409) => Ok(Action::requeue(Duration::from_millis(200))),
-        Err(e) if is_status(&e, 404) => Ok(Action::await_change()),
+        Ok(Replaced::Conflict) => Ok(Action::requeue(Duration::from_millis(200))),
+        Ok(Replaced::Gone) => Ok(Action::await_change()),
         // A field that cannot change in place (an immutable ConfigMap's data, a Secret's
         // type): make the copy anew.
         Err(e) if is_status(&e, 422) => {

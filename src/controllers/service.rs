@@ -33,7 +33,7 @@ use tracing::{debug, info, warn};
 use super::dependencies::ensure_namespace;
 use super::stores::{Ready, Reflected, every, log_outcome, reflected, tick_or_wake};
 use super::{Context, Error, api_error};
-use crate::api::{Deleted, delete_exact, is_status};
+use crate::api::{Deleted, Replaced, delete_exact, is_status, replace_exact};
 use crate::side::Side;
 use crate::translate::TranslateError;
 use crate::translate::meta::OWNER_NODE_LABEL;
@@ -405,16 +405,14 @@ async fn apply<K: Mirrored, U: Resource<DynamicType = ()>>(
     match update(&desired, current) {
         Update::InStep => Ok(Action::await_change()),
         Update::Replace(replacement) => {
-            match api
-                .replace(&name, &PostParams::default(), &replacement)
-                .await
-            {
-                Ok(_) => {
+            match replace_exact(&api, &name, &replacement).await {
+                Ok(Replaced::Now) => {
                     debug!(object = %key, kind, cluster = "lower", "updated");
                     Ok(Action::await_change())
                 }
-                Err(e) if is_status(&e, 409) => Ok(Action::requeue(Duration::from_millis(200))),
-                Err(e) if is_status(&e, 404) => Ok(Action::await_change()),
+                // Changed meanwhile: again on the newer copy.
+                Ok(Replaced::Conflict) => Ok(Action::requeue(Duration::from_millis(200))),
+                Ok(Replaced::Gone) => Ok(Action::await_change()),
                 Err(e) => Err(warn_if_refused(
                     ctx,
                     upper,
