@@ -12,7 +12,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Debug;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -34,6 +34,7 @@ use super::references::References;
 use super::stores::{
     MetaIndex, ObjectStream, Ready, Reflected, every, indexed, log_outcome, reflected,
 };
+use super::write_budget::{WriteBudget, upper_version};
 use super::{Context, Error, api_error};
 use crate::api::{Deleted, Replaced, delete_exact, is_status, replace_exact};
 use crate::side::Side;
@@ -156,6 +157,8 @@ struct KindContext {
     ctx: Arc<Context>,
     index: Arc<MetaIndex>,
     ready: Ready,
+    /// How often each copy may be rewritten while something below keeps editing it.
+    budget: Mutex<WriteBudget>,
 }
 
 async fn control<K: Kept>(
@@ -179,7 +182,12 @@ async fn control<K: Kept>(
         let copy = ObjectRef::<K>::new(&name).within(&namespace);
         copies.get(&copy).map(|_| copy)
     };
-    let kc = Arc::new(KindContext { ctx, index, ready });
+    let kc = Arc::new(KindContext {
+        ctx,
+        index,
+        ready,
+        budget: Mutex::default(),
+    });
     Controller::for_stream(lower.stream, lower.store)
         .watches_stream(upper, wake_copy)
         .reconcile_all_on(every(resync))
@@ -256,12 +264,20 @@ async fn keep_in_step<K: Kept>(copy: &K, kc: &KindContext) -> Result<Action, Err
     if holds(copy, &desired) {
         return Ok(Action::await_change());
     }
+    let source = upper_version(original.meta());
+    if let Some(wait) = ctx
+        .copy_write_delay(&kc.budget, kind, &key, &source, &original.object_ref(&()))
+        .await
+    {
+        return Ok(Action::requeue(wait));
+    }
     match replace_exact(&lower_api, &name, &replacement(copy, desired.clone())).await {
         Ok(Replaced::Now) => {
             info!(object = %key, kind, cluster = "lower", "updated the copy from its upper original");
             Ok(Action::await_change())
         }
-        // Changed meanwhile (or our store lags our own write): again on the newer copy.
+        // Changed meanwhile (or our store lags our own write): again on the newer copy,
+        // within the copy's write budget.
         Ok(Replaced::Conflict) => Ok(Action::requeue(Duration::from_millis(200))),
         Ok(Replaced::Gone) => Ok(Action::await_change()),
         // A field that cannot change in place (an immutable ConfigMap's data, a Secret's

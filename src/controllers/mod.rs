@@ -13,6 +13,7 @@ pub mod service;
 pub mod status;
 pub mod stores;
 pub mod volume;
+pub mod write_budget;
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -24,6 +25,7 @@ use kube::{Client, Resource};
 use self::failure_backoff::FailureBackoff;
 use self::presence::PresenceCache;
 use self::references::References;
+use self::write_budget::{Admission, LONGEST_DELAY, QUIET, WriteBudget};
 use crate::metrics::Metrics;
 use crate::side::Side;
 use crate::translate::TranslateError;
@@ -193,6 +195,43 @@ impl Context {
     ) {
         self.warn_on_ref(&object.object_ref(&()), reason, note)
             .await;
+    }
+
+    /// Spends the write budget of the lower copy `kind` `key` (see [`WriteBudget`]) for a
+    /// write from the upper version `source`. `None`: write now. `Some(wait)`: a lower
+    /// controller keeps editing the copy; try again after `wait`. The first time in an
+    /// episode, a Warning goes on `original` (the upper object the copy follows).
+    pub(crate) async fn copy_write_delay(
+        &self,
+        budget: &Mutex<WriteBudget>,
+        kind: &str,
+        key: &str,
+        source: &str,
+        original: &ObjectReference,
+    ) -> Option<Duration> {
+        let admission = budget.lock().unwrap_or_else(|e| e.into_inner()).admit(
+            Instant::now(),
+            &format!("{kind}/{key}"),
+            source,
+        );
+        let Admission::Wait { after, warn } = admission else {
+            return None;
+        };
+        self.metrics.copy_rewrites_deferred.inc();
+        if warn {
+            let note = format!(
+                "lower cluster: {kind} {key} keeps being changed by something other than \
+                 virtual node {node}; its rewrites from the upper {kind} are put off, up to \
+                 {longest}s apart, until it stays as written for {quiet}s",
+                node = self.node_name,
+                longest = LONGEST_DELAY.as_secs(),
+                quiet = QUIET.as_secs(),
+            );
+            tracing::warn!(object = %key, kind, cluster = "lower", wait = ?after,
+                "a lower copy keeps being changed below; putting off its rewrites");
+            self.warn_on_ref(original, "LowerCopyContested", note).await;
+        }
+        Some(after)
     }
 
     /// [`Context::warn_on`] for an object known only by reference.

@@ -11,7 +11,7 @@
 //! (Warning event on the upper Service).
 
 use std::fmt::Debug;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::channel::mpsc;
@@ -32,6 +32,7 @@ use tracing::{debug, info, warn};
 
 use super::dependencies::ensure_namespace;
 use super::stores::{Ready, Reflected, every, log_outcome, reflected, tick_or_wake};
+use super::write_budget::{WriteBudget, upper_version};
 use super::{Context, Error, api_error};
 use crate::api::{Deleted, Replaced, delete_exact, is_status, replace_exact};
 use crate::side::Side;
@@ -116,7 +117,8 @@ pub fn watches(ctx: &Context) -> ServiceWatches {
     }
 }
 
-/// What the three controllers and the sweep share: every store.
+/// What the three controllers and the sweep share: every store, and the copies' write
+/// budget.
 struct ServiceContext {
     ctx: Arc<Context>,
     upper_services: Store<Service>,
@@ -126,6 +128,8 @@ struct ServiceContext {
     upper_endpoints: Store<Endpoints>,
     lower_endpoints: Store<Endpoints>,
     ready: Ready,
+    /// How often each copy may be rewritten while something below keeps editing it.
+    budget: Mutex<WriteBudget>,
 }
 
 /// Runs the Service, EndpointSlice and Endpoints controllers and the orphan sweep until
@@ -155,6 +159,7 @@ pub async fn run(
         upper_endpoints: upper_endpoints.store.clone(),
         lower_endpoints: lower_endpoints.store.clone(),
         ready,
+        budget: Mutex::default(),
     });
 
     // A Service copy appearing (or changing) below wakes its endpoints: they wait for it,
@@ -257,7 +262,16 @@ async fn reconcile_service(upper: Arc<Service>, sc: Arc<ServiceContext>) -> Resu
         }
         Err(error) => return Err(error.into()),
     };
-    let result = apply(ctx, desired, current.as_deref(), &*upper, service_update).await;
+    let source = upper_version(&upper.metadata);
+    let result = apply(
+        &sc,
+        desired,
+        current.as_deref(),
+        &*upper,
+        &source,
+        service_update,
+    )
+    .await;
     if result.is_ok() {
         ctx.succeeded(&backoff_key(&*upper));
     }
@@ -307,11 +321,18 @@ async fn reconcile_slice(
     let current = sc
         .lower_slices
         .get(&ObjectRef::new(&upper.name_any()).within(&namespace));
+    // The copy follows the upper object and is owned by the lower Service.
+    let source = format!(
+        "{}/{}",
+        upper_version(&upper.metadata),
+        service.metadata.uid.as_deref().unwrap_or_default()
+    );
     let result = apply(
-        ctx,
+        &sc,
         desired,
         current.as_deref(),
         &*upper_service,
+        &source,
         endpoint_slice_update,
     )
     .await;
@@ -339,11 +360,18 @@ async fn reconcile_endpoints(
     let current = sc
         .lower_endpoints
         .get(&ObjectRef::new(&name).within(&namespace));
+    // The copy follows the upper object and is owned by the lower Service.
+    let source = format!(
+        "{}/{}",
+        upper_version(&upper.metadata),
+        service.metadata.uid.as_deref().unwrap_or_default()
+    );
     let result = apply(
-        ctx,
+        &sc,
         desired,
         current.as_deref(),
         &*upper_service,
+        &source,
         endpoints_update,
     )
     .await;
@@ -370,24 +398,34 @@ impl Mirrored for Service {}
 impl Mirrored for EndpointSlice {}
 impl Mirrored for Endpoints {}
 
-/// Brings the lower copy to `desired`: creates it (with its namespace) when missing,
-/// replaces it when it differs, re-creates it when it cannot change in place. A lower
+/// Brings the lower copy to `desired` (made from the upper version `source`): creates it
+/// (with its namespace) when missing, replaces it when it differs, re-creates it when it
+/// cannot change in place; creates and replaces spend the copy's write budget. A lower
 /// object of that name that is not this node's is left alone: silently when another
 /// virtual node mirrors the same upper object, with a Warning on `upper` otherwise.
 async fn apply<K: Mirrored, U: Resource<DynamicType = ()>>(
-    ctx: &Context,
+    sc: &ServiceContext,
     desired: K,
     current: Option<&K>,
     upper: &U,
+    source: &str,
     update: fn(&K, &K) -> Update<K>,
 ) -> Result<Action, Error> {
+    let ctx = &sc.ctx;
     let kind = <K as k8s_openapi::Resource>::KIND;
     let namespace = desired.namespace().unwrap_or_default();
     let name = desired.name_any();
     let key = format!("{namespace}/{name}");
     let api: Api<K> = Api::namespaced(ctx.lower.clone(), &namespace);
+    let write_delay = || async {
+        ctx.copy_write_delay(&sc.budget, kind, &key, source, &upper.object_ref(&()))
+            .await
+    };
     let Some(current) = current else {
         ensure_namespace(ctx, &namespace).await?;
+        if let Some(wait) = write_delay().await {
+            return Ok(Action::requeue(wait));
+        }
         return match api.create(&PostParams::default(), &desired).await {
             Ok(_) => {
                 info!(object = %key, kind, cluster = "lower", "mirrored");
@@ -405,12 +443,15 @@ async fn apply<K: Mirrored, U: Resource<DynamicType = ()>>(
     match update(&desired, current) {
         Update::InStep => Ok(Action::await_change()),
         Update::Replace(replacement) => {
+            if let Some(wait) = write_delay().await {
+                return Ok(Action::requeue(wait));
+            }
             match replace_exact(&api, &name, &replacement).await {
                 Ok(Replaced::Now) => {
                     debug!(object = %key, kind, cluster = "lower", "updated");
                     Ok(Action::await_change())
                 }
-                // Changed meanwhile: again on the newer copy.
+                // Changed meanwhile: again on the newer copy, within its write budget.
                 Ok(Replaced::Conflict) => Ok(Action::requeue(Duration::from_millis(200))),
                 Ok(Replaced::Gone) => Ok(Action::await_change()),
                 Err(e) => Err(warn_if_refused(
