@@ -3,7 +3,8 @@
 
 use std::fmt::Debug;
 
-use kube::api::{Api, DeleteParams, Preconditions};
+use kube::api::{Api, DeleteParams, PostParams, Preconditions};
+use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 /// Whether an API error carries the HTTP status `code` (404, 409, 429…).
@@ -45,5 +46,70 @@ where
         Ok(_) => Ok(Deleted::Now),
         Err(e) if is_status(&e, 404) || is_status(&e, 409) => Ok(Deleted::AlreadyGone),
         Err(e) => Err(e),
+    }
+}
+
+/// What a [`replace_exact`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Replaced {
+    /// This call replaced the object.
+    Now,
+    /// The object changed since it was read (another resourceVersion), or the name now
+    /// belongs to another object (another UID): read it again and decide anew.
+    Conflict,
+    /// The object is gone: its deletion wakes whoever made it.
+    Gone,
+}
+
+/// Replaces `name` with `object`, which must carry the resourceVersion and UID of the
+/// object it was made from (an optimistic, exact write: nothing changed or re-created
+/// meanwhile is overwritten). A 409 is [`Replaced::Conflict`], a 404 [`Replaced::Gone`];
+/// any other error (a 422 for a field that cannot change in place…) is returned.
+pub async fn replace_exact<K>(api: &Api<K>, name: &str, object: &K) -> Result<Replaced, kube::Error>
+where
+    K: Clone + DeserializeOwned + Serialize + Debug,
+{
+    replaced(api.replace(name, &PostParams::default(), object).await)
+}
+
+/// The [`Replaced`] outcome of a replace call's result.
+pub fn replaced<K>(result: Result<K, kube::Error>) -> Result<Replaced, kube::Error> {
+    match result {
+        Ok(_) => Ok(Replaced::Now),
+        Err(e) if is_status(&e, 409) => Ok(Replaced::Conflict),
+        Err(e) if is_status(&e, 404) => Ok(Replaced::Gone),
+        Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::core::Status;
+
+    fn status(code: u16) -> kube::Error {
+        kube::Error::Api(
+            Status::failure(&format!("status {code}"), "")
+                .with_code(code)
+                .boxed(),
+        )
+    }
+
+    #[test]
+    fn replace_outcomes() {
+        let cases: [(Result<(), kube::Error>, Option<Replaced>); 5] = [
+            (Ok(()), Some(Replaced::Now)),
+            (Err(status(409)), Some(Replaced::Conflict)),
+            (Err(status(404)), Some(Replaced::Gone)),
+            (Err(status(422)), None),
+            (Err(status(500)), None),
+        ];
+        for (result, expected) in cases {
+            let got = replaced(result);
+            match expected {
+                Some(outcome) => assert_eq!(got.ok(), Some(outcome)),
+                None => assert!(got.is_err(), "an error the caller handles"),
+            }
+        }
     }
 }

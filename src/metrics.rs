@@ -131,6 +131,11 @@ pub struct Metrics {
     pub lower_updates: Counter,
     /// Orphaned lower pods deleted.
     pub orphans_deleted: Counter,
+    /// Rewrites of lower copies put off by their write budget (a lower controller keeps
+    /// editing them).
+    pub copy_rewrites_deferred: Counter,
+    /// Lower events not reflected up because the publish queue was full.
+    pub events_dropped: Counter,
     /// Whether every watch has synced and the node is registered.
     pub ready: AtomicBool,
 }
@@ -169,6 +174,16 @@ impl Metrics {
                 "tensile_orphans_deleted_total",
                 "Orphaned lower pods deleted.",
                 &self.orphans_deleted,
+            ),
+            (
+                "tensile_lower_copy_rewrites_deferred_total",
+                "Rewrites of lower copies put off because something below keeps editing them.",
+                &self.copy_rewrites_deferred,
+            ),
+            (
+                "tensile_upper_events_dropped_total",
+                "Lower events not reflected up because the publish queue was full.",
+                &self.events_dropped,
             ),
         ] {
             let _ = writeln!(

@@ -30,11 +30,13 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::pod::PodStores;
+use super::references::References;
 use super::stores::{
     MetaIndex, ObjectStream, Ready, Reflected, every, indexed, log_outcome, reflected,
 };
+use super::write_budget::{WriteBudget, upper_version};
 use super::{Context, Error, api_error};
-use crate::api::{Deleted, delete_exact, is_status};
+use crate::api::{Deleted, Replaced, delete_exact, is_status, replace_exact};
 use crate::side::Side;
 use crate::translate::TranslateError;
 use crate::translate::config::{
@@ -155,6 +157,8 @@ struct KindContext {
     ctx: Arc<Context>,
     index: Arc<MetaIndex>,
     ready: Ready,
+    /// How often each copy may be rewritten while something below keeps editing it.
+    budget: Mutex<WriteBudget>,
 }
 
 async fn control<K: Kept>(
@@ -178,7 +182,12 @@ async fn control<K: Kept>(
         let copy = ObjectRef::<K>::new(&name).within(&namespace);
         copies.get(&copy).map(|_| copy)
     };
-    let kc = Arc::new(KindContext { ctx, index, ready });
+    let kc = Arc::new(KindContext {
+        ctx,
+        index,
+        ready,
+        budget: Mutex::default(),
+    });
     Controller::for_stream(lower.stream, lower.store)
         .watches_stream(upper, wake_copy)
         .reconcile_all_on(every(resync))
@@ -255,21 +264,22 @@ async fn keep_in_step<K: Kept>(copy: &K, kc: &KindContext) -> Result<Action, Err
     if holds(copy, &desired) {
         return Ok(Action::await_change());
     }
-    match lower_api
-        .replace(
-            &name,
-            &PostParams::default(),
-            &replacement(copy, desired.clone()),
-        )
+    let source = upper_version(original.meta());
+    if let Some(wait) = ctx
+        .copy_write_delay(&kc.budget, kind, &key, &source, &original.object_ref(&()))
         .await
     {
-        Ok(_) => {
+        return Ok(Action::requeue(wait));
+    }
+    match replace_exact(&lower_api, &name, &replacement(copy, desired.clone())).await {
+        Ok(Replaced::Now) => {
             info!(object = %key, kind, cluster = "lower", "updated the copy from its upper original");
             Ok(Action::await_change())
         }
-        // Changed meanwhile (or our store lags our own write): again on the newer copy.
-        Err(e) if is_status(&e, 409) => Ok(Action::requeue(Duration::from_millis(200))),
-        Err(e) if is_status(&e, 404) => Ok(Action::await_change()),
+        // Changed meanwhile (or our store lags our own write): again on the newer copy,
+        // within the copy's write budget.
+        Ok(Replaced::Conflict) => Ok(Action::requeue(Duration::from_millis(200))),
+        Ok(Replaced::Gone) => Ok(Action::await_change()),
         // A field that cannot change in place (an immutable ConfigMap's data, a Secret's
         // type): make the copy anew.
         Err(e) if is_status(&e, 422) => {
@@ -322,51 +332,6 @@ async fn delete_copy<K: Kept>(
 
 fn error_policy<K: Kept>(copy: Arc<K>, _error: &Error, kc: Arc<KindContext>) -> Action {
     Action::requeue(kc.ctx.backoff(&backoff_key(&*copy)))
-}
-
-/// What each pod references, by pod `namespace/name`: recorded from the full pod when its
-/// dependencies are ensured (and from lower pods listed when unknown, e.g. after a
-/// restart), because the pod stores may keep only what the pod controller needs.
-/// A pod's references cannot change (volumes and env are immutable).
-#[derive(Default)]
-pub struct References(Mutex<HashMap<(String, String), BTreeSet<Reference>>>);
-
-impl References {
-    /// Records what `pod` (a full pod) references.
-    pub(crate) fn record(&self, pod: &Pod, with_service_account: bool) {
-        let (Some(namespace), Some(name)) = (pod.namespace(), pod.metadata.name.clone()) else {
-            return;
-        };
-        let found = referenced(std::iter::once(pod), with_service_account);
-        self.lock().insert((namespace, name), found);
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), BTreeSet<Reference>>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// What the present pods reference as far as known, and the namespaces holding a
-    /// pod whose references are unknown. Forgets pods no longer present. `pods` lists the
-    /// present pods (`namespace`, `name`), `is_present` answers for one; neither builds a
-    /// copy of ten thousand names.
-    fn resolve<'a>(
-        &self,
-        pods: impl Iterator<Item = (&'a str, &'a str)>,
-        is_present: impl Fn(&str, &str) -> bool,
-    ) -> (BTreeSet<Reference>, BTreeSet<String>) {
-        let mut map = self.lock();
-        map.retain(|(namespace, name), _| is_present(namespace, name));
-        let known = map.values().flatten().cloned().collect();
-        let mut unknown = BTreeSet::new();
-        for (namespace, name) in pods {
-            if !unknown.contains(namespace)
-                && !map.contains_key(&(namespace.to_owned(), name.to_owned()))
-            {
-                unknown.insert(namespace.to_owned());
-            }
-        }
-        (known, unknown)
-    }
 }
 
 /// [`References::resolve`] over the pods in the two stores.
@@ -518,52 +483,4 @@ async fn remove_in(
         }
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::translate::deps::DependencyKind;
-    use serde_json::json;
-
-    fn pod(namespace: &str, name: &str, config_map: &str) -> Pod {
-        serde_json::from_value(json!({
-            "metadata": {"name": name, "namespace": namespace},
-            "spec": {"containers": [{"name": "c"}],
-                     "volumes": [{"name": "v", "configMap": {"name": config_map}}]},
-        }))
-        .unwrap()
-    }
-
-    #[test]
-    fn references_survive_pruned_stores_and_forget_departed_pods() {
-        let references = References::default();
-        references.record(&pod("a", "p1", "settings"), true);
-        references.record(&pod("a", "p2", "other"), true);
-        let resolve = |present: &[(&'static str, &'static str)]| {
-            references.resolve(present.iter().copied(), |ns, name| {
-                present.contains(&(ns, name))
-            })
-        };
-        let (known, unknown) = resolve(&[("a", "p1"), ("b", "unknown")]);
-        assert_eq!(
-            known,
-            [(
-                DependencyKind::ConfigMap,
-                "a".to_owned(),
-                "settings".to_owned()
-            )]
-            .into()
-        );
-        assert_eq!(unknown, ["b".to_owned()].into(), "nothing goes there yet");
-        // p2 was not present: forgotten, so once listed again its references are unknown.
-        let (known, unknown) = resolve(&[("a", "p1"), ("a", "p2")]);
-        assert_eq!(
-            unknown,
-            ["a".to_owned()].into(),
-            "p2's references are unknown now"
-        );
-        assert_eq!(known.len(), 1);
-        assert!(known.iter().all(|(_, _, name)| name == "settings"));
-    }
 }

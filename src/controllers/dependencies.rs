@@ -3,9 +3,7 @@
 //! upper original only when missing; an existing lower object (ours or not) is used as it
 //! is and never overwritten.
 
-use std::collections::HashMap;
 use std::fmt::Debug;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::NamespaceResourceScope;
@@ -26,36 +24,6 @@ use crate::translate::deps::{
     Dependency, DependencyKind, lower_namespace, lower_pvc, lower_service_account, pod_dependencies,
 };
 use crate::translate::meta::OWNER_NODE_LABEL;
-
-/// How long a lower object seen to exist is trusted without reading it again.
-const PRESENCE_TTL: Duration = Duration::from_secs(30);
-
-/// Lower objects recently seen to exist, by `kind/namespace/name`.
-#[derive(Default)]
-pub struct PresenceCache(Mutex<HashMap<String, Instant>>);
-
-impl PresenceCache {
-    fn contains(&self, key: &str) -> bool {
-        let map = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        map.get(key)
-            .is_some_and(|seen| seen.elapsed() < PRESENCE_TTL)
-    }
-
-    /// Drops `kind/namespace/name`, so the next pod needing it checks the lower cluster
-    /// again (called when tensile deletes a lower copy).
-    pub(crate) fn forget(&self, kind: &str, namespace: &str, name: &str) {
-        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        map.remove(&format!("{kind}/{namespace}/{name}"));
-    }
-
-    fn insert(&self, key: String) {
-        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if map.len() > 10_000 {
-            map.retain(|_, seen| seen.elapsed() < PRESENCE_TTL);
-        }
-        map.insert(key, Instant::now());
-    }
-}
 
 /// Ensures everything `pod` needs exists in the lower cluster. Fails naming every missing
 /// upper object at once.

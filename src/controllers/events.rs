@@ -6,26 +6,30 @@
 //! event series. Always on.
 //!
 //! It reads the lower events as a stream (no store: events are many and short-lived) and
-//! the pod stores the pod controller keeps.
+//! the pod stores the pod controller keeps. The watch only decides; a separate publisher
+//! writes to the upper cluster from a bounded queue.
 
 use std::pin::pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Event as LowerEvent;
+use k8s_openapi::api::core::v1::{Event as LowerEvent, ObjectReference};
 use k8s_openapi::jiff::Timestamp;
 use kube::Resource;
 use kube::api::Api;
 use kube::runtime::events::{Event, EventType};
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{WatchStreamExt, watcher};
+use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use super::Context;
 use super::pod::PodStores;
-use crate::translate::events::{EventGate, Verdict, last_seen, occurrences, reflection};
+use crate::translate::events::{
+    EventGate, PendingEvents, Verdict, last_seen, occurrences, reflection,
+};
 
 /// Events a pod may get at once.
 pub const BURST: u32 = 10;
@@ -37,12 +41,50 @@ const STARTUP_SLACK_SECONDS: i64 = 60;
 /// How long a reflected event is remembered (the API server keeps events an hour).
 const REMEMBER: Duration = Duration::from_secs(3600);
 
-/// Runs until `shutdown`, once both pod stores are synced.
+/// Reflections waiting for the upper API server, at most this many.
+pub const QUEUE_CAPACITY: usize = 1000;
+
+/// One reflection, decided and ready to publish.
+struct Outgoing {
+    /// `namespace/name` of the pod, for logs.
+    pod: String,
+    reference: ObjectReference,
+    event: Event,
+}
+
+/// The queue between the watch, which decides, and the publisher, which writes upstream.
+struct Outbox {
+    pending: Mutex<PendingEvents<Outgoing>>,
+    added: Notify,
+}
+
+impl Outbox {
+    fn lock(&self) -> std::sync::MutexGuard<'_, PendingEvents<Outgoing>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Runs until `shutdown`, once both pod stores are synced: the watch of lower events and
+/// the publisher of their reflections, apart, so a slow upper API server never holds up
+/// the watch (a full queue drops its oldest reflection, counted in
+/// `tensile_upper_events_dropped_total`).
 pub async fn run(ctx: Arc<Context>, pods: PodStores, shutdown: CancellationToken) {
     tokio::select! {
         () = shutdown.cancelled() => return,
         synced = pods.synced.wait() => if synced.is_err() { return },
     }
+    let outbox = Outbox {
+        pending: Mutex::new(PendingEvents::new(QUEUE_CAPACITY)),
+        added: Notify::new(),
+    };
+    tokio::join!(
+        watch(&ctx, &pods, &outbox, &shutdown),
+        publish(&ctx, &outbox, &shutdown)
+    );
+}
+
+/// Watches lower events about pods and queues the reflections the gate lets through.
+async fn watch(ctx: &Context, pods: &PodStores, outbox: &Outbox, shutdown: &CancellationToken) {
     let started = Timestamp::now().as_second();
     let api: Api<LowerEvent> = if ctx.namespace.is_empty() {
         Api::all(ctx.lower.clone())
@@ -59,53 +101,81 @@ pub async fn run(ctx: Arc<Context>, pods: PodStores, shutdown: CancellationToken
     let mut gate = EventGate::new(BURST, REFILL);
     let mut prune = tokio::time::interval(Duration::from_secs(300));
     loop {
-        tokio::select! {
+        let event = tokio::select! {
             () = shutdown.cancelled() => return,
-            _ = prune.tick() => gate.forget_older_than(Instant::now(), REMEMBER),
+            _ = prune.tick() => {
+                gate.forget_older_than(Instant::now(), REMEMBER);
+                continue;
+            }
             item = events.next() => match item {
                 None => return,
-                Some(Err(error)) => debug!(%error, cluster = "lower", "watching events"),
-                Some(Ok(watcher::Event::Apply(event) | watcher::Event::InitApply(event))) => {
-                    reflect(&ctx, &pods, &mut gate, &event, started).await;
+                Some(Err(error)) => {
+                    debug!(%error, cluster = "lower", "watching events");
+                    continue;
                 }
-                Some(Ok(_)) => {}
+                Some(Ok(watcher::Event::Apply(event) | watcher::Event::InitApply(event))) => event,
+                Some(Ok(_)) => continue,
             },
+        };
+        let Some(outgoing) = reflect(pods, &mut gate, &event, started) else {
+            continue;
+        };
+        let dropped = outbox.lock().push(outgoing);
+        outbox.added.notify_one();
+        if let Some(dropped) = dropped {
+            ctx.metrics.events_dropped.inc();
+            debug!(pod = %dropped.pod, reason = %dropped.event.reason, cluster = "upper",
+                "the upper API server is behind; dropped a lower event");
         }
     }
 }
 
-/// Publishes `event` on the upper pod of the lower pod it is about, if that pod is this
-/// node's and the gate lets it through.
-async fn reflect(
-    ctx: &Context,
+/// Publishes queued reflections one at a time until `shutdown`.
+async fn publish(ctx: &Context, outbox: &Outbox, shutdown: &CancellationToken) {
+    loop {
+        let next = outbox.lock().pop();
+        let Some(outgoing) = next else {
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = outbox.added.notified() => continue,
+            }
+        };
+        let Outgoing {
+            pod,
+            reference,
+            event,
+        } = outgoing;
+        let published = tokio::select! {
+            () = shutdown.cancelled() => return,
+            published = ctx.recorder.publish(&event, &reference) => published,
+        };
+        match published {
+            Ok(()) => debug!(%pod, reason = %event.reason, "reflected a lower event"),
+            Err(error) => debug!(%pod, %error, cluster = "upper", "reflecting a lower event"),
+        }
+    }
+}
+
+/// The reflection of `event` on the upper pod of the lower pod it is about, if that pod
+/// is this node's and the gate lets it through.
+fn reflect(
     pods: &PodStores,
     gate: &mut EventGate,
     event: &LowerEvent,
     started: i64,
-) {
+) -> Option<Outgoing> {
     let about = &event.involved_object;
-    let (Some(namespace), Some(name)) = (about.namespace.as_deref(), about.name.as_deref()) else {
-        return;
-    };
-    let Some(lower) = pods.lower.get(&ObjectRef::new(name).within(namespace)) else {
-        return;
-    };
+    let (namespace, name) = (about.namespace.as_deref()?, about.name.as_deref()?);
+    let lower = pods.lower.get(&ObjectRef::new(name).within(namespace))?;
     if about.uid.is_some() && about.uid != lower.metadata.uid {
-        return; // about an earlier pod of this name
+        return None; // about an earlier pod of this name
     }
-    let Some(origin) = lower.upper_uid() else {
-        return;
-    };
-    let Some(upper) = pods
+    let origin = lower.upper_uid()?;
+    let upper = pods
         .upper
         .get(&ObjectRef::new(name).within(namespace))
-        .filter(|u| u.metadata.uid.as_deref() == Some(origin))
-    else {
-        return;
-    };
-    let Some(reflected) = reflection(event) else {
-        return;
-    };
+        .filter(|u| u.metadata.uid.as_deref() == Some(origin))?;
+    let reflected = reflection(event)?;
     let id = event
         .metadata
         .uid
@@ -116,32 +186,33 @@ async fn reflect(
     let now = Instant::now();
     if last_seen(event).is_some_and(|t| t.as_second() < started - STARTUP_SLACK_SECONDS) {
         gate.remember(now, &id, count);
-        return;
+        return None;
     }
     let pod = format!("{namespace}/{name}");
     match gate.admit(now, &pod, &id, count) {
         Verdict::Publish => {}
-        Verdict::Duplicate => return,
+        Verdict::Duplicate => return None,
         Verdict::RateLimited => {
             debug!(%pod, reason = %reflected.reason, "rate-limited a lower event");
-            return;
+            return None;
         }
     }
     let mut reference = upper.object_ref(&());
     reference.field_path = reflected.field_path.clone();
-    let published = Event {
+    let event = Event {
         type_: if reflected.warning {
             EventType::Warning
         } else {
             EventType::Normal
         },
-        reason: reflected.reason.clone(),
+        reason: reflected.reason,
         note: Some(reflected.note),
         action: reflected.action,
         secondary: None,
     };
-    match ctx.recorder.publish(&published, &reference).await {
-        Ok(()) => debug!(%pod, reason = %reflected.reason, "reflected a lower event"),
-        Err(error) => debug!(%pod, %error, cluster = "upper", "reflecting a lower event"),
-    }
+    Some(Outgoing {
+        pod,
+        reference,
+        event,
+    })
 }

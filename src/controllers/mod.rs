@@ -5,21 +5,28 @@ pub mod adopt;
 pub mod config;
 pub mod dependencies;
 pub mod events;
+pub mod failure_backoff;
 pub mod gc;
 pub mod pod;
+pub mod presence;
+pub mod references;
 pub mod service;
 pub mod status;
 pub mod stores;
 pub mod volume;
+pub mod write_budget;
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Client, Resource};
 
+use self::failure_backoff::FailureBackoff;
+use self::presence::PresenceCache;
+use self::references::References;
+use self::write_budget::{Admission, LONGEST_DELAY, QUIET, WriteBudget};
 use crate::metrics::Metrics;
 use crate::side::Side;
 use crate::translate::TranslateError;
@@ -129,12 +136,12 @@ pub struct Context {
     /// Counters.
     pub metrics: Arc<Metrics>,
     /// Consecutive failures per object, for backoff.
-    failures: Mutex<HashMap<String, u32>>,
+    failures: Mutex<FailureBackoff>,
     /// Lower dependencies recently seen to exist, so creating many pods that share one
     /// ConfigMap does not read it each time.
-    pub(crate) known_present: dependencies::PresenceCache,
+    pub(crate) known_present: PresenceCache,
     /// What each pod references, kept apart from the pod stores (which may be pruned).
-    pub(crate) references: config::References,
+    pub(crate) references: References,
 }
 
 impl Context {
@@ -160,25 +167,23 @@ impl Context {
             recorder,
             metrics,
             failures: Mutex::default(),
-            known_present: dependencies::PresenceCache::default(),
-            references: config::References::default(),
+            known_present: PresenceCache::default(),
+            references: References::default(),
         }
     }
 
     /// Records a failure of `key` and returns how long to wait before the next try:
-    /// 250 ms doubling up to 30 s.
+    /// 250 ms doubling up to 30 s (see [`FailureBackoff`], which also forgets objects that
+    /// stopped failing without a success, e.g. deleted ones).
     pub(crate) fn backoff(&self, key: &str) -> Duration {
         let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
-        let n = failures.entry(key.to_owned()).or_default();
-        *n = n.saturating_add(1);
-        let exp = (*n - 1).min(7);
-        Duration::from_millis(250 << exp).min(Duration::from_secs(30))
+        failures.failed(Instant::now(), key)
     }
 
     /// Forgets the failures of `key` after a success.
     pub(crate) fn succeeded(&self, key: &str) {
         let mut failures = self.failures.lock().unwrap_or_else(|e| e.into_inner());
-        failures.remove(key);
+        failures.succeeded(key);
     }
 
     /// Publishes a Warning event about `object` in the upper cluster (deduplicated into a
@@ -191,6 +196,43 @@ impl Context {
     ) {
         self.warn_on_ref(&object.object_ref(&()), reason, note)
             .await;
+    }
+
+    /// Spends the write budget of the lower copy `kind` `key` (see [`WriteBudget`]) for a
+    /// write from the upper version `source`. `None`: write now. `Some(wait)`: a lower
+    /// controller keeps editing the copy; try again after `wait`. The first time in an
+    /// episode, a Warning goes on `original` (the upper object the copy follows).
+    pub(crate) async fn copy_write_delay(
+        &self,
+        budget: &Mutex<WriteBudget>,
+        kind: &str,
+        key: &str,
+        source: &str,
+        original: &ObjectReference,
+    ) -> Option<Duration> {
+        let admission = budget.lock().unwrap_or_else(|e| e.into_inner()).admit(
+            Instant::now(),
+            &format!("{kind}/{key}"),
+            source,
+        );
+        let Admission::Wait { after, warn } = admission else {
+            return None;
+        };
+        self.metrics.copy_rewrites_deferred.inc();
+        if warn {
+            let note = format!(
+                "lower cluster: {kind} {key} keeps being changed by something other than \
+                 virtual node {node}; its rewrites from the upper {kind} are put off, up to \
+                 {longest}s apart, until it stays as written for {quiet}s",
+                node = self.node_name,
+                longest = LONGEST_DELAY.as_secs(),
+                quiet = QUIET.as_secs(),
+            );
+            tracing::warn!(object = %key, kind, cluster = "lower", wait = ?after,
+                "a lower copy keeps being changed below; putting off its rewrites");
+            self.warn_on_ref(original, "LowerCopyContested", note).await;
+        }
+        Some(after)
     }
 
     /// [`Context::warn_on`] for an object known only by reference.

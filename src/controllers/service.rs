@@ -11,7 +11,7 @@
 //! (Warning event on the upper Service).
 
 use std::fmt::Debug;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::channel::mpsc;
@@ -32,8 +32,9 @@ use tracing::{debug, info, warn};
 
 use super::dependencies::ensure_namespace;
 use super::stores::{Ready, Reflected, every, log_outcome, reflected, tick_or_wake};
+use super::write_budget::{WriteBudget, upper_version};
 use super::{Context, Error, api_error};
-use crate::api::{Deleted, delete_exact, is_status};
+use crate::api::{Deleted, Replaced, delete_exact, is_status, replace_exact};
 use crate::side::Side;
 use crate::translate::TranslateError;
 use crate::translate::meta::OWNER_NODE_LABEL;
@@ -116,8 +117,9 @@ pub fn watches(ctx: &Context) -> ServiceWatches {
     }
 }
 
-/// What the three controllers and the sweep share: every store.
-struct Shared {
+/// What the three controllers and the sweep share: every store, and the copies' write
+/// budget.
+struct ServiceContext {
     ctx: Arc<Context>,
     upper_services: Store<Service>,
     lower_services: Store<Service>,
@@ -126,6 +128,8 @@ struct Shared {
     upper_endpoints: Store<Endpoints>,
     lower_endpoints: Store<Endpoints>,
     ready: Ready,
+    /// How often each copy may be rewritten while something below keeps editing it.
+    budget: Mutex<WriteBudget>,
 }
 
 /// Runs the Service, EndpointSlice and Endpoints controllers and the orphan sweep until
@@ -146,7 +150,7 @@ pub async fn run(
         deleted,
         ready,
     } = watches;
-    let shared = Arc::new(Shared {
+    let sc = Arc::new(ServiceContext {
         ctx: ctx.clone(),
         upper_services: upper_services.store.clone(),
         lower_services: lower_services.store.clone(),
@@ -155,6 +159,7 @@ pub async fn run(
         upper_endpoints: upper_endpoints.store.clone(),
         lower_endpoints: lower_endpoints.store.clone(),
         ready,
+        budget: Mutex::default(),
     });
 
     // A Service copy appearing (or changing) below wakes its endpoints: they wait for it,
@@ -183,43 +188,33 @@ pub async fn run(
     });
 
     let services = Controller::for_stream(upper_services.stream, upper_services.store.clone())
-        .watches_stream(lower_service_events, same_name::<Service, Service>)
+        .watches_stream(lower_service_events, original_of::<Service>)
         .reconcile_all_on(every(resync))
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
-        .run(reconcile_service, error_policy::<Service>, shared.clone())
+        .run(reconcile_service, error_policy::<Service>, sc.clone())
         .for_each(|result| log_outcome("service reconcile", result));
     let slices = Controller::for_stream(upper_slices.stream, upper_slices.store.clone())
-        .watches_stream(
-            lower_slices.stream,
-            same_name::<EndpointSlice, EndpointSlice>,
-        )
+        .watches_stream(lower_slices.stream, original_of::<EndpointSlice>)
         .reconcile_on(slice_rx)
         .reconcile_all_on(every(resync))
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
-        .run(
-            reconcile_slice,
-            error_policy::<EndpointSlice>,
-            shared.clone(),
-        )
+        .run(reconcile_slice, error_policy::<EndpointSlice>, sc.clone())
         .for_each(|result| log_outcome("service reconcile", result));
     let endpoints = Controller::for_stream(upper_endpoints.stream, upper_endpoints.store.clone())
-        .watches_stream(lower_endpoints.stream, same_name::<Endpoints, Endpoints>)
+        .watches_stream(lower_endpoints.stream, original_of::<Endpoints>)
         .reconcile_on(endpoints_rx)
         .reconcile_all_on(every(resync))
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
-        .run(
-            reconcile_endpoints,
-            error_policy::<Endpoints>,
-            shared.clone(),
-        )
+        .run(reconcile_endpoints, error_policy::<Endpoints>, sc.clone())
         .for_each(|result| log_outcome("service reconcile", result));
-    let sweep = remove_orphans(shared, deleted, shutdown);
+    let sweep = remove_orphans(sc, deleted, shutdown);
     tokio::join!(services, slices, endpoints, sweep);
 }
 
-/// The object of kind `To` with the same namespace and name as `from`.
-fn same_name<From: Resource, To: Resource<DynamicType = ()>>(from: From) -> Option<ObjectRef<To>> {
-    Some(ObjectRef::new(&from.meta().name.clone()?).within(&from.meta().namespace.clone()?))
+/// The upper original of a lower copy: the object of its kind with the copy's namespace
+/// and name.
+fn original_of<K: Resource<DynamicType = ()>>(copy: K) -> Option<ObjectRef<K>> {
+    Some(ObjectRef::new(&copy.meta().name.clone()?).within(&copy.meta().namespace.clone()?))
 }
 
 fn backoff_key<K: k8s_openapi::Resource + ResourceExt>(object: &K) -> String {
@@ -234,20 +229,20 @@ fn backoff_key<K: k8s_openapi::Resource + ResourceExt>(object: &K) -> String {
 fn error_policy<K: k8s_openapi::Resource + ResourceExt>(
     object: Arc<K>,
     _error: &Error,
-    shared: Arc<Shared>,
+    sc: Arc<ServiceContext>,
 ) -> Action {
-    Action::requeue(shared.ctx.backoff(&backoff_key(&*object)))
+    Action::requeue(sc.ctx.backoff(&backoff_key(&*object)))
 }
 
-async fn reconcile_service(upper: Arc<Service>, shared: Arc<Shared>) -> Result<Action, Error> {
-    shared.ready.wait().await?;
-    let ctx = &shared.ctx;
+async fn reconcile_service(upper: Arc<Service>, sc: Arc<ServiceContext>) -> Result<Action, Error> {
+    sc.ready.wait().await?;
+    let ctx = &sc.ctx;
     let namespace = upper.namespace().unwrap_or_default();
     let name = upper.name_any();
     if !is_mirrored_service(&namespace, &name) {
         return Ok(Action::await_change());
     }
-    let current = shared
+    let current = sc
         .lower_services
         .get(&ObjectRef::new(&name).within(&namespace));
     if upper.metadata.deletion_timestamp.is_some() {
@@ -267,7 +262,16 @@ async fn reconcile_service(upper: Arc<Service>, shared: Arc<Shared>) -> Result<A
         }
         Err(error) => return Err(error.into()),
     };
-    let result = apply(ctx, desired, current.as_deref(), &*upper, service_update).await;
+    let source = upper_version(&upper.metadata);
+    let result = apply(
+        &sc,
+        desired,
+        current.as_deref(),
+        &*upper,
+        &source,
+        service_update,
+    )
+    .await;
     if result.is_ok() {
         ctx.succeeded(&backoff_key(&*upper));
     }
@@ -277,7 +281,7 @@ async fn reconcile_service(upper: Arc<Service>, shared: Arc<Shared>) -> Result<A
 /// The mirrored Service `namespace/name` (upper) and its lower copy, if that copy is this
 /// node's and reflects the upper Service as it is now.
 fn services_of(
-    shared: &Shared,
+    sc: &ServiceContext,
     namespace: &str,
     name: &str,
 ) -> Option<(Arc<Service>, Arc<Service>)> {
@@ -285,8 +289,8 @@ fn services_of(
         return None;
     }
     let key = ObjectRef::new(name).within(namespace);
-    let upper = shared.upper_services.get(&key)?;
-    let lower = shared.lower_services.get(&key)?;
+    let upper = sc.upper_services.get(&key)?;
+    let lower = sc.lower_services.get(&key)?;
     let current = upper.metadata.deletion_timestamp.is_none()
         && upper_uid(&lower.metadata).is_some()
         && upper_uid(&lower.metadata) == upper.metadata.uid.as_deref()
@@ -295,9 +299,12 @@ fn services_of(
     current.then_some((upper, lower))
 }
 
-async fn reconcile_slice(upper: Arc<EndpointSlice>, shared: Arc<Shared>) -> Result<Action, Error> {
-    shared.ready.wait().await?;
-    let ctx = &shared.ctx;
+async fn reconcile_slice(
+    upper: Arc<EndpointSlice>,
+    sc: Arc<ServiceContext>,
+) -> Result<Action, Error> {
+    sc.ready.wait().await?;
+    let ctx = &sc.ctx;
     let namespace = upper.namespace().unwrap_or_default();
     if upper.metadata.deletion_timestamp.is_some() {
         return Ok(Action::await_change());
@@ -307,18 +314,25 @@ async fn reconcile_slice(upper: Arc<EndpointSlice>, shared: Arc<Shared>) -> Resu
     };
     // Without this node's copy of its Service there is nothing to attach it to; the copy
     // appearing wakes this slice.
-    let Some((upper_service, service)) = services_of(&shared, &namespace, &service_name) else {
+    let Some((upper_service, service)) = services_of(&sc, &namespace, &service_name) else {
         return Ok(Action::await_change());
     };
     let desired = lower_endpoint_slice(&upper, &ctx.node_name, &service)?;
-    let current = shared
+    let current = sc
         .lower_slices
         .get(&ObjectRef::new(&upper.name_any()).within(&namespace));
+    // The copy follows the upper object and is owned by the lower Service.
+    let source = format!(
+        "{}/{}",
+        upper_version(&upper.metadata),
+        service.metadata.uid.as_deref().unwrap_or_default()
+    );
     let result = apply(
-        ctx,
+        &sc,
         desired,
         current.as_deref(),
         &*upper_service,
+        &source,
         endpoint_slice_update,
     )
     .await;
@@ -328,26 +342,36 @@ async fn reconcile_slice(upper: Arc<EndpointSlice>, shared: Arc<Shared>) -> Resu
     result
 }
 
-async fn reconcile_endpoints(upper: Arc<Endpoints>, shared: Arc<Shared>) -> Result<Action, Error> {
-    shared.ready.wait().await?;
-    let ctx = &shared.ctx;
+async fn reconcile_endpoints(
+    upper: Arc<Endpoints>,
+    sc: Arc<ServiceContext>,
+) -> Result<Action, Error> {
+    sc.ready.wait().await?;
+    let ctx = &sc.ctx;
     let namespace = upper.namespace().unwrap_or_default();
     let name = upper.name_any();
     if upper.metadata.deletion_timestamp.is_some() {
         return Ok(Action::await_change());
     }
-    let Some((upper_service, service)) = services_of(&shared, &namespace, &name) else {
+    let Some((upper_service, service)) = services_of(&sc, &namespace, &name) else {
         return Ok(Action::await_change());
     };
     let desired = lower_endpoints(&upper, &ctx.node_name, &service)?;
-    let current = shared
+    let current = sc
         .lower_endpoints
         .get(&ObjectRef::new(&name).within(&namespace));
+    // The copy follows the upper object and is owned by the lower Service.
+    let source = format!(
+        "{}/{}",
+        upper_version(&upper.metadata),
+        service.metadata.uid.as_deref().unwrap_or_default()
+    );
     let result = apply(
-        ctx,
+        &sc,
         desired,
         current.as_deref(),
         &*upper_service,
+        &source,
         endpoints_update,
     )
     .await;
@@ -374,31 +398,41 @@ impl Mirrored for Service {}
 impl Mirrored for EndpointSlice {}
 impl Mirrored for Endpoints {}
 
-/// Brings the lower copy to `desired`: creates it (with its namespace) when missing,
-/// replaces it when it differs, re-creates it when it cannot change in place. A lower
+/// Brings the lower copy to `desired` (made from the upper version `source`): creates it
+/// (with its namespace) when missing, replaces it when it differs, re-creates it when it
+/// cannot change in place; creates and replaces spend the copy's write budget. A lower
 /// object of that name that is not this node's is left alone: silently when another
 /// virtual node mirrors the same upper object, with a Warning on `upper` otherwise.
 async fn apply<K: Mirrored, U: Resource<DynamicType = ()>>(
-    ctx: &Context,
+    sc: &ServiceContext,
     desired: K,
     current: Option<&K>,
     upper: &U,
+    source: &str,
     update: fn(&K, &K) -> Update<K>,
 ) -> Result<Action, Error> {
+    let ctx = &sc.ctx;
     let kind = <K as k8s_openapi::Resource>::KIND;
     let namespace = desired.namespace().unwrap_or_default();
     let name = desired.name_any();
     let key = format!("{namespace}/{name}");
     let api: Api<K> = Api::namespaced(ctx.lower.clone(), &namespace);
+    let write_delay = || async {
+        ctx.copy_write_delay(&sc.budget, kind, &key, source, &upper.object_ref(&()))
+            .await
+    };
     let Some(current) = current else {
         ensure_namespace(ctx, &namespace).await?;
+        if let Some(wait) = write_delay().await {
+            return Ok(Action::requeue(wait));
+        }
         return match api.create(&PostParams::default(), &desired).await {
             Ok(_) => {
                 info!(object = %key, kind, cluster = "lower", "mirrored");
                 Ok(Action::await_change())
             }
             Err(e) if is_status(&e, 409) => foreign(ctx, &api, &desired, upper).await,
-            Err(e) => Err(report(
+            Err(e) => Err(warn_if_refused(
                 ctx,
                 upper,
                 api_error(Side::Lower, "creating", kind, &key)(e),
@@ -409,17 +443,18 @@ async fn apply<K: Mirrored, U: Resource<DynamicType = ()>>(
     match update(&desired, current) {
         Update::InStep => Ok(Action::await_change()),
         Update::Replace(replacement) => {
-            match api
-                .replace(&name, &PostParams::default(), &replacement)
-                .await
-            {
-                Ok(_) => {
+            if let Some(wait) = write_delay().await {
+                return Ok(Action::requeue(wait));
+            }
+            match replace_exact(&api, &name, &replacement).await {
+                Ok(Replaced::Now) => {
                     debug!(object = %key, kind, cluster = "lower", "updated");
                     Ok(Action::await_change())
                 }
-                Err(e) if is_status(&e, 409) => Ok(Action::requeue(Duration::from_millis(200))),
-                Err(e) if is_status(&e, 404) => Ok(Action::await_change()),
-                Err(e) => Err(report(
+                // Changed meanwhile: again on the newer copy, within its write budget.
+                Ok(Replaced::Conflict) => Ok(Action::requeue(Duration::from_millis(200))),
+                Ok(Replaced::Gone) => Ok(Action::await_change()),
+                Err(e) => Err(warn_if_refused(
                     ctx,
                     upper,
                     api_error(Side::Lower, "updating", kind, &key)(e),
@@ -478,7 +513,11 @@ async fn foreign<K: Mirrored, U: Resource<DynamicType = ()>>(
 
 /// Publishes a failed lower write as a Warning on the upper object when the lower cluster
 /// refused it (a 4xx: the user can act on it), and returns the error.
-async fn report<U: Resource<DynamicType = ()>>(ctx: &Context, upper: &U, error: Error) -> Error {
+async fn warn_if_refused<U: Resource<DynamicType = ()>>(
+    ctx: &Context,
+    upper: &U,
+    error: Error,
+) -> Error {
     if let Error::Api {
         source: kube::Error::Api(status),
         ..
@@ -511,10 +550,14 @@ async fn delete_copy<K: Mirrored>(ctx: &Context, copy: &K, why: &str) -> Result<
 
 /// Deletes copies whose original is gone (or re-created, or no longer mirrored): on every
 /// upper deletion and every [`SWEEP_INTERVAL`].
-async fn remove_orphans(shared: Arc<Shared>, deleted: Arc<Notify>, shutdown: CancellationToken) {
+async fn remove_orphans(
+    sc: Arc<ServiceContext>,
+    deleted: Arc<Notify>,
+    shutdown: CancellationToken,
+) {
     tokio::select! {
         () = shutdown.cancelled() => return,
-        ready = shared.ready.wait() => if ready.is_err() { return },
+        ready = sc.ready.wait() => if ready.is_err() { return },
     }
     let mut tick = tokio::time::interval(SWEEP_INTERVAL);
     loop {
@@ -522,27 +565,15 @@ async fn remove_orphans(shared: Arc<Shared>, deleted: Arc<Notify>, shutdown: Can
             () = shutdown.cancelled() => return,
             () = tick_or_wake(&mut tick, &deleted) => {}
         }
-        let ctx = &shared.ctx;
+        let ctx = &sc.ctx;
         let service_wanted = |upper: &Service| {
             is_mirrored_service(&upper.namespace().unwrap_or_default(), &upper.name_any())
                 && lower_service(upper, &ctx.node_name).is_ok()
         };
         let results = [
-            sweep(
-                ctx,
-                &shared.lower_services,
-                &shared.upper_services,
-                service_wanted,
-            )
-            .await,
-            sweep(ctx, &shared.lower_slices, &shared.upper_slices, |_| true).await,
-            sweep(
-                ctx,
-                &shared.lower_endpoints,
-                &shared.upper_endpoints,
-                |_| true,
-            )
-            .await,
+            sweep(ctx, &sc.lower_services, &sc.upper_services, service_wanted).await,
+            sweep(ctx, &sc.lower_slices, &sc.upper_slices, |_| true).await,
+            sweep(ctx, &sc.lower_endpoints, &sc.upper_endpoints, |_| true).await,
         ];
         for error in results.into_iter().filter_map(Result::err) {
             warn!(%error, "deleting orphaned copies");

@@ -90,7 +90,8 @@ pub fn watches(ctx: &Context) -> VolumeWatches {
     }
 }
 
-struct Shared {
+/// What the claim controller and the volume sweep share: the context and the stores.
+struct VolumeContext {
     ctx: Arc<Context>,
     upper_claims: Store<PersistentVolumeClaim>,
     lower_volumes: Store<PersistentVolume>,
@@ -115,7 +116,7 @@ pub async fn run(
         lower_volume_deleted,
         ready,
     } = watches;
-    let shared = Arc::new(Shared {
+    let vc = Arc::new(VolumeContext {
         ctx,
         upper_claims: upper_claims.store.clone(),
         lower_volumes: lower_volumes.store.clone(),
@@ -166,11 +167,11 @@ pub async fn run(
         .watches_stream(lower_classes.stream, by_class)
         .reconcile_all_on(every(resync))
         .graceful_shutdown_on(shutdown.clone().cancelled_owned())
-        .run(reconcile, error_policy, shared.clone())
+        .run(reconcile, error_policy, vc.clone())
         .for_each(|result| log_outcome("claim reconcile", result));
     tokio::join!(
         controller,
-        remove_orphaned_volumes(shared, lower_volume_deleted, shutdown)
+        remove_orphaned_volumes(vc, lower_volume_deleted, shutdown)
     );
 }
 
@@ -182,24 +183,28 @@ fn backoff_key(claim: &PersistentVolumeClaim) -> String {
     )
 }
 
-fn error_policy(claim: Arc<PersistentVolumeClaim>, _error: &Error, shared: Arc<Shared>) -> Action {
-    Action::requeue(shared.ctx.backoff(&backoff_key(&claim)))
+fn error_policy(
+    claim: Arc<PersistentVolumeClaim>,
+    _error: &Error,
+    vc: Arc<VolumeContext>,
+) -> Action {
+    Action::requeue(vc.ctx.backoff(&backoff_key(&claim)))
 }
 
 async fn reconcile(
     lower: Arc<PersistentVolumeClaim>,
-    shared: Arc<Shared>,
+    vc: Arc<VolumeContext>,
 ) -> Result<Action, Error> {
-    shared.ready.wait().await?;
-    let result = reflect_claim(&lower, &shared).await;
+    vc.ready.wait().await?;
+    let result = reflect_claim(&lower, &vc).await;
     if result.is_ok() {
-        shared.ctx.succeeded(&backoff_key(&lower));
+        vc.ctx.succeeded(&backoff_key(&lower));
     }
     result
 }
 
-async fn reflect_claim(lower: &PersistentVolumeClaim, shared: &Shared) -> Result<Action, Error> {
-    let ctx = &shared.ctx;
+async fn reflect_claim(lower: &PersistentVolumeClaim, vc: &VolumeContext) -> Result<Action, Error> {
+    let ctx = &vc.ctx;
     let namespace = lower.namespace().unwrap_or_default();
     let name = lower.name_any();
     let key = format!("{namespace}/{name}");
@@ -211,7 +216,7 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, shared: &Shared) -> Result
     }
     let origin = upper_uid(&lower.metadata);
     let upper_api: Api<PersistentVolumeClaim> = Api::namespaced(ctx.upper.clone(), &namespace);
-    let upper = match shared
+    let upper = match vc
         .upper_claims
         .get(&ObjectRef::new(&name).within(&namespace))
         .filter(|u| u.metadata.uid.as_deref() == origin)
@@ -239,7 +244,7 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, shared: &Shared) -> Result
         return Ok(Action::await_change());
     }
 
-    let class_exists = |class: &str| shared.lower_classes.get(&ObjectRef::new(class)).is_some();
+    let class_exists = |class: &str| vc.lower_classes.get(&ObjectRef::new(class)).is_some();
     if let Some(class) = missing_storage_class(lower, class_exists) {
         let note = format!(
             "lower cluster: storage class {class} does not exist, so PersistentVolumeClaim {key} cannot bind there"
@@ -275,7 +280,7 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, shared: &Shared) -> Result
         debug!(claim = %key, "the upper claim is bound to another volume; nothing to reflect");
         return Ok(Action::await_change());
     }
-    let Some(lower_volume) = shared.lower_volumes.get(&ObjectRef::new(volume)) else {
+    let Some(lower_volume) = vc.lower_volumes.get(&ObjectRef::new(volume)) else {
         // Its event wakes this claim.
         return Ok(Action::await_change());
     };
@@ -289,7 +294,7 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, shared: &Shared) -> Result
     }
     let desired = upper_pv(&lower_volume, &upper, &ctx.node_name)?;
     let volumes: Api<PersistentVolume> = Api::all(ctx.upper.clone());
-    match shared.upper_volumes.get(&ObjectRef::new(volume)) {
+    match vc.upper_volumes.get(&ObjectRef::new(volume)) {
         None => match volumes.create(&PostParams::default(), &desired).await {
             Ok(_) => {
                 info!(claim = %key, volume, cluster = "upper", "reflected the bound volume");
@@ -397,15 +402,15 @@ async fn delete_upper_volume(
 /// volume deletion and every [`SWEEP_INTERVAL`]. A lower volume missing from the store is
 /// looked up before its reflection goes.
 async fn remove_orphaned_volumes(
-    shared: Arc<Shared>,
+    vc: Arc<VolumeContext>,
     deleted: Arc<Notify>,
     shutdown: CancellationToken,
 ) {
     tokio::select! {
         () = shutdown.cancelled() => return,
-        ready = shared.ready.wait() => if ready.is_err() { return },
+        ready = vc.ready.wait() => if ready.is_err() { return },
     }
-    let ctx = &shared.ctx;
+    let ctx = &vc.ctx;
     let lower_api: Api<PersistentVolume> = Api::all(ctx.lower.clone());
     let mut tick = tokio::time::interval(SWEEP_INTERVAL);
     loop {
@@ -413,7 +418,7 @@ async fn remove_orphaned_volumes(
             () = shutdown.cancelled() => return,
             () = tick_or_wake(&mut tick, &deleted) => {}
         }
-        for reflection in shared.upper_volumes.state() {
+        for reflection in vc.upper_volumes.state() {
             if !is_owned_by(&reflection.metadata, &ctx.node_name)
                 || reflection.metadata.deletion_timestamp.is_some()
             {
@@ -421,7 +426,7 @@ async fn remove_orphaned_volumes(
             }
             let name = reflection.name_any();
             let origin = reflected_from(&reflection);
-            let lower = shared.lower_volumes.get(&ObjectRef::new(&name));
+            let lower = vc.lower_volumes.get(&ObjectRef::new(&name));
             if lower.is_some_and(|l| l.metadata.uid.as_deref() == origin) {
                 continue;
             }

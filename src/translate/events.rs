@@ -1,9 +1,10 @@
 //! Events the lower cluster records about a mirrored pod (FailedScheduling, Pulled,
 //! BackOff, …), reflected onto the upper pod so that `kubectl describe pod` in the upper
-//! cluster tells why a pod is Pending below: what is reflected, and a gate that drops
-//! repeats and rate-limits each pod.
+//! cluster tells why a pod is Pending below: what is reflected, a gate that drops
+//! repeats and rate-limits each pod, and the bounded queue between the watch and the
+//! publisher.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Event;
@@ -160,6 +161,52 @@ impl EventGate {
     }
 }
 
+/// Reflections waiting to be published, oldest first, at most `capacity`: the watch adds
+/// without waiting on the upper API server, and when the publisher falls behind the oldest
+/// is dropped for the newest (the latest event about a pod tells its current state).
+#[derive(Debug)]
+pub struct PendingEvents<T> {
+    queue: VecDeque<T>,
+    capacity: usize,
+}
+
+impl<T> PendingEvents<T> {
+    /// An empty queue holding at most `capacity` (at least one).
+    pub fn new(capacity: usize) -> Self {
+        let capacity = capacity.max(1);
+        Self {
+            queue: VecDeque::with_capacity(capacity),
+            capacity,
+        }
+    }
+
+    /// Adds `item` last; returns the oldest, dropped to make room, if the queue was full.
+    pub fn push(&mut self, item: T) -> Option<T> {
+        let dropped = if self.queue.len() >= self.capacity {
+            self.queue.pop_front()
+        } else {
+            None
+        };
+        self.queue.push_back(item);
+        dropped
+    }
+
+    /// Takes the oldest.
+    pub fn pop(&mut self) -> Option<T> {
+        self.queue.pop_front()
+    }
+
+    /// How many wait.
+    pub fn len(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Whether none waits.
+    pub fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -277,5 +324,31 @@ mod tests {
         gate.forget_older_than(at(200), Duration::from_secs(60));
         assert_eq!(gate.remembered(), 0);
         assert_eq!(gate.admit(at(200), "ns/a", "e9", 1), Verdict::Publish);
+    }
+
+    #[test]
+    fn a_full_queue_drops_the_oldest() {
+        /// Capacity, pushed, expected dropped, expected left (in order).
+        type Case = (usize, &'static [u32], &'static [u32], &'static [u32]);
+        let cases: &[Case] = &[
+            (3, &[], &[], &[]),
+            (3, &[1, 2], &[], &[1, 2]),
+            (3, &[1, 2, 3], &[], &[1, 2, 3]),
+            (3, &[1, 2, 3, 4], &[1], &[2, 3, 4]),
+            (3, &[1, 2, 3, 4, 5, 6, 7], &[1, 2, 3, 4], &[5, 6, 7]),
+            (0, &[1, 2], &[1], &[2]),
+        ];
+        for (capacity, pushed, dropped, left) in cases {
+            let mut queue = PendingEvents::new(*capacity);
+            let got: Vec<u32> = pushed.iter().filter_map(|i| queue.push(*i)).collect();
+            assert_eq!(
+                got, *dropped,
+                "dropped, capacity {capacity}, pushed {pushed:?}"
+            );
+            assert_eq!(queue.len(), left.len());
+            let rest: Vec<u32> = std::iter::from_fn(|| queue.pop()).collect();
+            assert_eq!(rest, *left, "left, capacity {capacity}, pushed {pushed:?}");
+            assert!(queue.is_empty());
+        }
     }
 }
