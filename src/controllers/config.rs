@@ -244,7 +244,7 @@ async fn keep_in_step<K: Kept>(copy: &K, kc: &KindContext) -> Result<Action, Err
         delete_copy(ctx, &lower_api, copy, "its upper original was deleted").await?;
         return Ok(Action::await_change());
     };
-    let desired = match stamped_copy(&original, &ctx.node_name) {
+    let desired = match stamped_copy(&original, &ctx.owner) {
         Ok(desired) => desired,
         Err(error @ TranslateError::NotMirrored { .. }) => {
             warn!(object = %key, kind, cluster = "upper", %error, "deleting the lower copy");

@@ -23,7 +23,7 @@ use crate::translate::config::stamped_copy;
 use crate::translate::deps::{
     Dependency, DependencyKind, lower_namespace, lower_pvc, lower_service_account, pod_dependencies,
 };
-use crate::translate::meta::OWNER_NODE_LABEL;
+use crate::translate::meta::{OWNER_NODE_LABEL, Owner};
 
 /// Ensures everything `pod` needs exists in the lower cluster. Fails naming every missing
 /// upper object at once.
@@ -84,7 +84,7 @@ pub(crate) async fn ensure_namespace(ctx: &Context, namespace: &str) -> Result<(
         match namespaces
             .create(
                 &PostParams::default(),
-                &lower_namespace(namespace, &ctx.node_name),
+                &lower_namespace(namespace, &ctx.owner),
             )
             .await
         {
@@ -115,7 +115,7 @@ async fn ensure<K>(
     ctx: &Context,
     namespace: &str,
     dependency: &Dependency,
-    translate: fn(&K, &str) -> Result<K, TranslateError>,
+    translate: fn(&K, &Owner) -> Result<K, TranslateError>,
 ) -> Result<bool, Error>
 where
     K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
@@ -152,7 +152,7 @@ where
     else {
         return Ok(false);
     };
-    let copy = translate(&original, &ctx.node_name)?;
+    let copy = translate(&original, &ctx.owner)?;
     match lower.create(&PostParams::default(), &copy).await {
         Ok(_) => {
             tracing::info!(object = %key, kind, cluster = "lower", "created dependency");

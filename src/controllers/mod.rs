@@ -28,6 +28,7 @@ use self::presence::PresenceCache;
 use self::references::References;
 use self::write_budget::{Admission, LONGEST_DELAY, QUIET, WriteBudget};
 use crate::metrics::Metrics;
+use crate::translate::meta::Owner;
 use crate::side::Side;
 use crate::translate::TranslateError;
 
@@ -125,6 +126,8 @@ pub struct Context {
     pub lower: Client,
     /// `--nodename`.
     pub node_name: String,
+    /// This node of this upper cluster: the marks on what it makes below.
+    pub owner: Owner,
     /// `--ignore-labels`.
     pub ignore_labels: Vec<String>,
     /// `--enable-serviceaccount`.
@@ -150,7 +153,7 @@ impl Context {
     pub fn new(
         upper: Client,
         lower: Client,
-        node_name: String,
+        owner: Owner,
         ignore_labels: Vec<String>,
         with_service_account: bool,
         namespace: String,
@@ -160,7 +163,8 @@ impl Context {
         Self {
             upper,
             lower,
-            node_name,
+            node_name: owner.node.clone(),
+            owner,
             ignore_labels,
             with_service_account,
             namespace,

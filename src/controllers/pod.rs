@@ -464,7 +464,7 @@ async fn create(
     let upper = &upper;
     dependencies::ensure_for_pod(ctx, upper, key).await?;
     let translation = PodTranslation {
-        node_name: &ctx.node_name,
+        owner: &ctx.owner,
         ignore_labels: &ctx.ignore_labels,
     };
     let pod = lower_pod(upper, &translation)?;
@@ -504,7 +504,7 @@ async fn propagate_update(
 ) -> Result<(), Error> {
     let ctx = &pc.ctx;
     let translation = PodTranslation {
-        node_name: &ctx.node_name,
+        owner: &ctx.owner,
         ignore_labels: &ctx.ignore_labels,
     };
     if let Some(patch) = lower_pod_update(upper, lower, &translation)? {

@@ -252,7 +252,7 @@ async fn reconcile_service(upper: Arc<Service>, sc: Arc<ServiceContext>) -> Resu
         }
         return Ok(Action::await_change());
     }
-    let desired = match lower_service(&upper, &ctx.node_name) {
+    let desired = match lower_service(&upper, &ctx.owner) {
         Ok(desired) => desired,
         Err(error @ TranslateError::NotMirrored { .. }) => {
             warn!(service = %format!("{namespace}/{name}"), cluster = "upper", %error, "not mirrored");
@@ -317,7 +317,7 @@ async fn reconcile_slice(
     let Some((upper_service, service)) = services_of(&sc, &namespace, &service_name) else {
         return Ok(Action::await_change());
     };
-    let desired = lower_endpoint_slice(&upper, &ctx.node_name, &service)?;
+    let desired = lower_endpoint_slice(&upper, &ctx.owner, &service)?;
     let current = sc
         .lower_slices
         .get(&ObjectRef::new(&upper.name_any()).within(&namespace));
@@ -356,7 +356,7 @@ async fn reconcile_endpoints(
     let Some((upper_service, service)) = services_of(&sc, &namespace, &name) else {
         return Ok(Action::await_change());
     };
-    let desired = lower_endpoints(&upper, &ctx.node_name, &service)?;
+    let desired = lower_endpoints(&upper, &ctx.owner, &service)?;
     let current = sc
         .lower_endpoints
         .get(&ObjectRef::new(&name).within(&namespace));
@@ -568,7 +568,7 @@ async fn remove_orphans(
         let ctx = &sc.ctx;
         let service_wanted = |upper: &Service| {
             is_mirrored_service(&upper.namespace().unwrap_or_default(), &upper.name_any())
-                && lower_service(upper, &ctx.node_name).is_ok()
+                && lower_service(upper, &ctx.owner).is_ok()
         };
         let results = [
             sweep(ctx, &sc.lower_services, &sc.upper_services, service_wanted).await,

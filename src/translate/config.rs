@@ -14,6 +14,7 @@ use serde_json::{Value, json};
 
 use super::deps::{DependencyKind, lower_config_map, lower_secret, pod_dependencies};
 use super::meta::{
+    Owner,
     CONTENT_HASH_ANNOTATION, UPPER_RESOURCE_VERSION_ANNOTATION, UPPER_UID_ANNOTATION,
 };
 use super::{TranslateError, object_ref};
@@ -27,7 +28,7 @@ pub trait Copied: Clone + Metadata<Ty = ObjectMeta> {
     const DEPENDENCY: DependencyKind;
 
     /// The plain lower copy (ownership marks, no version stamps).
-    fn lower_copy(upper: &Self, node_name: &str) -> Result<Self, TranslateError>;
+    fn lower_copy(upper: &Self, owner: &Owner) -> Result<Self, TranslateError>;
 
     /// What "equal to the original" covers besides labels and annotations.
     fn payload(&self) -> Value;
@@ -36,8 +37,8 @@ pub trait Copied: Clone + Metadata<Ty = ObjectMeta> {
 impl Copied for ConfigMap {
     const DEPENDENCY: DependencyKind = DependencyKind::ConfigMap;
 
-    fn lower_copy(upper: &Self, node_name: &str) -> Result<Self, TranslateError> {
-        lower_config_map(upper, node_name)
+    fn lower_copy(upper: &Self, owner: &Owner) -> Result<Self, TranslateError> {
+        lower_config_map(upper, owner)
     }
 
     fn payload(&self) -> Value {
@@ -48,8 +49,8 @@ impl Copied for ConfigMap {
 impl Copied for Secret {
     const DEPENDENCY: DependencyKind = DependencyKind::Secret;
 
-    fn lower_copy(upper: &Self, node_name: &str) -> Result<Self, TranslateError> {
-        let mut copy = lower_secret(upper, node_name)?;
+    fn lower_copy(upper: &Self, owner: &Owner) -> Result<Self, TranslateError> {
+        let mut copy = lower_secret(upper, owner)?;
         // The API server folds stringData into data on write; doing it here keeps the
         // recorded hash equal to what is read back.
         if let Some(strings) = copy.string_data.take() {
@@ -112,8 +113,8 @@ pub fn copy_state<K: Copied>(copy: &K, original: Option<&UpperVersion>) -> CopyS
 
 /// The lower copy of `upper`, stamped with the upper version it reflects and the hash of
 /// its content.
-pub fn stamped_copy<K: Copied>(upper: &K, node_name: &str) -> Result<K, TranslateError> {
-    let mut copy = K::lower_copy(upper, node_name)?;
+pub fn stamped_copy<K: Copied>(upper: &K, owner: &Owner) -> Result<K, TranslateError> {
+    let mut copy = K::lower_copy(upper, owner)?;
     let version =
         upper
             .metadata()

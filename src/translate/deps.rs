@@ -9,7 +9,8 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
 use super::meta::{
-    GLOBAL_ANNOTATION, LABEL_SELECTOR_ANNOTATION, OWNER_NODE_LABEL, SELECTED_NODE_ANNOTATION,
+    Owner,
+    GLOBAL_ANNOTATION, LABEL_SELECTOR_ANNOTATION, SELECTED_NODE_ANNOTATION,
 };
 use super::pod::{DEFAULT_SERVICE_ACCOUNT, injected_token_volumes, service_account_name};
 use super::{TranslateError, copy_meta, object_ref};
@@ -182,9 +183,9 @@ fn volume_dependencies(volume: &Volume, add: &mut impl FnMut(DependencyKind, &st
 }
 
 /// The lower copy of a ConfigMap.
-pub fn lower_config_map(upper: &ConfigMap, node_name: &str) -> Result<ConfigMap, TranslateError> {
+pub fn lower_config_map(upper: &ConfigMap, owner: &Owner) -> Result<ConfigMap, TranslateError> {
     Ok(ConfigMap {
-        metadata: copy_meta("ConfigMap", &upper.metadata, node_name)?,
+        metadata: copy_meta("ConfigMap", &upper.metadata, owner)?,
         data: upper.data.clone(),
         binary_data: upper.binary_data.clone(),
         immutable: upper.immutable,
@@ -198,7 +199,7 @@ pub fn is_service_account_token_secret(secret: &Secret) -> bool {
 }
 
 /// The lower copy of a Secret; service-account tokens are refused (never mirrored).
-pub fn lower_secret(upper: &Secret, node_name: &str) -> Result<Secret, TranslateError> {
+pub fn lower_secret(upper: &Secret, owner: &Owner) -> Result<Secret, TranslateError> {
     if is_service_account_token_secret(upper) {
         return Err(TranslateError::NotMirrored {
             kind: "Secret",
@@ -207,7 +208,7 @@ pub fn lower_secret(upper: &Secret, node_name: &str) -> Result<Secret, Translate
         });
     }
     Ok(Secret {
-        metadata: copy_meta("Secret", &upper.metadata, node_name)?,
+        metadata: copy_meta("Secret", &upper.metadata, owner)?,
         data: upper.data.clone(),
         string_data: upper.string_data.clone(),
         type_: upper.type_.clone(),
@@ -219,10 +220,10 @@ pub fn lower_secret(upper: &Secret, node_name: &str) -> Result<Secret, Translate
 /// cluster's; the lower one issues its own tokens).
 pub fn lower_service_account(
     upper: &ServiceAccount,
-    node_name: &str,
+    owner: &Owner,
 ) -> Result<ServiceAccount, TranslateError> {
     Ok(ServiceAccount {
-        metadata: copy_meta("ServiceAccount", &upper.metadata, node_name)?,
+        metadata: copy_meta("ServiceAccount", &upper.metadata, owner)?,
         automount_service_account_token: upper.automount_service_account_token,
         image_pull_secrets: upper.image_pull_secrets.clone(),
         secrets: None,
@@ -234,9 +235,9 @@ pub fn lower_service_account(
 /// `labelSelector` annotation.
 pub fn lower_pvc(
     upper: &PersistentVolumeClaim,
-    node_name: &str,
+    owner: &Owner,
 ) -> Result<PersistentVolumeClaim, TranslateError> {
-    let mut metadata = copy_meta("PersistentVolumeClaim", &upper.metadata, node_name)?;
+    let mut metadata = copy_meta("PersistentVolumeClaim", &upper.metadata, owner)?;
     let annotations = metadata.annotations.get_or_insert_default();
     annotations.retain(|key, _| {
         !PVC_BINDING_ANNOTATIONS.contains(&key.as_str())
@@ -264,14 +265,13 @@ pub fn lower_pvc(
 
 /// The lower namespace a mirrored object lives in. It has no single upper origin, so it
 /// carries the owner mark but no upper UID.
-pub fn lower_namespace(name: &str, node_name: &str) -> Namespace {
+pub fn lower_namespace(name: &str, owner: &Owner) -> Namespace {
+    let mut labels = BTreeMap::new();
+    owner.mark(&mut labels);
     Namespace {
         metadata: ObjectMeta {
             name: Some(name.to_owned()),
-            labels: Some(BTreeMap::from([(
-                OWNER_NODE_LABEL.to_owned(),
-                node_name.to_owned(),
-            )])),
+            labels: Some(labels),
             annotations: Some(BTreeMap::from([(
                 GLOBAL_ANNOTATION.to_owned(),
                 "true".to_owned(),

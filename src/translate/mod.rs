@@ -12,6 +12,8 @@ pub mod volume;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
+use self::meta::Owner;
+
 /// Why an upper object could not be translated for the lower cluster.
 #[derive(thiserror::Error, Debug)]
 pub enum TranslateError {
@@ -85,9 +87,9 @@ pub(crate) fn object_ref(meta: &ObjectMeta) -> String {
 pub(crate) fn copy_meta(
     kind: &'static str,
     upper: &ObjectMeta,
-    node_name: &str,
+    owner: &Owner,
 ) -> Result<ObjectMeta, TranslateError> {
-    let mut meta = lower_meta(kind, upper, node_name)?;
+    let mut meta = lower_meta(kind, upper, owner)?;
     meta.annotations
         .get_or_insert_default()
         .insert(meta::GLOBAL_ANNOTATION.to_owned(), "true".to_owned());
@@ -100,7 +102,7 @@ pub(crate) fn copy_meta(
 pub fn lower_meta(
     kind: &'static str,
     upper: &ObjectMeta,
-    node_name: &str,
+    owner: &Owner,
 ) -> Result<ObjectMeta, TranslateError> {
     let missing = |field| TranslateError::MissingField {
         kind,
@@ -115,7 +117,7 @@ pub fn lower_meta(
     let uid = upper.uid.clone().ok_or_else(|| missing("metadata.uid"))?;
 
     let mut labels = upper.labels.clone().unwrap_or_default();
-    labels.insert(meta::OWNER_NODE_LABEL.to_owned(), node_name.to_owned());
+    owner.mark(&mut labels);
     let mut annotations = upper.annotations.clone().unwrap_or_default();
     annotations.insert(meta::UPPER_UID_ANNOTATION.to_owned(), uid);
 

@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::meta::{
+    Owner,
     MIRRORED_KEYS_ANNOTATION, OWNER_NODE_LABEL, TRIPPED_LABELS_ANNOTATION, UPPER_UID_ANNOTATION,
     VIRTUAL_POD_LABEL,
 };
@@ -32,8 +33,8 @@ const KILLED_EXIT_CODE: i32 = 137;
 /// What a lower pod depends on besides the upper pod itself.
 #[derive(Clone, Copy, Debug)]
 pub struct PodTranslation<'a> {
-    /// The virtual node's name (`--nodename`): the owner mark on every lower pod.
-    pub node_name: &'a str,
+    /// The virtual node of this upper cluster: the owner marks on every lower pod.
+    pub owner: &'a Owner,
     /// Labels moved into `tripped-labels` so they do not steer the lower cluster
     /// (`--ignore-labels`).
     pub ignore_labels: &'a [String],
@@ -50,7 +51,7 @@ struct MirroredKeys {
 
 /// The pod to create in the lower cluster for `upper`.
 pub fn lower_pod(upper: &Pod, t: &PodTranslation) -> Result<Pod, TranslateError> {
-    let mut metadata = lower_meta("Pod", &upper.metadata, t.node_name)?;
+    let mut metadata = lower_meta("Pod", &upper.metadata, t.owner)?;
     let object = format!("Pod {}", object_ref(&upper.metadata));
 
     // Tripped from the upper labels, before the marks go on, so --ignore-labels can never
@@ -58,7 +59,7 @@ pub fn lower_pod(upper: &Pod, t: &PodTranslation) -> Result<Pod, TranslateError>
     let mut labels = upper.metadata.labels.clone().unwrap_or_default();
     let tripped = trip_labels(&mut labels, t.ignore_labels);
     labels.insert(VIRTUAL_POD_LABEL.to_owned(), "true".to_owned());
-    labels.insert(OWNER_NODE_LABEL.to_owned(), t.node_name.to_owned());
+    t.owner.mark(&mut labels);
     let labels = metadata.labels.insert(labels);
 
     let annotations = metadata.annotations.get_or_insert_default();

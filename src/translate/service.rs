@@ -21,7 +21,7 @@ use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 
 use super::config::{SYSTEM_NAMESPACE, carry_server_fields};
-use super::meta::{ENDPOINT_SLICE_MANAGER, LABEL_SELECTOR_ANNOTATION};
+use super::meta::{ENDPOINT_SLICE_MANAGER, LABEL_SELECTOR_ANNOTATION, Owner};
 use super::{TranslateError, copy_meta, object_ref};
 
 /// Label naming the Service an EndpointSlice belongs to.
@@ -52,9 +52,9 @@ pub enum Update<K> {
 /// IP left to the lower cluster (a headless Service stays headless), NodePort and
 /// LoadBalancer become ClusterIP without node ports, ExternalName stays ExternalName.
 /// Fields naming upper addresses or upper load balancers are dropped.
-pub fn lower_service(upper: &Service, node_name: &str) -> Result<Service, TranslateError> {
+pub fn lower_service(upper: &Service, owner: &Owner) -> Result<Service, TranslateError> {
     let object = object_ref(&upper.metadata);
-    let mut metadata = copy_meta("Service", &upper.metadata, node_name)?;
+    let mut metadata = copy_meta("Service", &upper.metadata, owner)?;
     let spec = upper.spec.clone().unwrap_or_default();
     let external_name = match spec.type_.as_deref().unwrap_or("ClusterIP") {
         "ClusterIP" | "NodePort" | "LoadBalancer" => false,
@@ -255,10 +255,10 @@ fn lower_target(target: &ObjectReference) -> ObjectReference {
 /// names, zones and hints, which describe the upper topology, dropped.
 pub fn lower_endpoint_slice(
     upper: &EndpointSlice,
-    node_name: &str,
+    owner: &Owner,
     service: &Service,
 ) -> Result<EndpointSlice, TranslateError> {
-    let mut metadata = copy_meta("EndpointSlice", &upper.metadata, node_name)?;
+    let mut metadata = copy_meta("EndpointSlice", &upper.metadata, owner)?;
     metadata.labels.get_or_insert_default().insert(
         MANAGED_BY_LABEL.to_owned(),
         ENDPOINT_SLICE_MANAGER.to_owned(),
@@ -302,10 +302,10 @@ pub fn endpoint_slice_update(
 /// `endpointslice.kubernetes.io/skip-mirror`.
 pub fn lower_endpoints(
     upper: &Endpoints,
-    node_name: &str,
+    owner: &Owner,
     service: &Service,
 ) -> Result<Endpoints, TranslateError> {
-    let mut metadata = copy_meta("Endpoints", &upper.metadata, node_name)?;
+    let mut metadata = copy_meta("Endpoints", &upper.metadata, owner)?;
     metadata
         .labels
         .get_or_insert_default()
