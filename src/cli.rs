@@ -1,17 +1,29 @@
 //! Command line of `virtual-node`, with tensile-kube's flag and environment names.
 
+use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{ArgAction, Parser};
+use clap::{ArgAction, Parser, value_parser};
+
+use crate::translate::meta::{
+    VIRTUAL_NODE_TAINT_EFFECT, VIRTUAL_NODE_TAINT_KEY, VIRTUAL_NODE_TAINT_VALUE,
+};
 
 /// Joins a lower Kubernetes cluster to an upper one as a virtual node.
 #[derive(Parser, Debug, Clone)]
 #[command(name = "virtual-node", version, about, long_about = None)]
 pub struct Args {
-    /// Name of the virtual node in the upper cluster.
-    #[arg(long, env = "DEFAULTNODE_NAME", default_value = "virtual-kubelet")]
+    /// Name of the virtual node in the upper cluster (a DNS label-like name: it is also a
+    /// label value on every lower object).
+    #[arg(
+        long,
+        env = "DEFAULTNODE_NAME",
+        value_parser = parse_node_name,
+        default_value = "virtual-kubelet"
+    )]
     pub nodename: String,
 
     /// Kubeconfig of the upper cluster (default: $KUBECONFIG, ~/.kube/config, in-cluster).
@@ -23,19 +35,19 @@ pub struct Args {
     pub client_kubeconfig: PathBuf,
 
     /// Requests per second to the lower cluster.
-    #[arg(long, default_value_t = 500.0)]
+    #[arg(long, value_parser = parse_qps, default_value_t = 500.0)]
     pub client_qps: f64,
 
     /// Burst of requests to the lower cluster.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, value_parser = value_parser!(u32).range(1..), default_value_t = 1000)]
     pub client_burst: u32,
 
     /// Requests per second to the upper cluster.
-    #[arg(long, default_value_t = 500.0)]
+    #[arg(long, value_parser = parse_qps, default_value_t = 500.0)]
     pub kube_api_qps: f64,
 
     /// Burst of requests to the upper cluster.
-    #[arg(long, default_value_t = 1000)]
+    #[arg(long, value_parser = value_parser!(u32).range(1..), default_value_t = 1000)]
     pub kube_api_burst: u32,
 
     /// Pod labels removed before mirroring (kept in the `tripped-labels` annotation).
@@ -74,23 +86,19 @@ pub struct Args {
     pub disable_taint: bool,
 
     /// Key of the node's taint.
-    #[arg(
-        long,
-        env = "VKUBELET_TAINT_KEY",
-        default_value = "virtual-kubelet.io/provider"
-    )]
+    #[arg(long, env = "VKUBELET_TAINT_KEY", default_value = VIRTUAL_NODE_TAINT_KEY)]
     pub taint_key: String,
 
     /// Value of the node's taint.
-    #[arg(long, env = "VKUBELET_TAINT_VALUE", default_value = "k8s")]
+    #[arg(long, env = "VKUBELET_TAINT_VALUE", default_value = VIRTUAL_NODE_TAINT_VALUE)]
     pub taint_value: String,
 
     /// Effect of the node's taint.
-    #[arg(long, env = "VKUBELET_TAINT_EFFECT", default_value = "NoSchedule")]
+    #[arg(long, env = "VKUBELET_TAINT_EFFECT", default_value = VIRTUAL_NODE_TAINT_EFFECT)]
     pub taint_effect: String,
 
     /// Pods reconciled at once.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, value_parser = value_parser!(u16).range(1..), default_value_t = 10)]
     pub pod_sync_workers: u16,
 
     /// Pod statuses reflected at once (each is one write to the upper cluster); 0 for
@@ -103,8 +111,8 @@ pub struct Args {
     #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = true, default_missing_value = "true")]
     pub enable_node_lease: bool,
 
-    /// How often every mirrored pod is reconciled even without a change.
-    #[arg(long, value_parser = parse_duration, default_value = "1m")]
+    /// How often every mirrored pod is reconciled even without a change (1s to a year).
+    #[arg(long, value_parser = parse_period, default_value = "1m")]
     pub full_resync_period: Duration,
 
     /// Log filter (`info`, `debug`, or a tracing directive such as `tensile=debug`).
@@ -145,15 +153,15 @@ pub struct Args {
     pub authentication_token_webhook: bool,
 
     /// Accepted for tensile-kube compatibility; token reviews are not cached.
-    #[arg(long, value_parser = parse_duration, default_value = "2m")]
+    #[arg(long, value_parser = parse_ttl, default_value = "2m")]
     pub authentication_token_webhook_cache_ttl: Duration,
 
-    /// How long an allowed kubelet API authorization is reused.
-    #[arg(long, value_parser = parse_duration, default_value = "5m")]
+    /// How long an allowed kubelet API authorization is reused (0: not at all).
+    #[arg(long, value_parser = parse_ttl, default_value = "5m")]
     pub authorization_webhook_cache_authorized_ttl: Duration,
 
-    /// How long a denied kubelet API authorization is reused.
-    #[arg(long, value_parser = parse_duration, default_value = "30s")]
+    /// How long a denied kubelet API authorization is reused (0: not at all).
+    #[arg(long, value_parser = parse_ttl, default_value = "30s")]
     pub authorization_webhook_cache_unauthorized_ttl: Duration,
 
     /// Serve the kubelet API to anyone, unauthenticated: a remote shell for all. Labs only.
@@ -189,47 +197,199 @@ impl Args {
     }
 }
 
-/// `10s`, `1m`, `1h`, `500ms`, plain seconds, or Go's compound form (`1m0s`, `1h30m`,
-/// `1.5s`, `300ms`) — the forms tensile-kube users write.
+/// The longest duration any flag accepts (a year): a longer one is a typo, and would
+/// overflow the clock arithmetic of the timers it sets.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// The shortest period of anything repeated (a resync, a renewal, a reload): a shorter
+/// one would only spin.
+pub const MIN_PERIOD: Duration = Duration::from_secs(1);
+
+/// A duration as Go writes it, or plain seconds: `10s`, `1m`, `500ms`, `30`, and Go's
+/// compound forms (`1m0s`, `1h30m`, `1.5h`, `300ms`) that tensile-kube prints and its
+/// manifests use. Units: `ns`, `us` (`µs`, `μs`), `ms`, `s`, `m`, `h`. Exact to the
+/// nanosecond; negative and overflowing durations are refused.
 pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
-    let invalid = || format!("invalid duration {text:?}");
-    if text.is_empty() {
+    let invalid = || format!("invalid duration {text:?} (e.g. 30s, 1m0s, 1h30m, 300ms)");
+    let body = text.strip_prefix('+').unwrap_or(text);
+    if body.is_empty() {
         return Err(invalid());
     }
-    if text.chars().all(|c| c.is_ascii_digit() || c == '.') {
-        let value: f64 = text.parse().map_err(|_| invalid())?;
-        return Duration::try_from_secs_f64(value).map_err(|e| format!("{}: {e}", invalid()));
+    if body.bytes().all(|c| c.is_ascii_digit() || c == b'.') {
+        return nanos_of(body, NANOS_PER_SECOND)
+            .and_then(duration_of_nanos)
+            .ok_or_else(invalid);
     }
-    let mut rest = text;
-    let mut seconds = 0.0;
+    let mut rest = body;
+    let mut total: u128 = 0;
     while !rest.is_empty() {
-        let split = rest
+        let number_len = rest
             .find(|c: char| !(c.is_ascii_digit() || c == '.'))
             .unwrap_or(rest.len());
-        let (number, tail) = rest.split_at(split);
-        let value: f64 = number.parse().map_err(|_| invalid())?;
+        let (number, tail) = rest.split_at(number_len);
         let unit_len = tail
             .find(|c: char| c.is_ascii_digit() || c == '.')
             .unwrap_or(tail.len());
         let (unit, tail) = tail.split_at(unit_len);
         let scale = match unit {
-            "ns" => 1e-9,
-            "us" | "µs" => 1e-6,
-            "ms" => 1e-3,
-            "s" => 1.0,
-            "m" => 60.0,
-            "h" => 3600.0,
-            _ => {
-                return Err(format!(
-                    "invalid duration unit in {text:?} (use ns, us, ms, s, m or h)"
-                ));
-            }
+            "ns" => 1,
+            "us" | "\u{b5}s" | "\u{3bc}s" => 1_000,
+            "ms" => 1_000_000,
+            "s" => NANOS_PER_SECOND,
+            "m" => 60 * NANOS_PER_SECOND,
+            "h" => 3600 * NANOS_PER_SECOND,
+            "" => return Err(format!("{}: a unit is missing", invalid())),
+            _ => return Err(format!("{}: unknown unit {unit:?}", invalid())),
         };
-        seconds += value * scale;
+        let nanos = nanos_of(number, scale).ok_or_else(invalid)?;
+        total = total.checked_add(nanos).ok_or_else(invalid)?;
         rest = tail;
     }
-    Duration::try_from_secs_f64(seconds).map_err(|e| format!("{}: {e}", invalid()))
+    duration_of_nanos(total).ok_or_else(invalid)
+}
+
+const NANOS_PER_SECOND: u128 = 1_000_000_000;
+
+/// `number` (`12`, `1.5`, `.5`) times `scale` nanoseconds; digits finer than a nanosecond
+/// are dropped, as Go does.
+fn nanos_of(number: &str, scale: u128) -> Option<u128> {
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    if whole.is_empty() && fraction.is_empty() {
+        return None;
+    }
+    let digits = |s: &str| s.bytes().all(|c| c.is_ascii_digit());
+    if !digits(whole) || !digits(fraction) {
+        return None;
+    }
+    let whole: u128 = if whole.is_empty() {
+        0
+    } else {
+        whole.parse().ok()?
+    };
+    let mut nanos = whole.checked_mul(scale)?;
+    let mut step = scale;
+    for digit in fraction.bytes() {
+        step /= 10;
+        nanos = nanos.checked_add(u128::from(digit - b'0') * step)?;
+    }
+    Some(nanos)
+}
+
+fn duration_of_nanos(nanos: u128) -> Option<Duration> {
+    let seconds = u64::try_from(nanos / NANOS_PER_SECOND).ok()?;
+    let rest = u32::try_from(nanos % NANOS_PER_SECOND).ok()?;
+    Some(Duration::new(seconds, rest))
+}
+
+/// A duration in Go's form (`1h30m0s`, `500ms`), for messages.
+pub fn format_duration(duration: Duration) -> String {
+    if duration.is_zero() {
+        return "0s".into();
+    }
+    if duration < Duration::from_secs(1) {
+        return format!("{}ms", duration.as_millis());
+    }
+    let seconds = duration.as_secs();
+    let (hours, minutes, seconds) = (seconds / 3600, seconds / 60 % 60, seconds % 60);
+    match (hours, minutes) {
+        (0, 0) => format!("{seconds}s"),
+        (0, _) => format!("{minutes}m{seconds}s"),
+        _ => format!("{hours}h{minutes}m{seconds}s"),
+    }
+}
+
+/// A value parser for a duration flag that must lie within `min..=max`.
+pub fn duration_in(
+    min: Duration,
+    max: Duration,
+) -> impl Fn(&str) -> Result<Duration, String> + Clone + Send + Sync + 'static {
+    move |text| {
+        let duration = parse_duration(text)?;
+        if duration < min {
+            Err(format!("must be at least {}", format_duration(min)))
+        } else if duration > max {
+            Err(format!("must be at most {}", format_duration(max)))
+        } else {
+            Ok(duration)
+        }
+    }
+}
+
+/// A period: how often something is repeated, [`MIN_PERIOD`] to [`MAX_DURATION`].
+pub fn parse_period(text: &str) -> Result<Duration, String> {
+    duration_in(MIN_PERIOD, MAX_DURATION)(text)
+}
+
+/// A cache lifetime: 0 (no caching) to [`MAX_DURATION`].
+pub fn parse_ttl(text: &str) -> Result<Duration, String> {
+    duration_in(Duration::ZERO, MAX_DURATION)(text)
+}
+
+/// Requests per second: a positive, finite number.
+pub fn parse_qps(text: &str) -> Result<f64, String> {
+    let qps: f64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("invalid number {text:?}"))?;
+    if qps.is_finite() && qps > 0.0 {
+        Ok(qps)
+    } else {
+        Err("must be a positive number".into())
+    }
+}
+
+/// Parses `P` from `argv`. Bad usage is reported as Go's flag package does: one line on
+/// stderr naming the flag, exit status 2, so that a supervisor's log shows exactly what is
+/// wrong. `--help` and `--version` print and exit 0. `Err` is the status to exit with now.
+pub fn parse_args<P: Parser>(
+    program: &str,
+    argv: impl IntoIterator<Item = impl Into<OsString> + Clone>,
+) -> Result<P, ExitCode> {
+    P::try_parse_from(argv).map_err(|error| usage_exit(program, &error))
+}
+
+/// Reports `error` (from clap) as [`parse_args`] does and returns the status to exit with.
+pub fn usage_exit(program: &str, error: &clap::Error) -> ExitCode {
+    if !error.use_stderr() {
+        let _ = error.print();
+        return ExitCode::SUCCESS;
+    }
+    eprintln!("{program}: {}", one_line(error));
+    ExitCode::from(USAGE_ERROR)
+}
+
+/// The exit status of bad usage (Go's `flag` package, and clap's own).
+pub const USAGE_ERROR: u8 = 2;
+
+/// clap's message on one line: without the usage, the hints and the `error:` prefix.
+pub fn one_line(error: &clap::Error) -> String {
+    let rendered = error.to_string();
+    let line = rendered
+        .lines()
+        .map(str::trim)
+        .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .filter(|l| !l.is_empty() && !l.starts_with("tip:"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    line.trim_start_matches("error: ").to_owned()
+}
+
+/// A node name that is also a valid label value (ownership marks carry it): at most 63
+/// characters of `a-z`, `0-9`, `-` and `.`, starting and ending alphanumeric.
+pub fn parse_node_name(name: &str) -> Result<String, String> {
+    let valid = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name.ends_with(|c: char| c.is_ascii_alphanumeric());
+    if valid {
+        Ok(name.to_owned())
+    } else {
+        Err("must be a DNS name of at most 63 characters (it is also a label value)".into())
+    }
 }
 
 /// `host:port`, or `:port` for all interfaces (Go's form).
@@ -249,27 +409,185 @@ mod tests {
     #[test]
     fn durations() {
         let cases = [
-            ("10s", Some(10_000)),
-            ("1m", Some(60_000)),
-            ("1h", Some(3_600_000)),
-            ("500ms", Some(500)),
-            ("30", Some(30_000)),
-            ("1.5s", Some(1_500)),
+            ("10s", Some(10_000_000_000)),
+            ("1m", Some(60_000_000_000)),
+            ("1h", Some(3_600_000_000_000)),
+            ("500ms", Some(500_000_000)),
+            ("30", Some(30_000_000_000)),
+            ("1.5s", Some(1_500_000_000)),
             ("5d", None),
             ("", None),
             ("s", None),
-            ("1m0s", Some(60_000)),
-            ("1h30m", Some(5_400_000)),
-            ("2m3.5s", Some(123_500)),
+            (".s", None),
+            ("1m0s", Some(60_000_000_000)),
+            ("1h30m", Some(5_400_000_000_000)),
+            ("1h0m0s", Some(3_600_000_000_000)),
+            ("2h45m", Some(9_900_000_000_000)),
+            ("1.5h", Some(5_400_000_000_000)),
+            ("300ms", Some(300_000_000)),
+            ("2m3.5s", Some(123_500_000_000)),
+            (".5s", Some(500_000_000)),
+            ("+5s", Some(5_000_000_000)),
+            ("1.000000001s", Some(1_000_000_001)),
+            ("1.0000000019s", Some(1_000_000_001)),
+            ("10us", Some(10_000)),
+            ("10\u{b5}s", Some(10_000)),
+            ("10\u{3bc}s", Some(10_000)),
+            ("7ns", Some(7)),
             ("0s", Some(0)),
             ("0", Some(0)),
             ("1m0", None),
             ("1x2s", None),
+            ("1..5s", None),
             ("-1s", None),
+            ("99999999999999999999999h", None),
         ];
-        for (text, millis) in cases {
-            let got = parse_duration(text).ok().map(|d| d.as_millis() as u64);
-            assert_eq!(got, millis, "{text:?}");
+        for (text, nanos) in cases {
+            let got = parse_duration(text).ok().map(|d| d.as_nanos());
+            assert_eq!(got, nanos, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn durations_in_range() {
+        type Parse = fn(&str) -> Result<Duration, String>;
+        let cases: [(&str, Parse, Result<u64, &str>); 8] = [
+            ("0", parse_period, Err("at least 1s")),
+            ("0s", parse_period, Err("at least 1s")),
+            ("999ms", parse_period, Err("at least 1s")),
+            ("1s", parse_period, Ok(1)),
+            ("8760h", parse_period, Ok(31_536_000)),
+            ("8761h", parse_period, Err("at most 8760h0m0s")),
+            ("0", parse_ttl, Ok(0)),
+            ("10000000h", parse_ttl, Err("at most 8760h0m0s")),
+        ];
+        for (text, parse, want) in cases {
+            match (parse(text), want) {
+                (Ok(got), Ok(secs)) => assert_eq!(got.as_secs(), secs, "{text:?}"),
+                (Err(got), Err(want)) => assert!(got.contains(want), "{text:?}: {got}"),
+                (got, want) => panic!("{text:?}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn formatted_durations() {
+        let cases = [
+            (Duration::ZERO, "0s"),
+            (Duration::from_millis(300), "300ms"),
+            (Duration::from_secs(1), "1s"),
+            (Duration::from_secs(90), "1m30s"),
+            (Duration::from_secs(3600), "1h0m0s"),
+            (MAX_DURATION, "8760h0m0s"),
+        ];
+        for (duration, want) in cases {
+            assert_eq!(format_duration(duration), want);
+            assert_eq!(parse_duration(want).unwrap(), duration, "round trip {want}");
+        }
+    }
+
+    #[test]
+    fn qps() {
+        let cases = [
+            ("500", Some(500.0)),
+            ("0.5", Some(0.5)),
+            ("0", None),
+            ("-1", None),
+            ("NaN", None),
+            ("inf", None),
+            ("fast", None),
+        ];
+        for (text, want) in cases {
+            assert_eq!(parse_qps(text).ok(), want, "{text:?}");
+        }
+    }
+
+    /// Flags whose value makes no sense are refused at parse time, naming the flag.
+    #[test]
+    fn nonsensical_values_are_refused_naming_the_flag() {
+        let cases = [
+            "--full-resync-period=0",
+            "--full-resync-period=0s",
+            "--full-resync-period=1ns",
+            "--full-resync-period=100000h",
+            "--full-resync-period=-1m",
+            "--pod-sync-workers=0",
+            "--pod-sync-workers=-1",
+            "--client-qps=0",
+            "--client-qps=-5",
+            "--kube-api-qps=0",
+            "--client-burst=0",
+            "--kube-api-burst=0",
+            "--authorization-webhook-cache-authorized-ttl=-1s",
+            "--authorization-webhook-cache-unauthorized-ttl=forever",
+        ];
+        for case in cases {
+            let flag = case.split('=').next().unwrap();
+            let error = Args::try_parse_from(["virtual-node", "--client-kubeconfig", "k", case])
+                .expect_err(case);
+            let line = one_line(&error);
+            assert!(line.contains(flag), "{case}: {line}");
+            assert!(!line.contains('\n'), "{case}: {line}");
+        }
+        let fine = Args::try_parse_from([
+            "virtual-node",
+            "--client-kubeconfig",
+            "k",
+            "--full-resync-period=1m0s",
+            "--status-sync-workers=0",
+            "--authorization-webhook-cache-authorized-ttl=0",
+            "--client-qps=0.5",
+        ])
+        .unwrap();
+        assert_eq!(fine.full_resync_period, Duration::from_secs(60));
+    }
+
+    #[test]
+    fn usage_errors_fit_on_one_line() {
+        let cases = [
+            (vec!["virtual-node"], "--client-kubeconfig"),
+            (
+                vec!["virtual-node", "--client-kubeconfig", "k", "--no-such-flag"],
+                "--no-such-flag",
+            ),
+            (
+                vec![
+                    "virtual-node",
+                    "--client-kubeconfig",
+                    "k",
+                    "--kubelet-port=x",
+                ],
+                "--kubelet-port",
+            ),
+        ];
+        for (argv, flag) in cases {
+            let error = Args::try_parse_from(&argv).expect_err(flag);
+            let line = one_line(&error);
+            assert!(line.contains(flag), "{argv:?}: {line}");
+            assert!(!line.starts_with("error"), "{line}");
+            assert!(
+                !line.contains("Usage") && !line.contains("--help"),
+                "{line}"
+            );
+        }
+    }
+
+    #[test]
+    fn node_names() {
+        let cases = [
+            ("vk-node", true),
+            ("vk.node-1", true),
+            ("a", true),
+            ("", false),
+            ("VK", false),
+            ("-vk", false),
+            ("vk-", false),
+            ("vk_node", false),
+            (&"a".repeat(63), true),
+            (&"a".repeat(64), false),
+        ];
+        for (name, valid) in cases {
+            assert_eq!(parse_node_name(name).is_ok(), valid, "{name:?}");
         }
     }
 

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt;
 use k8s_openapi::api::authorization::v1::{
     ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec,
 };
@@ -197,40 +198,23 @@ impl fmt::Display for Permission {
     }
 }
 
+/// How many access reviews are in flight at once at start.
+const CONCURRENT_REVIEWS: usize = 16;
+
 /// Fails with every missing permission listed, naming the cluster.
 pub async fn check_permissions(
     cluster: &Cluster,
     needed: &[Permission],
 ) -> Result<(), StartupError> {
     let reviews: Api<SelfSubjectAccessReview> = Api::all(cluster.client.clone());
+    let answers: Vec<Result<bool, StartupError>> = futures::stream::iter(needed)
+        .map(|permission| is_allowed(cluster, &reviews, permission))
+        .buffered(CONCURRENT_REVIEWS)
+        .collect()
+        .await;
     let mut missing = Vec::new();
-    for permission in needed {
-        let review = SelfSubjectAccessReview {
-            spec: SelfSubjectAccessReviewSpec {
-                resource_attributes: Some(ResourceAttributes {
-                    verb: Some(permission.verb.into()),
-                    group: Some(permission.group.into()),
-                    resource: Some(permission.resource.into()),
-                    subresource: (!permission.subresource.is_empty())
-                        .then(|| permission.subresource.into()),
-                    namespace: permission.namespace.map(Into::into),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            },
-            ..Default::default()
-        };
-        let allowed = reviews
-            .create(&PostParams::default(), &review)
-            .await
-            .map_err(|e| StartupError::Unreachable {
-                side: cluster.side,
-                server: cluster.server.clone(),
-                reason: format!("access review failed: {e}"),
-            })?
-            .status
-            .is_some_and(|s| s.allowed);
-        if !allowed {
+    for (permission, allowed) in needed.iter().zip(answers) {
+        if !allowed? {
             missing.push(permission.to_string());
         }
     }
@@ -244,6 +228,37 @@ pub async fn check_permissions(
     }
 }
 
+async fn is_allowed(
+    cluster: &Cluster,
+    reviews: &Api<SelfSubjectAccessReview>,
+    permission: &Permission,
+) -> Result<bool, StartupError> {
+    let review = SelfSubjectAccessReview {
+        spec: SelfSubjectAccessReviewSpec {
+            resource_attributes: Some(ResourceAttributes {
+                verb: Some(permission.verb.into()),
+                group: Some(permission.group.into()),
+                resource: Some(permission.resource.into()),
+                subresource: (!permission.subresource.is_empty())
+                    .then(|| permission.subresource.into()),
+                namespace: permission.namespace.map(Into::into),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let answer = reviews
+        .create(&PostParams::default(), &review)
+        .await
+        .map_err(|e| StartupError::Unreachable {
+            side: cluster.side,
+            server: cluster.server.clone(),
+            reason: format!("access review failed: {e}"),
+        })?;
+    Ok(answer.status.is_some_and(|s| s.allowed))
+}
+
 const fn perm(verb: &'static str, resource: &'static str) -> Permission {
     Permission {
         verb,
@@ -254,111 +269,169 @@ const fn perm(verb: &'static str, resource: &'static str) -> Permission {
     }
 }
 
-/// What virtual-node does in the upper cluster.
+const fn sub(verb: &'static str, resource: &'static str, subresource: &'static str) -> Permission {
+    Permission {
+        subresource,
+        ..perm(verb, resource)
+    }
+}
+
+const fn grouped(verb: &'static str, group: &'static str, resource: &'static str) -> Permission {
+    Permission {
+        group,
+        ..perm(verb, resource)
+    }
+}
+
+// The tables below list every API call virtual-node makes, by cluster and feature. A
+// watch is a list and then a watch. `tests/virtual_node_startup.rs` runs virtual-node as
+// identities granted exactly these (RBAC generated from them), so a call missing here
+// fails there.
+
+/// What virtual-node always does in the upper cluster.
 pub const UPPER_PERMISSIONS: &[Permission] = &[
+    // node: registered (read first), labels and taints patched, status written
+    perm("get", "nodes"),
     perm("create", "nodes"),
     perm("patch", "nodes"),
-    Permission {
-        subresource: "status",
-        ..perm("patch", "nodes")
-    },
+    sub("patch", "nodes", "status"),
+    // pods bound to the node: watched, read whole before mirroring, deleted when the
+    // lower pod is gone, status reflected
+    perm("list", "pods"),
     perm("watch", "pods"),
+    perm("get", "pods"),
     perm("delete", "pods"),
-    Permission {
-        subresource: "status",
-        ..perm("patch", "pods")
-    },
-    perm("get", "configmaps"),
+    sub("patch", "pods", "status"),
+    // dependencies copied down; ConfigMaps and Secrets watched (metadata) to keep copies
+    // in step; kube-system/kube-root-ca.crt is the kubelet API's default client CA
+    perm("list", "configmaps"),
     perm("watch", "configmaps"),
-    perm("get", "secrets"),
+    perm("get", "configmaps"),
+    perm("list", "secrets"),
     perm("watch", "secrets"),
+    perm("get", "secrets"),
     perm("get", "serviceaccounts"),
     perm("get", "persistentvolumeclaims"),
+    // Warning events and lower events reflected (kube-runtime's Recorder)
+    grouped("create", "events.k8s.io", "events"),
+    grouped("patch", "events.k8s.io", "events"),
+];
+
+/// What the node lease (`--enable-node-lease`) needs in the upper cluster.
+pub const UPPER_LEASE_PERMISSIONS: &[Permission] = &[
     Permission {
-        group: "events.k8s.io",
-        ..perm("create", "events")
-    },
-    Permission {
-        group: "events.k8s.io",
-        ..perm("patch", "events")
-    },
-    Permission {
-        group: "coordination.k8s.io",
         namespace: Some("kube-node-lease"),
-        ..perm("update", "leases")
+        ..grouped("create", "coordination.k8s.io", "leases")
     },
-    // The kubelet API authorizes each caller like a kubelet.
     Permission {
-        group: "authorization.k8s.io",
-        ..perm("create", "subjectaccessreviews")
+        namespace: Some("kube-node-lease"),
+        ..grouped("patch", "coordination.k8s.io", "leases")
     },
 ];
 
-/// What virtual-node does in the lower cluster.
+/// What the kubelet API needs in the upper cluster to authorize each caller like a
+/// kubelet (unless `--no-verify-clients`).
+pub const UPPER_ACCESS_REVIEW_PERMISSIONS: &[Permission] = &[grouped(
+    "create",
+    "authorization.k8s.io",
+    "subjectaccessreviews",
+)];
+
+/// What the kubelet API needs in the upper cluster to accept bearer tokens
+/// (`--authentication-token-webhook`).
+pub const UPPER_TOKEN_REVIEW_PERMISSIONS: &[Permission] =
+    &[grouped("create", "authentication.k8s.io", "tokenreviews")];
+
+/// What virtual-node always does in the lower cluster.
 pub const LOWER_PERMISSIONS: &[Permission] = &[
+    // capacity: every node and pod
+    perm("list", "nodes"),
     perm("watch", "nodes"),
+    perm("list", "pods"),
     perm("watch", "pods"),
+    // mirrored pods: created, read back on a conflict, updated, deleted
+    perm("get", "pods"),
     perm("create", "pods"),
     perm("patch", "pods"),
     perm("delete", "pods"),
-    perm("list", "pods"),
+    // the kubelet API: logs, exec, attach, port-forward (WebSocket upgrades are GETs that
+    // also need create), /stats/summary from the metrics API
+    sub("get", "pods", "log"),
+    sub("get", "pods", "exec"),
+    sub("create", "pods", "exec"),
+    sub("get", "pods", "attach"),
+    sub("create", "pods", "attach"),
+    sub("get", "pods", "portforward"),
+    sub("create", "pods", "portforward"),
+    grouped("list", "metrics.k8s.io", "pods"),
+    // dependencies: namespace and copies made when missing
+    perm("get", "namespaces"),
     perm("create", "namespaces"),
-    perm("create", "configmaps"),
+    perm("get", "serviceaccounts"),
+    perm("create", "serviceaccounts"),
+    perm("get", "persistentvolumeclaims"),
+    perm("create", "persistentvolumeclaims"),
+    // ConfigMap and Secret copies: watched, kept in step, removed when unreferenced
+    perm("list", "configmaps"),
     perm("watch", "configmaps"),
+    perm("get", "configmaps"),
+    perm("create", "configmaps"),
     perm("update", "configmaps"),
     perm("delete", "configmaps"),
-    perm("create", "secrets"),
+    perm("list", "secrets"),
     perm("watch", "secrets"),
+    perm("get", "secrets"),
+    perm("create", "secrets"),
     perm("update", "secrets"),
     perm("delete", "secrets"),
-    perm("create", "serviceaccounts"),
-    perm("create", "persistentvolumeclaims"),
+    // events about mirrored pods, reflected up
+    perm("list", "events"),
     perm("watch", "events"),
 ];
 
 /// What `ServiceControllers` does in the upper cluster.
 pub const UPPER_SERVICE_PERMISSIONS: &[Permission] = &[
+    perm("list", "services"),
     perm("watch", "services"),
+    perm("get", "services"),
+    perm("list", "endpoints"),
     perm("watch", "endpoints"),
-    Permission {
-        group: "discovery.k8s.io",
-        ..perm("watch", "endpointslices")
-    },
+    perm("get", "endpoints"),
+    grouped("list", "discovery.k8s.io", "endpointslices"),
+    grouped("watch", "discovery.k8s.io", "endpointslices"),
+    grouped("get", "discovery.k8s.io", "endpointslices"),
 ];
 
 /// What `ServiceControllers` does in the lower cluster.
 pub const LOWER_SERVICE_PERMISSIONS: &[Permission] = &[
+    perm("list", "services"),
     perm("watch", "services"),
+    perm("get", "services"),
     perm("create", "services"),
     perm("update", "services"),
     perm("delete", "services"),
+    perm("list", "endpoints"),
     perm("watch", "endpoints"),
+    perm("get", "endpoints"),
     perm("create", "endpoints"),
     perm("update", "endpoints"),
     perm("delete", "endpoints"),
-    Permission {
-        group: "discovery.k8s.io",
-        ..perm("watch", "endpointslices")
-    },
-    Permission {
-        group: "discovery.k8s.io",
-        ..perm("create", "endpointslices")
-    },
-    Permission {
-        group: "discovery.k8s.io",
-        ..perm("update", "endpointslices")
-    },
-    Permission {
-        group: "discovery.k8s.io",
-        ..perm("delete", "endpointslices")
-    },
+    grouped("list", "discovery.k8s.io", "endpointslices"),
+    grouped("watch", "discovery.k8s.io", "endpointslices"),
+    grouped("get", "discovery.k8s.io", "endpointslices"),
+    grouped("create", "discovery.k8s.io", "endpointslices"),
+    grouped("update", "discovery.k8s.io", "endpointslices"),
+    grouped("delete", "discovery.k8s.io", "endpointslices"),
 ];
 
 /// What `PVControllers` does in the upper cluster.
 pub const UPPER_PV_PERMISSIONS: &[Permission] = &[
+    perm("list", "persistentvolumeclaims"),
     perm("watch", "persistentvolumeclaims"),
     perm("patch", "persistentvolumeclaims"),
+    perm("list", "persistentvolumes"),
     perm("watch", "persistentvolumes"),
+    perm("get", "persistentvolumes"),
     perm("create", "persistentvolumes"),
     perm("patch", "persistentvolumes"),
     perm("delete", "persistentvolumes"),
@@ -366,11 +439,155 @@ pub const UPPER_PV_PERMISSIONS: &[Permission] = &[
 
 /// What `PVControllers` does in the lower cluster.
 pub const LOWER_PV_PERMISSIONS: &[Permission] = &[
+    perm("list", "persistentvolumeclaims"),
     perm("watch", "persistentvolumeclaims"),
     perm("delete", "persistentvolumeclaims"),
+    perm("list", "persistentvolumes"),
     perm("watch", "persistentvolumes"),
-    Permission {
-        group: "storage.k8s.io",
-        ..perm("watch", "storageclasses")
-    },
+    perm("get", "persistentvolumes"),
+    grouped("list", "storage.k8s.io", "storageclasses"),
+    grouped("watch", "storage.k8s.io", "storageclasses"),
 ];
+
+/// Which optional parts run, and so which permissions they need.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Features {
+    /// `ServiceControllers`.
+    pub services: bool,
+    /// `PVControllers`.
+    pub volumes: bool,
+    /// `--enable-node-lease`.
+    pub node_lease: bool,
+    /// The kubelet API authorizes callers (not `--no-verify-clients`).
+    pub access_reviews: bool,
+    /// `--authentication-token-webhook`.
+    pub token_reviews: bool,
+}
+
+/// Every permission virtual-node needs in `side` with `features`: the list checked at
+/// start.
+pub fn needed_permissions(side: Side, features: Features) -> Vec<Permission> {
+    let tables: Vec<(bool, &[Permission])> = match side {
+        Side::Upper => vec![
+            (true, UPPER_PERMISSIONS),
+            (features.node_lease, UPPER_LEASE_PERMISSIONS),
+            (features.access_reviews, UPPER_ACCESS_REVIEW_PERMISSIONS),
+            (features.token_reviews, UPPER_TOKEN_REVIEW_PERMISSIONS),
+            (features.services, UPPER_SERVICE_PERMISSIONS),
+            (features.volumes, UPPER_PV_PERMISSIONS),
+        ],
+        Side::Lower => vec![
+            (true, LOWER_PERMISSIONS),
+            (features.services, LOWER_SERVICE_PERMISSIONS),
+            (features.volumes, LOWER_PV_PERMISSIONS),
+        ],
+    };
+    tables
+        .into_iter()
+        .filter(|(on, _)| *on)
+        .flat_map(|(_, table)| table.iter().copied())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn needed_permissions_follow_the_features() {
+        let has = |side, features, wanted: &str| {
+            needed_permissions(side, features)
+                .iter()
+                .any(|p| p.to_string() == wanted)
+        };
+        let all = Features {
+            services: true,
+            volumes: true,
+            node_lease: true,
+            access_reviews: true,
+            token_reviews: true,
+        };
+        let none = Features::default();
+        let cases = [
+            (Side::Upper, none, "get pods", true),
+            (Side::Upper, none, "patch pods/status", true),
+            (Side::Upper, none, "list pods", true),
+            (
+                Side::Upper,
+                none,
+                "patch leases.coordination.k8s.io in kube-node-lease",
+                false,
+            ),
+            (
+                Side::Upper,
+                all,
+                "patch leases.coordination.k8s.io in kube-node-lease",
+                true,
+            ),
+            (
+                Side::Upper,
+                all,
+                "create leases.coordination.k8s.io in kube-node-lease",
+                true,
+            ),
+            (
+                Side::Upper,
+                none,
+                "create tokenreviews.authentication.k8s.io",
+                false,
+            ),
+            (
+                Side::Upper,
+                all,
+                "create tokenreviews.authentication.k8s.io",
+                true,
+            ),
+            (
+                Side::Upper,
+                all,
+                "create subjectaccessreviews.authorization.k8s.io",
+                true,
+            ),
+            (Side::Upper, none, "watch services", false),
+            (Side::Upper, all, "watch services", true),
+            (Side::Lower, none, "get namespaces", true),
+            (Side::Lower, none, "create pods/exec", true),
+            (Side::Lower, none, "update services", false),
+            (Side::Lower, all, "update services", true),
+            (
+                Side::Lower,
+                all,
+                "watch storageclasses.storage.k8s.io",
+                true,
+            ),
+            (
+                Side::Lower,
+                all,
+                "create leases.coordination.k8s.io in kube-node-lease",
+                false,
+            ),
+        ];
+        for (side, features, wanted, want) in cases {
+            assert_eq!(has(side, features, wanted), want, "{side}: {wanted}");
+        }
+    }
+
+    #[test]
+    fn no_permission_is_listed_twice() {
+        for side in [Side::Upper, Side::Lower] {
+            let all = Features {
+                services: true,
+                volumes: true,
+                node_lease: true,
+                access_reviews: true,
+                token_reviews: true,
+            };
+            let listed: Vec<String> = needed_permissions(side, all)
+                .iter()
+                .map(ToString::to_string)
+                .collect();
+            let unique: std::collections::BTreeSet<&String> = listed.iter().collect();
+            assert_eq!(unique.len(), listed.len(), "{side}: {listed:?}");
+        }
+    }
+}

@@ -1,28 +1,34 @@
 //! virtual-node: joins the lower cluster to the upper one as a virtual node. Wiring only.
 
+use std::collections::BTreeMap;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use clap::Parser;
-use k8s_openapi::api::core::v1::{ConfigMap, Taint};
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Taint};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::runtime::events::{Recorder, Reporter};
-use tensile::cli::Args;
-use tensile::clusters::{
-    self, LOWER_PERMISSIONS, LOWER_PV_PERMISSIONS, LOWER_SERVICE_PERMISSIONS, RateLimit,
-    StartupError, UPPER_PERMISSIONS, UPPER_PV_PERMISSIONS, UPPER_SERVICE_PERMISSIONS,
-};
+use tensile::cli::{self, Args, OptionalControllers};
+use tensile::clusters::{self, Cluster, Features, RateLimit, StartupError};
 use tensile::controllers::{self, Context};
 use tensile::kubelet_api;
 use tensile::metrics::{self, Metrics};
 use tensile::node::{self, spec::NodeConfig};
+use tensile::shutdown::Tasks;
 use tensile::side::Side;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info, warn};
+use tracing::{info, warn};
+
+/// The lower capacity as last computed; `None` until the lower watches have listed.
+type Capacity = Option<BTreeMap<String, Quantity>>;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args = Args::parse();
+    let args = match cli::parse_args::<Args>("virtual-node", std::env::args_os()) {
+        Ok(args) => args,
+        Err(status) => return status,
+    };
     let filter = tracing_subscriber::EnvFilter::try_new(&args.log_level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::fmt().with_env_filter(filter).init();
@@ -35,8 +41,84 @@ async fn main() -> ExitCode {
     }
 }
 
+/// Checks everything that can be checked before starting, then runs every part on a task
+/// of its own until shutdown. `Err` is the one line to print: what stopped it, by name.
 async fn run(args: Args) -> Result<(), String> {
-    validate_node_name(&args.nodename)?;
+    let metrics = Arc::new(Metrics::default());
+    let (upper, lower) = connect(&args, &metrics).await?;
+    let optional = args.optional_controllers();
+    for unknown in &optional.unknown {
+        warn!(controller = %unknown, "--enable-controllers: unknown controller skipped");
+    }
+    check_permissions(&args, &optional, &upper, &lower).await?;
+    let metrics_listener = metrics::bind(args.metrics_addr).await?;
+    let (kubelet_listener, kubelet_tls, kubelet_api) =
+        kubelet_api_setup(&args, &upper.client, &lower.client).await?;
+    info!(
+        node = %args.nodename, upper = %upper.server, lower = %lower.server,
+        lower_version = %lower.version, pv_controllers = optional.volumes,
+        service_controllers = optional.services, "starting"
+    );
+
+    let shutdown = CancellationToken::new();
+    tokio::spawn(tensile::shutdown::on_signals(shutdown.clone()));
+    let mut tasks = Tasks::new(shutdown.clone());
+    tasks.spawn_fallible(
+        "metrics server",
+        metrics::serve(metrics_listener, metrics.clone(), shutdown.clone()),
+    );
+    tasks.spawn(
+        "kubelet API server",
+        kubelet_api::serve(kubelet_listener, kubelet_tls, kubelet_api, shutdown.clone()),
+    );
+    let (capacity_tx, capacity_rx) = watch::channel(None);
+    tasks.spawn(
+        "capacity watch",
+        node::watch_capacity(
+            lower.client.clone(),
+            args.nodename.clone(),
+            capacity_tx,
+            shutdown.clone(),
+        ),
+    );
+
+    let node_config = node_config(&args, &lower);
+    let registered = tokio::select! {
+        () = shutdown.cancelled() => None,
+        registered = register_node(&upper, &node_config, capacity_rx.clone()) => Some(registered),
+    };
+    match registered {
+        None => {}
+        Some(Ok(node)) => {
+            let ctx = context(&args, &upper, &lower, metrics.clone());
+            spawn_controllers(&mut tasks, &ctx, &args, &optional, &shutdown);
+            tasks.spawn(
+                "node keep-alive",
+                node::keep_alive(
+                    upper.client.clone(),
+                    lower.client.clone(),
+                    node_config,
+                    args.enable_node_lease,
+                    capacity_rx,
+                    node,
+                    shutdown.clone(),
+                ),
+            );
+        }
+        Some(Err(error)) => {
+            shutdown.cancel();
+            // A task that failed meanwhile (the capacity watch) is the cause.
+            tasks.supervise().await.map_err(|f| f.to_string())?;
+            return Err(error);
+        }
+    }
+    let outcome = tasks.supervise().await;
+    info!("stopped");
+    outcome.map_err(|failure| failure.to_string())
+}
+
+/// Reads both kubeconfigs, then connects to both API servers.
+async fn connect(args: &Args, metrics: &Arc<Metrics>) -> Result<(Cluster, Cluster), String> {
     // Both kubeconfigs are read before either server is contacted, so a bad file is
     // reported as such, never raced by the other cluster's connection error.
     let upper_config = clusters::load_config(Side::Upper, args.kubeconfig.as_deref())
@@ -53,44 +135,41 @@ async fn run(args: Args) -> Result<(), String> {
         qps: args.client_qps,
         burst: args.client_burst,
     };
-    let metrics = Arc::new(Metrics::default());
-    let (upper, lower) = tokio::try_join!(
+    tokio::try_join!(
         clusters::connect(Side::Upper, upper_config, upper_limit, metrics.clone()),
         clusters::connect(Side::Lower, lower_config, lower_limit, metrics.clone()),
     )
-    .map_err(|e: StartupError| e.to_string())?;
-    let optional = args.optional_controllers();
-    for unknown in &optional.unknown {
-        warn!(controller = %unknown, "--enable-controllers: unknown controller skipped");
-    }
-    let (mut upper_needs, mut lower_needs) =
-        (UPPER_PERMISSIONS.to_vec(), LOWER_PERMISSIONS.to_vec());
-    if optional.services {
-        upper_needs.extend_from_slice(UPPER_SERVICE_PERMISSIONS);
-        lower_needs.extend_from_slice(LOWER_SERVICE_PERMISSIONS);
-    }
-    if optional.volumes {
-        upper_needs.extend_from_slice(UPPER_PV_PERMISSIONS);
-        lower_needs.extend_from_slice(LOWER_PV_PERMISSIONS);
-    }
+    .map_err(|e: StartupError| e.to_string())
+}
+
+/// Fails, naming the cluster and every missing permission, unless virtual-node may do in
+/// both clusters everything the parts it runs will do.
+async fn check_permissions(
+    args: &Args,
+    optional: &OptionalControllers,
+    upper: &Cluster,
+    lower: &Cluster,
+) -> Result<(), String> {
+    let features = Features {
+        services: optional.services,
+        volumes: optional.volumes,
+        node_lease: args.enable_node_lease,
+        access_reviews: !args.no_verify_clients,
+        token_reviews: args.authentication_token_webhook,
+    };
+    let upper_needs = clusters::needed_permissions(Side::Upper, features);
+    let lower_needs = clusters::needed_permissions(Side::Lower, features);
     tokio::try_join!(
-        clusters::check_permissions(&upper, &upper_needs),
-        clusters::check_permissions(&lower, &lower_needs),
+        clusters::check_permissions(upper, &upper_needs),
+        clusters::check_permissions(lower, &lower_needs),
     )
     .map_err(|e| e.to_string())?;
-    let listener = metrics::bind(args.metrics_addr).await?;
-    let (kubelet_listener, kubelet_tls, kubelet_api) =
-        kubelet_api_setup(&args, &upper.client, &lower.client).await?;
-    info!(
-        node = %args.nodename, upper = %upper.server, lower = %lower.server,
-        lower_version = %lower.version, pv_controllers = optional.volumes,
-        service_controllers = optional.services, "starting"
-    );
+    Ok(())
+}
 
-    let shutdown = CancellationToken::new();
-    tokio::spawn(tensile::shutdown::on_signals(shutdown.clone()));
-
-    let node_config = NodeConfig {
+/// What the Node says of itself.
+fn node_config(args: &Args, lower: &Cluster) -> NodeConfig {
+    NodeConfig {
         name: args.nodename.clone(),
         os: args.os.clone(),
         cluster_id: args.nodename.clone(),
@@ -103,12 +182,35 @@ async fn run(args: Args) -> Result<(), String> {
         address: args.node_ip.clone().unwrap_or_else(|| "127.0.0.1".into()),
         kubelet_port: i32::from(args.kubelet_port),
         lower_version: lower.version.clone(),
-    };
+    }
+}
+
+/// Registers the Node once the lower capacity is known, so it never offers room it lacks.
+async fn register_node(
+    upper: &Cluster,
+    config: &NodeConfig,
+    mut capacity: watch::Receiver<Capacity>,
+) -> Result<Node, String> {
+    let capacity = capacity
+        .wait_for(Option::is_some)
+        .await
+        .map_err(|_| "lower cluster: the capacity watch ended before capacity was known")?
+        .clone()
+        .unwrap_or_default();
+    let node = node::register(&upper.client, config, &capacity)
+        .await
+        .map_err(|e| e.to_string())?;
+    info!(node = %config.name, "node registered");
+    Ok(node)
+}
+
+/// What every controller shares.
+fn context(args: &Args, upper: &Cluster, lower: &Cluster, metrics: Arc<Metrics>) -> Arc<Context> {
     let reporter = Reporter {
         controller: "tensile-virtual-node".into(),
         instance: Some(args.nodename.clone()),
     };
-    let ctx = Arc::new(Context::new(
+    Arc::new(Context::new(
         upper.client.clone(),
         lower.client.clone(),
         args.nodename.clone(),
@@ -120,167 +222,116 @@ async fn run(args: Args) -> Result<(), String> {
         args.enable_serviceaccount,
         args.namespace.clone(),
         Recorder::new(upper.client.clone(), reporter),
-        metrics.clone(),
-    ));
+        metrics,
+    ))
+}
 
-    let (capacity_tx, mut capacity_rx) = tokio::sync::watch::channel(None);
-    let capacity_watch = node::watch_capacity(
-        lower.client.clone(),
-        args.nodename.clone(),
-        capacity_tx,
-        shutdown.clone(),
-    );
-    let serve = metrics::serve(listener, metrics.clone(), shutdown.clone());
-    let kubelet_serve = on_own_task(
-        "kubelet API",
-        shutdown.clone(),
-        kubelet_api::serve(kubelet_listener, kubelet_tls, kubelet_api, shutdown.clone()),
-    );
+/// Spawns the watches and every controller, each as a task of its own.
+fn spawn_controllers(
+    tasks: &mut Tasks,
+    ctx: &Arc<Context>,
+    args: &Args,
+    optional: &OptionalControllers,
+    shutdown: &CancellationToken,
+) {
+    let resync = args.full_resync_period;
+    let controllers::pod::PodWatches {
+        stores,
+        pump,
+        pods: pod_triggers,
+        status: status_triggers,
+    } = controllers::pod::watches(ctx);
+    let config_watches = controllers::config::watches(ctx);
+    let service_watches = optional
+        .services
+        .then(|| controllers::service::watches(ctx));
+    let volume_watches = optional.volumes.then(|| controllers::volume::watches(ctx));
+    let mut watches_ready = config_watches.ready.clone();
+    for ready in [
+        service_watches.as_ref().map(|w| &w.ready),
+        volume_watches.as_ref().map(|w| &w.ready),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        watches_ready = watches_ready.and(ready);
+    }
 
-    let main = async {
-        // Register only once capacity is known, so the node never offers room it lacks.
-        let capacity = tokio::select! {
-            () = shutdown.cancelled() => return Ok(()),
-            c = capacity_rx.wait_for(Option::is_some) => c
-                .map_err(|_| "lower cluster: capacity watch ended".to_owned())?
-                .clone()
-                .unwrap_or_default(),
-        };
-        let registered = node::register(&upper.client, &node_config, &capacity)
-            .await
-            .map_err(|e| e.to_string())?;
-        info!(node = %args.nodename, "node registered");
-
-        let controllers::pod::PodWatches {
-            stores,
-            pump,
-            pods: pod_triggers,
-            status: status_triggers,
-        } = controllers::pod::watches(&ctx);
-        let synced = stores.synced.clone();
-        let config_watches = controllers::config::watches(&ctx);
-        let service_watches = optional
-            .services
-            .then(|| controllers::service::watches(&ctx));
-        let volume_watches = optional.volumes.then(|| controllers::volume::watches(&ctx));
-        let mut watches_ready = config_watches.ready.clone();
-        for ready in [
-            service_watches.as_ref().map(|w| &w.ready),
-            volume_watches.as_ref().map(|w| &w.ready),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            watches_ready = watches_ready.and(ready);
+    // The watches run until shutdown; the controllers stop on it by themselves.
+    let stop = shutdown.clone();
+    tasks.spawn("pod watches", async move {
+        tokio::select! {
+            () = stop.cancelled() => {}
+            () = pump => {}
         }
-        let config = controllers::config::run(
+    });
+    tasks.spawn(
+        "pod controller",
+        controllers::pod::run(
+            ctx.clone(),
+            pod_triggers,
+            stores.clone(),
+            args.pod_sync_workers,
+            resync,
+            shutdown.clone(),
+        ),
+    );
+    let status_workers = match args.status_sync_workers {
+        0 => args.pod_sync_workers.saturating_mul(3),
+        n => n,
+    };
+    tasks.spawn(
+        "status reflector",
+        controllers::status::run(
+            ctx.clone(),
+            status_triggers,
+            stores.clone(),
+            status_workers,
+            resync,
+            shutdown.clone(),
+        ),
+    );
+    tasks.spawn(
+        "config/secret controller",
+        controllers::config::run(
             ctx.clone(),
             config_watches,
             stores.clone(),
-            args.full_resync_period,
+            resync,
             shutdown.clone(),
-        );
-        let events = controllers::events::run(ctx.clone(), stores.clone(), shutdown.clone());
-        let services = async {
-            if let Some(watches) = service_watches {
-                controllers::service::run(
-                    ctx.clone(),
-                    watches,
-                    args.full_resync_period,
-                    shutdown.clone(),
-                )
-                .await;
-            }
-        };
-        let volumes = async {
-            if let Some(watches) = volume_watches {
-                controllers::volume::run(
-                    ctx.clone(),
-                    watches,
-                    args.full_resync_period,
-                    shutdown.clone(),
-                )
-                .await;
-            }
-        };
-        let workers = args.pod_sync_workers.max(1);
-        let pods = on_own_task(
-            "pod controller",
-            shutdown.clone(),
-            controllers::pod::run(
-                ctx.clone(),
-                pod_triggers,
-                stores.clone(),
-                workers,
-                args.full_resync_period,
-                shutdown.clone(),
-            ),
-        );
-        let status_workers = match args.status_sync_workers {
-            0 => workers.saturating_mul(3),
-            n => n,
-        };
-        let status = on_own_task(
-            "status reflector",
-            shutdown.clone(),
-            controllers::status::run(
-                ctx.clone(),
-                status_triggers,
-                stores.clone(),
-                status_workers,
-                args.full_resync_period,
-                shutdown.clone(),
-            ),
-        );
-        // The watches run until shutdown; the controllers stop on it by themselves.
-        let stop = shutdown.clone();
-        let pump = on_own_task("pod watches", shutdown.clone(), async move {
-            tokio::select! {
-                () = stop.cancelled() => {}
-                () = pump => {}
-            }
-        });
-        let gc = async {
-            let ready = async {
-                if synced.wait().await.is_ok() && watches_ready.wait().await.is_ok() {
-                    metrics.ready.store(true, Ordering::Relaxed);
-                }
-            };
-            tokio::select! {
-                () = shutdown.cancelled() => {}
-                () = ready => {}
-            }
-            controllers::gc::run(ctx.clone(), stores.clone(), shutdown.clone()).await;
-        };
-        let keep_alive = node::keep_alive(
-            upper.client.clone(),
-            lower.client.clone(),
-            node_config.clone(),
-            args.enable_node_lease,
-            capacity_rx.clone(),
-            registered,
-            shutdown.clone(),
-        );
-        tokio::join!(
-            pump, pods, status, gc, keep_alive, config, events, services, volumes
-        );
-        Ok::<(), String>(())
-    };
-    let (result, (), served, ()) = tokio::join!(
-        async {
-            let result = main.await;
-            shutdown.cancel();
-            result
-        },
-        capacity_watch,
-        serve,
-        kubelet_serve,
+        ),
     );
-    if let Err(e) = served {
-        error!(error = %e, "metrics server");
+    tasks.spawn(
+        "events reflector",
+        controllers::events::run(ctx.clone(), stores.clone(), shutdown.clone()),
+    );
+    if let Some(watches) = service_watches {
+        tasks.spawn(
+            "service controller",
+            controllers::service::run(ctx.clone(), watches, resync, shutdown.clone()),
+        );
     }
-    info!("stopped");
-    result
+    if let Some(watches) = volume_watches {
+        tasks.spawn(
+            "volume controller",
+            controllers::volume::run(ctx.clone(), watches, resync, shutdown.clone()),
+        );
+    }
+    let (gc_ctx, stop) = (ctx.clone(), shutdown.clone());
+    tasks.spawn("orphan collector", async move {
+        // Ready once every watch has listed: the node is registered already.
+        let synced = stores.synced.clone();
+        let ready = async {
+            if synced.wait().await.is_ok() && watches_ready.wait().await.is_ok() {
+                gc_ctx.metrics.ready.store(true, Ordering::Relaxed);
+            }
+        };
+        tokio::select! {
+            () = stop.cancelled() => {}
+            () = ready => {}
+        }
+        controllers::gc::run(gc_ctx, stores, stop).await;
+    });
 }
 
 /// The kubelet API's port, TLS and authenticator. The client CA defaults to the upper
@@ -315,7 +366,7 @@ async fn kubelet_api_setup(
                 .and_then(|cm| cm.data)
                 .and_then(|mut data| data.remove("ca.crt"))
                 .ok_or_else(|| {
-                    "upper cluster: no kube-system/kube-root-ca.crt with ca.crt: set                      APISERVER_CA_CERT_LOCATION (--client-verify-ca) for the kubelet API"
+                    "upper cluster: no kube-system/kube-root-ca.crt with ca.crt: set APISERVER_CA_CERT_LOCATION (--client-verify-ca) for the kubelet API"
                         .to_owned()
                 })?;
             Some(pem.into_bytes())
@@ -323,7 +374,7 @@ async fn kubelet_api_setup(
     };
     if args.no_verify_clients {
         warn!(
-            "--no-verify-clients: the kubelet API (logs, exec, port-forward) is open to              ANYONE who reaches port {}: never do this outside a lab",
+            "--no-verify-clients: the kubelet API (logs, exec, port-forward) is open to ANYONE who reaches port {}: never do this outside a lab",
             args.kubelet_port
         );
     }
@@ -353,37 +404,4 @@ async fn kubelet_api_setup(
         auth,
     });
     Ok((listener, tls, api))
-}
-
-/// Runs `task` as a task of its own, so that the busiest parts (pod watches, pod
-/// controller, status reflector) use every core and one's work never waits for another's
-/// turn. Should it panic, everything shuts down rather than run on half-working.
-async fn on_own_task(
-    name: &'static str,
-    shutdown: CancellationToken,
-    task: impl Future<Output = ()> + Send + 'static,
-) {
-    if let Err(error) = tokio::spawn(task).await {
-        error!(task = name, %error, "task failed; shutting down");
-        shutdown.cancel();
-    }
-}
-
-/// The node name is also a label value on every lower object (ownership), so it must be
-/// a valid one.
-fn validate_node_name(name: &str) -> Result<(), String> {
-    let valid = !name.is_empty()
-        && name.len() <= 63
-        && name
-            .chars()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-' || c == '.')
-        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
-        && name.ends_with(|c: char| c.is_ascii_alphanumeric());
-    if valid {
-        Ok(())
-    } else {
-        Err(format!(
-            "--nodename {name:?} must be a DNS name of at most 63 characters (it is also a label value)"
-        ))
-    }
 }

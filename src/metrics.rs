@@ -1,10 +1,11 @@
 //! Counters of what virtual-node did, served as Prometheus text on `--metrics-addr`,
 //! with `/healthz` and `/readyz`.
 
+use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use axum::Router;
 use axum::extract::State;
@@ -119,8 +120,10 @@ pub struct Metrics {
     pub api_requests: ApiRequests,
     /// Pod reconciles run.
     pub reconciles: Counter,
-    /// Pod reconciles that failed.
+    /// Pod reconciles that failed (every kind of error; see [`Metrics::reconcile_failed`]).
     pub errors: Counter,
+    /// Pod reconciles that failed, by the error's kind (`Error::metric_label`).
+    reconcile_errors: Mutex<BTreeMap<&'static str, u64>>,
     /// Upper pod status writes.
     pub status_writes: Counter,
     /// How long the upper API server took to answer each status write.
@@ -141,19 +144,39 @@ pub struct Metrics {
 }
 
 impl Metrics {
+    /// Counts a failed pod reconcile (pod controller or status reflector) whose error is of
+    /// the kind `label` (`api`, `conflict`, ...).
+    pub fn reconcile_failed(&self, label: &'static str) {
+        self.errors.inc();
+        let mut by_label = self
+            .reconcile_errors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        *by_label.entry(label).or_default() += 1;
+    }
+
     /// Prometheus text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();
+        let name = "tensile_pod_reconcile_errors_total";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Pod reconciles that failed, by kind of error.\n# TYPE {name} counter"
+        );
+        {
+            let by_label = self
+                .reconcile_errors
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            for (label, n) in by_label.iter() {
+                let _ = writeln!(out, "{name}{{error=\"{label}\"}} {n}");
+            }
+        }
         for (name, help, counter) in [
             (
                 "tensile_pod_reconciles_total",
                 "Pod reconciles run.",
                 &self.reconciles,
-            ),
-            (
-                "tensile_pod_reconcile_errors_total",
-                "Pod reconciles that failed.",
-                &self.errors,
             ),
             (
                 "tensile_upper_status_writes_total",
@@ -251,6 +274,45 @@ pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, String> {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn reconcile_errors_are_counted_by_kind() {
+        let metrics = Metrics::default();
+        for label in ["api", "conflict", "api", "missing_dependency", "api"] {
+            metrics.reconcile_failed(label);
+        }
+        let out = metrics.render();
+        let cases = [
+            (
+                "tensile_pod_reconcile_errors_total{error=\"api\"}",
+                Some("3"),
+            ),
+            (
+                "tensile_pod_reconcile_errors_total{error=\"conflict\"}",
+                Some("1"),
+            ),
+            (
+                "tensile_pod_reconcile_errors_total{error=\"missing_dependency\"}",
+                Some("1"),
+            ),
+            (
+                "tensile_pod_reconcile_errors_total{error=\"translate\"}",
+                None,
+            ),
+        ];
+        for (series, want) in cases {
+            let got = out
+                .lines()
+                .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '));
+            assert_eq!(got, want, "{series} in\n{out}");
+        }
+        assert_eq!(metrics.errors.get(), 5, "the total follows");
+        assert_eq!(
+            out.matches("# TYPE tensile_pod_reconcile_errors_total counter")
+                .count(),
+            1
+        );
+    }
 
     #[test]
     fn histogram_renders_cumulative_buckets() {

@@ -3,7 +3,8 @@
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use clap::Parser;
+use tensile::cli::parse_args;
+use tensile::shutdown::Tasks;
 use tensile_scheduler_extender::cli::Cli;
 use tensile_scheduler_extender::metrics::Metrics;
 use tensile_scheduler_extender::server::{self, App};
@@ -13,7 +14,10 @@ use tracing::info;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match parse_args::<Cli>("tensile-scheduler-extender", std::env::args_os()) {
+        Ok(cli) => cli,
+        Err(status) => return status,
+    };
     let filter = tracing_subscriber::EnvFilter::try_new(&cli.log_level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::fmt().with_env_filter(filter).init();
@@ -48,13 +52,13 @@ async fn run(cli: Cli) -> Result<(), String> {
         extender,
         metrics: Metrics::default(),
     });
-    tokio::join!(
-        async {
-            server::serve(listener, tls, server::router(app), shutdown.clone()).await;
-            shutdown.cancel();
-        },
-        watches,
+    let mut tasks = Tasks::new(shutdown.clone());
+    tasks.spawn("lower cluster watches", watches);
+    tasks.spawn(
+        "HTTP server",
+        server::serve(listener, tls, server::router(app), shutdown.clone()),
     );
+    let outcome = tasks.supervise().await;
     info!("stopped");
-    Ok(())
+    outcome.map_err(|failure| failure.to_string())
 }

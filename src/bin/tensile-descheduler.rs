@@ -5,42 +5,33 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Parser;
-use clap::error::ErrorKind;
 use kube::runtime::events::{Recorder, Reporter};
+use tensile::cli::{USAGE_ERROR, parse_args, usage_exit};
 use tensile::clusters::{self, RateLimit};
 use tensile::descheduler::cli::{Args, strip_klog_flags};
 use tensile::descheduler::metrics::{self, Metrics};
 use tensile::descheduler::select::{Policy, parse_policy};
 use tensile::descheduler::{Config, Descheduler};
 use tensile::leader::{self, LeaseConfig};
+use tensile::shutdown::Tasks;
 use tensile::side::Side;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-/// Usage errors (flags, policy file) exit with 2, like Go's flag package.
-const USAGE: u8 = 2;
+const PROGRAM: &str = "tensile-descheduler";
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // Usage errors (flags, policy file) are one line and exit with 2, like Go's flag package.
     let (argv, ignored) = strip_klog_flags(std::env::args());
-    let args = match Args::try_parse_from(argv) {
+    let args = match parse_args::<Args>(PROGRAM, argv) {
         Ok(args) => args,
-        Err(e) if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) => {
-            let _ = e.print();
-            return ExitCode::SUCCESS;
-        }
-        Err(e) => {
-            let rendered = e.to_string();
-            let line = rendered.lines().next().unwrap_or("invalid arguments");
-            eprintln!(
-                "tensile-descheduler: {}",
-                line.trim_start_matches("error: ")
-            );
-            return ExitCode::from(USAGE);
-        }
+        Err(status) => return status,
     };
+    if let Err(error) = args.check() {
+        return usage_exit(PROGRAM, &error);
+    }
     let filter = tracing_subscriber::EnvFilter::try_new(&args.log_level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     tracing_subscriber::fmt().with_env_filter(filter).init();
@@ -50,14 +41,14 @@ async fn main() -> ExitCode {
     let policy = match policy(&args) {
         Ok(policy) => policy,
         Err(message) => {
-            eprintln!("tensile-descheduler: {message}");
-            return ExitCode::from(USAGE);
+            eprintln!("{PROGRAM}: {message}");
+            return ExitCode::from(USAGE_ERROR);
         }
     };
     match run(args, policy).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
-            eprintln!("tensile-descheduler: {message}");
+            eprintln!("{PROGRAM}: {message}");
             ExitCode::FAILURE
         }
     }
@@ -115,12 +106,17 @@ async fn run(args: Args, policy: Policy) -> Result<(), String> {
 
     let shutdown = CancellationToken::new();
     tokio::spawn(tensile::shutdown::on_signals(shutdown.clone()));
+    let mut tasks = Tasks::new(shutdown.clone());
     let metrics = Arc::new(Metrics::default());
-    let serve = metrics::serve(listener, metrics.clone(), shutdown.clone());
+    tasks.spawn_fallible(
+        "metrics server",
+        metrics::serve(listener, metrics.clone(), shutdown.clone()),
+    );
 
+    // The election outlives the descheduler's draining: it stops on `election_stop`, once
+    // no round runs any more, and then gives the Lease up.
     let election_stop = CancellationToken::new();
-    let mut always_leader = None;
-    let (leader, election) = if args.leader_elect {
+    let (leader, always_leader) = if args.leader_elect {
         let namespace = args
             .leader_elect_resource_namespace
             .clone()
@@ -133,18 +129,21 @@ async fn run(args: Args, policy: Policy) -> Result<(), String> {
             ..LeaseConfig::new(&namespace, &args.leader_elect_resource_name, &identity)
         };
         let (rx, election) = leader::elect(upper.client.clone(), lease, election_stop.clone());
-        (rx, Some(tokio::spawn(election)))
+        tasks.spawn("leader election", election);
+        (rx, None)
     } else {
         let (tx, rx) = watch::channel(true);
         // Held until the end of `run`: the receiver always reads `true`.
-        always_leader = Some(tx);
-        (rx, None)
+        (rx, Some(tx))
     };
     {
-        let metrics = metrics.clone();
-        let mut leader = leader.clone();
-        tokio::spawn(async move {
-            while leader.changed().await.is_ok() {
+        let (metrics, mut leader, stop) = (metrics.clone(), leader.clone(), shutdown.clone());
+        tasks.spawn("leader gauge", async move {
+            loop {
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    changed = leader.changed() => if changed.is_err() { return },
+                }
                 metrics.leader.set(i64::from(*leader.borrow()));
             }
         });
@@ -164,33 +163,29 @@ async fn run(args: Args, policy: Policy) -> Result<(), String> {
         },
         metrics.clone(),
     );
-    let work = async {
+    let stop = shutdown.clone();
+    tasks.spawn("descheduler", async move {
         if args.descheduling_interval == Duration::ZERO {
             // tensile-kube's meaning of 0: one round, then exit.
             let mut waiting = leader.clone();
             // The guard `wait_for` returns locks the channel: drop it before the round.
             let lead = tokio::select! {
-                () = shutdown.cancelled() => false,
+                () = stop.cancelled() => false,
                 ready = waiting.wait_for(|l| *l) => ready.is_ok(),
             };
-            if lead && let Err(e) = descheduler.round(&leader, &shutdown).await {
+            if lead && let Err(e) = descheduler.round(&leader, &stop).await {
                 error!(error = %e, "round failed");
             }
         } else {
-            descheduler.run(leader.clone(), shutdown.clone()).await;
+            descheduler.run(leader.clone(), stop.clone()).await;
         }
-        // Drained: give the Lease up so another replica takes over at once.
+        // Drained: everything stops, and the election gives the Lease up so another
+        // replica takes over at once.
+        stop.cancel();
         election_stop.cancel();
-        if let Some(election) = election {
-            let _ = election.await;
-        }
-        shutdown.cancel();
-    };
-    let ((), served) = tokio::join!(work, serve);
-    if let Err(e) = served {
-        error!(error = %e, "metrics server");
-    }
+    });
+    let outcome = tasks.supervise().await;
     drop(always_leader);
     info!("stopped");
-    Ok(())
+    outcome.map_err(|failure| failure.to_string())
 }

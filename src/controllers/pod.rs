@@ -355,7 +355,7 @@ async fn reconcile(stored: Arc<StoredPod>, pc: Arc<PodContext>) -> Result<Action
         match &result {
             Ok(_) => ctx.succeeded(&key),
             Err(error) => {
-                ctx.metrics.errors.inc();
+                ctx.metrics.reconcile_failed(error.metric_label());
                 report(ctx, &upper, error).await;
             }
         }

@@ -89,7 +89,7 @@ async fn reconcile(lower: Arc<StoredPod>, sc: Arc<StatusContext>) -> Result<Acti
                 Ok(Action::await_change())
             }
             Err(error) => {
-                ctx.metrics.errors.inc();
+                ctx.metrics.reconcile_failed(error.metric_label());
                 warn!(%error, "reflecting status failed; retrying with backoff");
                 Err(error)
             }

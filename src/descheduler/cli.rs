@@ -4,9 +4,17 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{ArgAction, Parser};
+use clap::error::ErrorKind;
+use clap::{ArgAction, CommandFactory, Parser};
 
-use crate::cli::{parse_addr, parse_duration};
+use crate::cli::{
+    MAX_DURATION, MIN_PERIOD, duration_in, format_duration, parse_addr, parse_duration,
+    parse_period,
+};
+
+/// The shortest leader-election timing accepted: client-go's are seconds, and tests run
+/// elections in fractions of one.
+const MIN_LEASE_TIMING: Duration = Duration::from_millis(100);
 
 /// Gives pods that a lower cluster cannot place another chance.
 #[derive(Parser, Debug, Clone)]
@@ -16,8 +24,9 @@ pub struct Args {
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
 
-    /// Time between rounds (Go durations such as `1m0s` work; 0 runs one round and exits).
-    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    /// Time between rounds (Go durations such as `1m0s` work; 0 runs one round and exits;
+    /// otherwise 1s to a year).
+    #[arg(long, value_parser = parse_interval, default_value = "10s")]
     pub descheduling_interval: Duration,
 
     /// A `DeschedulerPolicy` file; its PodLifeTime `maxPodLifeTimeSeconds` sets the
@@ -41,8 +50,9 @@ pub struct Args {
     #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true")]
     pub evict_local_storage_pods: bool,
 
-    /// A pod Pending on a virtual node longer than this is moved (the policy file wins).
-    #[arg(long, value_parser = parse_duration, default_value = "180s")]
+    /// A pod Pending on a virtual node longer than this is moved (the policy file wins;
+    /// 1s to a year).
+    #[arg(long, value_parser = parse_period, default_value = "180s")]
     pub max_pod_lifetime: Duration,
 
     /// Address of `/healthz` and `/metrics`.
@@ -65,21 +75,61 @@ pub struct Args {
     #[arg(long, env = "POD_NAME")]
     pub leader_elect_identity: Option<String>,
 
-    /// How long a leader that stopped renewing keeps the Lease.
-    #[arg(long, value_parser = parse_duration, default_value = "15s")]
+    /// How long a leader that stopped renewing keeps the Lease (longer than the renew
+    /// deadline).
+    #[arg(long, value_parser = duration_in(MIN_LEASE_TIMING, MAX_DURATION), default_value = "15s")]
     pub leader_elect_lease_duration: Duration,
 
-    /// The leader stops acting when it could not renew for this long.
-    #[arg(long, value_parser = parse_duration, default_value = "10s")]
+    /// The leader stops acting when it could not renew for this long (longer than the
+    /// retry period).
+    #[arg(long, value_parser = duration_in(MIN_LEASE_TIMING, MAX_DURATION), default_value = "10s")]
     pub leader_elect_renew_deadline: Duration,
 
     /// How often the Lease is renewed or tried.
-    #[arg(long, value_parser = parse_duration, default_value = "2s")]
+    #[arg(long, value_parser = duration_in(MIN_LEASE_TIMING, MAX_DURATION), default_value = "2s")]
     pub leader_elect_retry_period: Duration,
 
     /// Log filter (`info`, `debug`, or a tracing directive).
     #[arg(long, default_value = "info")]
     pub log_level: String,
+}
+
+/// `--descheduling-interval`: 0 (one round), or a period.
+fn parse_interval(text: &str) -> Result<Duration, String> {
+    match parse_duration(text)? {
+        Duration::ZERO => Ok(Duration::ZERO),
+        d if d < MIN_PERIOD => Err(format!(
+            "must be 0 (one round) or at least {}",
+            format_duration(MIN_PERIOD)
+        )),
+        d if d > MAX_DURATION => Err(format!("must be at most {}", format_duration(MAX_DURATION))),
+        d => Ok(d),
+    }
+}
+
+impl Args {
+    /// What one flag cannot say alone: the leader-election timings must nest as client-go
+    /// requires (lease duration > renew deadline > retry period), or a leader would lose
+    /// the Lease while still acting, or give up before its first retry.
+    pub fn check(&self) -> Result<(), clap::Error> {
+        let refuse =
+            |message: String| Err(Args::command().error(ErrorKind::ValueValidation, message));
+        if self.leader_elect_lease_duration <= self.leader_elect_renew_deadline {
+            return refuse(format!(
+                "--leader-elect-lease-duration ({}) must be longer than --leader-elect-renew-deadline ({})",
+                format_duration(self.leader_elect_lease_duration),
+                format_duration(self.leader_elect_renew_deadline)
+            ));
+        }
+        if self.leader_elect_renew_deadline <= self.leader_elect_retry_period {
+            return refuse(format!(
+                "--leader-elect-renew-deadline ({}) must be longer than --leader-elect-retry-period ({})",
+                format_duration(self.leader_elect_renew_deadline),
+                format_duration(self.leader_elect_retry_period)
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// klog flags whose value may follow as the next argument.
@@ -196,6 +246,7 @@ mod tests {
         let args = Args::try_parse_from(argv(&[])).unwrap();
         assert_eq!(args.descheduling_interval, Duration::from_secs(10));
         assert!(!args.dry_run);
+        args.check().unwrap();
         for bad in [
             &["--descheduling-interval=soon"][..],
             &["--max-pods-to-evict-per-node=-1"],
@@ -204,6 +255,71 @@ mod tests {
         ] {
             let (kept, _) = strip_klog_flags(argv(bad));
             assert!(Args::try_parse_from(kept).is_err(), "{bad:?}");
+        }
+    }
+
+    /// Zero or absurd durations are refused, naming the flag; 0 keeps its meaning where it
+    /// has one.
+    #[test]
+    fn durations_are_checked() {
+        let cases: [(&[&str], Result<(), &str>); 13] = [
+            (&["--descheduling-interval=0"], Ok(())),
+            (&["--leader-elect-retry-period=500ms"], Ok(())),
+            (&["--descheduling-interval=1m0s"], Ok(())),
+            (
+                &["--descheduling-interval=1ns"],
+                Err("--descheduling-interval"),
+            ),
+            (
+                &["--descheduling-interval=9000h"],
+                Err("--descheduling-interval"),
+            ),
+            (&["--max-pod-lifetime=0"], Err("--max-pod-lifetime")),
+            (&["--max-pod-lifetime=3m0s"], Ok(())),
+            (
+                &["--leader-elect-retry-period=0"],
+                Err("--leader-elect-retry-period"),
+            ),
+            (
+                &["--leader-elect-renew-deadline=0s"],
+                Err("--leader-elect-renew-deadline"),
+            ),
+            (
+                &["--leader-elect-lease-duration=0"],
+                Err("--leader-elect-lease-duration"),
+            ),
+            (
+                &["--leader-elect-lease-duration=10s"],
+                Err(
+                    "--leader-elect-lease-duration (10s) must be longer than --leader-elect-renew-deadline (10s)",
+                ),
+            ),
+            (
+                &["--leader-elect-retry-period=10s"],
+                Err(
+                    "--leader-elect-renew-deadline (10s) must be longer than --leader-elect-retry-period (10s)",
+                ),
+            ),
+            (
+                &[
+                    "--leader-elect-lease-duration=1m",
+                    "--leader-elect-renew-deadline=30s",
+                    "--leader-elect-retry-period=5s",
+                ],
+                Ok(()),
+            ),
+        ];
+        for (flags, want) in cases {
+            let (kept, _) = strip_klog_flags(argv(flags));
+            let got = Args::try_parse_from(kept).and_then(|args| args.check());
+            match (got, want) {
+                (Ok(()), Ok(())) => {}
+                (Err(error), Err(flag)) => {
+                    let line = crate::cli::one_line(&error);
+                    assert!(line.contains(flag), "{flags:?}: {line}");
+                }
+                (got, want) => panic!("{flags:?}: got {got:?}, want {want:?}"),
+            }
         }
     }
 }

@@ -45,6 +45,13 @@ pub const LOWER_UID_ANNOTATION: &str = "tensile.dev/lower-uid";
 /// Value of `endpointslice.kubernetes.io/managed-by` on the EndpointSlices tensile mirrors,
 /// so the lower cluster's EndpointSlice controllers leave them alone.
 pub const ENDPOINT_SLICE_MANAGER: &str = "tensile.dev";
+/// Key of the virtual node's taint (tensile-kube's default for `VKUBELET_TAINT_KEY`), which
+/// the webhook's toleration matches.
+pub const VIRTUAL_NODE_TAINT_KEY: &str = "virtual-kubelet.io/provider";
+/// Value of the virtual node's taint (tensile-kube's default for `VKUBELET_TAINT_VALUE`).
+pub const VIRTUAL_NODE_TAINT_VALUE: &str = "k8s";
+/// Effect of the virtual node's taint (tensile-kube's default for `VKUBELET_TAINT_EFFECT`).
+pub const VIRTUAL_NODE_TAINT_EFFECT: &str = "NoSchedule";
 
 /// Who owns a lower object: the virtual node `node` of the upper cluster `cluster`. An
 /// object is its own only when it carries both marks.

@@ -4,7 +4,10 @@ use std::net::IpAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{ArgAction, Args, Parser, Subcommand};
+use clap::builder::RangedU64ValueParser;
+use clap::{ArgAction, Args, Parser, Subcommand, value_parser};
+use tensile::cli::parse_period;
+use tensile::translate::meta::{VIRTUAL_NODE_TAINT_EFFECT, VIRTUAL_NODE_TAINT_KEY};
 
 use crate::server::DEFAULT_MAX_BODY_BYTES;
 
@@ -82,23 +85,23 @@ pub struct ServeArgs {
     pub virtual_node_toleration: bool,
 
     /// Key of the virtual node's taint (as virtual-node's `VKUBELET_TAINT_KEY`).
-    #[arg(
-        long,
-        env = "VKUBELET_TAINT_KEY",
-        default_value = "virtual-kubelet.io/provider"
-    )]
+    #[arg(long, env = "VKUBELET_TAINT_KEY", default_value = VIRTUAL_NODE_TAINT_KEY)]
     pub taint_key: String,
 
     /// Effect of the virtual node's taint (as virtual-node's `VKUBELET_TAINT_EFFECT`).
-    #[arg(long, env = "VKUBELET_TAINT_EFFECT", default_value = "NoSchedule")]
+    #[arg(long, env = "VKUBELET_TAINT_EFFECT", default_value = VIRTUAL_NODE_TAINT_EFFECT)]
     pub taint_effect: String,
 
-    /// How often the certificate files are checked for changes.
-    #[arg(long, value_parser = tensile::cli::parse_duration, default_value = "5s")]
+    /// How often the certificate files are checked for changes (1s to a year).
+    #[arg(long, value_parser = parse_period, default_value = "5s")]
     pub cert_reload_interval: Duration,
 
-    /// Larger request bodies are answered with HTTP 400.
-    #[arg(long, default_value_t = DEFAULT_MAX_BODY_BYTES)]
+    /// Larger request bodies are answered with HTTP 400 (at least 1).
+    #[arg(
+        long,
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..),
+        default_value_t = DEFAULT_MAX_BODY_BYTES
+    )]
     pub max_body_bytes: usize,
 
     /// Log filter (`info`, `debug`, or a tracing directive such as `tensile_webhook=debug`).
@@ -122,8 +125,8 @@ pub struct GenCertsArgs {
     #[arg(long, value_delimiter = ',')]
     pub host: Vec<String>,
 
-    /// Validity in days.
-    #[arg(long, default_value_t = 3650)]
+    /// Validity in days (at least 1).
+    #[arg(long, value_parser = value_parser!(u32).range(1..), default_value_t = 3650)]
     pub days: u32,
 
     /// Directory to write ca.crt, tls.crt and tls.key into.
@@ -159,6 +162,46 @@ mod tests {
         let cli =
             Cli::try_parse_from(["tensile-webhook", "--virtual-node-toleration=false"]).unwrap();
         assert!(!cli.serve.virtual_node_toleration);
+    }
+
+    /// Zero or absurd values are refused, naming the flag.
+    #[test]
+    fn nonsensical_values_are_refused_naming_the_flag() {
+        let cases: [&[&str]; 6] = [
+            &["--cert-reload-interval=0"],
+            &["--cert-reload-interval=1ms"],
+            &["--cert-reload-interval=100000h"],
+            &["--max-body-bytes=0"],
+            &["--max-body-bytes=-1"],
+            &["gen-certs", "--out=/tmp/x", "--days=0"],
+        ];
+        for flags in cases {
+            let flag = flags.last().unwrap().split('=').next().unwrap();
+            let argv = std::iter::once("tensile-webhook").chain(flags.iter().copied());
+            let error = Cli::try_parse_from(argv).expect_err(flag);
+            let line = tensile::cli::one_line(&error);
+            assert!(line.contains(flag), "{flags:?}: {line}");
+        }
+        let cli = Cli::try_parse_from(["tensile-webhook", "--cert-reload-interval=1m0s"]).unwrap();
+        assert_eq!(cli.serve.cert_reload_interval, Duration::from_secs(60));
+    }
+
+    /// The webhook tolerates the taint virtual-node puts on its node by default.
+    #[test]
+    fn taint_defaults_are_virtual_nodes() {
+        let webhook = Cli::try_parse_from(["tensile-webhook"]).unwrap().serve;
+        let node = tensile::cli::Args::try_parse_from(["virtual-node", "--client-kubeconfig", "k"])
+            .unwrap();
+        assert_eq!(webhook.taint_key, node.taint_key);
+        assert_eq!(webhook.taint_effect, node.taint_effect);
+        assert_eq!(
+            (
+                node.taint_key.as_str(),
+                node.taint_value.as_str(),
+                node.taint_effect.as_str()
+            ),
+            (VIRTUAL_NODE_TAINT_KEY, "k8s", VIRTUAL_NODE_TAINT_EFFECT)
+        );
     }
 
     #[test]

@@ -5,8 +5,9 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use clap::Parser;
+use tensile::cli::parse_args;
 use tensile::clusters;
+use tensile::shutdown::Tasks;
 use tensile::side::Side;
 use tensile_webhook::cli::{Cli, Command, GenCertsArgs, ServeArgs};
 use tensile_webhook::memory::DeschedulerMemory;
@@ -19,7 +20,10 @@ use tracing::info;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match parse_args::<Cli>("tensile-webhook", std::env::args_os()) {
+        Ok(cli) => cli,
+        Err(status) => return status,
+    };
     let result = match cli.command {
         Some(Command::GenCerts(args)) => gen_certs(&args),
         None => {
@@ -73,8 +77,10 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
 
     let shutdown = CancellationToken::new();
     tokio::spawn(tensile::shutdown::on_signals(shutdown.clone()));
+    let mut tasks = Tasks::new(shutdown.clone());
     let metrics = Arc::new(Metrics::default());
     let (pvcs, pvc_watch) = pvc::watch(client, metrics.clone(), shutdown.clone());
+    tasks.spawn("PVC watch", pvc_watch);
     let app = Arc::new(App {
         config: MutateConfig {
             ignore_selector_keys: nonempty(&args.ignore_selector_keys),
@@ -89,32 +95,31 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         max_body_bytes: args.max_body_bytes,
     });
     info!(%addr, upper = %server_url, cert = %cert.display(), "serving");
-    let cert_watch = tls::watch(
-        cert,
-        key,
-        bytes,
-        resolver,
-        metrics.clone(),
-        args.cert_reload_interval,
-        shutdown.clone(),
+    tasks.spawn(
+        "certificate reload",
+        tls::watch(
+            cert,
+            key,
+            bytes,
+            resolver,
+            metrics.clone(),
+            args.cert_reload_interval,
+            shutdown.clone(),
+        ),
     );
-    let serve = server::serve_tls(
-        listener,
-        tls_config,
-        server::router(app),
-        metrics,
-        shutdown.clone(),
+    tasks.spawn(
+        "HTTPS server",
+        server::serve_tls(
+            listener,
+            tls_config,
+            server::router(app),
+            metrics,
+            shutdown.clone(),
+        ),
     );
-    tokio::join!(
-        async {
-            serve.await;
-            shutdown.cancel();
-        },
-        cert_watch,
-        pvc_watch,
-    );
+    let outcome = tasks.supervise().await;
     info!("stopped");
-    Ok(())
+    outcome.map_err(|failure| failure.to_string())
 }
 
 fn nonempty(values: &[String]) -> BTreeSet<String> {

@@ -11,7 +11,9 @@ use k8s_openapi::api::core::v1::PodSpec;
 use k8s_openapi::api::core::v1::{Affinity, Pod, Toleration};
 use serde::Deserialize;
 use serde_json::Value;
-use tensile::translate::meta::{CLUSTER_SELECTOR_ANNOTATION, VIRTUAL_POD_LABEL};
+use tensile::translate::meta::{
+    CLUSTER_SELECTOR_ANNOTATION, VIRTUAL_NODE_TAINT_EFFECT, VIRTUAL_POD_LABEL,
+};
 use tensile::translate::scheduling::{avoid_nodes, parse_cluster_selector, stash_constraints};
 
 use crate::memory::DeschedulerMemory;
@@ -22,10 +24,10 @@ use crate::review::AdmissionRequest;
 pub const CREATED_BY_DESCHEDULER_LABEL: &str = "create-by-descheduler";
 /// Pod annotation the descheduler sets, naming the node it moves the pod off.
 pub const UNSCHEDULABLE_NODE_ANNOTATION: &str = "unschedulable-node";
+/// Key of the virtual node's taint (tensile-kube's default), the one virtual-node uses.
+pub use tensile::translate::meta::VIRTUAL_NODE_TAINT_KEY;
 /// Node label matched to keep a descheduled pod's sibling off the node it left.
 pub use tensile::translate::volume::HOSTNAME_LABEL;
-/// Key of the virtual node's taint (tensile-kube's default).
-pub const VIRTUAL_NODE_TAINT_KEY: &str = "virtual-kubelet.io/provider";
 const NOT_READY: &str = "node.kubernetes.io/not-ready";
 const UNREACHABLE: &str = "node.kubernetes.io/unreachable";
 
@@ -48,7 +50,7 @@ impl Default for MutateConfig {
             excluded_namespaces: BTreeSet::from(["kube-system".to_owned()]),
             virtual_node_toleration: Some(virtual_node_toleration(
                 VIRTUAL_NODE_TAINT_KEY,
-                "NoSchedule",
+                VIRTUAL_NODE_TAINT_EFFECT,
             )),
         }
     }
