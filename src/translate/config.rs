@@ -227,9 +227,15 @@ pub fn referenced<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::translate::meta::{GLOBAL_ANNOTATION, OWNER_NODE_LABEL};
+    use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL};
+    use crate::translate::meta::GLOBAL_ANNOTATION;
 
     const NODE: &str = "vk";
+    const CLUSTER: &str = "cluster-1";
+
+    fn owner() -> Owner {
+        Owner::new(NODE, CLUSTER)
+    }
 
     fn config_map(rv: &str, uid: &str, data: Value) -> ConfigMap {
         serde_json::from_value(json!({
@@ -250,7 +256,7 @@ mod tests {
     #[test]
     fn stamped_copies_carry_version_and_hash() {
         let upper = config_map("7", "u1", json!({"a": "1"}));
-        let copy = stamped_copy(&upper, NODE).unwrap();
+        let copy = stamped_copy(&upper, &owner()).unwrap();
         let annotations = copy.metadata.annotations.clone().unwrap();
         assert_eq!(annotations[UPPER_RESOURCE_VERSION_ANNOTATION], "7");
         assert_eq!(annotations[UPPER_UID_ANNOTATION], "u1");
@@ -269,7 +275,7 @@ mod tests {
 
     #[test]
     fn copy_states() {
-        let copy = stamped_copy(&config_map("7", "u1", json!({"a": "1"})), NODE).unwrap();
+        let copy = stamped_copy(&config_map("7", "u1", json!({"a": "1"})), &owner()).unwrap();
         let mut edited_below = copy.clone();
         edited_below
             .data
@@ -333,21 +339,21 @@ mod tests {
 
     #[test]
     fn a_metadata_only_upper_change_needs_only_a_restamp() {
-        let old = stamped_copy(&config_map("7", "u1", json!({"a": "1"})), NODE).unwrap();
-        let new = stamped_copy(&config_map("8", "u1", json!({"a": "1"})), NODE).unwrap();
+        let old = stamped_copy(&config_map("7", "u1", json!({"a": "1"})), &owner()).unwrap();
+        let new = stamped_copy(&config_map("8", "u1", json!({"a": "1"})), &owner()).unwrap();
         assert!(holds(&old, &old));
         assert!(!holds(&old, &new), "the stamp must move on");
-        let changed = stamped_copy(&config_map("8", "u1", json!({"a": "2"})), NODE).unwrap();
+        let changed = stamped_copy(&config_map("8", "u1", json!({"a": "2"})), &owner()).unwrap();
         assert!(!holds(&new, &changed));
     }
 
     #[test]
     fn replacements_keep_what_the_lower_cluster_owns() {
-        let mut current = stamped_copy(&config_map("7", "u1", json!({"a": "1"})), NODE).unwrap();
+        let mut current = stamped_copy(&config_map("7", "u1", json!({"a": "1"})), &owner()).unwrap();
         current.metadata.resource_version = Some("lower-42".into());
         current.metadata.uid = Some("lower-uid".into());
         current.metadata.finalizers = Some(vec!["example.com/keep".into()]);
-        let desired = stamped_copy(&config_map("8", "u1", json!({"a": "2"})), NODE).unwrap();
+        let desired = stamped_copy(&config_map("8", "u1", json!({"a": "2"})), &owner()).unwrap();
         let replaced = replacement(&current, desired.clone());
         assert_eq!(
             replaced.metadata.resource_version.as_deref(),
@@ -368,7 +374,7 @@ mod tests {
             "stringData": {"b": "b"},
         }))
         .unwrap();
-        let copy = stamped_copy(&upper, NODE).unwrap();
+        let copy = stamped_copy(&upper, &owner()).unwrap();
         assert_eq!(copy.string_data, None);
         let data = copy.data.clone().unwrap();
         assert_eq!(data["a"].0, b"a");
@@ -383,7 +389,7 @@ mod tests {
         }))
         .unwrap();
         assert!(matches!(
-            stamped_copy(&token, NODE),
+            stamped_copy(&token, &owner()),
             Err(TranslateError::NotMirrored { .. })
         ));
     }
@@ -393,7 +399,7 @@ mod tests {
         // Pinned: a change here rewrites every copy once after an upgrade.
         assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
         assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
-        let copy = stamped_copy(&config_map("7", "u1", json!({"a": "1"})), NODE).unwrap();
+        let copy = stamped_copy(&config_map("7", "u1", json!({"a": "1"})), &owner()).unwrap();
         assert_eq!(content_hash(&copy), content_hash(&copy.clone()));
     }
 

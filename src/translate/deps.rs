@@ -285,10 +285,16 @@ pub fn lower_namespace(name: &str, owner: &Owner) -> Namespace {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL};
     use crate::translate::meta::UPPER_UID_ANNOTATION;
     use serde_json::{Value, json};
 
     const NODE: &str = "vk-node";
+    const CLUSTER: &str = "cluster-1";
+
+    fn owner() -> Owner {
+        Owner::new(NODE, CLUSTER)
+    }
 
     fn from<T: serde::de::DeserializeOwned>(value: Value) -> T {
         serde_json::from_value(value).unwrap()
@@ -474,7 +480,7 @@ mod tests {
         json!({
             "name": "obj",
             "namespace": "ns",
-            "labels": {"app": "web", OWNER_NODE_LABEL: NODE},
+            "labels": {"app": "web", OWNER_NODE_LABEL: NODE, UPPER_CLUSTER_LABEL: CLUSTER},
             "annotations": {"note": "x", UPPER_UID_ANNOTATION: "upper-uid", GLOBAL_ANNOTATION: "true"},
         })
     }
@@ -487,7 +493,7 @@ mod tests {
         let want: ConfigMap = from(
             json!({"metadata": lower_meta_json(), "data": {"a": "1"}, "binaryData": {"b": "AAE="}, "immutable": true}),
         );
-        assert_eq!(lower_config_map(&upper, NODE).unwrap(), want);
+        assert_eq!(lower_config_map(&upper, &owner()).unwrap(), want);
     }
 
     #[test]
@@ -497,13 +503,13 @@ mod tests {
         let want: Secret = from(
             json!({"metadata": lower_meta_json(), "type": "Opaque", "data": {"p": "cGFzcw=="}}),
         );
-        assert_eq!(lower_secret(&upper, NODE).unwrap(), want);
+        assert_eq!(lower_secret(&upper, &owner()).unwrap(), want);
 
         let token: Secret =
             from(json!({"metadata": upper_meta(), "type": "kubernetes.io/service-account-token"}));
         assert!(is_service_account_token_secret(&token));
         assert!(!is_service_account_token_secret(&upper));
-        let err = lower_secret(&token, NODE).unwrap_err();
+        let err = lower_secret(&token, &owner()).unwrap_err();
         assert!(matches!(err, TranslateError::NotMirrored { .. }), "{err:?}");
         assert!(err.to_string().contains("ns/obj"), "{err}");
     }
@@ -521,7 +527,7 @@ mod tests {
             "imagePullSecrets": [{"name": "registry"}],
             "automountServiceAccountToken": false,
         }));
-        assert_eq!(lower_service_account(&upper, NODE).unwrap(), want);
+        assert_eq!(lower_service_account(&upper, &owner()).unwrap(), want);
     }
 
     #[test]
@@ -553,7 +559,7 @@ mod tests {
         let mut want_meta = lower_meta_json();
         want_meta["annotations"][LABEL_SELECTOR_ANNOTATION] = json!(selector.to_string());
         let want: PersistentVolumeClaim = from(json!({"metadata": want_meta, "spec": spec}));
-        let got = lower_pvc(&upper, NODE).unwrap();
+        let got = lower_pvc(&upper, &owner()).unwrap();
         assert_eq!(got, want);
         let stored: Value =
             serde_json::from_str(&got.metadata.annotations.unwrap()[LABEL_SELECTOR_ANNOTATION])
@@ -566,7 +572,7 @@ mod tests {
         let mut meta = upper_meta();
         meta["uid"] = Value::Null;
         let cm: ConfigMap = from(json!({"metadata": meta}));
-        match lower_config_map(&cm, NODE) {
+        match lower_config_map(&cm, &owner()) {
             Err(TranslateError::MissingField {
                 kind,
                 object,
@@ -585,9 +591,9 @@ mod tests {
     fn lowers_namespaces() {
         let want: Namespace = from(json!({"metadata": {
             "name": "team-a",
-            "labels": {OWNER_NODE_LABEL: NODE},
+            "labels": {OWNER_NODE_LABEL: NODE, UPPER_CLUSTER_LABEL: CLUSTER},
             "annotations": {GLOBAL_ANNOTATION: "true"},
         }}));
-        assert_eq!(lower_namespace("team-a", NODE), want);
+        assert_eq!(lower_namespace("team-a", &owner()), want);
     }
 }

@@ -564,6 +564,8 @@ mod tests {
     use serde_json::json;
 
     const NODE: &str = "vk-node";
+    const CLUSTER: &str = "cluster-1";
+    static OWNER: std::sync::LazyLock<Owner> = std::sync::LazyLock::new(|| Owner::new(NODE, CLUSTER));
 
     fn pod(value: Value) -> Pod {
         serde_json::from_value(value).unwrap()
@@ -571,7 +573,7 @@ mod tests {
 
     fn translation(ignore_labels: &[String]) -> PodTranslation<'_> {
         PodTranslation {
-            node_name: NODE,
+            owner: &OWNER,
             ignore_labels,
         }
     }

@@ -365,10 +365,16 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::translate::meta::{GLOBAL_ANNOTATION, OWNER_NODE_LABEL, UPPER_UID_ANNOTATION};
+    use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL};
+    use crate::translate::meta::{GLOBAL_ANNOTATION, UPPER_UID_ANNOTATION};
     use serde_json::json;
 
     const NODE: &str = "vk";
+    const CLUSTER: &str = "cluster-1";
+
+    fn owner() -> Owner {
+        Owner::new(NODE, CLUSTER)
+    }
 
     fn from<T: DeserializeOwned>(value: Value) -> T {
         serde_json::from_value(value).unwrap()
@@ -451,7 +457,7 @@ mod tests {
             ),
         ];
         for (name, upper, want) in cases {
-            let lower = lower_service(&upper_service(upper.clone()), NODE).unwrap();
+            let lower = lower_service(&upper_service(upper.clone()), &owner()).unwrap();
             assert_eq!(serde_json::to_value(&lower.spec).unwrap(), want, "{name}");
             let annotations = lower.metadata.annotations.clone().unwrap();
             assert_eq!(annotations[UPPER_UID_ANNOTATION], "u-svc", "{name}");
@@ -465,6 +471,7 @@ mod tests {
             );
             let labels = lower.metadata.labels.clone().unwrap();
             assert_eq!(labels[OWNER_NODE_LABEL], NODE, "{name}");
+            assert_eq!(labels[UPPER_CLUSTER_LABEL], CLUSTER, "{name}");
             assert_eq!(labels["app"], "web", "{name}");
             assert_eq!(lower.metadata.resource_version, None, "{name}");
         }
@@ -472,7 +479,7 @@ mod tests {
 
     #[test]
     fn a_service_of_unknown_type_is_not_mirrored() {
-        let err = lower_service(&upper_service(json!({"type": "Magic"})), NODE).unwrap_err();
+        let err = lower_service(&upper_service(json!({"type": "Magic"})), &owner()).unwrap_err();
         assert!(matches!(err, TranslateError::NotMirrored { .. }), "{err:?}");
         assert!(err.to_string().contains("ns/web"), "{err}");
     }
@@ -490,7 +497,7 @@ mod tests {
         let base = json!({"type": "ClusterIP", "selector": {"app": "web"},
                           "ports": [{"port": 80, "protocol": "TCP", "targetPort": 80}],
                           "sessionAffinity": "None", "internalTrafficPolicy": "Cluster"});
-        let desired = lower_service(&upper_service(base.clone()), NODE).unwrap();
+        let desired = lower_service(&upper_service(base.clone()), &owner()).unwrap();
         let current = stored(desired.clone());
         assert_eq!(service_update(&desired, &current), Update::InStep);
 
@@ -498,7 +505,7 @@ mod tests {
         let mut more_ports = base.clone();
         more_ports["ports"] = json!([{"port": 80, "protocol": "TCP", "targetPort": 80},
                                      {"port": 81, "protocol": "TCP", "targetPort": 81}]);
-        let desired2 = lower_service(&upper_service(more_ports), NODE).unwrap();
+        let desired2 = lower_service(&upper_service(more_ports), &owner()).unwrap();
         let Update::Replace(replaced) = service_update(&desired2, &current) else {
             panic!("expected a replace");
         };
@@ -539,7 +546,7 @@ mod tests {
         let mut sticky = base.clone();
         sticky["sessionAffinity"] = json!("ClientIP");
         sticky["sessionAffinityConfig"] = json!({"clientIP": {"timeoutSeconds": 10}});
-        let sticky_below = stored(lower_service(&upper_service(sticky), NODE).unwrap());
+        let sticky_below = stored(lower_service(&upper_service(sticky), &owner()).unwrap());
         let Update::Replace(unstuck) = service_update(&desired, &sticky_below) else {
             panic!("expected a replace");
         };
@@ -555,24 +562,24 @@ mod tests {
             .as_object_mut()
             .unwrap()
             .remove("internalTrafficPolicy");
-        let desired3 = lower_service(&upper_service(no_policy), NODE).unwrap();
+        let desired3 = lower_service(&upper_service(no_policy), &owner()).unwrap();
         assert_eq!(service_update(&desired3, &defaulted), Update::InStep);
 
         // Headless-ness and ExternalName cannot change in place.
         let mut headless = base.clone();
         headless["clusterIP"] = json!("None");
-        let desired4 = lower_service(&upper_service(headless), NODE).unwrap();
+        let desired4 = lower_service(&upper_service(headless), &owner()).unwrap();
         assert_eq!(service_update(&desired4, &current), Update::Recreate);
         let external = lower_service(
             &upper_service(json!({"type": "ExternalName", "externalName": "x.example"})),
-            NODE,
+            &owner(),
         )
         .unwrap();
         assert_eq!(service_update(&external, &current), Update::Recreate);
     }
 
     fn lower_svc() -> Service {
-        stored(lower_service(&upper_service(json!({"ports": []})), NODE).unwrap())
+        stored(lower_service(&upper_service(json!({"ports": []})), &owner()).unwrap())
     }
 
     #[test]
@@ -594,7 +601,7 @@ mod tests {
         let want: EndpointSlice = from(json!({
             "metadata": {"name": "web-abcde", "namespace": "ns",
                          "labels": {SERVICE_NAME_LABEL: "web", MANAGED_BY_LABEL: ENDPOINT_SLICE_MANAGER,
-                                    OWNER_NODE_LABEL: NODE},
+                                    OWNER_NODE_LABEL: NODE, UPPER_CLUSTER_LABEL: CLUSTER},
                          "annotations": {UPPER_UID_ANNOTATION: "u-slice", GLOBAL_ANNOTATION: "true"},
                          "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": "web",
                                               "uid": "lower-uid", "controller": true}]},
@@ -606,7 +613,7 @@ mod tests {
             ],
             "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
         }));
-        let got = lower_endpoint_slice(&upper, NODE, &lower_svc()).unwrap();
+        let got = lower_endpoint_slice(&upper, &owner(), &lower_svc()).unwrap();
         assert_eq!(got, want);
 
         let mut current = got.clone();
@@ -614,7 +621,7 @@ mod tests {
         assert_eq!(endpoint_slice_update(&got, &current), Update::InStep);
         let mut not_ready = upper.clone();
         not_ready.endpoints.as_mut().unwrap()[0].conditions = Some(from(json!({"ready": false})));
-        let desired = lower_endpoint_slice(&not_ready, NODE, &lower_svc()).unwrap();
+        let desired = lower_endpoint_slice(&not_ready, &owner(), &lower_svc()).unwrap();
         let Update::Replace(replaced) = endpoint_slice_update(&desired, &current) else {
             panic!("expected a replace");
         };
@@ -640,10 +647,10 @@ mod tests {
                 "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
             }],
         }));
-        let got = lower_endpoints(&upper, NODE, &lower_svc()).unwrap();
+        let got = lower_endpoints(&upper, &owner(), &lower_svc()).unwrap();
         let want: Endpoints = from(json!({
             "metadata": {"name": "web", "namespace": "ns",
-                         "labels": {SKIP_MIRROR_LABEL: "true", OWNER_NODE_LABEL: NODE},
+                         "labels": {SKIP_MIRROR_LABEL: "true", OWNER_NODE_LABEL: NODE, UPPER_CLUSTER_LABEL: CLUSTER},
                          "annotations": {"endpoints.kubernetes.io/last-change-trigger-time": "t",
                                          UPPER_UID_ANNOTATION: "u-ep", GLOBAL_ANNOTATION: "true"},
                          "ownerReferences": [{"apiVersion": "v1", "kind": "Service", "name": "web",
