@@ -151,12 +151,12 @@ async fn run(args: Args) -> Result<(), String> {
             .map_err(|e| e.to_string())?;
         info!(node = %args.nodename, "node registered");
 
-        let controllers::pod::PodWatches {
+        let controllers::pod_watch::PodWatches {
             stores,
             pump,
             pods: pod_triggers,
             status: status_triggers,
-        } = controllers::pod::watches(&ctx);
+        } = controllers::pod_watch::watches(&ctx);
         let synced = stores.synced.clone();
         let config_watches = controllers::config::watches(&ctx);
         let service_watches = optional

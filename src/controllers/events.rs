@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use super::Context;
-use super::pod::PodStores;
+use super::pod_watch::PodStores;
 use crate::translate::events::{EventGate, Verdict, last_seen, occurrences, reflection};
 
 /// Events a pod may get at once.

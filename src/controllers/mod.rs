@@ -6,6 +6,7 @@ pub mod dependencies;
 pub mod events;
 pub mod gc;
 pub mod pod;
+pub mod pod_watch;
 pub mod service;
 pub mod status;
 pub mod stores;
