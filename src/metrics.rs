@@ -131,6 +131,8 @@ pub struct Metrics {
     pub lower_updates: Counter,
     /// Orphaned lower pods deleted.
     pub orphans_deleted: Counter,
+    /// Orphan collection rounds completed.
+    pub gc_rounds: Counter,
     /// Whether every watch has synced and the node is registered.
     pub ready: AtomicBool,
 }
@@ -169,6 +171,11 @@ impl Metrics {
                 "tensile_orphans_deleted_total",
                 "Orphaned lower pods deleted.",
                 &self.orphans_deleted,
+            ),
+            (
+                "tensile_gc_rounds_total",
+                "Orphan collection rounds completed.",
+                &self.gc_rounds,
             ),
         ] {
             let _ = writeln!(

@@ -92,6 +92,7 @@ pub async fn run(ctx: Arc<Context>, pods: PodStores, shutdown: CancellationToken
                 }
             }
         }
+        ctx.metrics.gc_rounds.inc();
     }
 }
 
