@@ -19,7 +19,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use tensile::node::capacity::LowerCapacity;
-use tensile::translate::meta::OWNER_NODE_LABEL;
+use tensile::translate::meta::Owner;
 use tensile_harness::measure::footprint;
 
 #[derive(Parser)]
@@ -41,6 +41,7 @@ struct Args {
 
 /// The virtual node whose capacity is computed; every fourth lower pod is its mirror.
 const OUR_NODE: &str = "vk-bench";
+const OUR_CLUSTER: &str = "bench-cluster";
 
 fn main() -> ExitCode {
     match run(&Args::parse()) {
@@ -75,7 +76,7 @@ fn run(args: &Args) -> Result<()> {
 
     let resident_before = footprint(std::process::id())?.0;
     let started = Instant::now();
-    let mut capacity = LowerCapacity::new(OUR_NODE);
+    let mut capacity = LowerCapacity::new(&Owner::new(OUR_NODE, OUR_CLUSTER));
     capacity.relist_nodes_start();
     for node in &nodes {
         capacity.apply_node(node);
@@ -255,7 +256,7 @@ fn container(name: &str, cpu_milli: usize, memory_mi: usize) -> Container {
 fn lower_pod(i: usize, nodes: usize, extra_milli: usize) -> Pod {
     let mut labels = BTreeMap::from([("app".to_owned(), format!("app-{}", i % 100))]);
     if mirrored(i) {
-        labels.insert(OWNER_NODE_LABEL.to_owned(), OUR_NODE.to_owned());
+        Owner::new(OUR_NODE, OUR_CLUSTER).mark(&mut labels);
     }
     let init_containers = i
         .is_multiple_of(5)

@@ -26,6 +26,12 @@ pub struct Args {
     )]
     pub nodename: String,
 
+    /// The upper cluster's identity, marked on every lower object with the node name, so
+    /// that upper clusters whose virtual nodes share a name and a lower cluster never take
+    /// each other's objects (default: the UID of the upper `kube-system` namespace).
+    #[arg(long, env = "TENSILE_CLUSTER_ID", value_parser = parse_label_value)]
+    pub cluster_id: Option<String>,
+
     /// Kubeconfig of the upper cluster (default: $KUBECONFIG, ~/.kube/config, in-cluster).
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
@@ -392,6 +398,23 @@ pub fn parse_node_name(name: &str) -> Result<String, String> {
     }
 }
 
+/// A label value: at most 63 characters, alphanumerics, `-`, `_` and `.`, beginning and
+/// ending with an alphanumeric.
+pub fn parse_label_value(value: &str) -> Result<String, String> {
+    let valid = !value.is_empty()
+        && value.len() <= 63
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+        && value.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && value.ends_with(|c: char| c.is_ascii_alphanumeric());
+    if valid {
+        Ok(value.to_owned())
+    } else {
+        Err("must be a label value: at most 63 alphanumerics, '-', '_' or '.', alphanumeric at both ends".into())
+    }
+}
+
 /// `host:port`, or `:port` for all interfaces (Go's form).
 pub fn parse_addr(text: &str) -> Result<SocketAddr, String> {
     let full = match text.strip_prefix(':') {
@@ -588,6 +611,22 @@ mod tests {
         ];
         for (name, valid) in cases {
             assert_eq!(parse_node_name(name).is_ok(), valid, "{name:?}");
+        }
+    }
+
+    #[test]
+    fn label_values() {
+        let cases = [
+            ("0a4b4d1e-5f3c-4b6e-9d1a-2c3b4d5e6f70", true),
+            ("Prod_EU.1", true),
+            ("", false),
+            ("-a", false),
+            ("a/b", false),
+            (&"a".repeat(63), true),
+            (&"a".repeat(64), false),
+        ];
+        for (value, valid) in cases {
+            assert_eq!(parse_label_value(value).is_ok(), valid, "{value:?}");
         }
     }
 

@@ -312,6 +312,8 @@ pub const UPPER_PERMISSIONS: &[Permission] = &[
     perm("get", "secrets"),
     perm("get", "serviceaccounts"),
     perm("get", "persistentvolumeclaims"),
+    // the cluster's identity (the UID of kube-system) when --cluster-id is not given
+    perm("get", "namespaces"),
     // Warning events and lower events reflected (kube-runtime's Recorder)
     grouped("create", "events.k8s.io", "events"),
     grouped("patch", "events.k8s.io", "events"),
@@ -377,12 +379,15 @@ pub const LOWER_PERMISSIONS: &[Permission] = &[
     perm("get", "configmaps"),
     perm("create", "configmaps"),
     perm("update", "configmaps"),
+    // (patch: marks added to copies made by an earlier version)
+    perm("patch", "configmaps"),
     perm("delete", "configmaps"),
     perm("list", "secrets"),
     perm("watch", "secrets"),
     perm("get", "secrets"),
     perm("create", "secrets"),
     perm("update", "secrets"),
+    perm("patch", "secrets"),
     perm("delete", "secrets"),
     // events about mirrored pods, reflected up
     perm("list", "events"),
@@ -409,18 +414,21 @@ pub const LOWER_SERVICE_PERMISSIONS: &[Permission] = &[
     perm("get", "services"),
     perm("create", "services"),
     perm("update", "services"),
+    perm("patch", "services"),
     perm("delete", "services"),
     perm("list", "endpoints"),
     perm("watch", "endpoints"),
     perm("get", "endpoints"),
     perm("create", "endpoints"),
     perm("update", "endpoints"),
+    perm("patch", "endpoints"),
     perm("delete", "endpoints"),
     grouped("list", "discovery.k8s.io", "endpointslices"),
     grouped("watch", "discovery.k8s.io", "endpointslices"),
     grouped("get", "discovery.k8s.io", "endpointslices"),
     grouped("create", "discovery.k8s.io", "endpointslices"),
     grouped("update", "discovery.k8s.io", "endpointslices"),
+    grouped("patch", "discovery.k8s.io", "endpointslices"),
     grouped("delete", "discovery.k8s.io", "endpointslices"),
 ];
 
@@ -441,6 +449,7 @@ pub const UPPER_PV_PERMISSIONS: &[Permission] = &[
 pub const LOWER_PV_PERMISSIONS: &[Permission] = &[
     perm("list", "persistentvolumeclaims"),
     perm("watch", "persistentvolumeclaims"),
+    perm("patch", "persistentvolumeclaims"),
     perm("delete", "persistentvolumeclaims"),
     perm("list", "persistentvolumes"),
     perm("watch", "persistentvolumes"),

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use k8s_openapi::api::core::v1::{ConfigMap, Node, Taint};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Taint};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::runtime::events::{Recorder, Reporter};
 use tensile::cli::{self, Args, OptionalControllers};
@@ -16,6 +16,7 @@ use tensile::metrics::{self, Metrics};
 use tensile::node::{self, spec::NodeConfig};
 use tensile::shutdown::Tasks;
 use tensile::side::Side;
+use tensile::translate::meta::Owner;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -51,9 +52,19 @@ async fn run(args: Args) -> Result<(), String> {
         warn!(controller = %unknown, "--enable-controllers: unknown controller skipped");
     }
     check_permissions(&args, &optional, &upper, &lower).await?;
+    let owner = owner(&args, &upper).await?;
+    controllers::adopt::adopt(
+        &upper.client,
+        &lower.client,
+        &owner,
+        optional.services,
+        optional.volumes,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
     let metrics_listener = metrics::bind(args.metrics_addr).await?;
     let (kubelet_listener, kubelet_tls, kubelet_api) =
-        kubelet_api_setup(&args, &upper.client, &lower.client).await?;
+        kubelet_api_setup(&args, &owner, &upper.client, &lower.client).await?;
     info!(
         node = %args.nodename, upper = %upper.server, lower = %lower.server,
         lower_version = %lower.version, pv_controllers = optional.volumes,
@@ -76,7 +87,7 @@ async fn run(args: Args) -> Result<(), String> {
         "capacity watch",
         node::watch_capacity(
             lower.client.clone(),
-            args.nodename.clone(),
+            owner.clone(),
             capacity_tx,
             shutdown.clone(),
         ),
@@ -90,7 +101,7 @@ async fn run(args: Args) -> Result<(), String> {
     match registered {
         None => {}
         Some(Ok(node)) => {
-            let ctx = context(&args, &upper, &lower, metrics.clone());
+            let ctx = context(&args, owner, &upper, &lower, metrics.clone());
             spawn_controllers(&mut tasks, &ctx, &args, &optional, &shutdown);
             tasks.spawn(
                 "node keep-alive",
@@ -115,6 +126,27 @@ async fn run(args: Args) -> Result<(), String> {
     let outcome = tasks.supervise().await;
     info!("stopped");
     outcome.map_err(|failure| failure.to_string())
+}
+
+/// This node of this upper cluster: `--cluster-id`, or the UID of the upper `kube-system`
+/// namespace, which lives as long as the cluster.
+async fn owner(args: &Args, upper: &Cluster) -> Result<Owner, String> {
+    let cluster = match &args.cluster_id {
+        Some(id) => id.clone(),
+        None => kube::Api::<Namespace>::all(upper.client.clone())
+            .get("kube-system")
+            .await
+            .map_err(|e| {
+                format!(
+                    "upper cluster: reading namespace kube-system, whose UID is the cluster's \
+                     identity on lower objects (or set --cluster-id): {e}"
+                )
+            })?
+            .metadata
+            .uid
+            .ok_or("upper cluster: namespace kube-system has no UID; set --cluster-id")?,
+    };
+    Ok(Owner::new(args.nodename.clone(), cluster))
 }
 
 /// Reads both kubeconfigs, then connects to both API servers.
@@ -205,7 +237,13 @@ async fn register_node(
 }
 
 /// What every controller shares.
-fn context(args: &Args, upper: &Cluster, lower: &Cluster, metrics: Arc<Metrics>) -> Arc<Context> {
+fn context(
+    args: &Args,
+    owner: Owner,
+    upper: &Cluster,
+    lower: &Cluster,
+    metrics: Arc<Metrics>,
+) -> Arc<Context> {
     let reporter = Reporter {
         controller: "tensile-virtual-node".into(),
         instance: Some(args.nodename.clone()),
@@ -213,7 +251,7 @@ fn context(args: &Args, upper: &Cluster, lower: &Cluster, metrics: Arc<Metrics>)
     Arc::new(Context::new(
         upper.client.clone(),
         lower.client.clone(),
-        args.nodename.clone(),
+        owner,
         args.ignore_labels
             .iter()
             .filter(|l| !l.is_empty())
@@ -235,12 +273,12 @@ fn spawn_controllers(
     shutdown: &CancellationToken,
 ) {
     let resync = args.full_resync_period;
-    let controllers::pod::PodWatches {
+    let controllers::pod_watch::PodWatches {
         stores,
         pump,
         pods: pod_triggers,
         status: status_triggers,
-    } = controllers::pod::watches(ctx);
+    } = controllers::pod_watch::watches(ctx);
     let config_watches = controllers::config::watches(ctx);
     let service_watches = optional
         .services
@@ -339,6 +377,7 @@ fn spawn_controllers(
 /// client certificate in a standard cluster.
 async fn kubelet_api_setup(
     args: &Args,
+    owner: &Owner,
     upper: &kube::Client,
     lower: &kube::Client,
 ) -> Result<
@@ -400,7 +439,7 @@ async fn kubelet_api_setup(
     let listener = kubelet_api::bind(addr).await.map_err(|e| e.to_string())?;
     let api = Arc::new(kubelet_api::KubeletApi {
         lower: lower.clone(),
-        node: args.nodename.clone(),
+        owner: owner.clone(),
         auth,
     });
     Ok((listener, tls, api))

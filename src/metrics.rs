@@ -139,6 +139,8 @@ pub struct Metrics {
     pub copy_rewrites_deferred: Counter,
     /// Lower events not reflected up because the publish queue was full.
     pub events_dropped: Counter,
+    /// Orphan collection rounds completed.
+    pub gc_rounds: Counter,
     /// Whether every watch has synced and the node is registered.
     pub ready: AtomicBool,
 }
@@ -207,6 +209,11 @@ impl Metrics {
                 "tensile_upper_events_dropped_total",
                 "Lower events not reflected up because the publish queue was full.",
                 &self.events_dropped,
+            ),
+            (
+                "tensile_gc_rounds_total",
+                "Orphan collection rounds completed.",
+                &self.gc_rounds,
             ),
         ] {
             let _ = writeln!(

@@ -6,7 +6,7 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use common::{TIMEOUT, names, pods, start_node, wait_gone, wait_running};
+use common::{TIMEOUT, metric, names, pods, start_node, wait_gone, wait_running};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, ServiceAccount};
 use k8s_openapi::api::events::v1::Event;
@@ -256,6 +256,26 @@ async fn a_lower_pod_deleted_out_of_band_ends_the_upper_pod_and_is_replaced() {
     ns.delete().await.unwrap();
 }
 
+/// Waits until `vn` has completed `rounds` more orphan collection rounds.
+async fn gc_rounds(vn: &VirtualNode, rounds: u64) {
+    // A restarted node's Node is Ready before its process listens: wait for the listener.
+    wait_for("the metrics endpoint", TIMEOUT, || async {
+        let listening = tokio::net::TcpStream::connect(("127.0.0.1", vn.metrics_port)).await;
+        Ok(listening.is_ok().then_some(()))
+    })
+    .await
+    .unwrap();
+    let series = "tensile_gc_rounds_total";
+    let from = metric(vn, series).await;
+    wait_for(
+        &format!("{rounds} orphan collection rounds"),
+        TIMEOUT,
+        || async { Ok((metric(vn, series).await >= from + rounds).then_some(())) },
+    )
+    .await
+    .unwrap();
+}
+
 #[tokio::test]
 async fn two_virtual_nodes_on_one_lower_cluster_keep_their_own_pods_through_restarts() {
     let pair = ClusterPair::shared().await.unwrap();
@@ -297,9 +317,12 @@ async fn two_virtual_nodes_on_one_lower_cluster_keep_their_own_pods_through_rest
     a.stop().unwrap();
     let mut a = start_node(pair, "vk-a", &[]).await;
     b.kill().unwrap();
-    let _b = start_node(pair, "vk-b", &[]).await;
-    // Let both run a full round (orphan collection included) before comparing.
-    tokio::time::sleep(std::time::Duration::from_secs(6)).await;
+    let b = start_node(pair, "vk-b", &[]).await;
+    // Both have run orphan collection (two rounds after this point, so that a whole one
+    // saw both stores synced) before comparing.
+    for vn in [&a, &b] {
+        gc_rounds(vn, 2).await;
+    }
     assert_eq!(
         snapshot().await,
         before,

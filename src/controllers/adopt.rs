@@ -9,7 +9,7 @@ use std::fmt::Debug;
 
 use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::core::v1::{
-    ConfigMap, Endpoints, PersistentVolumeClaim, Pod, Secret, Service, ServiceAccount,
+    ConfigMap, Endpoints, PersistentVolumeClaim, Pod, Secret, Service,
 };
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, ListParams, Patch, PatchParams};
@@ -38,17 +38,28 @@ pub struct Adoption {
 }
 
 /// Adopts this node's unclaimed lower objects and counts the foreign ones, logging one line
-/// for each outcome that is not empty.
-pub async fn adopt(upper: &Client, lower: &Client, owner: &Owner) -> Result<Adoption, Error> {
+/// for each outcome that is not empty: pods, ConfigMap and Secret copies, and the copies of
+/// the optional controllers that run (`services`, `volumes`): the kinds something acts on
+/// by their marks. (ServiceAccount copies and namespaces are only ever created.)
+pub async fn adopt(
+    upper: &Client,
+    lower: &Client,
+    owner: &Owner,
+    services: bool,
+    volumes: bool,
+) -> Result<Adoption, Error> {
     let mut found = Adoption::default();
     kind::<Pod>(upper, lower, owner, &mut found).await?;
     kind::<ConfigMap>(upper, lower, owner, &mut found).await?;
     kind::<Secret>(upper, lower, owner, &mut found).await?;
-    kind::<ServiceAccount>(upper, lower, owner, &mut found).await?;
-    kind::<PersistentVolumeClaim>(upper, lower, owner, &mut found).await?;
-    kind::<Service>(upper, lower, owner, &mut found).await?;
-    kind::<EndpointSlice>(upper, lower, owner, &mut found).await?;
-    kind::<Endpoints>(upper, lower, owner, &mut found).await?;
+    if volumes {
+        kind::<PersistentVolumeClaim>(upper, lower, owner, &mut found).await?;
+    }
+    if services {
+        kind::<Service>(upper, lower, owner, &mut found).await?;
+        kind::<EndpointSlice>(upper, lower, owner, &mut found).await?;
+        kind::<Endpoints>(upper, lower, owner, &mut found).await?;
+    }
     if !found.adopted.is_empty() {
         info!(cluster = "lower", node = %owner.node, adopted = ?found.adopted,
             "adopted lower objects made by an earlier tensile version for this upper cluster");

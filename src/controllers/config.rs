@@ -29,7 +29,7 @@ use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::pod::PodStores;
+use super::pod_watch::PodStores;
 use super::references::References;
 use super::stores::{
     MetaIndex, ObjectStream, Ready, Reflected, every, indexed, log_outcome, reflected,
@@ -43,7 +43,7 @@ use crate::translate::config::{
     Copied, CopyState, Reference, SYSTEM_NAMESPACE, copy_state, holds, kind_of, referenced,
     replacement, stamped_copy,
 };
-use crate::translate::meta::OWNER_NODE_LABEL;
+use crate::translate::meta::Owner;
 use crate::translate::pod::is_owned_by;
 
 /// How often unreferenced copies are looked for (in memory).
@@ -86,7 +86,7 @@ pub struct ConfigWatches {
 fn kind_watches<K: Kept>(ctx: &Context) -> (KindWatches<K>, Ready) {
     let lower = reflected(
         Api::<K>::all(ctx.lower.clone()),
-        watcher::Config::default().labels(&format!("{OWNER_NODE_LABEL}={}", ctx.node_name)),
+        watcher::Config::default().labels(&ctx.owner.selector()),
         None,
     );
     let index = Arc::new(MetaIndex::default());
@@ -223,7 +223,7 @@ async fn keep_in_step<K: Kept>(copy: &K, kc: &KindContext) -> Result<Action, Err
     let name = copy.name_any();
     let key = format!("{namespace}/{name}");
     if namespace == SYSTEM_NAMESPACE
-        || !is_owned_by(copy.meta(), &ctx.node_name)
+        || !is_owned_by(copy.meta(), &ctx.owner)
         || copy.meta().deletion_timestamp.is_some()
     {
         return Ok(Action::await_change());
@@ -361,12 +361,12 @@ struct Unreferenced {
 fn unreferenced<K: Kept>(
     store: &Store<K>,
     referenced: &BTreeSet<Reference>,
-    node: &str,
+    owner: &Owner,
 ) -> Vec<Unreferenced> {
     store
         .state()
         .iter()
-        .filter(|c| is_owned_by(c.meta(), node) && c.meta().deletion_timestamp.is_none())
+        .filter(|c| is_owned_by(c.meta(), owner) && c.meta().deletion_timestamp.is_none())
         .filter_map(|c| {
             let namespace = c.namespace()?;
             let reference = (K::DEPENDENCY, namespace, c.name_any());
@@ -408,8 +408,8 @@ async fn remove_unreferenced(
             _ = tick.tick() => {}
         }
         let (referenced, _) = resolve(&ctx.references, &pods);
-        let mut candidates = unreferenced(&config_maps, &referenced, &ctx.node_name);
-        candidates.extend(unreferenced(&secrets, &referenced, &ctx.node_name));
+        let mut candidates = unreferenced(&config_maps, &referenced, &ctx.owner);
+        candidates.extend(unreferenced(&secrets, &referenced, &ctx.owner));
         let now = Instant::now();
         since.retain(|reference, _| candidates.iter().any(|c| &c.reference == reference));
         let mut due: BTreeMap<String, Vec<Unreferenced>> = BTreeMap::new();
@@ -445,7 +445,7 @@ async fn remove_in(
         .await
         .map_err(api_error(Side::Lower, "listing", "Pod", namespace))?;
     for pod in &in_namespace.items {
-        if is_owned_by(&pod.metadata, &ctx.node_name) {
+        if is_owned_by(&pod.metadata, &ctx.owner) {
             ctx.references.record(pod, ctx.with_service_account);
         }
     }

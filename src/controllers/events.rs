@@ -26,7 +26,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use super::Context;
-use super::pod::PodStores;
+use super::pod_watch::PodStores;
 use crate::translate::events::{
     EventGate, PendingEvents, Verdict, last_seen, occurrences, reflection,
 };

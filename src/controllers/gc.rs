@@ -1,7 +1,9 @@
 //! Orphan collection: lower pods this node owns whose upper pod is gone (force-deleted,
 //! deleted while virtual-node was down, or re-created with a new UID) are deleted — at
 //! start, once both stores are synced, and every few seconds after. Reads only the two
-//! stores; calls the API only to delete.
+//! stores; calls the API only to delete. A lower pod whose upper-UID mark was edited away
+//! is left to the pod controller while an upper pod of its name exists: only that one
+//! can tell whether it is that pod's copy (to keep) or an older one's (to replace).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,33 +16,36 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::Context;
-use super::pod::PodStores;
+use super::pod_watch::PodStores;
 use crate::api::{Deleted, delete_exact};
+use crate::translate::meta::Owner;
 use crate::translate::stored::StoredPod;
 
 /// How often the stores are compared (in memory; cheap).
 pub const INTERVAL: Duration = Duration::from_secs(5);
 
-/// The lower pods to delete: owned by `node`, not already going, whose upper counterpart
-/// (same namespace/name and UID) is absent. Pure over the two snapshots.
-pub fn orphans<'a>(
+/// The lower pods to delete: owned by `owner`, not already going, whose upper counterpart
+/// (same namespace/name and UID) is absent; `upper_uid` gives the UID of the upper pod of
+/// a namespace and name. Pure over the two snapshots.
+pub fn orphans<'a, U: AsRef<str>>(
     lower: &'a [Arc<StoredPod>],
-    upper_has: impl Fn(&str, &str, &str) -> bool,
-    node: &str,
+    upper_uid: impl Fn(&str, &str) -> Option<U>,
+    owner: &Owner,
     namespace: &str,
 ) -> Vec<&'a StoredPod> {
     lower
         .iter()
         .map(AsRef::as_ref)
-        .filter(|p| p.is_owned_by(node))
+        .filter(|p| p.is_owned_by(owner))
         .filter(|p| p.metadata.deletion_timestamp.is_none())
         .filter(|p| namespace.is_empty() || p.metadata.namespace.as_deref() == Some(namespace))
         .filter(|p| {
             let ns = p.metadata.namespace.as_deref().unwrap_or_default();
             let name = p.metadata.name.as_deref().unwrap_or_default();
-            match p.upper_uid() {
-                Some(uid) => !upper_has(ns, name, uid),
-                None => true,
+            match (p.upper_uid(), upper_uid(ns, name)) {
+                (_, None) => true,
+                (Some(mark), Some(uid)) => mark != uid.as_ref(),
+                (None, Some(_)) => false,
             }
         })
         .collect()
@@ -64,12 +69,12 @@ pub async fn run(ctx: Arc<Context>, pods: PodStores, shutdown: CancellationToken
             _ = tick.tick() => {}
         }
         let snapshot = lower_pods.state();
-        let upper_has = |ns: &str, name: &str, uid: &str| {
+        let upper_uid = |ns: &str, name: &str| {
             upper_pods
                 .get(&ObjectRef::new(name).within(ns))
-                .is_some_and(|p| p.metadata.uid.as_deref() == Some(uid))
+                .and_then(|p| p.metadata.uid.clone())
         };
-        for orphan in orphans(&snapshot, upper_has, &ctx.node_name, &ctx.namespace) {
+        for orphan in orphans(&snapshot, upper_uid, &ctx.owner, &ctx.namespace) {
             let key = format!(
                 "{}/{}",
                 orphan.namespace().unwrap_or_default(),
@@ -88,13 +93,14 @@ pub async fn run(ctx: Arc<Context>, pods: PodStores, shutdown: CancellationToken
                 }
             }
         }
+        ctx.metrics.gc_rounds.inc();
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_UID_ANNOTATION};
+    use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL, UPPER_UID_ANNOTATION};
     use serde_json::json;
 
     fn lower(
@@ -104,7 +110,10 @@ mod tests {
         uid: Option<&str>,
         deleting: bool,
     ) -> Arc<StoredPod> {
-        let mut meta = json!({"name": name, "namespace": ns, "labels": {OWNER_NODE_LABEL: owner}});
+        // `node@cluster`, or `node` of cluster c1.
+        let (node, cluster) = owner.split_once('@').unwrap_or((owner, "c1"));
+        let mut meta = json!({"name": name, "namespace": ns,
+            "labels": {OWNER_NODE_LABEL: node, UPPER_CLUSTER_LABEL: cluster}});
         if let Some(uid) = uid {
             meta["annotations"] = json!({UPPER_UID_ANNOTATION: uid});
         }
@@ -117,7 +126,12 @@ mod tests {
     #[test]
     fn orphan_table() {
         let upper = [("ns", "a", "u-a"), ("other", "c", "u-c")];
-        let upper_has = |ns: &str, name: &str, uid: &str| upper.contains(&(ns, name, uid));
+        let upper_uid = |ns: &str, name: &str| {
+            upper
+                .iter()
+                .find(|(n, m, _)| (*n, *m) == (ns, name))
+                .map(|(_, _, uid)| *uid)
+        };
         let cases: Vec<(&str, Arc<StoredPod>, &str, bool)> = vec![
             (
                 "upper exists: kept",
@@ -150,10 +164,22 @@ mod tests {
                 false,
             ),
             (
-                "ours without a uid mark: orphan",
+                "ours without a uid mark, no upper pod of its name: orphan",
                 lower("b", "ns", "vk", None, false),
                 "",
                 true,
+            ),
+            (
+                "ours without a uid mark, an upper pod of its name: the pod controller's",
+                lower("a", "ns", "vk", None, false),
+                "",
+                false,
+            ),
+            (
+                "another upper cluster's node of the same name: not ours to judge",
+                lower("x", "ns", "vk@c2", Some("u-x"), false),
+                "",
+                false,
             ),
             (
                 "outside --namespace: not ours to judge",
@@ -164,7 +190,7 @@ mod tests {
         ];
         for (name, pod, namespace, want) in cases {
             let pods = [pod];
-            let got = !orphans(&pods, upper_has, "vk", namespace).is_empty();
+            let got = !orphans(&pods, upper_uid, &Owner::new("vk", "c1"), namespace).is_empty();
             assert_eq!(got, want, "{name}");
         }
     }

@@ -8,6 +8,7 @@ pub mod events;
 pub mod failure_backoff;
 pub mod gc;
 pub mod pod;
+pub mod pod_watch;
 pub mod presence;
 pub mod references;
 pub mod service;
@@ -28,9 +29,9 @@ use self::presence::PresenceCache;
 use self::references::References;
 use self::write_budget::{Admission, LONGEST_DELAY, QUIET, WriteBudget};
 use crate::metrics::Metrics;
-use crate::translate::meta::Owner;
 use crate::side::Side;
 use crate::translate::TranslateError;
+use crate::translate::meta::Owner;
 
 /// Everything a reconcile may go wrong on; each names the object and the cluster.
 #[derive(Debug, thiserror::Error)]

@@ -2,36 +2,33 @@
 //! Level-triggered: each reconcile compares the upper pod with the lower pod in the store
 //! and does the one step that closes the gap, whatever woke it (an upper change, a lower
 //! change, a resync). Status is reflected up by [`super::status`], on a queue of its own
-//! fed by the same two watches ([`watches`]), so that a reflection never waits behind
-//! pods being created.
+//! fed by the same two watches ([`super::pod_watch`]), so that a reflection never waits
+//! behind pods being created.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::SinkExt;
-use futures::channel::mpsc;
-use futures::{FutureExt, StreamExt, TryStreamExt};
-use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Pod, PodStatus};
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
-use kube::runtime::reflector::{self, ObjectRef, Store};
-use kube::runtime::{WatchStreamExt, watcher};
-use serde_json::json;
-use tokio::sync::watch;
+use kube::runtime::reflector::{ObjectRef, Store};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use super::status::write_status;
+use super::pod_watch::{PodStores, Triggers, same_name};
+use super::stores::{Ready, every, log_outcome};
 use super::{Context, Error, api_error, dependencies};
 use crate::api::{Deleted, delete_exact, is_status};
 use crate::side::Side;
-use crate::translate::meta::OWNER_NODE_LABEL;
+use crate::translate::meta::Owner;
 use crate::translate::pod::{
-    PodTranslation, is_owned_by, lower_gone_status, lower_pod, lower_pod_update, upper_uid,
+    PodTranslation, is_copy_of, is_owned_by, lower_gone_status, lower_pod, lower_pod_update,
+    pending_reason_patch, upper_status_patch, upper_uid, was_mirrored, with_uid_precondition,
 };
 use crate::translate::stored::StoredPod;
+use crate::translate::{TranslateError, object_ref};
 
 /// Reason on an upper pod whose lower pod disappeared.
 pub const LOWER_POD_GONE: &str = "LowerPodGone";
@@ -52,21 +49,29 @@ pub enum Step {
     DeleteStale,
     /// Create the lower pod (after its dependencies).
     Create,
-    /// The lower pod vanished while the upper one runs: end the upper pod.
+    /// The lower pod vanished while the upper one runs: end the upper pod (unless the
+    /// lower pod is still there, only without tensile's owner label).
     MarkFailed,
-    /// Both exist: reflect status up, propagate updates down.
+    /// Both exist and are a pair: propagate upper updates down (and put back any of
+    /// tensile's marks edited away below). Their status is reflected by
+    /// [`super::status`], not by this step.
     Sync,
     /// Nothing to do (a finished pod whose lower copy is gone).
     Nothing,
 }
 
 /// Decides the step. Pure: the table tests below cover every branch.
-pub fn decide(upper: &Pod, lower: Option<&Pod>, node: &str) -> Step {
+pub fn decide(upper: &Pod, lower: Option<&Pod>, owner: &Owner) -> Step {
     let uid = upper.metadata.uid.as_deref();
-    let lower = lower.filter(|l| is_owned_by(&l.metadata, node));
+    let lower = lower.filter(|l| is_owned_by(&l.metadata, owner));
     let lower_deleting = lower.is_some_and(|l| l.metadata.deletion_timestamp.is_some());
-    let same =
-        lower.is_some_and(|l| upper_uid(&l.metadata).is_some() && upper_uid(&l.metadata) == uid);
+    // A lower pod of ours whose upper-UID mark was edited away is this pod's copy if this
+    // pod ran below: deleting it would kill what runs. Without that record it may be an
+    // older pod's, and is replaced (nothing of this pod ran).
+    let same = lower.is_some_and(|l| match upper_uid(&l.metadata) {
+        Some(mark) => Some(mark) == uid,
+        None => was_mirrored(upper),
+    });
     if upper.metadata.deletion_timestamp.is_some() {
         return match lower {
             None => Step::FinishDeletion,
@@ -93,193 +98,66 @@ fn is_terminal(pod: &Pod) -> bool {
     )
 }
 
-/// Whether the upper pod's status shows it ran below: only a reflected lower status sets
-/// these (the upper scheduler writes nothing but `PodScheduled=True`).
-fn was_mirrored(pod: &Pod) -> bool {
-    let Some(status) = &pod.status else {
-        return false;
-    };
-    status.start_time.is_some()
-        || status.host_ip.is_some()
-        || status
-            .container_statuses
-            .as_ref()
-            .is_some_and(|c| !c.is_empty())
-        || status
-            .conditions
-            .iter()
-            .flatten()
-            .any(|c| c.type_ != "PodScheduled" || c.status != "True")
+/// Whether a write that carried the object's UID as a precondition found the name taken
+/// by another object, or no object at all: the object it was meant for is gone, and the
+/// watch brings whatever replaced it. The API server refuses a patch whose
+/// `metadata.uid` differs as an invalid change of an immutable field (422); a 409 is what
+/// other preconditions (and other API server versions) answer.
+pub(crate) fn is_replaced(error: &kube::Error) -> bool {
+    let uid_refused = matches!(error, kube::Error::Api(status)
+        if status.code == 422
+            && status
+                .details
+                .as_ref()
+                .is_some_and(|d| d.causes.iter().any(|c| c.field == "metadata.uid")));
+    uid_refused || is_status(error, 404) || is_status(error, 409)
 }
 
-/// A watch stream feeding a reflector store.
-type PodStream =
-    std::pin::Pin<Box<dyn futures::Stream<Item = Result<StoredPod, watcher::Error>> + Send>>;
-
-/// How many changed pods may wait for a controller to take them before the watch waits.
-const TRIGGER_BUFFER: usize = 1024;
-
-/// The changed pods one controller is woken by: upper pods bound to this node and lower
-/// pods it owns.
-pub struct Triggers {
-    pub(crate) upper: mpsc::Receiver<Arc<StoredPod>>,
-    pub(crate) lower: mpsc::Receiver<Arc<StoredPod>>,
+/// What a status write to an upper pod did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatusWrite {
+    /// The status was written.
+    Written,
+    /// The pod is gone or was re-created under its name; nothing was written.
+    PodReplaced,
 }
 
-/// The two pod watches, their stores, and the changes they hand to the pod controller and
-/// to the status reflector. Each pod is stored once; both controllers read the same stores.
-pub struct PodWatches {
-    /// The two stores, read by every controller that needs pods.
-    pub stores: PodStores,
-    /// Drives both watches and hands each changed pod to both controllers; run it beside
-    /// them until shutdown.
-    pub pump: futures::future::BoxFuture<'static, ()>,
-    /// What wakes the pod controller ([`run`]).
-    pub pods: Triggers,
-    /// What wakes the status reflector ([`super::status::run`]).
-    pub status: Triggers,
-}
-
-/// Whether both stores are synced; any number of tasks may wait on it. (A reflector
-/// `Store::wait_until_ready` wakes only its most recent waiter, so it is awaited nowhere
-/// but inside kube-runtime's runner: the upper store by the pod controller's, the lower
-/// store by the status reflector's.)
-#[derive(Clone)]
-pub struct Synced {
-    upper: watch::Receiver<bool>,
-    lower: watch::Receiver<bool>,
-}
-
-impl Synced {
-    /// Waits until both stores are synced; `Err` if their watches ended first.
-    pub async fn wait(&self) -> Result<(), Error> {
-        let (mut upper, mut lower) = (self.upper.clone(), self.lower.clone());
-        upper
-            .wait_for(|ready| *ready)
-            .await
-            .map_err(|_| Error::Shutdown)?;
-        lower
-            .wait_for(|ready| *ready)
-            .await
-            .map_err(|_| Error::Shutdown)?;
-        Ok(())
-    }
-}
-
-/// A reflector over `api` whose first complete list flips `ready`.
-fn reflected(
-    api: Api<Pod>,
-    config: watcher::Config,
-) -> (Store<StoredPod>, PodStream, watch::Receiver<bool>) {
-    let (store, writer) = reflector::store();
-    let (ready_tx, ready_rx) = watch::channel(false);
-    // Pods are stored compactly: a full pod's spec detail is read only when its lower pod
-    // is created, and is most of its memory.
-    let events = watcher::watcher(api, config).map_ok(|event| match event {
-        watcher::Event::Apply(pod) => watcher::Event::Apply(StoredPod::from(pod)),
-        watcher::Event::Delete(pod) => watcher::Event::Delete(StoredPod::from(pod)),
-        watcher::Event::InitApply(pod) => watcher::Event::InitApply(StoredPod::from(pod)),
-        watcher::Event::Init => watcher::Event::Init,
-        watcher::Event::InitDone => watcher::Event::InitDone,
-    });
-    let stream = reflector::reflector(writer, events)
-        .default_backoff()
-        .inspect_ok(move |event| {
-            if matches!(event, watcher::Event::InitDone) {
-                ready_tx.send_replace(true);
-            }
+/// Writes `status` as the status of the upper pod `upper` ([`upper_status_patch`]), only
+/// while the pod of that name is still `upper` (by UID).
+pub async fn write_upper_status(
+    api: &Api<Pod>,
+    upper: &Pod,
+    status: &PodStatus,
+    key: &str,
+) -> Result<StatusWrite, Error> {
+    let uid = upper.metadata.uid.as_deref().ok_or_else(|| {
+        Error::Translate(TranslateError::MissingField {
+            kind: "Pod",
+            object: key.to_owned(),
+            field: "metadata.uid",
         })
-        .touched_objects();
-    (store, Box::pin(stream), ready_rx)
-}
-
-/// Polls `stream` (which keeps its store current) and hands every changed pod, deletions
-/// included, to each of `to`. A controller that has stopped is skipped; the store is kept
-/// current for the others.
-async fn fan_out(mut stream: PodStream, side: Side, mut to: [mpsc::Sender<Arc<StoredPod>>; 2]) {
-    while let Some(changed) = stream.next().await {
-        match changed {
-            Ok(pod) => {
-                let pod = Arc::new(pod);
-                for tx in &mut to {
-                    // Fails only once that controller has stopped.
-                    let _ = tx.send(pod.clone()).await;
-                }
-            }
-            Err(error) => warn!(cluster = %side, %error, "watching pods; retrying with backoff"),
-        }
+    })?;
+    let patch = upper_status_patch(uid, status);
+    match api
+        .patch_status(
+            &upper.name_any(),
+            &PatchParams::default(),
+            &Patch::Strategic(&patch),
+        )
+        .await
+    {
+        Ok(_) => Ok(StatusWrite::Written),
+        Err(e) if is_replaced(&e) => Ok(StatusWrite::PodReplaced),
+        Err(e) => Err(api_error(Side::Upper, "writing the status of", "Pod", key)(
+            e,
+        )),
     }
-}
-
-/// Sets up the watches: upper pods with `spec.nodeName=<node>` (in `--namespace` if
-/// given), lower pods labelled as this node's.
-pub fn watches(ctx: &Context) -> PodWatches {
-    let upper_api: Api<Pod> = if ctx.namespace.is_empty() {
-        Api::all(ctx.upper.clone())
-    } else {
-        Api::namespaced(ctx.upper.clone(), &ctx.namespace)
-    };
-    let (upper_store, upper_stream, upper_ready) = reflected(
-        upper_api,
-        watcher::Config::default().fields(&format!("spec.nodeName={}", ctx.node_name)),
-    );
-    let (lower_store, lower_stream, lower_ready) = reflected(
-        Api::all(ctx.lower.clone()),
-        watcher::Config::default().labels(&format!("{OWNER_NODE_LABEL}={}", ctx.node_name)),
-    );
-    let (pods_upper, pods_upper_rx) = mpsc::channel(TRIGGER_BUFFER);
-    let (pods_lower, pods_lower_rx) = mpsc::channel(TRIGGER_BUFFER);
-    let (status_upper, status_upper_rx) = mpsc::channel(TRIGGER_BUFFER);
-    let (status_lower, status_lower_rx) = mpsc::channel(TRIGGER_BUFFER);
-    let pump = futures::future::join(
-        fan_out(upper_stream, Side::Upper, [pods_upper, status_upper]),
-        fan_out(lower_stream, Side::Lower, [pods_lower, status_lower]),
-    )
-    .map(|((), ())| ())
-    .boxed();
-    PodWatches {
-        stores: PodStores {
-            upper: upper_store,
-            lower: lower_store,
-            synced: Synced {
-                upper: upper_ready,
-                lower: lower_ready,
-            },
-        },
-        pump,
-        pods: Triggers {
-            upper: pods_upper_rx,
-            lower: pods_lower_rx,
-        },
-        status: Triggers {
-            upper: status_upper_rx,
-            lower: status_lower_rx,
-        },
-    }
-}
-
-/// The stores both pod controllers read.
-#[derive(Clone)]
-pub struct PodStores {
-    /// Upper pods bound to this node.
-    pub upper: Store<StoredPod>,
-    /// Lower pods this node owns.
-    pub lower: Store<StoredPod>,
-    /// Whether both are synced.
-    pub synced: Synced,
 }
 
 struct PodContext {
     ctx: Arc<Context>,
     lower_pods: Store<StoredPod>,
-    synced: Synced,
-}
-
-/// The `ObjectRef` of the pod of the same namespace and name in the other cluster.
-pub(crate) fn same_name(pod: &Arc<StoredPod>) -> Option<ObjectRef<StoredPod>> {
-    let name = pod.metadata.name.as_deref()?;
-    let namespace = pod.metadata.namespace.as_deref()?;
-    Some(ObjectRef::new(name).within(namespace))
+    synced: Ready,
 }
 
 /// Runs the pod controller until `shutdown`.
@@ -294,57 +172,21 @@ pub async fn run(
     let controller = Controller::for_shared_stream(triggers.upper, stores.upper)
         .with_config(ControllerConfig::default().concurrency(workers))
         .watches_shared_stream(triggers.lower, |lower: Arc<StoredPod>| same_name(&lower))
-        .reconcile_all_on(tokio_stream_interval(resync))
+        .reconcile_all_on(every(resync))
         .graceful_shutdown_on(shutdown.cancelled_owned());
     let pod_ctx = Arc::new(PodContext {
         ctx,
         lower_pods: stores.lower,
         synced: stores.synced,
     });
-    drain(
-        controller.run(reconcile, error_policy, pod_ctx),
-        "pod reconcile",
-    )
-    .await;
-}
-
-/// Runs a controller's result stream to its end; failures were reported by the reconcile
-/// itself, so they are only logged at debug here.
-pub(crate) async fn drain<T, E: std::fmt::Display>(
-    results: impl futures::Stream<Item = Result<T, E>>,
-    what: &'static str,
-) {
-    results
-        .for_each(|result| async move {
-            if let Err(error) = result {
-                debug!(%error, "{what}");
-            }
-        })
+    controller
+        .run(reconcile, error_policy, pod_ctx)
+        .for_each(|result| log_outcome("pod reconcile", result))
         .await;
 }
 
-pub(crate) fn tokio_stream_interval(
-    period: Duration,
-) -> impl futures::Stream<Item = ()> + Send + 'static {
-    futures::stream::unfold(
-        tokio::time::interval_at(tokio::time::Instant::now() + period, period),
-        |mut interval| async move {
-            interval.tick().await;
-            Some(((), interval))
-        },
-    )
-}
-
-pub(crate) fn key_of(meta: &ObjectMeta) -> String {
-    format!(
-        "{}/{}",
-        meta.namespace.as_deref().unwrap_or_default(),
-        meta.name.as_deref().unwrap_or_default()
-    )
-}
-
 async fn reconcile(stored: Arc<StoredPod>, pc: Arc<PodContext>) -> Result<Action, Error> {
-    let key = key_of(&stored.metadata);
+    let key = object_ref(&stored.metadata);
     let upper = stored.to_pod();
     let span = info_span!("pod", pod = %key);
     async {
@@ -356,7 +198,7 @@ async fn reconcile(stored: Arc<StoredPod>, pc: Arc<PodContext>) -> Result<Action
             Ok(_) => ctx.succeeded(&key),
             Err(error) => {
                 ctx.metrics.reconcile_failed(error.metric_label());
-                report(ctx, &upper, error).await;
+                explain_failure(ctx, &upper, error).await;
             }
         }
         result
@@ -373,7 +215,7 @@ async fn reconcile_pod(upper: &Pod, pc: &PodContext, key: &str) -> Result<Action
     let lower = pc.lower_pods.get(&lower_ref).map(|l| l.to_pod());
     let lower_api: Api<Pod> = Api::namespaced(ctx.lower.clone(), &namespace);
     let upper_api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &namespace);
-    let step = decide(upper, lower.as_ref(), &ctx.node_name);
+    let step = decide(upper, lower.as_ref(), &ctx.owner);
     debug!(?step, "reconcile");
     match step {
         Step::Nothing | Step::WaitForLower => {}
@@ -397,21 +239,10 @@ async fn reconcile_pod(upper: &Pod, pc: &PodContext, key: &str) -> Result<Action
             );
         }
         Step::Create => create(upper, pc, &lower_api, key).await?,
-        Step::MarkFailed => {
-            let status = lower_gone_status(
-                upper,
-                LOWER_POD_GONE,
-                "the pod was deleted or evicted in the lower cluster",
-            );
-            write_status(&upper_api, &name, &status, key).await?;
-            ctx.warn_on(
-                upper,
-                LOWER_POD_GONE,
-                format!("lower pod {key} disappeared; the pod has failed so its controller can replace it"),
-            )
-            .await;
-            info!(cluster = "upper", "lower pod gone; marked the pod Failed");
-        }
+        Step::MarkFailed => match reclaim(upper, pc, &lower_api, key).await? {
+            Found::Copy | Found::OursInTransit => {}
+            Found::Nothing | Found::Foreign => mark_failed(upper, ctx, &upper_api, key).await?,
+        },
         Step::Sync => {
             if let Some(lower) = lower.as_ref() {
                 propagate_update(upper, lower, pc, &lower_api, key).await?;
@@ -419,6 +250,84 @@ async fn reconcile_pod(upper: &Pod, pc: &PodContext, key: &str) -> Result<Action
         }
     }
     Ok(Action::await_change())
+}
+
+/// Ends the upper pod whose lower pod is gone, so that its controller replaces it.
+async fn mark_failed(
+    upper: &Pod,
+    ctx: &Context,
+    upper_api: &Api<Pod>,
+    key: &str,
+) -> Result<(), Error> {
+    let status = lower_gone_status(
+        upper,
+        LOWER_POD_GONE,
+        "the pod was deleted or evicted in the lower cluster",
+    );
+    if write_upper_status(upper_api, upper, &status, key).await? == StatusWrite::PodReplaced {
+        debug!(
+            cluster = "upper",
+            "the pod was replaced meanwhile; nothing to fail"
+        );
+        return Ok(());
+    }
+    ctx.warn_on(
+        upper,
+        LOWER_POD_GONE,
+        format!("lower pod {key} disappeared; the pod has failed so its controller can replace it"),
+    )
+    .await;
+    info!(cluster = "upper", "lower pod gone; marked the pod Failed");
+    Ok(())
+}
+
+/// What the lower cluster holds under an upper pod's name, read from the API: the store
+/// holds only the pods that carry this node's owner label.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Found {
+    /// No pod of that name.
+    Nothing,
+    /// The upper pod's copy (by its upper-UID mark); any of tensile's marks an edit below
+    /// took off have been put back.
+    Copy,
+    /// Another pod with this node's owner label: the store has yet to see it, and its
+    /// watch event brings the next step.
+    OursInTransit,
+    /// Someone else's pod.
+    Foreign,
+}
+
+/// Reads the lower pod of `upper`'s name and, if it is `upper`'s copy that lost a mark
+/// below (an owner label edited away hides it from the store, and from the orphan
+/// collection), puts the marks back with the lower pod's UID as a precondition.
+async fn reclaim(
+    upper: &Pod,
+    pc: &PodContext,
+    lower_api: &Api<Pod>,
+    key: &str,
+) -> Result<Found, Error> {
+    let Some(lower) = lower_api
+        .get_opt(&upper.name_any())
+        .await
+        .map_err(api_error(Side::Lower, "reading", "Pod", key))?
+    else {
+        return Ok(Found::Nothing);
+    };
+    let owner = &pc.ctx.owner;
+    if is_copy_of(&lower.metadata, &upper.metadata) {
+        if !is_owned_by(&lower.metadata, owner) {
+            propagate_update(upper, &lower, pc, lower_api, key).await?;
+            info!(
+                cluster = "lower",
+                "the lower pod had lost this node's owner label below; put it back"
+            );
+        }
+        return Ok(Found::Copy);
+    }
+    if is_owned_by(&lower.metadata, owner) {
+        return Ok(Found::OursInTransit);
+    }
+    Ok(Found::Foreign)
 }
 
 async fn delete_lower(
@@ -474,27 +383,22 @@ async fn create(
             info!(cluster = "lower", "created the lower pod");
             Ok(())
         }
-        Err(e) if is_status(&e, 409) => {
-            // Our store may lag our own create; anything else of this name is not ours.
-            let existing = lower_api
-                .get_opt(&upper.name_any())
-                .await
-                .map_err(api_error(Side::Lower, "reading", "Pod", key))?;
-            match existing {
-                Some(p) if is_owned_by(&p.metadata, &ctx.node_name) => Ok(()),
-                Some(_) => Err(Error::Conflict {
-                    key: key.to_owned(),
-                    node: ctx.node_name.clone(),
-                }),
-                None => Ok(()),
-            }
-        }
+        // Our store may lag our own create, or an edit below took our owner label off our
+        // copy; anything else of this name is not ours.
+        Err(e) if is_status(&e, 409) => match reclaim(stored, pc, lower_api, key).await? {
+            Found::Nothing | Found::Copy | Found::OursInTransit => Ok(()),
+            Found::Foreign => Err(Error::Conflict {
+                key: key.to_owned(),
+                node: ctx.node_name.clone(),
+            }),
+        },
         Err(e) => Err(api_error(Side::Lower, "creating", "Pod", key)(e)),
     }
 }
 
 /// Carries an upper pod's changed labels, annotations, images, tolerations or deadline
-/// down to its lower pod.
+/// down to its lower pod (and tensile's marks, should an edit below have removed them),
+/// only while the lower pod of that name is still `lower` (by UID).
 async fn propagate_update(
     upper: &Pod,
     lower: &Pod,
@@ -507,24 +411,35 @@ async fn propagate_update(
         owner: &ctx.owner,
         ignore_labels: &ctx.ignore_labels,
     };
-    if let Some(patch) = lower_pod_update(upper, lower, &translation)? {
-        lower_api
-            .patch(
-                &lower.name_any(),
-                &PatchParams::default(),
-                &Patch::Strategic(&patch),
-            )
-            .await
-            .map_err(api_error(Side::Lower, "updating", "Pod", key))?;
-        ctx.metrics.lower_updates.inc();
-        info!(cluster = "lower", "propagated an update");
+    let Some(patch) = lower_pod_update(upper, lower, &translation)? else {
+        return Ok(());
+    };
+    let uid = lower.metadata.uid.as_deref().unwrap_or_default();
+    let patch = with_uid_precondition(patch, uid);
+    match lower_api
+        .patch(
+            &lower.name_any(),
+            &PatchParams::default(),
+            &Patch::Strategic(&patch),
+        )
+        .await
+    {
+        Ok(_) => {
+            ctx.metrics.lower_updates.inc();
+            info!(cluster = "lower", "propagated an update");
+            Ok(())
+        }
+        Err(e) if is_replaced(&e) => {
+            debug!(cluster = "lower", "the lower pod was replaced meanwhile");
+            Ok(())
+        }
+        Err(e) => Err(api_error(Side::Lower, "updating", "Pod", key)(e)),
     }
-    Ok(())
 }
 
 /// Tells the user why a pod is not running below: a Warning event (deduplicated into a
 /// series) and, while nothing runs below, the reason on the pending upper pod.
-async fn report(ctx: &Context, upper: &Pod, error: &Error) {
+async fn explain_failure(ctx: &Context, upper: &Pod, error: &Error) {
     let Some(reason) = error.event_reason() else {
         warn!(%error, "reconcile failed");
         return;
@@ -535,13 +450,16 @@ async fn report(ctx: &Context, upper: &Pod, error: &Error) {
     ctx.warn_on(upper, reason, note.clone()).await;
     let status = upper.status.clone().unwrap_or_default();
     let pending = status.phase.as_deref().is_none_or(|p| p == "Pending") && !was_mirrored(upper);
+    let Some(uid) = upper.metadata.uid.as_deref() else {
+        return;
+    };
     if pending
         && (status.reason.as_deref() != Some(reason) || status.message.as_deref() != Some(&note))
     {
-        let patch = json!({"status": {"phase": "Pending", "reason": reason, "message": note}});
         let api: Api<Pod> =
             Api::namespaced(ctx.upper.clone(), &upper.namespace().unwrap_or_default());
-        if let Err(error) = api
+        let patch = pending_reason_patch(uid, reason, &note);
+        match api
             .patch_status(
                 &upper.name_any(),
                 &PatchParams::default(),
@@ -549,21 +467,26 @@ async fn report(ctx: &Context, upper: &Pod, error: &Error) {
             )
             .await
         {
-            debug!(%error, cluster = "upper", "recording the pending reason");
+            Ok(_) => {}
+            Err(e) if is_replaced(&e) => {}
+            Err(error) => debug!(%error, cluster = "upper", "recording the pending reason"),
         }
     }
 }
 
 fn error_policy(upper: Arc<StoredPod>, _error: &Error, pc: Arc<PodContext>) -> Action {
-    Action::requeue(pc.ctx.backoff(&key_of(&upper.metadata)))
+    Action::requeue(pc.ctx.backoff(&object_ref(&upper.metadata)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL, UPPER_UID_ANNOTATION};
+    use crate::translate::pod::MIRRORED_CONDITION;
     use serde_json::{Value, json};
 
     const NODE: &str = "vk";
+    const CLUSTER: &str = "c1";
 
     fn upper(extra_meta: Value, status: Value) -> Pod {
         let mut meta = json!({"name": "p", "namespace": "ns", "uid": "u1"});
@@ -581,13 +504,43 @@ mod tests {
     fn lower(owner: &str, uid: &str, deleting: bool) -> Pod {
         let mut meta = json!({
             "name": "p", "namespace": "ns", "uid": "l1",
-            "labels": {OWNER_NODE_LABEL: owner},
-            "annotations": {crate::translate::meta::UPPER_UID_ANNOTATION: uid},
+            "labels": {OWNER_NODE_LABEL: owner, UPPER_CLUSTER_LABEL: CLUSTER},
+            "annotations": {UPPER_UID_ANNOTATION: uid},
         });
         if deleting {
             meta["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
         }
         serde_json::from_value(json!({"metadata": meta, "spec": {"containers": []}})).unwrap()
+    }
+
+    #[test]
+    fn what_means_the_pod_was_replaced() {
+        let api_error = |code: u16, cause_field: Option<&str>| {
+            let mut status =
+                json!({"status": "Failure", "code": code, "message": "m", "reason": "r"});
+            if let Some(field) = cause_field {
+                status["details"] = json!({"causes": [{"reason": "FieldValueInvalid", "field": field, "message": "field is immutable"}]});
+            }
+            kube::Error::Api(Box::new(serde_json::from_value(status).unwrap()))
+        };
+        let cases = [
+            (
+                "uid precondition refused",
+                api_error(422, Some("metadata.uid")),
+                true,
+            ),
+            ("gone", api_error(404, None), true),
+            ("conflict", api_error(409, None), true),
+            (
+                "another invalid field",
+                api_error(422, Some("status.phase")),
+                false,
+            ),
+            ("server error", api_error(500, None), false),
+        ];
+        for (name, error, want) in cases {
+            assert_eq!(is_replaced(&error), want, "{name}");
+        }
     }
 
     #[test]
@@ -598,7 +551,20 @@ mod tests {
             json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}]});
         let running =
             json!({"phase": "Running", "hostIP": "10.0.0.1", "startTime": "2026-01-01T00:00:00Z"});
-        let unschedulable_below = json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False"}]});
+        let unschedulable_below = json!({"phase": "Pending", "conditions": [
+            {"type": "PodScheduled", "status": "False"},
+            {"type": MIRRORED_CONDITION, "status": "True"},
+        ]});
+        let unschedulable_unrecorded = json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False"}]});
+        let gated = json!({"phase": "Pending", "conditions": [
+            {"type": "PodScheduled", "status": "True"},
+            {"type": "example.com/load-balancer-ready", "status": "True"},
+        ]});
+        let without_uid_mark = || {
+            let mut pod = lower(NODE, "", false);
+            pod.metadata.annotations = None;
+            pod
+        };
         let cases: Vec<(&str, Pod, Option<Pod>, Step)> = vec![
             (
                 "new pod: create",
@@ -629,9 +595,39 @@ mod tests {
             ),
             (
                 "lower vanished while unschedulable below: fail it",
-                upper(json!({}), unschedulable_below),
+                upper(json!({}), unschedulable_below.clone()),
                 None,
                 Step::MarkFailed,
+            ),
+            (
+                "unschedulable below per a status written without the record: nothing ran, re-create",
+                upper(json!({}), unschedulable_unrecorded),
+                None,
+                Step::Create,
+            ),
+            (
+                "only another actor's readiness-gate condition: never ran, create",
+                upper(json!({}), gated.clone()),
+                None,
+                Step::Create,
+            ),
+            (
+                "our upper-UID mark edited away under a pod that ran: keep it (sync puts it back)",
+                upper(json!({}), unschedulable_below),
+                Some(without_uid_mark()),
+                Step::Sync,
+            ),
+            (
+                "our upper-UID mark edited away under a pod that ran (no record, older status): keep it",
+                upper(json!({}), running.clone()),
+                Some(without_uid_mark()),
+                Step::Sync,
+            ),
+            (
+                "no upper-UID mark and nothing ran: may be an older pod's, replace it",
+                upper(json!({}), gated),
+                Some(without_uid_mark()),
+                Step::DeleteStale,
             ),
             (
                 "finished pod without lower: nothing",
@@ -686,7 +682,11 @@ mod tests {
             ),
         ];
         for (name, upper, lower, want) in cases {
-            assert_eq!(decide(&upper, lower.as_ref(), NODE), want, "{name}");
+            assert_eq!(
+                decide(&upper, lower.as_ref(), &Owner::new(NODE, CLUSTER)),
+                want,
+                "{name}"
+            );
         }
     }
 }

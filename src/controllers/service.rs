@@ -67,8 +67,7 @@ pub struct ServiceWatches {
 /// given), and their copies below labelled as this node's.
 pub fn watches(ctx: &Context) -> ServiceWatches {
     let deleted = Arc::new(Notify::new());
-    let ours =
-        || watcher::Config::default().labels(&format!("{OWNER_NODE_LABEL}={}", ctx.node_name));
+    let ours = || watcher::Config::default().labels(&ctx.owner.selector());
     fn upper_api<K>(ctx: &Context) -> Api<K>
     where
         K: Resource<DynamicType = (), Scope = NamespaceResourceScope>,
@@ -489,7 +488,7 @@ async fn foreign<K: Mirrored, U: Resource<DynamicType = ()>>(
         return Ok(Action::requeue(Duration::from_millis(200)));
     };
     let meta = &existing.metadata;
-    if is_owned_by(meta, &ctx.node_name) {
+    if is_owned_by(meta, &ctx.owner) {
         return Ok(Action::await_change());
     }
     let owner = meta
@@ -592,7 +591,7 @@ async fn sweep<K: Mirrored>(
 ) -> Result<(), Error> {
     let kind = <K as k8s_openapi::Resource>::KIND;
     for copy in lower.state() {
-        if !is_owned_by(copy.meta(), &ctx.node_name) || copy.meta().deletion_timestamp.is_some() {
+        if !is_owned_by(copy.meta(), &ctx.owner) || copy.meta().deletion_timestamp.is_some() {
             continue;
         }
         let namespace = copy.namespace().unwrap_or_default();

@@ -1,6 +1,6 @@
 //! Status reflection: the lower pod's status, as the upper pod's. A controller of its
 //! own, keyed by pod and woken by changes of either copy (the same watches as the pod
-//! controller, [`super::pod::watches`]), so that a lower pod turning Ready is reflected
+//! controller, [`super::pod_watch`]), so that a lower pod turning Ready is reflected
 //! at once even while the pod controller's queue holds a burst of pods being created.
 //! It writes only when the lower status says something the upper one does not show, so a
 //! restart writes nothing for pods already in step.
@@ -8,19 +8,19 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::{Pod, PodStatus};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::Api;
 use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
-use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
 
-use super::pod::{
-    PodStores, Step, Triggers, decide, drain, key_of, same_name, tokio_stream_interval,
-};
-use super::{Context, Error, api_error};
-use crate::side::Side;
+use super::pod::{StatusWrite, Step, decide, write_upper_status};
+use super::pod_watch::{PodStores, Triggers, same_name};
+use super::stores::{every, log_outcome};
+use super::{Context, Error};
+use crate::translate::object_ref;
 use crate::translate::pod::{status_in_sync, status_is_informative, upper_status};
 use crate::translate::stored::StoredPod;
 
@@ -41,14 +41,13 @@ pub async fn run(
     let controller = Controller::for_shared_stream(triggers.lower, stores.lower.clone())
         .with_config(ControllerConfig::default().concurrency(workers))
         .watches_shared_stream(triggers.upper, |upper: Arc<StoredPod>| same_name(&upper))
-        .reconcile_all_on(tokio_stream_interval(resync))
+        .reconcile_all_on(every(resync))
         .graceful_shutdown_on(shutdown.cancelled_owned());
     let status_ctx = Arc::new(StatusContext { ctx, pods: stores });
-    drain(
-        controller.run(reconcile, error_policy, status_ctx),
-        "status reconcile",
-    )
-    .await;
+    controller
+        .run(reconcile, error_policy, status_ctx)
+        .for_each(|result| log_outcome("status reconcile", result))
+        .await;
 }
 
 /// The key under which failures back off, apart from the pod controller's.
@@ -57,7 +56,7 @@ fn backoff_key(key: &str) -> String {
 }
 
 async fn reconcile(lower: Arc<StoredPod>, sc: Arc<StatusContext>) -> Result<Action, Error> {
-    let key = key_of(&lower.metadata);
+    let key = object_ref(&lower.metadata);
     let span = info_span!("pod status", pod = %key);
     async {
         sc.pods.synced.wait().await?;
@@ -68,7 +67,7 @@ async fn reconcile(lower: Arc<StoredPod>, sc: Arc<StatusContext>) -> Result<Acti
         let (upper, lower) = (upper.to_pod(), lower.to_pod());
         // Only for a pod mirrored by this node and not being deleted: the pod controller
         // owns every other step.
-        if decide(&upper, Some(&lower), &ctx.node_name) != Step::Sync {
+        if decide(&upper, Some(&lower), &ctx.owner) != Step::Sync {
             return Ok(Action::await_change());
         }
         let desired = upper_status(&lower, &upper);
@@ -79,13 +78,23 @@ async fn reconcile(lower: Arc<StoredPod>, sc: Arc<StatusContext>) -> Result<Acti
         let api: Api<Pod> =
             Api::namespaced(ctx.upper.clone(), &upper.namespace().unwrap_or_default());
         let started = Instant::now();
-        let written = write_status(&api, &upper.name_any(), &desired, &key).await;
+        // The UID precondition keeps a store that lags a same-name re-create from writing
+        // the old pod's status onto the new one.
+        let written = write_upper_status(&api, &upper, &desired, &key).await;
         ctx.metrics.status_write_seconds.observe(started.elapsed());
         match written {
-            Ok(()) => {
+            Ok(StatusWrite::Written) => {
                 ctx.metrics.status_writes.inc();
                 ctx.succeeded(&backoff_key(&key));
                 debug!(cluster = "upper", phase = ?desired.phase, "reflected status");
+                Ok(Action::await_change())
+            }
+            Ok(StatusWrite::PodReplaced) => {
+                ctx.succeeded(&backoff_key(&key));
+                debug!(
+                    cluster = "upper",
+                    "the upper pod was replaced meanwhile; its own events bring the next step"
+                );
                 Ok(Action::await_change())
             }
             Err(error) => {
@@ -100,72 +109,5 @@ async fn reconcile(lower: Arc<StoredPod>, sc: Arc<StatusContext>) -> Result<Acti
 }
 
 fn error_policy(lower: Arc<StoredPod>, _error: &Error, sc: Arc<StatusContext>) -> Action {
-    Action::requeue(sc.ctx.backoff(&backoff_key(&key_of(&lower.metadata))))
-}
-
-/// The status fields tensile owns on an upper pod: absent in `status` means cleared.
-const REFLECTED_FIELDS: &[&str] = &[
-    "phase",
-    "conditions",
-    "containerStatuses",
-    "initContainerStatuses",
-    "ephemeralContainerStatuses",
-    "podIP",
-    "podIPs",
-    "hostIP",
-    "hostIPs",
-    "startTime",
-    "reason",
-    "message",
-    "nominatedNodeName",
-];
-
-/// A merge patch that sets `status` and clears the reflected fields it leaves out.
-pub fn status_patch(status: &PodStatus) -> Value {
-    let mut body = serde_json::to_value(status).unwrap_or_else(|_| json!({}));
-    if let Some(map) = body.as_object_mut() {
-        for field in REFLECTED_FIELDS {
-            map.entry(*field).or_insert(Value::Null);
-        }
-    }
-    json!({ "status": body })
-}
-
-/// Writes `status` as the upper pod's (the reflected fields only).
-pub(crate) async fn write_status(
-    api: &Api<Pod>,
-    name: &str,
-    status: &PodStatus,
-    key: &str,
-) -> Result<(), Error> {
-    api.patch_status(
-        name,
-        &PatchParams::default(),
-        &Patch::Merge(&status_patch(status)),
-    )
-    .await
-    .map_err(api_error(Side::Upper, "writing the status of", "Pod", key))?;
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn status_patch_clears_what_the_lower_status_lacks() {
-        let status: PodStatus =
-            serde_json::from_value(json!({"phase": "Running", "podIP": "10.1.1.1"})).unwrap();
-        let patch = status_patch(&status);
-        assert_eq!(patch["status"]["phase"], "Running");
-        assert_eq!(patch["status"]["podIP"], "10.1.1.1");
-        assert!(patch["status"]["reason"].is_null());
-        assert!(patch["status"].as_object().unwrap().contains_key("reason"));
-        assert!(
-            !patch["status"]
-                .as_object()
-                .unwrap()
-                .contains_key("qosClass")
-        );
-    }
+    Action::requeue(sc.ctx.backoff(&backoff_key(&object_ref(&lower.metadata))))
 }

@@ -65,7 +65,7 @@ where
     Reflected {
         store,
         stream: Box::pin(stream),
-        ready: Ready(vec![ready_rx]),
+        ready: Ready::listed(ready_rx),
     }
 }
 
@@ -75,6 +75,11 @@ where
 pub struct Ready(Vec<watch::Receiver<bool>>);
 
 impl Ready {
+    /// Ready once `listed` turns true (a watch's first complete list).
+    pub fn listed(listed: watch::Receiver<bool>) -> Self {
+        Self(vec![listed])
+    }
+
     /// Ready when both are.
     #[must_use]
     pub fn and(mut self, other: &Ready) -> Ready {
@@ -203,7 +208,7 @@ where
             }
         })
         .touched_objects();
-    (Box::pin(stream), Ready(vec![ready_rx]))
+    (Box::pin(stream), Ready::listed(ready_rx))
 }
 
 /// Ticks at `period`, and at once when `woken` is notified; for clean-up loops.

@@ -27,10 +27,10 @@ use super::{Context, Error, api_error};
 use crate::api::{Deleted, delete_exact, is_status};
 use crate::side::Side;
 use crate::translate::config::SYSTEM_NAMESPACE;
-use crate::translate::meta::OWNER_NODE_LABEL;
 use crate::translate::pod::{is_owned_by, upper_uid};
 use crate::translate::volume::{
-    bound_volume, missing_storage_class, pv_patch, reflected_from, selected_node_patch, upper_pv,
+    bound_volume, is_reflected_by, missing_storage_class, pv_patch, reflected_from,
+    selected_node_patch, upper_pv,
 };
 
 /// How often reflected volumes are compared with the lower ones (in memory).
@@ -51,8 +51,7 @@ pub struct VolumeWatches {
 /// Sets up the watches: lower claims and reflected upper volumes labelled as this node's,
 /// upper claims (in `--namespace` if given), lower volumes and storage classes.
 pub fn watches(ctx: &Context) -> VolumeWatches {
-    let ours =
-        || watcher::Config::default().labels(&format!("{OWNER_NODE_LABEL}={}", ctx.node_name));
+    let ours = || watcher::Config::default().labels(&ctx.owner.selector());
     let lower_volume_deleted = Arc::new(Notify::new());
     let upper_claims_api = if ctx.namespace.is_empty() {
         Api::all(ctx.upper.clone())
@@ -209,7 +208,7 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, vc: &VolumeContext) -> Res
     let name = lower.name_any();
     let key = format!("{namespace}/{name}");
     if namespace == SYSTEM_NAMESPACE
-        || !is_owned_by(&lower.metadata, &ctx.node_name)
+        || !is_owned_by(&lower.metadata, &ctx.owner)
         || lower.metadata.deletion_timestamp.is_some()
     {
         return Ok(Action::await_change());
@@ -308,7 +307,7 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, vc: &VolumeContext) -> Res
                 ))?;
                 let ours = existing
                     .as_ref()
-                    .is_some_and(|m| is_owned_by(&m.metadata, &ctx.node_name));
+                    .is_some_and(|m| is_reflected_by(&m.metadata, &ctx.node_name));
                 // The seed's way: the user prepared an upper volume and the claim bound it.
                 let users_bound = upper_volume_name == Some(volume);
                 if existing.is_some() && !ours && !users_bound {
@@ -419,7 +418,7 @@ async fn remove_orphaned_volumes(
             () = tick_or_wake(&mut tick, &deleted) => {}
         }
         for reflection in vc.upper_volumes.state() {
-            if !is_owned_by(&reflection.metadata, &ctx.node_name)
+            if !is_reflected_by(&reflection.metadata, &ctx.node_name)
                 || reflection.metadata.deletion_timestamp.is_some()
             {
                 continue;

@@ -28,7 +28,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_UID_ANNOTATION};
+use crate::translate::meta::{Owner, UPPER_UID_ANNOTATION};
 use auth::{Authenticator, Refused, RequestClientCert};
 use route::{Route, Target};
 
@@ -117,8 +117,8 @@ pub fn tls_config(cert: &ServingCert, auth: &Authenticator) -> Result<ServerConf
 pub struct KubeletApi {
     /// The lower cluster, where the calls go.
     pub lower: Client,
-    /// This virtual node's name.
-    pub node: String,
+    /// This virtual node of this upper cluster: the marks of the pods it serves.
+    pub owner: Owner,
     /// Who may call.
     pub auth: Authenticator,
 }
@@ -126,7 +126,7 @@ pub struct KubeletApi {
 impl std::fmt::Debug for KubeletApi {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KubeletApi")
-            .field("node", &self.node)
+            .field("node", &self.owner.node)
             .finish_non_exhaustive()
     }
 }
@@ -338,7 +338,7 @@ async fn mirrored(api: &KubeletApi, target: &Target) -> Result<Api<Pod>, Respons
             StatusCode::NOT_FOUND,
             format!(
                 "pod \"{}/{}\" does not exist on node {}",
-                target.namespace, target.pod, api.node
+                target.namespace, target.pod, api.owner.node
             ),
         )
     };
@@ -348,11 +348,7 @@ async fn mirrored(api: &KubeletApi, target: &Target) -> Result<Api<Pod>, Respons
         Err(error) => return Err(lower_error("reading the pod", &error)),
     };
     let meta = &pod.metadata;
-    let ours = meta
-        .labels
-        .as_ref()
-        .and_then(|l| l.get(OWNER_NODE_LABEL))
-        .is_some_and(|n| *n == api.node);
+    let ours = api.owner.owns(meta.labels.as_ref());
     let uid_matches = target.uid.as_ref().is_none_or(|uid| {
         meta.annotations
             .as_ref()
@@ -508,7 +504,7 @@ where
 /// `/pods` and `/runningpods/`: the lower pods this node mirrors.
 async fn pods(api: &KubeletApi, running_only: bool) -> Response<Body> {
     let list = Api::<Pod>::all(api.lower.clone())
-        .list(&ListParams::default().labels(&format!("{OWNER_NODE_LABEL}={}", api.node)))
+        .list(&ListParams::default().labels(&api.owner.selector()))
         .await;
     match list {
         Ok(mut list) => {
@@ -527,16 +523,21 @@ async fn pods(api: &KubeletApi, running_only: bool) -> Response<Body> {
 
 /// `/stats/summary`: from the lower cluster's metrics API; 404 where it has none.
 async fn stats_summary(api: &KubeletApi) -> Response<Body> {
-    // PodMetrics carry their pod's labels: only the pods this node mirrors. (Node names
-    // and the label key need no escaping beyond `/` and `=`.)
-    let selector = format!("{OWNER_NODE_LABEL}%3D{}", api.node).replace('/', "%2F");
+    // PodMetrics carry their pod's labels: only the pods this node mirrors. (Node names,
+    // cluster identities and the label keys need no escaping beyond `/`, `=` and `,`.)
+    let selector = api
+        .owner
+        .selector()
+        .replace('/', "%2F")
+        .replace('=', "%3D")
+        .replace(',', "%2C");
     let uri = format!("/apis/metrics.k8s.io/v1beta1/pods?labelSelector={selector}");
     let request = match Request::get(uri).body(Vec::new()) {
         Ok(request) => request,
         Err(error) => return text(StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),
     };
     match api.lower.request::<serde_json::Value>(request).await {
-        Ok(metrics) => json(&stats::summary(&api.node, &metrics)),
+        Ok(metrics) => json(&stats::summary(&api.owner.node, &metrics)),
         Err(kube::Error::Api(status)) if status.code == 404 => text(
             StatusCode::NOT_FOUND,
             "stats are not available: the lower cluster serves no metrics API (metrics.k8s.io)",

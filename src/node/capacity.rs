@@ -17,7 +17,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use super::quantity::format_milli;
 pub use super::resources::{Resources, node_usable, pod_requests};
 use super::resources::{add, phase_is_terminal, pod_footprint, subtract, to_resources};
-use crate::translate::meta::OWNER_NODE_LABEL;
+use crate::translate::meta::Owner;
 
 /// What a lower node offers, as last seen.
 #[derive(Clone, Debug, PartialEq)]
@@ -82,7 +82,7 @@ impl Relist {
 /// The lower cluster's nodes and the pods that take their room.
 #[derive(Clone, Debug)]
 pub struct LowerCapacity {
-    our_node: String,
+    owner: Owner,
     nodes: HashMap<String, NodeRoom>,
     /// Only pods that take room: bound, not terminal, not ours. Key `namespace/name`;
     /// beside each, the relist generation in which it was last seen.
@@ -98,10 +98,10 @@ pub struct LowerCapacity {
 }
 
 impl LowerCapacity {
-    /// Capacity as seen by the virtual node `our_node`.
-    pub fn new(our_node: &str) -> Self {
+    /// Capacity as seen by the virtual node `owner`.
+    pub fn new(owner: &Owner) -> Self {
         Self {
-            our_node: our_node.to_owned(),
+            owner: owner.clone(),
             nodes: HashMap::new(),
             pods: HashMap::new(),
             allocatable: BTreeMap::new(),
@@ -273,7 +273,7 @@ impl LowerCapacity {
 
     /// What `pod` takes, if it takes room: bound, not terminal, not ours.
     fn usage(&self, pod: &Pod) -> Option<PodUsage> {
-        if mirrored_by(pod, &self.our_node) {
+        if mirrored_by(pod, &self.owner) {
             return None;
         }
         if phase_is_terminal(pod.status.as_ref().and_then(|s| s.phase.as_deref())) {
@@ -345,14 +345,11 @@ impl LowerCapacity {
     }
 }
 
-/// Whether `pod` is a mirror that the virtual node `our_node` created (the upper
-/// scheduler already counts it, so it must not be subtracted again).
-fn mirrored_by(pod: &Pod, our_node: &str) -> bool {
-    pod.metadata
-        .labels
-        .as_ref()
-        .and_then(|l| l.get(OWNER_NODE_LABEL))
-        .is_some_and(|owner| owner == our_node)
+/// Whether `pod` is a mirror that the virtual node `owner` created (the upper scheduler
+/// already counts it, so it must not be subtracted again). Another upper cluster's pods,
+/// even of a node of the same name, take room like any other.
+fn mirrored_by(pod: &Pod, owner: &Owner) -> bool {
+    owner.owns(pod.metadata.labels.as_ref())
 }
 
 fn list(totals: &mut BTreeMap<String, Listed>, allocatable: &Resources) {
@@ -386,9 +383,16 @@ fn pod_key(pod: &Pod) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL};
     use k8s_openapi::api::core::v1::PodSpec;
     use proptest::prelude::*;
     use serde_json::json;
+
+    const CLUSTER: &str = "cluster-1";
+
+    fn owner(node: &str) -> Owner {
+        Owner::new(node, CLUSTER)
+    }
     use std::collections::{BTreeSet, HashSet};
 
     /// The oracle: capacity computed from scratch from the nodes and pods that exist, by
@@ -408,7 +412,7 @@ mod tests {
         }
         for pod in pods {
             let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-            if mirrored_by(pod, our_node) || phase_is_terminal(phase) {
+            if mirrored_by(pod, &owner(our_node)) || phase_is_terminal(phase) {
                 continue;
             }
             let Some(spec) = &pod.spec else { continue };
@@ -441,7 +445,7 @@ mod tests {
 
     fn pod(name: &str, node: &str, cpu: &str, owner: Option<&str>, phase: &str) -> Pod {
         let labels = owner
-            .map(|o| json!({OWNER_NODE_LABEL: o}))
+            .map(|o| json!({OWNER_NODE_LABEL: o, UPPER_CLUSTER_LABEL: CLUSTER}))
             .unwrap_or(json!({}));
         serde_json::from_value(json!({
             "metadata": {"name": name, "namespace": "ns", "labels": labels},
@@ -559,7 +563,7 @@ mod tests {
             },
         ];
         for case in cases {
-            let mut capacity = LowerCapacity::new("vk");
+            let mut capacity = LowerCapacity::new(&owner("vk"));
             capacity.reset_nodes(&case.nodes);
             capacity.reset_pods(&case.pods);
             assert_eq!(cpu(&capacity), case.cpu, "{}", case.name);
@@ -570,7 +574,7 @@ mod tests {
 
     #[test]
     fn pods_resource_counts_pods_not_ours() {
-        let mut capacity = LowerCapacity::new("vk");
+        let mut capacity = LowerCapacity::new(&owner("vk"));
         capacity.apply_node(&node("n1", "10", true));
         capacity.apply_pod(&pod("a", "n1", "1", None, "Running"));
         capacity.apply_pod(&pod("b", "n1", "1", Some("vk"), "Running"));
@@ -580,7 +584,7 @@ mod tests {
 
     #[test]
     fn events_fold_in() {
-        let mut capacity = LowerCapacity::new("vk");
+        let mut capacity = LowerCapacity::new(&owner("vk"));
         capacity.apply_node(&node("n1", "10", true));
         let p = pod("p", "n1", "4", None, "Running");
         capacity.apply_pod(&p);
@@ -598,7 +602,7 @@ mod tests {
 
     #[test]
     fn a_relist_drops_what_it_did_not_contain() {
-        let mut capacity = LowerCapacity::new("vk");
+        let mut capacity = LowerCapacity::new(&owner("vk"));
         capacity.reset_nodes(&[node("n1", "10", true), node("n2", "10", true)]);
         capacity.reset_pods(&[
             pod("a", "n1", "1", None, "Running"),
@@ -676,7 +680,7 @@ mod tests {
 
     #[test]
     fn capacity_is_answered_once_per_change() {
-        let mut capacity = LowerCapacity::new("vk");
+        let mut capacity = LowerCapacity::new(&owner("vk"));
         assert_eq!(capacity.capacity_if_changed(), Some(BTreeMap::new()));
         assert_eq!(capacity.capacity_if_changed(), None);
         capacity.apply_node(&node("n1", "10", true));
@@ -702,7 +706,7 @@ mod tests {
             }
             n
         };
-        let mut capacity = LowerCapacity::new("vk");
+        let mut capacity = LowerCapacity::new(&owner("vk"));
         capacity.apply_node(&with_hugepages("n1", "0"));
         capacity.apply_node(&with_hugepages("n2", "2Gi"));
         capacity.delete_node("n2");
@@ -814,7 +818,10 @@ mod tests {
             // Listed by no node: it must not appear in the capacity.
             requests["example.com/gpu"] = json!("1");
         }
-        let labels = owner.map_or(json!({}), |o| json!({OWNER_NODE_LABEL: o}));
+        let labels = owner.map_or(
+            json!({}),
+            |o| json!({OWNER_NODE_LABEL: o, UPPER_CLUSTER_LABEL: CLUSTER}),
+        );
         serde_json::from_value(json!({
             "metadata": {
                 "name": format!("p{}", pod / 2),
@@ -920,7 +927,7 @@ mod tests {
         fn incremental_capacity_matches_a_walk_from_scratch(
             steps in proptest::collection::vec(step(), 1..80)
         ) {
-            let mut capacity = LowerCapacity::new("vk");
+            let mut capacity = LowerCapacity::new(&owner("vk"));
             let mut world = World::default();
             let mut published = capacity.capacity_if_changed();
             for (i, step) in steps.iter().enumerate() {

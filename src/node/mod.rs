@@ -26,6 +26,7 @@ use tracing::{info, warn};
 
 use self::capacity::LowerCapacity;
 use self::spec::{NodeConfig, merge_taints, new_node, node_labels, node_status};
+use crate::translate::meta::Owner;
 
 /// The Lease is renewed this often…
 pub const LEASE_RENEW: Duration = Duration::from_secs(10);
@@ -126,11 +127,11 @@ async fn write_status(
 /// each new capacity. Returns when `shutdown` fires.
 pub async fn watch_capacity(
     lower: Client,
-    our_node: String,
+    owner: Owner,
     tx: watch::Sender<Option<BTreeMap<String, Quantity>>>,
     shutdown: CancellationToken,
 ) {
-    let mut capacity = LowerCapacity::new(&our_node);
+    let mut capacity = LowerCapacity::new(&owner);
     let nodes = watcher(Api::<Node>::all(lower.clone())).map_ok(|e| Change::Node(Box::new(e)));
     let pods = watcher(Api::<Pod>::all(lower)).map_ok(|e| Change::Pod(Box::new(e)));
     let mut events = std::pin::pin!(futures::stream::select(nodes, pods));

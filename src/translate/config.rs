@@ -14,8 +14,7 @@ use serde_json::{Value, json};
 
 use super::deps::{DependencyKind, lower_config_map, lower_secret, pod_dependencies};
 use super::meta::{
-    Owner,
-    CONTENT_HASH_ANNOTATION, UPPER_RESOURCE_VERSION_ANNOTATION, UPPER_UID_ANNOTATION,
+    CONTENT_HASH_ANNOTATION, Owner, UPPER_RESOURCE_VERSION_ANNOTATION, UPPER_UID_ANNOTATION,
 };
 use super::{TranslateError, object_ref};
 
@@ -227,8 +226,8 @@ pub fn referenced<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL};
     use crate::translate::meta::GLOBAL_ANNOTATION;
+    use crate::translate::meta::OWNER_NODE_LABEL;
 
     const NODE: &str = "vk";
     const CLUSTER: &str = "cluster-1";
@@ -349,7 +348,8 @@ mod tests {
 
     #[test]
     fn replacements_keep_what_the_lower_cluster_owns() {
-        let mut current = stamped_copy(&config_map("7", "u1", json!({"a": "1"})), &owner()).unwrap();
+        let mut current =
+            stamped_copy(&config_map("7", "u1", json!({"a": "1"})), &owner()).unwrap();
         current.metadata.resource_version = Some("lower-42".into());
         current.metadata.uid = Some("lower-uid".into());
         current.metadata.finalizers = Some(vec!["example.com/keep".into()]);

@@ -8,10 +8,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use super::meta::{
-    Owner,
-    GLOBAL_ANNOTATION, LABEL_SELECTOR_ANNOTATION, SELECTED_NODE_ANNOTATION,
-};
+use super::meta::{GLOBAL_ANNOTATION, LABEL_SELECTOR_ANNOTATION, Owner, SELECTED_NODE_ANNOTATION};
 use super::pod::{DEFAULT_SERVICE_ACCOUNT, injected_token_volumes, service_account_name};
 use super::{TranslateError, copy_meta, object_ref};
 
@@ -285,8 +282,8 @@ pub fn lower_namespace(name: &str, owner: &Owner) -> Namespace {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL};
     use crate::translate::meta::UPPER_UID_ANNOTATION;
+    use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL};
     use serde_json::{Value, json};
 
     const NODE: &str = "vk-node";

@@ -9,11 +9,10 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::{Deserialize, Serialize};
-use serde_json::{Map, Value};
+use serde_json::{Map, Value, json};
 
 use super::meta::{
-    Owner,
-    MIRRORED_KEYS_ANNOTATION, OWNER_NODE_LABEL, TRIPPED_LABELS_ANNOTATION, UPPER_UID_ANNOTATION,
+    MIRRORED_KEYS_ANNOTATION, Owner, TRIPPED_LABELS_ANNOTATION, UPPER_UID_ANNOTATION,
     VIRTUAL_POD_LABEL,
 };
 use super::scheduling::{parse_cluster_selector, restore_constraints};
@@ -40,13 +39,24 @@ pub struct PodTranslation<'a> {
     pub ignore_labels: &'a [String],
 }
 
-/// The keys tensile wrote on a lower pod, as recorded in [`MIRRORED_KEYS_ANNOTATION`].
+/// Type of the upper pod condition that records "this pod was mirrored": written with the
+/// first status reflected from its lower pod, so that a pod whose lower copy disappears is
+/// failed only if it really ran below.
+pub const MIRRORED_CONDITION: &str = "tensile.dev/Mirrored";
+
+/// What tensile wrote on a lower pod, as recorded in [`MIRRORED_KEYS_ANNOTATION`]: the keys
+/// of its labels and annotations, and each container's image.
 #[derive(Serialize, Deserialize, Default, Debug, PartialEq)]
 struct MirroredKeys {
     #[serde(default)]
     labels: BTreeSet<String>,
     #[serde(default)]
     annotations: BTreeSet<String>,
+    /// Image by container name (init containers included: names are unique in a pod), so
+    /// that a lower admission webhook rewriting an image (a registry mirror) is not undone.
+    /// Absent in records written before images were recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    images: Option<BTreeMap<String, String>>,
 }
 
 /// The pod to create in the lower cluster for `upper`.
@@ -71,9 +81,18 @@ pub fn lower_pod(upper: &Pod, t: &PodTranslation) -> Result<Pod, TranslateError>
         })?;
         annotations.insert(TRIPPED_LABELS_ANNOTATION.to_owned(), encoded);
     }
+    let spec = upper
+        .spec
+        .as_ref()
+        .ok_or_else(|| TranslateError::MissingField {
+            kind: "Pod",
+            object: object_ref(&upper.metadata),
+            field: "spec",
+        })?;
     let record = MirroredKeys {
         labels: labels.keys().cloned().collect(),
         annotations: annotations.keys().cloned().collect(),
+        images: Some(images_of(spec)),
     };
     let record = serde_json::to_string(&record).map_err(|source| TranslateError::Encode {
         object: object.clone(),
@@ -82,14 +101,7 @@ pub fn lower_pod(upper: &Pod, t: &PodTranslation) -> Result<Pod, TranslateError>
     })?;
     annotations.insert(MIRRORED_KEYS_ANNOTATION.to_owned(), record);
 
-    let mut spec = upper
-        .spec
-        .clone()
-        .ok_or_else(|| TranslateError::MissingField {
-            kind: "Pod",
-            object: object_ref(&upper.metadata),
-            field: "spec",
-        })?;
+    let mut spec = spec.clone();
     spec.node_name = None;
     // The lower admission chain derives these from the priority and runtime classes and
     // rejects a pod whose values disagree with its own.
@@ -108,6 +120,13 @@ pub fn lower_pod(upper: &Pod, t: &PodTranslation) -> Result<Pod, TranslateError>
         spec: Some(spec),
         status: None,
     })
+}
+
+/// The image of each container and init container, by name.
+fn images_of(spec: &PodSpec) -> BTreeMap<String, String> {
+    all_containers(spec)
+        .filter_map(|c| Some((c.name.clone(), c.image.clone()?)))
+        .collect()
 }
 
 /// Moves the labels named in `ignore` out of `labels`, returning them (tensile-kube's
@@ -204,12 +223,16 @@ fn drop_token_volume(spec: &mut PodSpec) {
     }
 }
 
-/// Whether the lower object carries `node_name`'s owner mark.
-pub fn is_owned_by(meta: &ObjectMeta, node_name: &str) -> bool {
-    meta.labels
-        .as_ref()
-        .and_then(|l| l.get(OWNER_NODE_LABEL))
-        .is_some_and(|owner| owner == node_name)
+/// Whether the lower object carries both of `owner`'s marks (its node's and its upper
+/// cluster's).
+pub fn is_owned_by(meta: &ObjectMeta, owner: &Owner) -> bool {
+    owner.owns(meta.labels.as_ref())
+}
+
+/// Whether the lower object is the copy of the upper object `upper`, by the UID mark
+/// alone: it is recognised even when an edit below took its owner label off.
+pub fn is_copy_of(lower: &ObjectMeta, upper: &ObjectMeta) -> bool {
+    upper.uid.is_some() && upper_uid(lower) == upper.uid.as_deref()
 }
 
 /// The UID of the upper object a lower object was copied from.
@@ -252,6 +275,29 @@ pub fn upper_status(lower: &Pod, upper: &Pod) -> PodStatus {
     }
 }
 
+/// Whether the upper pod ran below: its status carries [`MIRRORED_CONDITION`], written with
+/// the first status reflected from its lower pod. A pod mirrored by a version of tensile
+/// that wrote no such record shows it by fields only a reflected lower status sets (the
+/// upper scheduler writes only `PodScheduled`); conditions prove nothing there, since
+/// other upper actors add their own (readiness gates).
+pub fn was_mirrored(upper: &Pod) -> bool {
+    let Some(status) = &upper.status else {
+        return false;
+    };
+    let recorded = status
+        .conditions
+        .iter()
+        .flatten()
+        .any(|c| c.type_ == MIRRORED_CONDITION && c.status == "True");
+    recorded
+        || status.start_time.is_some()
+        || status.host_ip.is_some()
+        || status
+            .container_statuses
+            .as_ref()
+            .is_some_and(|c| !c.is_empty())
+}
+
 /// Whether a lower status says anything the upper pod does not already show. A lower pod
 /// that is merely Pending (every condition True, no container status, no reason) tells
 /// the user nothing the Pending upper pod does not; not writing it saves one upper write
@@ -280,25 +326,40 @@ pub fn status_is_informative(lower: &PodStatus) -> bool {
 /// [`upper_status`] leaves empty are not compared, so something else setting them upstream
 /// (the upper scheduler's nominatedNodeName) does not cause a write on every event.
 pub fn status_in_sync(current: Option<&PodStatus>, desired: &PodStatus) -> bool {
-    let current = current.cloned().unwrap_or_default();
-    reflected(current) == reflected(desired.clone())
+    let mut current = current.cloned().unwrap_or_default();
+    // Conditions of types the lower pod does not report are other upper actors' (readiness
+    // gates) or tensile's own mark: a status write merges conditions by type and leaves
+    // them be, so they are no difference.
+    let reflected_types: BTreeSet<&str> = desired
+        .conditions
+        .iter()
+        .flatten()
+        .map(|c| c.type_.as_str())
+        .collect();
+    if let Some(conditions) = current.conditions.as_mut() {
+        conditions.retain(|c| reflected_types.contains(c.type_.as_str()));
+    }
+    copied_fields(current) == copied_fields(desired.clone())
 }
 
-/// The part of a status that [`upper_status`] copies, with empty lists as absent.
-fn reflected(status: PodStatus) -> PodStatus {
+/// The part of a status that [`upper_status`] copies, with empty lists as absent and
+/// conditions in type order (a write merges them by type, keeping the upper order).
+fn copied_fields(status: PodStatus) -> PodStatus {
     fn non_empty<T>(list: Option<Vec<T>>) -> Option<Vec<T>> {
         list.filter(|l| !l.is_empty())
     }
     PodStatus {
         phase: status.phase,
         conditions: non_empty(status.conditions).map(|conditions| {
-            conditions
+            let mut conditions: Vec<PodCondition> = conditions
                 .into_iter()
                 .map(|c| PodCondition {
                     observed_generation: None,
                     ..c
                 })
-                .collect()
+                .collect();
+            conditions.sort_by(|a, b| a.type_.cmp(&b.type_));
+            conditions
         }),
         container_statuses: non_empty(status.container_statuses),
         init_container_statuses: non_empty(status.init_container_statuses),
@@ -314,10 +375,92 @@ fn reflected(status: PodStatus) -> PodStatus {
     }
 }
 
+/// The status fields tensile writes on an upper pod that a written status clears when it
+/// lacks them. Conditions are not among them: they are merged by type, so that those of
+/// other upper actors (readiness gates) stay.
+const CLEARED_WHEN_ABSENT: &[&str] = &[
+    "phase",
+    "containerStatuses",
+    "initContainerStatuses",
+    "ephemeralContainerStatuses",
+    "podIP",
+    "podIPs",
+    "hostIP",
+    "hostIPs",
+    "startTime",
+    "reason",
+    "message",
+    "nominatedNodeName",
+];
+
+/// The optional fields of a pod condition.
+const CONDITION_FIELDS: &[&str] = &[
+    "lastProbeTime",
+    "lastTransitionTime",
+    "message",
+    "observedGeneration",
+    "reason",
+];
+
+/// The strategic merge patch that writes `status` on the upper pod whose UID is `uid`:
+/// the fields it lacks are cleared, its conditions merged by type with the pod's others,
+/// and [`MIRRORED_CONDITION`] added. Carries `uid` as a precondition (as the kubelet's
+/// status manager does), so it never lands on a pod re-created under the same name.
+pub fn upper_status_patch(uid: &str, status: &PodStatus) -> Value {
+    let mut body = serde_json::to_value(status).unwrap_or_else(|_| json!({}));
+    if let Some(fields) = body.as_object_mut() {
+        for field in CLEARED_WHEN_ABSENT {
+            fields.entry(*field).or_insert(Value::Null);
+        }
+        let conditions = fields.entry("conditions").or_insert_with(|| json!([]));
+        if let Some(conditions) = conditions.as_array_mut() {
+            conditions.retain(|c| c["type"] != MIRRORED_CONDITION);
+            conditions.push(json!({"type": MIRRORED_CONDITION, "status": "True"}));
+            // A condition is merged field by field too: what it lacks must be cleared, or
+            // a reason would outlive the state it explained.
+            for condition in conditions.iter_mut().filter_map(Value::as_object_mut) {
+                for field in CONDITION_FIELDS {
+                    condition.entry(*field).or_insert(Value::Null);
+                }
+            }
+        }
+        // Lists merged by IP are replaced whole, so an address the lower pod no longer
+        // has does not linger.
+        for field in ["podIPs", "hostIPs"] {
+            if let Some(ips) = fields.get_mut(field).and_then(Value::as_array_mut) {
+                ips.push(json!({"$patch": "replace"}));
+            }
+        }
+    }
+    with_uid_precondition(json!({ "status": body }), uid)
+}
+
+/// The patch that shows on a pending upper pod (UID `uid`) why it is not running below.
+pub fn pending_reason_patch(uid: &str, reason: &str, message: &str) -> Value {
+    with_uid_precondition(
+        json!({"status": {"phase": "Pending", "reason": reason, "message": message}}),
+        uid,
+    )
+}
+
+/// `patch` (a merge or strategic merge patch) restricted to the object whose UID is `uid`:
+/// the API server refuses it (422, `metadata.uid` is immutable) once the name belongs to
+/// an object re-created under it.
+pub fn with_uid_precondition(mut patch: Value, uid: &str) -> Value {
+    if let Some(fields) = patch.as_object_mut() {
+        let metadata = fields.entry("metadata").or_insert_with(|| json!({}));
+        if let Some(metadata) = metadata.as_object_mut() {
+            metadata.insert("uid".to_owned(), Value::String(uid.to_owned()));
+        }
+    }
+    patch
+}
+
 /// The strategic merge patch that brings the lower pod in line with the upper pod, within
 /// what Kubernetes lets change on an existing pod; `None` when they already agree. Maps
 /// and tolerations are sent as a JSON merge patch would; containers only as `{name,
-/// image}` for those whose image changed (merged by name).
+/// image}` for those whose image changed upstream since tensile wrote it (merged by name).
+/// The record of what tensile wrote is rewritten only when what it records changed.
 pub fn lower_pod_update(
     upper: &Pod,
     lower: &Pod,
@@ -332,27 +475,32 @@ pub fn lower_pod_update(
         .and_then(|a| a.get(MIRRORED_KEYS_ANNOTATION))
         .and_then(|raw| serde_json::from_str(raw).ok())
         .unwrap_or_default();
+    // The record is compared for what it says rather than as text, so a record written
+    // before images were recorded costs no write of its own.
+    let mut want_annotations = desired.metadata.annotations.clone().unwrap_or_default();
+    let want_record = want_annotations.remove(MIRRORED_KEYS_ANNOTATION);
+    let mut have_annotations = lower.metadata.annotations.clone().unwrap_or_default();
+    have_annotations.remove(MIRRORED_KEYS_ANNOTATION);
+    let want_labels = desired.metadata.labels.clone().unwrap_or_default();
 
-    let mut metadata = Map::new();
-    if let Some(patch) = map_patch(
+    let labels = map_patch(
         lower.metadata.labels.as_ref(),
-        desired.metadata.labels.as_ref(),
+        &want_labels,
         &recorded.labels,
-    ) {
-        metadata.insert("labels".to_owned(), patch);
-    }
-    if let Some(patch) = map_patch(
-        lower.metadata.annotations.as_ref(),
-        desired.metadata.annotations.as_ref(),
+    );
+    let mut annotations = map_patch(
+        Some(&have_annotations),
+        &want_annotations,
         &recorded.annotations,
-    ) {
-        metadata.insert("annotations".to_owned(), patch);
-    }
+    );
 
     let mut spec = Map::new();
     let want = desired.spec.unwrap_or_default();
     let have = lower.spec.clone().unwrap_or_default();
-    if let Some(containers) = with_images(&have.containers, &want.containers) {
+    let written = recorded.images.as_ref();
+    let mut images_changed = false;
+    if let Some(containers) = with_images(&have.containers, &want.containers, written) {
+        images_changed = true;
         spec.insert(
             "containers".to_owned(),
             encode(&object, "containers", &containers)?,
@@ -360,7 +508,8 @@ pub fn lower_pod_update(
     }
     let have_init = have.init_containers.clone().unwrap_or_default();
     let want_init = want.init_containers.clone().unwrap_or_default();
-    if let Some(containers) = with_images(&have_init, &want_init) {
+    if let Some(containers) = with_images(&have_init, &want_init, written) {
+        images_changed = true;
         spec.insert(
             "initContainers".to_owned(),
             encode(&object, "initContainers", &containers)?,
@@ -380,6 +529,24 @@ pub fn lower_pod_update(
             "tolerations".to_owned(),
             encode(&object, "tolerations", &tolerations)?,
         );
+    }
+
+    let keys_changed = recorded.labels.iter().ne(want_labels.keys())
+        || recorded.annotations.iter().ne(want_annotations.keys());
+    let recorded_images_stale = recorded
+        .images
+        .as_ref()
+        .is_some_and(|images| *images != images_of(&want));
+    if let Some(record) =
+        want_record.filter(|_| keys_changed || images_changed || recorded_images_stale)
+    {
+        annotations.insert(MIRRORED_KEYS_ANNOTATION.to_owned(), Value::String(record));
+    }
+    let mut metadata = Map::new();
+    for (field, patch) in [("labels", labels), ("annotations", annotations)] {
+        if !patch.is_empty() {
+            metadata.insert(field.to_owned(), Value::Object(patch));
+        }
     }
 
     let mut patch = Map::new();
@@ -406,15 +573,15 @@ fn encode<T: Serialize>(
 }
 
 /// The merge patch of a label or annotation map: desired entries that differ, and `null`
-/// for keys tensile wrote earlier (`recorded`) that are no longer desired.
+/// for keys tensile wrote earlier (`recorded`) that are no longer desired. Empty when the
+/// maps agree.
 fn map_patch(
     have: Option<&BTreeMap<String, String>>,
-    want: Option<&BTreeMap<String, String>>,
+    want: &BTreeMap<String, String>,
     recorded: &BTreeSet<String>,
-) -> Option<Value> {
+) -> Map<String, Value> {
     let empty = BTreeMap::new();
     let have = have.unwrap_or(&empty);
-    let want = want.unwrap_or(&empty);
     let mut patch = Map::new();
     for (key, value) in want {
         if have.get(key) != Some(value) {
@@ -426,14 +593,22 @@ fn map_patch(
             patch.insert(key.clone(), Value::Null);
         }
     }
-    (!patch.is_empty()).then_some(Value::Object(patch))
+    patch
 }
 
-/// The containers whose image changed upstream (matched by name: the lower cluster may
-/// have injected containers of its own), as `{name, image}` entries of a strategic
-/// merge patch (which merges containers by name, so the rest of each container and the
-/// unchanged ones need not be sent, nor kept in memory).
-fn with_images(lower: &[Container], upper: &[Container]) -> Option<Vec<Container>> {
+/// The containers whose image changed upstream since tensile wrote it (`written`, by
+/// container name; the lower pod's own image where nothing was recorded), matched by name
+/// (the lower cluster may have injected containers of its own), as `{name, image}`
+/// entries of a strategic merge patch (which merges containers by name, so the rest of
+/// each container and the unchanged ones need not be sent, nor kept in memory). Comparing
+/// with what was written rather than what runs leaves alone an image that the lower
+/// admission rewrote (a registry mirror): undoing it would restart the container, and
+/// the webhook would rewrite it again, for ever.
+fn with_images(
+    lower: &[Container],
+    upper: &[Container],
+    written: Option<&BTreeMap<String, String>>,
+) -> Option<Vec<Container>> {
     let changed: Vec<Container> = lower
         .iter()
         .filter_map(|c| {
@@ -441,7 +616,8 @@ fn with_images(lower: &[Container], upper: &[Container]) -> Option<Vec<Container
                 .iter()
                 .find(|u| u.name == c.name)
                 .and_then(|u| u.image.as_ref())?;
-            (c.image.as_ref() != Some(image)).then(|| Container {
+            let last = written.and_then(|w| w.get(&c.name)).or(c.image.as_ref());
+            (last != Some(image)).then(|| Container {
                 name: c.name.clone(),
                 image: Some(image.clone()),
                 ..Container::default()
@@ -564,8 +740,11 @@ mod tests {
     use serde_json::json;
 
     const NODE: &str = "vk-node";
+    use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL};
+
     const CLUSTER: &str = "cluster-1";
-    static OWNER: std::sync::LazyLock<Owner> = std::sync::LazyLock::new(|| Owner::new(NODE, CLUSTER));
+    static OWNER: std::sync::LazyLock<Owner> =
+        std::sync::LazyLock::new(|| Owner::new(NODE, CLUSTER));
 
     fn pod(value: Value) -> Pod {
         serde_json::from_value(value).unwrap()
@@ -614,7 +793,7 @@ mod tests {
             "metadata": {
                 "name": "testbase",
                 "namespace": "default",
-                "labels": {VIRTUAL_POD_LABEL: "true", OWNER_NODE_LABEL: NODE},
+                "labels": {VIRTUAL_POD_LABEL: "true", OWNER_NODE_LABEL: NODE, UPPER_CLUSTER_LABEL: CLUSTER},
                 "annotations": {UPPER_UID_ANNOTATION: "uid-1"},
             },
             "spec": {
@@ -777,7 +956,12 @@ mod tests {
         let keys = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
         assert_eq!(
             record.labels,
-            keys(&["app", OWNER_NODE_LABEL, VIRTUAL_POD_LABEL])
+            keys(&[
+                "app",
+                OWNER_NODE_LABEL,
+                UPPER_CLUSTER_LABEL,
+                VIRTUAL_POD_LABEL
+            ])
         );
         assert_eq!(
             record.annotations,
@@ -932,9 +1116,16 @@ mod tests {
     #[test]
     fn marks_ownership() {
         let lower = lower_pod(&pod(upper_json()), &translation(&[])).unwrap();
-        assert!(is_owned_by(&lower.metadata, NODE));
-        assert!(!is_owned_by(&lower.metadata, "other-node"));
-        assert!(!is_owned_by(&ObjectMeta::default(), NODE));
+        assert!(is_owned_by(&lower.metadata, &OWNER));
+        assert!(!is_owned_by(
+            &lower.metadata,
+            &Owner::new("other-node", CLUSTER)
+        ));
+        assert!(!is_owned_by(
+            &lower.metadata,
+            &Owner::new(NODE, "another-cluster")
+        ));
+        assert!(!is_owned_by(&ObjectMeta::default(), &OWNER));
         assert_eq!(upper_uid(&lower.metadata), Some("uid-1"));
         assert_eq!(upper_uid(&ObjectMeta::default()), None);
     }
@@ -1067,6 +1258,174 @@ mod tests {
         assert!(status_in_sync(Some(&absent_lists), &empty_lists));
     }
 
+    #[test]
+    fn status_in_sync_ignores_conditions_the_lower_pod_does_not_report() {
+        let desired = upper_status(&running_lower(), &pod(upper_json()));
+        let conditions = |list: Value| -> PodStatus {
+            let mut status = serde_json::to_value(&desired).unwrap();
+            status["conditions"] = list;
+            serde_json::from_value(status).unwrap()
+        };
+        let scheduled = json!({"type": "PodScheduled", "status": "True", "lastTransitionTime": "2024-01-01T00:00:01Z"});
+        let ready = json!({"type": "Ready", "status": "True", "lastTransitionTime": "2024-01-01T00:00:05Z"});
+        let gate = json!({"type": "example.com/lb-ready", "status": "True"});
+        let mark = json!({"type": MIRRORED_CONDITION, "status": "True"});
+        // (case, the upper pod's conditions, in sync)
+        let cases = [
+            (
+                "another actor's readiness gate and tensile's mark",
+                json!([gate, scheduled, ready, mark]),
+                true,
+            ),
+            (
+                "in another order (a merge by type keeps the upper order)",
+                json!([ready, scheduled]),
+                true,
+            ),
+            ("a reported condition missing", json!([gate, ready]), false),
+            (
+                "a reported condition differs",
+                json!([scheduled, {"type": "Ready", "status": "False"}]),
+                false,
+            ),
+        ];
+        for (name, list, want) in cases {
+            assert_eq!(
+                status_in_sync(Some(&conditions(list)), &desired),
+                want,
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_upper_status_patch_carries_the_uid_and_the_mark_and_keeps_others_conditions() {
+        let status: PodStatus = serde_json::from_value(json!({
+            "phase": "Running",
+            "podIP": "10.1.1.1",
+            "podIPs": [{"ip": "10.1.1.1"}],
+            "conditions": [
+                {"type": "Ready", "status": "True"},
+                {"type": MIRRORED_CONDITION, "status": "True"},
+            ],
+        }))
+        .unwrap();
+        let want = json!({
+            "metadata": {"uid": "uid-1"},
+            "status": {
+                "phase": "Running",
+                "podIP": "10.1.1.1",
+                // Replaced whole: merged by IP, an old address would stay.
+                "podIPs": [{"ip": "10.1.1.1"}, {"$patch": "replace"}],
+                // Merged by type: no null, no list that drops another actor's condition;
+                // the mark once; within a condition, what it lacks cleared.
+                "conditions": [
+                    {"type": "Ready", "status": "True", "reason": null, "message": null,
+                     "lastProbeTime": null, "lastTransitionTime": null, "observedGeneration": null},
+                    {"type": MIRRORED_CONDITION, "status": "True", "reason": null, "message": null,
+                     "lastProbeTime": null, "lastTransitionTime": null, "observedGeneration": null},
+                ],
+                "containerStatuses": null,
+                "initContainerStatuses": null,
+                "ephemeralContainerStatuses": null,
+                "hostIP": null,
+                "hostIPs": null,
+                "startTime": null,
+                "reason": null,
+                "message": null,
+                "nominatedNodeName": null,
+            },
+        });
+        assert_eq!(upper_status_patch("uid-1", &status), want);
+
+        let bare = upper_status_patch("uid-2", &PodStatus::default());
+        assert_eq!(bare["metadata"], json!({"uid": "uid-2"}));
+        assert_eq!(
+            bare["status"]["conditions"][0]["type"], MIRRORED_CONDITION,
+            "never a null that would drop every condition"
+        );
+        assert_eq!(bare["status"]["podIPs"], Value::Null);
+        assert!(
+            bare["status"].get("qosClass").is_none(),
+            "immutable: never sent"
+        );
+
+        assert_eq!(
+            pending_reason_patch("uid-3", "MissingDependency", "secret s not found"),
+            json!({"metadata": {"uid": "uid-3"},
+                   "status": {"phase": "Pending", "reason": "MissingDependency", "message": "secret s not found"}})
+        );
+        assert_eq!(
+            with_uid_precondition(json!({"metadata": {"labels": {"a": "b"}}, "spec": {}}), "u"),
+            json!({"metadata": {"labels": {"a": "b"}, "uid": "u"}, "spec": {}})
+        );
+    }
+
+    #[test]
+    fn was_mirrored_by_record_or_by_what_only_a_lower_status_sets() {
+        let status = |v: Value| pod(patched(upper_json(), json!({"status": v})));
+        let cases = [
+            (
+                "no status",
+                pod(patched(upper_json(), json!({"status": null}))),
+                false,
+            ),
+            ("just bound", status(json!({"phase": "Pending"})), false),
+            (
+                "upper scheduler's condition",
+                status(json!({"conditions": [{"type": "PodScheduled", "status": "True"}]})),
+                false,
+            ),
+            (
+                "another actor's readiness gate only",
+                status(
+                    json!({"conditions": [{"type": "example.com/lb-ready", "status": "False"}]}),
+                ),
+                false,
+            ),
+            (
+                "our pending reason only",
+                status(json!({"phase": "Pending", "reason": "MissingDependency"})),
+                false,
+            ),
+            (
+                "the record",
+                status(json!({"conditions": [{"type": MIRRORED_CONDITION, "status": "True"}]})),
+                true,
+            ),
+            (
+                "reflected by an older version: start time",
+                status(json!({"phase": "Running", "startTime": "2024-01-01T00:00:02Z"})),
+                true,
+            ),
+            (
+                "reflected by an older version: container statuses",
+                status(
+                    json!({"containerStatuses": [{"name": "app", "image": "nginx:1", "imageID": "", "ready": false, "restartCount": 0}]}),
+                ),
+                true,
+            ),
+        ];
+        for (name, upper, want) in cases {
+            assert_eq!(was_mirrored(&upper), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn a_copy_is_recognised_by_its_uid_mark_alone() {
+        let upper = pod(upper_json());
+        let mut lower = lower_pod(&upper, &translation(&[])).unwrap();
+        assert!(is_copy_of(&lower.metadata, &upper.metadata));
+        lower.metadata.labels = None;
+        assert!(
+            is_copy_of(&lower.metadata, &upper.metadata),
+            "owner label edited away"
+        );
+        let recreated = pod(patched(upper_json(), json!({"metadata": {"uid": "uid-2"}})));
+        assert!(!is_copy_of(&lower.metadata, &recreated.metadata));
+        assert!(!is_copy_of(&ObjectMeta::default(), &ObjectMeta::default()));
+    }
+
     /// [`lower_pod`] of `upper` as the lower API server returns it: defaults, the lower
     /// cluster's own token mount and tolerations, and annotations from its CNI.
     fn lower_as_stored(upper: &Pod) -> Pod {
@@ -1109,18 +1468,8 @@ mod tests {
     fn lower_pod_update_follows_allowed_changes() {
         let stored = lower_as_stored(&pod(updatable_upper()));
         let stored_json = serde_json::to_value(&stored).unwrap();
-        let record_without_track = {
-            let upper = pod(patched(
-                updatable_upper(),
-                json!({"metadata": {"labels": {"track": null}}}),
-            ));
-            lower_pod(&upper, &translation(&[]))
-                .unwrap()
-                .metadata
-                .annotations
-                .unwrap()[MIRRORED_KEYS_ANNOTATION]
-                .clone()
-        };
+        let record_after = |change: Value| record_of(&pod(patched(updatable_upper(), change)));
+        let record_without_track = record_after(json!({"metadata": {"labels": {"track": null}}}));
         let stash_with = |tolerations: Value| json!({"tolerations": tolerations}).to_string();
         let gpu = json!({"key": "gpu", "operator": "Exists"});
         let tpu = json!({"key": "tpu", "operator": "Exists"});
@@ -1130,14 +1479,22 @@ mod tests {
         let cases: Vec<(&str, Value, Option<Value>)> = vec![
             ("in sync", json!({}), None),
             (
-                "image change sends {name, image} of that container (strategic merge by name)",
+                "image change sends {name, image} of that container (strategic merge by name), and records it",
                 json!({"spec": {"containers": [{"name": "app", "image": "nginx:2"}]}}),
-                Some(json!({"spec": {"containers": [{"name": "app", "image": "nginx:2"}]}})),
+                Some(json!({
+                    "metadata": {"annotations": {MIRRORED_KEYS_ANNOTATION: record_after(
+                        json!({"spec": {"containers": [{"name": "app", "image": "nginx:2"}]}}))}},
+                    "spec": {"containers": [{"name": "app", "image": "nginx:2"}]},
+                })),
             ),
             (
                 "init container image change",
                 json!({"spec": {"initContainers": [{"name": "init", "image": "busybox:2"}]}}),
-                Some(json!({"spec": {"initContainers": [{"name": "init", "image": "busybox:2"}]}})),
+                Some(json!({
+                    "metadata": {"annotations": {MIRRORED_KEYS_ANNOTATION: record_after(
+                        json!({"spec": {"initContainers": [{"name": "init", "image": "busybox:2"}]}}))}},
+                    "spec": {"initContainers": [{"name": "init", "image": "busybox:2"}]},
+                })),
             ),
             (
                 "removed label is removed below, the lower cluster's own label stays",
@@ -1180,6 +1537,95 @@ mod tests {
                 // forbids changing.
                 let after = pod(patched(stored_json.clone(), patch));
                 let again = lower_pod_update(&upper, &after, &translation(&[])).unwrap();
+                assert_eq!(again, None, "{name}: after applying");
+            }
+        }
+    }
+
+    /// The record [`lower_pod`] writes for `upper`.
+    fn record_of(upper: &Pod) -> String {
+        lower_pod(upper, &translation(&[]))
+            .unwrap()
+            .metadata
+            .annotations
+            .unwrap()[MIRRORED_KEYS_ANNOTATION]
+            .clone()
+    }
+
+    #[test]
+    fn lower_pod_update_leaves_alone_an_image_the_lower_admission_rewrote() {
+        let upper_at = |image: &str| {
+            pod(patched(
+                updatable_upper(),
+                json!({"spec": {"containers": [{"name": "app", "image": image}]}}),
+            ))
+        };
+        // The record as a version that did not record images wrote it.
+        let record_without_images = |upper: &Pod| {
+            let mut record: Value = serde_json::from_str(&record_of(upper)).unwrap();
+            record.as_object_mut().unwrap().remove("images");
+            record.to_string()
+        };
+        // A lower pod created for `created_for`, whose `app` image now reads `live`, with
+        // `record` as its record.
+        let lower = |created_for: &Pod, live: &str, record: String| {
+            let mut stored = serde_json::to_value(lower_as_stored(created_for)).unwrap();
+            stored["spec"]["containers"][0]["image"] = json!(live);
+            stored["metadata"]["annotations"][MIRRORED_KEYS_ANNOTATION] = json!(record);
+            pod(stored)
+        };
+        let (v1, v2) = (upper_at("nginx:1"), upper_at("nginx:2"));
+        let mirror = "mirror.local/library/nginx:1";
+        // (case, upper pod, lower pod, expected patch)
+        let cases: Vec<(&str, &Pod, Pod, Option<Value>)> = vec![
+            (
+                "rewritten below, unchanged upstream: left alone",
+                &v1,
+                lower(&v1, mirror, record_of(&v1)),
+                None,
+            ),
+            (
+                "rewritten below, changed upstream: the new image, recorded",
+                &v2,
+                lower(&v1, mirror, record_of(&v1)),
+                Some(json!({
+                    "metadata": {"annotations": {MIRRORED_KEYS_ANNOTATION: record_of(&v2)}},
+                    "spec": {"containers": [{"name": "app", "image": "nginx:2"}]},
+                })),
+            ),
+            (
+                "record without images, in step: no write (a restart writes nothing)",
+                &v1,
+                lower(&v1, "nginx:1", record_without_images(&v1)),
+                None,
+            ),
+            (
+                "record without images, rewritten below: the live image is all there is to go by, once",
+                &v1,
+                lower(&v1, mirror, record_without_images(&v1)),
+                Some(json!({
+                    "metadata": {"annotations": {MIRRORED_KEYS_ANNOTATION: record_of(&v1)}},
+                    "spec": {"containers": [{"name": "app", "image": "nginx:1"}]},
+                })),
+            ),
+            (
+                "recorded images stale (the upper pod changed back): the record follows",
+                &v1,
+                lower(&v1, "nginx:1", record_of(&v2)),
+                Some(json!({
+                    "spec": {"containers": [{"name": "app", "image": "nginx:1"}]},
+                    "metadata": {"annotations": {MIRRORED_KEYS_ANNOTATION: record_of(&v1)}},
+                })),
+            ),
+        ];
+        for (name, upper, lower, want) in cases {
+            let got = lower_pod_update(upper, &lower, &translation(&[])).unwrap();
+            assert_eq!(got, want, "{name}");
+            if let Some(patch) = got {
+                // Applied, then rewritten again by the webhook: nothing more to do.
+                let mut after = patched(serde_json::to_value(&lower).unwrap(), patch);
+                after["spec"]["containers"][0]["image"] = json!(mirror);
+                let again = lower_pod_update(upper, &pod(after), &translation(&[])).unwrap();
                 assert_eq!(again, None, "{name}: after applying");
             }
         }

@@ -365,8 +365,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL};
     use crate::translate::meta::{GLOBAL_ANNOTATION, UPPER_UID_ANNOTATION};
+    use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL};
     use serde_json::json;
 
     const NODE: &str = "vk";

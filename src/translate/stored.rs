@@ -16,7 +16,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Resource;
 use kube::core::NamespaceResourceScope;
 
-use super::meta::{OWNER_NODE_LABEL, UPPER_UID_ANNOTATION};
+use super::meta::{Claim, Owner, UPPER_UID_ANNOTATION};
 
 /// A container as stored: its name and image.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -194,8 +194,8 @@ impl StoredPod {
     }
 
     /// Whether `node` owns it ([`super::pod::is_owned_by`] on a stored pod).
-    pub fn is_owned_by(&self, node: &str) -> bool {
-        self.label(OWNER_NODE_LABEL) == Some(node)
+    pub fn is_owned_by(&self, owner: &Owner) -> bool {
+        owner.claim(|key| self.label(key)) == Claim::Ours
     }
 
     /// The UID of its upper pod ([`super::pod::upper_uid`] on a stored pod).

@@ -136,6 +136,15 @@ fn pinned_to(node_name: &str) -> VolumeNodeAffinity {
     }
 }
 
+/// Whether an upper PersistentVolume is a reflection made by the virtual node `node` (it
+/// lives in the upper cluster, so its node mark alone tells).
+pub fn is_reflected_by(meta: &ObjectMeta, node: &str) -> bool {
+    meta.labels
+        .as_ref()
+        .and_then(|l| l.get(OWNER_NODE_LABEL))
+        .is_some_and(|owner| owner == node)
+}
+
 /// The lower volume's UID an upper reflection was made from.
 pub fn reflected_from(pv: &PersistentVolume) -> Option<&str> {
     pv.metadata

@@ -1,0 +1,153 @@
+//! The two pod watches every pod-reading controller shares: upper pods bound to this node
+//! and lower pods it owns, each stored once (compactly, as [`StoredPod`]s), and each change
+//! handed to both the pod controller ([`super::pod`]) and the status reflector
+//! ([`super::status`]) on queues of their own.
+
+use std::sync::Arc;
+
+use futures::channel::mpsc;
+use futures::{FutureExt, SinkExt, StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::Api;
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use tokio::sync::watch;
+use tracing::warn;
+
+use super::Context;
+use super::stores::Ready;
+use crate::side::Side;
+use crate::translate::stored::StoredPod;
+
+/// A watch stream feeding a reflector store.
+type PodStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<StoredPod, watcher::Error>> + Send>>;
+
+/// How many changed pods may wait for a controller to take them before the watch waits.
+const TRIGGER_BUFFER: usize = 1024;
+
+/// The changed pods one controller is woken by: upper pods bound to this node and lower
+/// pods it owns.
+pub struct Triggers {
+    pub(crate) upper: mpsc::Receiver<Arc<StoredPod>>,
+    pub(crate) lower: mpsc::Receiver<Arc<StoredPod>>,
+}
+
+/// The two pod watches, their stores, and the changes they hand to the pod controller and
+/// to the status reflector. Each pod is stored once; both controllers read the same stores.
+pub struct PodWatches {
+    /// The two stores, read by every controller that needs pods.
+    pub stores: PodStores,
+    /// Drives both watches and hands each changed pod to both controllers; run it beside
+    /// them until shutdown.
+    pub pump: futures::future::BoxFuture<'static, ()>,
+    /// What wakes the pod controller ([`super::pod::run`]).
+    pub pods: Triggers,
+    /// What wakes the status reflector ([`super::status::run`]).
+    pub status: Triggers,
+}
+
+/// The stores the pod controllers read.
+#[derive(Clone)]
+pub struct PodStores {
+    /// Upper pods bound to this node.
+    pub upper: Store<StoredPod>,
+    /// Lower pods this node owns.
+    pub lower: Store<StoredPod>,
+    /// Whether both have listed once. (A reflector `Store::wait_until_ready` wakes only its
+    /// most recent waiter, so it is awaited nowhere but inside kube-runtime's runner.)
+    pub synced: Ready,
+}
+
+/// A reflector of pods over `api`, stored as [`StoredPod`]s, with its readiness.
+fn pod_reflector(api: Api<Pod>, config: watcher::Config) -> (Store<StoredPod>, PodStream, Ready) {
+    let (store, writer) = reflector::store();
+    let (listed_tx, listed_rx) = watch::channel(false);
+    // Pods are stored compactly: a full pod's spec detail is read only when its lower pod
+    // is created, and is most of its memory.
+    let events = watcher::watcher(api, config).map_ok(|event| match event {
+        watcher::Event::Apply(pod) => watcher::Event::Apply(StoredPod::from(pod)),
+        watcher::Event::Delete(pod) => watcher::Event::Delete(StoredPod::from(pod)),
+        watcher::Event::InitApply(pod) => watcher::Event::InitApply(StoredPod::from(pod)),
+        watcher::Event::Init => watcher::Event::Init,
+        watcher::Event::InitDone => watcher::Event::InitDone,
+    });
+    let stream = reflector::reflector(writer, events)
+        .default_backoff()
+        .inspect_ok(move |event| {
+            if matches!(event, watcher::Event::InitDone) {
+                listed_tx.send_replace(true);
+            }
+        })
+        .touched_objects();
+    (store, Box::pin(stream), Ready::listed(listed_rx))
+}
+
+/// Polls `stream` (which keeps its store current) and hands every changed pod, deletions
+/// included, to each of `to`. A controller that has stopped is skipped; the store is kept
+/// current for the others.
+async fn fan_out(mut stream: PodStream, side: Side, mut to: [mpsc::Sender<Arc<StoredPod>>; 2]) {
+    while let Some(changed) = stream.next().await {
+        match changed {
+            Ok(pod) => {
+                let pod = Arc::new(pod);
+                for tx in &mut to {
+                    // Fails only once that controller has stopped.
+                    let _ = tx.send(pod.clone()).await;
+                }
+            }
+            Err(error) => warn!(cluster = %side, %error, "watching pods; retrying with backoff"),
+        }
+    }
+}
+
+/// Sets up the watches: upper pods with `spec.nodeName=<node>` (in `--namespace` if
+/// given), lower pods labelled as this node's.
+pub fn watches(ctx: &Context) -> PodWatches {
+    let upper_api: Api<Pod> = if ctx.namespace.is_empty() {
+        Api::all(ctx.upper.clone())
+    } else {
+        Api::namespaced(ctx.upper.clone(), &ctx.namespace)
+    };
+    let (upper_store, upper_stream, upper_ready) = pod_reflector(
+        upper_api,
+        watcher::Config::default().fields(&format!("spec.nodeName={}", ctx.node_name)),
+    );
+    let (lower_store, lower_stream, lower_ready) = pod_reflector(
+        Api::all(ctx.lower.clone()),
+        watcher::Config::default().labels(&ctx.owner.selector()),
+    );
+    let (pods_upper, pods_upper_rx) = mpsc::channel(TRIGGER_BUFFER);
+    let (pods_lower, pods_lower_rx) = mpsc::channel(TRIGGER_BUFFER);
+    let (status_upper, status_upper_rx) = mpsc::channel(TRIGGER_BUFFER);
+    let (status_lower, status_lower_rx) = mpsc::channel(TRIGGER_BUFFER);
+    let pump = futures::future::join(
+        fan_out(upper_stream, Side::Upper, [pods_upper, status_upper]),
+        fan_out(lower_stream, Side::Lower, [pods_lower, status_lower]),
+    )
+    .map(|((), ())| ())
+    .boxed();
+    PodWatches {
+        stores: PodStores {
+            upper: upper_store,
+            lower: lower_store,
+            synced: upper_ready.and(&lower_ready),
+        },
+        pump,
+        pods: Triggers {
+            upper: pods_upper_rx,
+            lower: pods_lower_rx,
+        },
+        status: Triggers {
+            upper: status_upper_rx,
+            lower: status_lower_rx,
+        },
+    }
+}
+
+/// The `ObjectRef` of the pod of the same namespace and name in the other cluster.
+pub(crate) fn same_name(pod: &Arc<StoredPod>) -> Option<ObjectRef<StoredPod>> {
+    let name = pod.metadata.name.as_deref()?;
+    let namespace = pod.metadata.namespace.as_deref()?;
+    Some(ObjectRef::new(name).within(namespace))
+}
