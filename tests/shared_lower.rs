@@ -9,17 +9,14 @@ mod common;
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 
-use common::{TIMEOUT, metric, start_node, wait_running};
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use common::{TIMEOUT, gc_rounds, metric, start_node, start_node_with, wait_running};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use tensile::translate::meta::{OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL, UPPER_UID_ANNOTATION};
 use tensile_harness::fixtures::bound_pod;
-use tensile_harness::{
-    ClusterOptions, ClusterPair, TestNamespace, VirtualNode, VirtualNodeOptions, node_is_ready,
-    wait_for,
-};
+use tensile_harness::{ClusterOptions, ClusterPair, TestNamespace, VirtualNodeOptions, wait_for};
 
 /// No Service mirroring: the shared pair's other tests own their Services.
 const NO_SERVICES: &str = "--enable-controllers=PVControllers";
@@ -36,45 +33,6 @@ async fn cluster_id(upper: &Client) -> String {
 
 fn label(pod: &Pod, key: &str) -> Option<String> {
     pod.labels().get(key).cloned()
-}
-
-/// Waits until the node has run `rounds` more orphan-collection rounds than now, so that
-/// "nothing was collected" is asserted after collection had its chance.
-async fn wait_gc_rounds(vn: &VirtualNode, rounds: u64) {
-    let series = "tensile_gc_rounds_total";
-    let from = metric(vn, series).await;
-    wait_for("orphan collection rounds", TIMEOUT, || async {
-        Ok((metric(vn, series).await >= from + rounds).then_some(()))
-    })
-    .await
-    .unwrap();
-}
-
-/// Starts a virtual node joined to `upper_kubeconfig` (the pair's lower cluster below) and
-/// waits until `upper` shows it Ready.
-async fn start_node_in(
-    pair: &ClusterPair,
-    upper: &Client,
-    upper_kubeconfig: &std::path::Path,
-    name: &str,
-) -> VirtualNode {
-    let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), name);
-    options.args = vec![NO_SERVICES.to_owned()];
-    options.upper_kubeconfig = Some(upper_kubeconfig.to_owned());
-    let mut vn = pair.start_virtual_node(&options).unwrap();
-    let nodes: Api<Node> = Api::all(upper.clone());
-    if let Err(error) = wait_for(&format!("node {name} Ready"), TIMEOUT, || async {
-        Ok(nodes.get_opt(name).await?.filter(node_is_ready).map(|_| ()))
-    })
-    .await
-    {
-        let _ = vn.check_running();
-        panic!(
-            "{error:#}\n{}",
-            tensile_harness::process::tail(vn.log(), 40)
-        );
-    }
-    vn
 }
 
 #[tokio::test]
@@ -98,7 +56,10 @@ async fn two_upper_clusters_with_nodes_of_one_name_share_a_lower_cluster() {
     let (id, id_2) = (cluster_id(&upper).await, cluster_id(&upper_2).await);
     assert_ne!(id, id_2);
     let first_vn = start_node(pair, node, &[NO_SERVICES]).await;
-    let second_vn = start_node_in(pair, &upper_2, &second.kubeconfig, node).await;
+    let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), node);
+    options.args = vec![NO_SERVICES.to_owned()];
+    options.upper_kubeconfig = Some(second.kubeconfig.clone());
+    let second_vn = start_node_with(pair, &options, &upper_2).await;
 
     // The same namespace in both upper clusters, so both nodes mirror into one below.
     let ns = TestNamespace::create(&upper, "shared").await.unwrap();
@@ -136,8 +97,8 @@ async fn two_upper_clusters_with_nodes_of_one_name_share_a_lower_cluster() {
 
     // Before cluster marks, each node's orphan collection deleted the other's pod within
     // a round (same node name, upper pod not found in its own cluster).
-    wait_gc_rounds(&first_vn, 2).await;
-    wait_gc_rounds(&second_vn, 2).await;
+    gc_rounds(&first_vn, 2).await;
+    gc_rounds(&second_vn, 2).await;
     for (name, uid) in &lower_uids {
         let below = lower_pods.get_opt(name).await.unwrap();
         assert_eq!(
@@ -236,7 +197,7 @@ async fn an_upgrade_adopts_node_marked_objects_and_leaves_another_clusters_alone
     })
     .await
     .unwrap();
-    wait_gc_rounds(&vn, 2).await;
+    gc_rounds(&vn, 2).await;
     let legacy = lower_pods.get("legacy").await.unwrap();
     assert_eq!(legacy.uid(), Some(legacy_uid), "adopted, not re-created");
     wait_running(&upper_pods, "app=legacy", 1).await;

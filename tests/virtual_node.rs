@@ -6,7 +6,7 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use common::{TIMEOUT, metric, names, pods, start_node, wait_gone, wait_running};
+use common::{TIMEOUT, gc_rounds, names, pods, start_node, wait_gone, wait_running};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret, ServiceAccount};
 use k8s_openapi::api::events::v1::Event;
@@ -254,26 +254,6 @@ async fn a_lower_pod_deleted_out_of_band_ends_the_upper_pod_and_is_replaced() {
     let below = wait_running(&lower_pods, "app=web", 2).await;
     assert_eq!(names(&after), names(&below));
     ns.delete().await.unwrap();
-}
-
-/// Waits until `vn` has completed `rounds` more orphan collection rounds.
-async fn gc_rounds(vn: &VirtualNode, rounds: u64) {
-    // A restarted node's Node is Ready before its process listens: wait for the listener.
-    wait_for("the metrics endpoint", TIMEOUT, || async {
-        let listening = tokio::net::TcpStream::connect(("127.0.0.1", vn.metrics_port)).await;
-        Ok(listening.is_ok().then_some(()))
-    })
-    .await
-    .unwrap();
-    let series = "tensile_gc_rounds_total";
-    let from = metric(vn, series).await;
-    wait_for(
-        &format!("{rounds} orphan collection rounds"),
-        TIMEOUT,
-        || async { Ok((metric(vn, series).await >= from + rounds).then_some(())) },
-    )
-    .await
-    .unwrap();
 }
 
 #[tokio::test]

@@ -13,7 +13,7 @@ mod common;
 use std::pin::pin;
 use std::time::{Duration, Instant};
 
-use common::{TIMEOUT, metric, start_node, wait_running};
+use common::{TIMEOUT, lower_writes, start_node, wait_running};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Pod, Service};
 use k8s_openapi::api::events::v1::Event;
@@ -33,19 +33,6 @@ const WINDOW: Duration = Duration::from_secs(30);
 const SETTLING: Duration = Duration::from_secs(5);
 /// The label the fighter puts on the Service copy.
 const FOUGHT_LABEL: &str = "fighter";
-
-/// Writes the node has sent to the lower cluster so far.
-async fn lower_writes(vn: &VirtualNode) -> u64 {
-    let mut total = 0;
-    for verb in ["create", "update", "patch", "delete"] {
-        total += metric(
-            vn,
-            &format!("tensile_api_requests_total{{cluster=\"lower\",verb=\"{verb}\"}}"),
-        )
-        .await;
-    }
-    total
-}
 
 /// Lower write counts sampled every second over `WINDOW` (the first at its start);
 /// `half_way` is notified once half the window has passed.

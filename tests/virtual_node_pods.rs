@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{TIMEOUT, metric, running, start_node, wait_running};
+use common::{TIMEOUT, lower_writes, metric, running, start_node, wait_running};
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
@@ -57,19 +57,6 @@ async fn set_condition(pods: &Api<Pod>, name: &str, type_: &str, status: &str) {
     pods.patch_status(name, &PatchParams::default(), &Patch::Strategic(&patch))
         .await
         .unwrap();
-}
-
-/// Writes the node has sent to the lower cluster so far.
-async fn lower_writes(vn: &VirtualNode) -> u64 {
-    let mut total = 0;
-    for verb in ["create", "update", "patch", "delete"] {
-        total += metric(
-            vn,
-            &format!("tensile_api_requests_total{{cluster=\"lower\",verb=\"{verb}\"}}"),
-        )
-        .await;
-    }
-    total
 }
 
 /// Waits until `rounds` full resyncs of a node with one pod have passed.

@@ -23,9 +23,7 @@ use tensile::clusters::{Features, Permission, needed_permissions};
 use tensile::side::Side;
 use tensile::translate::meta::OWNER_NODE_LABEL;
 use tensile_harness::fixtures::{config_map, merge, pinned_spec, pod, secret};
-use tensile_harness::{
-    ClusterPair, KWOK_LOG_LINES, TestNamespace, VirtualNodeOptions, node_is_ready, wait_for,
-};
+use tensile_harness::{ClusterPair, KWOK_LOG_LINES, TestNamespace, VirtualNodeOptions, wait_for};
 
 fn virtual_node(upper: &Path, lower: &Path) -> Output {
     Command::new(env!("CARGO_BIN_EXE_virtual-node"))
@@ -124,7 +122,7 @@ async fn the_shipped_rbac_is_enough_to_run() {
     use kube::api::{Api, PostParams};
     use serde_json::json;
     use tensile_harness::fixtures::{config_map, merge, pinned_spec, pod, secret};
-    use tensile_harness::{TestNamespace, VirtualNodeOptions, node_is_ready, wait_for};
+    use tensile_harness::{TestNamespace, VirtualNodeOptions, wait_for};
 
     let pair = ClusterPair::shared().await.unwrap();
     let upper = pair.upper.client().await.unwrap();
@@ -166,19 +164,7 @@ async fn the_shipped_rbac_is_enough_to_run() {
             .kubeconfig_for("tensile-virtual-node", &[])
             .unwrap(),
     );
-    let mut vn = pair.start_virtual_node(&options).unwrap();
-    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(upper.clone());
-    let ready = wait_for("the node Ready", Duration::from_secs(60), || async {
-        Ok(nodes.get_opt(node).await?.filter(node_is_ready).map(|_| ()))
-    })
-    .await;
-    if let Err(error) = ready {
-        let _ = vn.check_running();
-        panic!(
-            "{error:#}\n{}",
-            tensile_harness::process::tail(vn.log(), 20)
-        );
-    }
+    let mut vn = common::start_node_with(pair, &options, &upper).await;
 
     let test_ns = TestNamespace::create(&upper, "rbac").await.unwrap();
     Api::<ConfigMap>::namespaced(upper.clone(), &test_ns.name)
@@ -416,19 +402,7 @@ async fn exactly_the_checked_permissions_run_every_scenario() {
     options.lower_kubeconfig = Some(pair.lower.kubeconfig_for(lower_user, &[]).unwrap());
     // Debug, so that refusals only logged at debug (events) show too.
     options.args = vec!["--log-level=tensile=debug,virtual_node=debug,info".into()];
-    let mut vn = pair.start_virtual_node(&options).unwrap();
-    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(upper.clone());
-    let ready = wait_for("the node Ready", common::TIMEOUT, || async {
-        Ok(nodes.get_opt(node).await?.filter(node_is_ready).map(|_| ()))
-    })
-    .await;
-    if let Err(error) = ready {
-        let _ = vn.check_running();
-        panic!(
-            "{error:#}\n{}",
-            tensile_harness::process::tail(vn.log(), 30)
-        );
-    }
+    let mut vn = common::start_node_with(pair, &options, &upper).await;
 
     let ns = TestNamespace::create(&upper, "least").await.unwrap();
     let pp = PostParams::default();

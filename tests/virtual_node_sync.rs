@@ -12,7 +12,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{TIMEOUT, metric, start_node, wait_running};
+use common::{TIMEOUT, lower_writes, metric, start_node, wait_running};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Endpoints, Namespace, Pod, Secret, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
@@ -31,19 +31,6 @@ const NO_SERVICES: &str = "--enable-controllers=PVControllers";
 /// A full resync every second, so that "nothing is written when nothing changed" shows
 /// within seconds.
 const FAST_RESYNC: &str = "--full-resync-period=1s";
-
-/// Writes the node has sent to the lower cluster so far.
-async fn lower_writes(vn: &VirtualNode) -> u64 {
-    let mut total = 0;
-    for verb in ["create", "update", "patch", "delete"] {
-        total += metric(
-            vn,
-            &format!("tensile_api_requests_total{{cluster=\"lower\",verb=\"{verb}\"}}"),
-        )
-        .await;
-    }
-    total
-}
 
 /// Waits until `rounds` full resyncs have passed on a node with `pods` pods (seen through
 /// its pod reconcile counter; every controller resyncs on the same period).

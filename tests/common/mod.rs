@@ -5,6 +5,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::Client;
 use kube::api::{Api, ListParams};
 use tensile_harness::{ClusterPair, VirtualNode, VirtualNodeOptions, node_is_ready, wait_for};
 
@@ -15,8 +16,19 @@ pub const TIMEOUT: Duration = Duration::from_secs(120);
 pub async fn start_node(pair: &ClusterPair, name: &str, args: &[&str]) -> VirtualNode {
     let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), name);
     options.args = args.iter().map(ToString::to_string).collect();
-    let mut node = pair.start_virtual_node(&options).unwrap();
-    let nodes: Api<Node> = Api::all(pair.upper.client().await.unwrap());
+    start_node_with(pair, &options, &pair.upper.client().await.unwrap()).await
+}
+
+/// Starts `virtual-node` with `options` on `pair` and waits until `upper` (the cluster it
+/// joins) shows its Node Ready; panics with the tail of its log if it does not.
+pub async fn start_node_with(
+    pair: &ClusterPair,
+    options: &VirtualNodeOptions,
+    upper: &Client,
+) -> VirtualNode {
+    let name = &options.node_name;
+    let mut node = pair.start_virtual_node(options).unwrap();
+    let nodes: Api<Node> = Api::all(upper.clone());
     let result = wait_for(&format!("node {name} Ready"), TIMEOUT, || async {
         Ok(nodes.get_opt(name).await?.filter(node_is_ready).map(|_| ()))
     })
@@ -29,7 +41,41 @@ pub async fn start_node(pair: &ClusterPair, name: &str, args: &[&str]) -> Virtua
             tensile_harness::process::tail(node.log(), 40)
         );
     }
+    // A restarted node's Node is Ready before its process listens: wait for the listener.
+    wait_for("the metrics endpoint", TIMEOUT, || async {
+        let listening = tokio::net::TcpStream::connect(("127.0.0.1", node.metrics_port)).await;
+        Ok(listening.is_ok().then_some(()))
+    })
+    .await
+    .unwrap();
     node
+}
+
+/// Waits until `vn` has completed `rounds` more orphan collection rounds than now, so that
+/// "nothing was collected" is asserted after collection had its chance.
+pub async fn gc_rounds(vn: &VirtualNode, rounds: u64) {
+    let series = "tensile_gc_rounds_total";
+    let from = metric(vn, series).await;
+    wait_for(
+        &format!("{rounds} orphan collection rounds"),
+        TIMEOUT,
+        || async { Ok((metric(vn, series).await >= from + rounds).then_some(())) },
+    )
+    .await
+    .unwrap();
+}
+
+/// Writes the node has sent to the lower cluster so far.
+pub async fn lower_writes(vn: &VirtualNode) -> u64 {
+    let mut total = 0;
+    for verb in ["create", "update", "patch", "delete"] {
+        total += metric(
+            vn,
+            &format!("tensile_api_requests_total{{cluster=\"lower\",verb=\"{verb}\"}}"),
+        )
+        .await;
+    }
+    total
 }
 
 /// The pods of `api` matching `labels`.
