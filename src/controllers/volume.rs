@@ -30,7 +30,7 @@ use crate::translate::config::SYSTEM_NAMESPACE;
 use crate::translate::pod::{is_owned_by, upper_uid};
 use crate::translate::volume::{
     bound_volume, is_reflected_by, missing_storage_class, pv_patch, reflected_from,
-    selected_node_patch, upper_pv,
+    reflections_selector, selected_node_patch, upper_pv,
 };
 
 /// How often reflected volumes are compared with the lower ones (in memory).
@@ -48,24 +48,25 @@ pub struct VolumeWatches {
     pub ready: Ready,
 }
 
-/// Sets up the watches: lower claims and reflected upper volumes labelled as this node's,
-/// upper claims (in `--namespace` if given), lower volumes and storage classes.
+/// Sets up the watches: lower claims with this node's marks and upper volumes reflected by
+/// this node, upper claims (in `--namespace` if given), lower volumes and storage classes.
 pub fn watches(ctx: &Context) -> VolumeWatches {
-    let ours = || watcher::Config::default().labels(&ctx.owner.selector());
+    let ours = watcher::Config::default().labels(&ctx.owner.selector());
+    let reflections = watcher::Config::default().labels(&reflections_selector(&ctx.node_name));
     let lower_volume_deleted = Arc::new(Notify::new());
     let upper_claims_api = if ctx.namespace.is_empty() {
         Api::all(ctx.upper.clone())
     } else {
         Api::namespaced(ctx.upper.clone(), &ctx.namespace)
     };
-    let lower_claims = reflected(Api::all(ctx.lower.clone()), ours(), None);
+    let lower_claims = reflected(Api::all(ctx.lower.clone()), ours, None);
     let upper_claims = reflected(upper_claims_api, watcher::Config::default(), None);
     let lower_volumes = reflected(
         Api::all(ctx.lower.clone()),
         watcher::Config::default(),
         Some(lower_volume_deleted.clone()),
     );
-    let upper_volumes = reflected(Api::all(ctx.upper.clone()), ours(), None);
+    let upper_volumes = reflected(Api::all(ctx.upper.clone()), reflections, None);
     let lower_classes = reflected(
         Api::all(ctx.lower.clone()),
         watcher::Config::default(),

@@ -136,6 +136,12 @@ fn pinned_to(node_name: &str) -> VolumeNodeAffinity {
     }
 }
 
+/// The label selector of the upper PersistentVolumes reflected by the virtual node `node`
+/// (they live in the upper cluster, so its node mark alone tells).
+pub fn reflections_selector(node: &str) -> String {
+    format!("{OWNER_NODE_LABEL}={node}")
+}
+
 /// Whether an upper PersistentVolume is a reflection made by the virtual node `node` (it
 /// lives in the upper cluster, so its node mark alone tells).
 pub fn is_reflected_by(meta: &ObjectMeta, node: &str) -> bool {
