@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::builder::RangedU64ValueParser;
 use clap::{ArgAction, Args, Parser, Subcommand, value_parser};
 use tensile::cli::parse_period;
+use tensile::logging::LogFormat;
 use tensile::translate::meta::{VIRTUAL_NODE_TAINT_EFFECT, VIRTUAL_NODE_TAINT_KEY};
 
 use crate::server::DEFAULT_MAX_BODY_BYTES;
@@ -18,8 +19,19 @@ use crate::server::DEFAULT_MAX_BODY_BYTES;
 /// verifies the webhook, not the reverse), `--master` and `--incluster` (the upper cluster
 /// is found from `--kubeconfig`, `$KUBECONFIG`, `~/.kube/config`, else in-cluster).
 #[derive(Parser, Debug, Clone)]
-#[command(name = "tensile-webhook", version, about, long_about = None, args_conflicts_with_subcommands = true)]
+#[command(
+    name = "tensile-webhook",
+    about,
+    long_about = None,
+    disable_version_flag = true,
+    args_conflicts_with_subcommands = true,
+    args_override_self = true,
+    after_help = "klog's flags (`-v 6`, `--v=6`, `--logtostderr`, ...) are accepted and ignored: use --log-level."
+)]
 pub struct Cli {
+    /// Print the version and exit (a Go boolean, as tensile-kube's: `--version=true` too).
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true")]
+    pub version: bool,
     /// A one-off task instead of serving.
     #[command(subcommand)]
     pub command: Option<Command>,
@@ -107,6 +119,27 @@ pub struct ServeArgs {
     /// Log filter (`info`, `debug`, or a tracing directive such as `tensile_webhook=debug`).
     #[arg(long, default_value = "info")]
     pub log_level: String,
+
+    /// Log lines as `text` or `json`.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+impl ServeArgs {
+    /// The flags given that only tensile-kube's command lines use, as given.
+    pub fn ignored_flags(&self) -> Vec<String> {
+        let mut ignored = Vec::new();
+        if let Some(ca) = &self.ca {
+            ignored.push(format!("--CA={}", ca.display()));
+        }
+        if let Some(master) = &self.master {
+            ignored.push(format!("--master={master}"));
+        }
+        if self.incluster {
+            ignored.push("--incluster".to_owned());
+        }
+        ignored
+    }
 }
 
 /// Flags of `gen-certs`.
