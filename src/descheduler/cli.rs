@@ -275,4 +275,54 @@ mod tests {
             }
         }
     }
+
+    /// Every flag tensile-kube's descheduler takes: its own, klog's Go flags and
+    /// component-base's `--log-flush-frequency` (cobra normalises `_` to `-`).
+    const TENSILE_KUBE_DESCHEDULER_FLAGS: &[&str] = &[
+        "--descheduling-interval=1m0s",
+        "--kubeconfig=/root/.kube/config",
+        "--policy-config-file=/policy-dir/policy.yaml",
+        "--dry-run",
+        "--dry-run=false",
+        "--node-selector=type=virtual-kubelet",
+        "--max-pods-to-evict-per-node=5",
+        "--evict-local-storage-pods",
+        "--evict-local-storage-pods=true",
+        "--log-flush-frequency=5s",
+        "--v=3",
+        "-v=3",
+        "--add-dir-header",
+        "--alsologtostderr",
+        "--log-backtrace-at=main.go:1",
+        "--log-dir=/tmp",
+        "--log-file=/tmp/d.log",
+        "--log-file-max-size=1800",
+        "--logtostderr",
+        "--skip-headers",
+        "--skip-log-headers",
+        "--stderrthreshold=2",
+        "--vmodule=x=4",
+        "--log-format=json",
+    ];
+
+    /// The args of tensile-kube's `manifeasts/descheduler.yaml`.
+    const TENSILE_KUBE_DESCHEDULER_MANIFEST: &[&str] = &[
+        "--policy-config-file=/policy-dir/policy.yaml",
+        "--v=3",
+        "--descheduling-interval=10s",
+    ];
+
+    #[test]
+    fn every_tensile_kube_descheduler_flag_is_accepted_alone() {
+        for flag in TENSILE_KUBE_DESCHEDULER_FLAGS {
+            let (kept, _) = strip_klog_flags(argv(&[flag]));
+            if let Err(error) = Args::try_parse_from(kept) {
+                panic!("{flag}: {}", crate::cli::one_line(&error));
+            }
+        }
+        let (kept, ignored) = strip_klog_flags(argv(TENSILE_KUBE_DESCHEDULER_MANIFEST));
+        let args = Args::try_parse_from(kept).unwrap();
+        assert_eq!(args.descheduling_interval, Duration::from_secs(10));
+        assert_eq!(ignored, ["--v=3"]);
+    }
 }

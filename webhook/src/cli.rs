@@ -254,4 +254,95 @@ mod tests {
         assert_eq!(args.service, "tensile-webhook");
         assert_eq!(args.host, ["127.0.0.1", "localhost"]);
     }
+
+    /// Every flag tensile-kube's webhook takes (its pflags and klog's Go flags, which
+    /// pflag takes with `--`, and `-v` as a shorthand). A flag missing here, or refused,
+    /// fails.
+    const TENSILE_KUBE_WEBHOOK_FLAGS: &[&str] = &[
+        "--address=0.0.0.0",
+        "--port=443",
+        "--tlscert=/root/cert.pem",
+        "--tlskey=/root/key.pem",
+        "--CA=/root/ca.pem",
+        "--kubeconfig=/root/.kube/config",
+        "--master=https://10.0.0.1:6443",
+        "--incluster",
+        "--incluster=true",
+        "--incluster=false",
+        "--ignore-selector-keys=clusterID",
+        "--version=false",
+        "--v=6",
+        "-v=6",
+        "--add_dir_header",
+        "--alsologtostderr",
+        "--log_backtrace_at=main.go:1",
+        "--log_dir=/tmp",
+        "--log_file=/tmp/w.log",
+        "--log_file_max_size=1800",
+        "--logtostderr=true",
+        "--skip_headers",
+        "--skip_log_headers",
+        "--stderrthreshold=2",
+        "--vmodule=server=4",
+        "--log-format=json",
+    ];
+
+    /// The args of tensile-kube's `manifeasts/webhook.yaml`.
+    const TENSILE_KUBE_WEBHOOK_MANIFEST: &[&str] = &[
+        "--tlscert=/root/cert.pem",
+        "--tlskey=/root/key.pem",
+        "--port=443",
+        "--v=6",
+    ];
+
+    fn parse(flags: &[&str]) -> (Result<Cli, clap::Error>, Vec<String>) {
+        let (kept, klog) = tensile::cli::strip_klog_flags(
+            std::iter::once("tensile-webhook").chain(flags.iter().copied()),
+        );
+        (Cli::try_parse_from(kept), klog)
+    }
+
+    #[test]
+    fn every_tensile_kube_webhook_flag_is_accepted_alone() {
+        for flag in TENSILE_KUBE_WEBHOOK_FLAGS {
+            if let (Err(error), _) = parse(&[flag]) {
+                panic!("{flag}: {}", tensile::cli::one_line(&error));
+            }
+        }
+        let (cli, klog) = parse(&["-v", "6", "--port=1"]);
+        assert_eq!(cli.unwrap().serve.port, 1);
+        assert_eq!(klog, ["-v 6"]);
+    }
+
+    #[test]
+    fn tensile_kube_webhook_manifest_parses() {
+        let (cli, klog) = parse(TENSILE_KUBE_WEBHOOK_MANIFEST);
+        let cli = cli.unwrap();
+        assert_eq!(cli.serve.port, 443);
+        assert_eq!(cli.serve.tlscert, Some("/root/cert.pem".into()));
+        assert!(cli.serve.ignored_flags().is_empty());
+        assert_eq!(klog, ["--v=6"]);
+    }
+
+    #[test]
+    fn version_and_ignored_flags() {
+        let cases: [(&[&str], bool); 4] = [
+            (&["--version"], true),
+            (&["--version=true"], true),
+            (&["--version=false"], false),
+            (&[], false),
+        ];
+        for (flags, want) in cases {
+            assert_eq!(parse(flags).0.unwrap().version, want, "{flags:?}");
+        }
+        let (cli, _) = parse(&["--CA=/ca", "--master=https://m", "--incluster"]);
+        assert_eq!(
+            cli.unwrap().serve.ignored_flags(),
+            ["--CA=/ca", "--master=https://m", "--incluster"]
+        );
+        let (cli, _) = parse(&["--incluster=false", "--log-format=json"]);
+        let cli = cli.unwrap();
+        assert!(cli.serve.ignored_flags().is_empty());
+        assert_eq!(cli.serve.log_format, LogFormat::Json);
+    }
 }
