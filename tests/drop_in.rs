@@ -47,7 +47,7 @@ async fn tensile_kube_manifest_args_run() {
     .map(String::from)
     .to_vec();
     let upper = pair.upper.client().await.unwrap();
-    let node = common::start_node_with(&pair, &options, &upper).await;
+    let node = common::start_node_with(pair, &options, &upper).await;
     // Logged once at start, naming each ignored flag, as one JSON object.
     wait_for("the ignored flags logged", common::TIMEOUT, || async {
         let log = std::fs::read_to_string(node.log())?;
