@@ -8,13 +8,22 @@ use std::time::Duration;
 
 use clap::{ArgAction, Parser, value_parser};
 
+use crate::logging::LogFormat;
 use crate::translate::meta::{
     VIRTUAL_NODE_TAINT_EFFECT, VIRTUAL_NODE_TAINT_KEY, VIRTUAL_NODE_TAINT_VALUE,
 };
 
 /// Joins a lower Kubernetes cluster to an upper one as a virtual node.
 #[derive(Parser, Debug, Clone)]
-#[command(name = "virtual-node", version, about, long_about = None)]
+#[command(
+    name = "virtual-node",
+    version,
+    about,
+    long_about = None,
+    args_override_self = true,
+    after_help = "Commands: `virtual-node version` prints the version, `virtual-node providers` the provider (k8s).\n\
+                  klog's flags (`--klog.v=5`, `-v=5`, `--logtostderr`, ...) are accepted and ignored: use --log-level."
+)]
 pub struct Args {
     /// Name of the virtual node in the upper cluster (a DNS label-like name: it is also a
     /// label value on every lower object).
@@ -91,8 +100,8 @@ pub struct Args {
     #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true")]
     pub disable_taint: bool,
 
-    /// Key of the node's taint.
-    #[arg(long, env = "VKUBELET_TAINT_KEY", default_value = VIRTUAL_NODE_TAINT_KEY)]
+    /// Key of the node's taint (`--taint` is virtual-kubelet's deprecated name for it).
+    #[arg(long, alias = "taint", env = "VKUBELET_TAINT_KEY", default_value = VIRTUAL_NODE_TAINT_KEY)]
     pub taint_key: String,
 
     /// Value of the node's taint.
@@ -124,6 +133,28 @@ pub struct Args {
     /// Log filter (`info`, `debug`, or a tracing directive such as `tensile=debug`).
     #[arg(long, default_value = "info")]
     pub log_level: String,
+
+    /// Log lines as `text` or `json`.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+
+    /// Accepted for tensile-kube compatibility; ignored (tensile is always the `k8s` provider).
+    #[arg(long)]
+    pub provider: Option<String>,
+
+    /// Accepted for tensile-kube compatibility; ignored (tensile-kube's k8s provider reads none).
+    #[arg(long)]
+    pub provider_config: Option<PathBuf>,
+
+    /// Accepted for tensile-kube compatibility; ignored (the lower cluster's kubelets set
+    /// up the pods' DNS).
+    #[arg(long)]
+    pub cluster_domain: Option<String>,
+
+    /// Give up, exit status 1, if the node is not registered and serving within this long
+    /// (0: wait as long as it takes).
+    #[arg(long, value_parser = parse_ttl, default_value = "0s")]
+    pub startup_timeout: Duration,
 
     /// Address of the health and metrics endpoint (`/healthz`, `/readyz`, `/metrics`).
     #[arg(long, value_parser = parse_addr, default_value = ":10255")]
@@ -187,6 +218,21 @@ pub struct OptionalControllers {
 }
 
 impl Args {
+    /// The flags given that only tensile-kube's command lines use, as given.
+    pub fn ignored_flags(&self) -> Vec<String> {
+        let mut ignored = Vec::new();
+        if let Some(provider) = &self.provider {
+            ignored.push(format!("--provider={provider}"));
+        }
+        if let Some(path) = &self.provider_config {
+            ignored.push(format!("--provider-config={}", path.display()));
+        }
+        if let Some(domain) = &self.cluster_domain {
+            ignored.push(format!("--cluster-domain={domain}"));
+        }
+        ignored
+    }
+
     /// The optional controllers to run. Names match without regard to case.
     pub fn optional_controllers(&self) -> OptionalControllers {
         let mut enabled = OptionalControllers::default();
@@ -379,6 +425,106 @@ pub fn one_line(error: &clap::Error) -> String {
         .collect::<Vec<_>>()
         .join(" ");
     line.trim_start_matches("error: ").to_owned()
+}
+
+/// klog's flags that take a value (`--v=5`, `-v 5`, `--klog.v=5`), in Go's spelling;
+/// `-` and `_` are the same (descheduler normalises them), and
+/// `log-flush-frequency` comes from Kubernetes' component-base.
+const KLOG_WITH_VALUE: [&str; 8] = [
+    "v",
+    "vmodule",
+    "log_dir",
+    "log_file",
+    "log_file_max_size",
+    "stderrthreshold",
+    "log_backtrace_at",
+    "log_flush_frequency",
+];
+
+/// klog's boolean flags: `--flag`, `--flag=true`, `--flag=false` (Go never takes a
+/// boolean from the next argument).
+const KLOG_SWITCHES: [&str; 6] = [
+    "logtostderr",
+    "alsologtostderr",
+    "skip_headers",
+    "skip_log_headers",
+    "add_dir_header",
+    "one_output",
+];
+
+/// Splits klog's flags off `argv`, in every form tensile-kube's binaries take them:
+/// virtual-node's `--klog.v=5` (klog under a `klog.` prefix), the webhook's and
+/// descheduler's `--v=6`, `-v 6`, `--logtostderr`, `--log_dir=/x` or `--log-dir /x`.
+/// tensile logs through tracing (`--log-level`), so they are returned as given, to be
+/// reported as ignored. Arguments after `--` are kept as they are.
+pub fn strip_klog_flags(
+    argv: impl IntoIterator<Item = impl Into<OsString>>,
+) -> (Vec<OsString>, Vec<String>) {
+    let mut kept = Vec::new();
+    let mut ignored: Vec<String> = Vec::new();
+    let mut iter = argv.into_iter().map(Into::into).peekable();
+    kept.extend(iter.next());
+    while let Some(arg) = iter.next() {
+        let Some(text) = arg.to_str() else {
+            kept.push(arg);
+            continue;
+        };
+        if text == "--" {
+            kept.push(arg);
+            kept.extend(iter);
+            break;
+        }
+        let Some(flag) = text.strip_prefix("--").or_else(|| text.strip_prefix('-')) else {
+            kept.push(arg);
+            continue;
+        };
+        let (name, has_value) = match flag.split_once('=') {
+            Some((name, _)) => (name, true),
+            None => (flag, false),
+        };
+        let name = name.strip_prefix("klog.").unwrap_or(name).replace('-', "_");
+        if KLOG_SWITCHES.contains(&name.as_str()) {
+            ignored.push(text.to_owned());
+        } else if KLOG_WITH_VALUE.contains(&name.as_str()) {
+            let mut given = text.to_owned();
+            if !has_value
+                && let Some(value) = iter.next_if(|next| {
+                    next.to_str()
+                        .is_some_and(|v| !v.starts_with("--") && v != "-")
+                })
+            {
+                given.push(' ');
+                given.push_str(&value.to_string_lossy());
+            }
+            ignored.push(given);
+        } else if flag.starts_with("klog.") {
+            // A klog flag of a later klog than tensile-kube's: ignored all the same.
+            ignored.push(text.to_owned());
+        } else {
+            kept.push(arg);
+        }
+    }
+    (kept, ignored)
+}
+
+/// A command that Go's cobra binaries of tensile-kube take as the first argument
+/// (`virtual-node version`, `descheduler version`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CompatCommand {
+    /// Print the version and exit.
+    Version,
+    /// Print the providers (virtual-node: `k8s`) and exit.
+    Providers,
+}
+
+/// The command `argv` asks for instead of running, if any: `version`, or, where
+/// `providers` is true, `providers`.
+pub fn compat_command(argv: &[OsString], providers: bool) -> Option<CompatCommand> {
+    match argv.get(1).and_then(|a| a.to_str()) {
+        Some("version") => Some(CompatCommand::Version),
+        Some("providers") if providers => Some(CompatCommand::Providers),
+        _ => None,
+    }
 }
 
 /// A node name that is also a valid label value (ownership marks carry it): at most 63
@@ -699,5 +845,205 @@ mod tests {
                 unknown: vec!["Nope".into()],
             }
         );
+    }
+
+    /// Every flag tensile-kube's virtual-node takes (node-cli's root flags, its logrus
+    /// `--log-level`, klog's under `klog.`, tensile-kube's own client flags), each with a
+    /// value as its `--help` or manifests give it. A flag missing here, or refused, fails.
+    const TENSILE_KUBE_NODE_FLAGS: &[&str] = &[
+        "--kubeconfig=/root/.kube/config",
+        "--namespace=default",
+        "--cluster-domain=cluster.local",
+        "--nodename=vk-node",
+        "--os=Linux",
+        "--provider=k8s",
+        "--provider-config=/etc/vk/provider.toml",
+        "--metrics-addr=:10255",
+        "--taint=virtual-kubelet.io/provider",
+        "--disable-taint",
+        "--disable-taint=true",
+        "--disable-taint=false",
+        "--pod-sync-workers=10",
+        "--enable-node-lease",
+        "--enable-node-lease=false",
+        "--full-resync-period=1m0s",
+        "--full-resync-period=1h30m",
+        "--startup-timeout=0s",
+        "--startup-timeout=2m0s",
+        "--kube-api-qps=500",
+        "--kube-api-burst=1000",
+        "--client-verify-ca=/ca.crt",
+        "--no-verify-clients",
+        "--no-verify-clients=false",
+        "--authentication-token-webhook",
+        "--authentication-token-webhook=true",
+        "--authentication-token-webhook-cache-ttl=2m0s",
+        "--authorization-webhook-cache-authorized-ttl=5m0s",
+        "--authorization-webhook-cache-unauthorized-ttl=30s",
+        "--log-level=debug",
+        "--client-burst=1000",
+        "--client-qps=500",
+        "--client-kubeconfig=/root/kube.config",
+        "--ignore-labels=pod-group.scheduling.sigs.k8s.io",
+        "--enable-controllers=PVControllers,ServiceControllers",
+        "--enable-serviceaccount",
+        "--enable-serviceaccount=false",
+        "--klog.add_dir_header",
+        "--klog.alsologtostderr=true",
+        "--klog.log_backtrace_at=main.go:10",
+        "--klog.log_dir=/var/log",
+        "--klog.log_file=/var/log/vk.log",
+        "--klog.log_file_max_size=1800",
+        "--klog.logtostderr=false",
+        "--klog.skip_headers",
+        "--klog.skip_log_headers=true",
+        "--klog.stderrthreshold=2",
+        "--klog.v=5",
+        "--klog.vmodule=pod=4",
+        "-v=5",
+        "--log-format=json",
+    ];
+
+    /// The args of tensile-kube's `manifeasts/virtual-node.yaml`, `$(VAR)` expanded.
+    const TENSILE_KUBE_NODE_MANIFEST: &[&str] = &[
+        "--provider=k8s",
+        "--nodename=vk-node",
+        "--disable-taint=true",
+        "--kube-api-qps=500",
+        "--kube-api-burst=1000",
+        "--client-qps=500",
+        "--client-burst=1000",
+        "--client-kubeconfig=/root/kube.config",
+        "--klog.v=5",
+        "--log-level=debug",
+        "--metrics-addr=:10455",
+    ];
+
+    fn parse_node(flags: &[&str]) -> (Result<Args, clap::Error>, Vec<String>) {
+        let argv = ["virtual-node", "--client-kubeconfig", "k"]
+            .iter()
+            .chain(flags)
+            .copied();
+        let (kept, klog) = strip_klog_flags(argv);
+        (Args::try_parse_from(kept), klog)
+    }
+
+    #[test]
+    fn every_tensile_kube_node_flag_is_accepted_alone() {
+        for flag in TENSILE_KUBE_NODE_FLAGS {
+            let (args, _) = parse_node(&[flag]);
+            if let Err(error) = args {
+                panic!("{flag}: {}", one_line(&error));
+            }
+        }
+    }
+
+    /// What tensile does not use is reported, as given; what it uses is not.
+    #[test]
+    fn ignored_node_flags_are_named() {
+        let cases: [(&[&str], &[&str]); 6] = [
+            (&["--provider=k8s"], &["--provider=k8s"]),
+            (&["--provider", "k8s"], &["--provider=k8s"]),
+            (&["--provider-config=/p"], &["--provider-config=/p"]),
+            (
+                &["--cluster-domain=cluster.local"],
+                &["--cluster-domain=cluster.local"],
+            ),
+            (
+                &["--klog.v=5", "-v", "4", "--klog.logtostderr"],
+                &["--klog.v=5", "-v 4", "--klog.logtostderr"],
+            ),
+            (
+                &["--nodename=vk", "--startup-timeout=1m0s", "--taint=k"],
+                &[],
+            ),
+        ];
+        for (flags, want) in cases {
+            let (args, klog) = parse_node(flags);
+            let mut ignored = args.unwrap().ignored_flags();
+            ignored.extend(klog);
+            assert_eq!(ignored, want, "{flags:?}");
+        }
+    }
+
+    #[test]
+    fn tensile_kube_node_manifest_parses() {
+        let (args, klog) = parse_node(TENSILE_KUBE_NODE_MANIFEST);
+        let args = args.unwrap();
+        assert_eq!(args.nodename, "vk-node");
+        assert!(args.disable_taint);
+        assert_eq!(args.client_kubeconfig, PathBuf::from("/root/kube.config"));
+        assert_eq!(args.metrics_addr.port(), 10455);
+        assert_eq!(args.log_level, "debug");
+        assert_eq!(args.ignored_flags(), ["--provider=k8s"]);
+        assert_eq!(klog, ["--klog.v=5"]);
+    }
+
+    /// Go's flags: the last of a repeated flag wins; `--taint` is the taint key.
+    #[test]
+    fn go_flag_habits() {
+        let (args, _) = parse_node(&["--nodename=a", "--nodename=b", "--taint=example.com/burst"]);
+        let args = args.unwrap();
+        assert_eq!(args.nodename, "b");
+        assert_eq!(args.taint_key, "example.com/burst");
+        let (args, _) = parse_node(&["--log-format=json"]);
+        assert_eq!(args.unwrap().log_format, LogFormat::Json);
+        let (args, _) = parse_node(&[]);
+        assert_eq!(args.unwrap().log_format, LogFormat::Text);
+        let (args, _) = parse_node(&["--log-format=xml"]);
+        assert!(args.is_err());
+    }
+
+    #[test]
+    fn klog_flags_are_split_off() {
+        let cases: [(&[&str], &[&str], &[&str]); 8] = [
+            (&["--v=6"], &[], &["--v=6"]),
+            (&["-v", "6", "--port=1"], &["--port=1"], &["-v 6"]),
+            (&["-v=6"], &[], &["-v=6"]),
+            (
+                &["--log_dir", "/x", "--log-dir=/y"],
+                &[],
+                &["--log_dir /x", "--log-dir=/y"],
+            ),
+            (
+                &["--log-flush-frequency", "5s", "--a"],
+                &["--a"],
+                &["--log-flush-frequency 5s"],
+            ),
+            (&["--klog.future_flag=1"], &[], &["--klog.future_flag=1"]),
+            (&["--logtostderr", "pos"], &["pos"], &["--logtostderr"]),
+            (&["--", "-v=1"], &["--", "-v=1"], &[]),
+        ];
+        for (argv, kept, ignored) in cases {
+            let (got_kept, got_ignored) =
+                strip_klog_flags(std::iter::once("p").chain(argv.iter().copied()));
+            let got_kept: Vec<_> = got_kept
+                .iter()
+                .skip(1)
+                .map(|a| a.to_str().unwrap())
+                .collect();
+            assert_eq!(got_kept, kept, "{argv:?}");
+            assert_eq!(got_ignored, ignored, "{argv:?}");
+        }
+    }
+
+    #[test]
+    fn compat_commands() {
+        let argv = |args: &[&str]| -> Vec<OsString> {
+            std::iter::once("p")
+                .chain(args.iter().copied())
+                .map(OsString::from)
+                .collect()
+        };
+        let cases: [(&[&str], bool, Option<CompatCommand>); 5] = [
+            (&["version"], true, Some(CompatCommand::Version)),
+            (&["version"], false, Some(CompatCommand::Version)),
+            (&["providers"], true, Some(CompatCommand::Providers)),
+            (&["providers"], false, None),
+            (&["--nodename", "version"], true, None),
+        ];
+        for (args, providers, want) in cases {
+            assert_eq!(compat_command(&argv(args), providers), want, "{args:?}");
+        }
     }
 }

@@ -10,6 +10,7 @@ pub mod controllers;
 pub mod descheduler;
 pub mod kubelet_api;
 pub mod leader;
+pub mod logging;
 pub mod metrics;
 pub mod node;
 pub mod shutdown;

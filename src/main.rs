@@ -8,10 +8,11 @@ use std::sync::atomic::Ordering;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Taint};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::runtime::events::{Recorder, Reporter};
-use tensile::cli::{self, Args, OptionalControllers};
+use tensile::cli::{self, Args, CompatCommand, OptionalControllers};
 use tensile::clusters::{self, Cluster, Features, RateLimit, StartupError};
 use tensile::controllers::{self, Context};
 use tensile::kubelet_api;
+use tensile::logging;
 use tensile::metrics::{self, Metrics};
 use tensile::node::{self, spec::NodeConfig};
 use tensile::shutdown::Tasks;
@@ -26,14 +27,37 @@ type Capacity = Option<BTreeMap<String, Quantity>>;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let args = match cli::parse_args::<Args>("virtual-node", std::env::args_os()) {
+    let argv: Vec<_> = std::env::args_os().collect();
+    match cli::compat_command(&argv, true) {
+        Some(CompatCommand::Version) => {
+            println!("virtual-node {}", env!("CARGO_PKG_VERSION"));
+            return ExitCode::SUCCESS;
+        }
+        Some(CompatCommand::Providers) => {
+            println!("k8s");
+            return ExitCode::SUCCESS;
+        }
+        None => {}
+    }
+    let (argv, klog_flags) = cli::strip_klog_flags(argv);
+    let args = match cli::parse_args::<Args>("virtual-node", argv) {
         Ok(args) => args,
         Err(status) => return status,
     };
-    let filter = tracing_subscriber::EnvFilter::try_new(&args.log_level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).init();
-    match run(args).await {
+    logging::init(&args.log_level, args.log_format);
+    let mut ignored = args.ignored_flags();
+    ignored.extend(klog_flags);
+    logging::log_ignored_flags(&ignored);
+    let startup_timeout = args.startup_timeout;
+    let started = CancellationToken::new();
+    let outcome = tokio::select! {
+        outcome = run(args, started.clone()) => outcome,
+        () = startup_deadline(startup_timeout, &started) => Err(format!(
+            "not registered and serving within --startup-timeout={}",
+            cli::format_duration(startup_timeout)
+        )),
+    };
+    match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
             eprintln!("virtual-node: {message}");
@@ -44,7 +68,7 @@ async fn main() -> ExitCode {
 
 /// Checks everything that can be checked before starting, then runs every part on a task
 /// of its own until shutdown. `Err` is the one line to print: what stopped it, by name.
-async fn run(args: Args) -> Result<(), String> {
+async fn run(args: Args, started: CancellationToken) -> Result<(), String> {
     let metrics = Arc::new(Metrics::default());
     let (upper, lower) = connect(&args, &metrics).await?;
     let optional = args.optional_controllers();
@@ -103,6 +127,7 @@ async fn run(args: Args) -> Result<(), String> {
         Some(Ok(node)) => {
             let ctx = context(&args, owner, &upper, &lower, metrics.clone());
             spawn_controllers(&mut tasks, &ctx, &args, &optional, &shutdown);
+            started.cancel();
             tasks.spawn(
                 "node keep-alive",
                 node::keep_alive(
@@ -126,6 +151,17 @@ async fn run(args: Args) -> Result<(), String> {
     let outcome = tasks.supervise().await;
     info!("stopped");
     outcome.map_err(|failure| failure.to_string())
+}
+
+/// Ends when `timeout` (unless zero) has passed before `started`; never otherwise.
+async fn startup_deadline(timeout: std::time::Duration, started: &CancellationToken) {
+    if !timeout.is_zero() {
+        tokio::select! {
+            () = started.cancelled() => {}
+            () = tokio::time::sleep(timeout) => return,
+        }
+    }
+    std::future::pending::<()>().await;
 }
 
 /// This node of this upper cluster: `--cluster-id`, or the UID of the upper `kube-system`

@@ -8,11 +8,18 @@ use clap::Parser;
 use serde::Deserialize;
 
 use crate::extender::OnUnknown;
+use tensile::logging::LogFormat;
 
 /// kube-scheduler extender: a virtual node passes filter only when a real node of its
 /// lower cluster takes the pod (resources, nodeSelector, node affinity, taints).
 #[derive(Parser, Debug, Clone)]
-#[command(name = "tensile-scheduler-extender", version, about, long_about = None)]
+#[command(
+    name = "tensile-scheduler-extender",
+    version,
+    about,
+    long_about = None,
+    args_override_self = true
+)]
 pub struct Cli {
     /// A virtual node and the kubeconfig of its lower cluster, `NODE=KUBECONFIG`
     /// (repeatable).
@@ -44,6 +51,10 @@ pub struct Cli {
     /// Log filter (`info`, `debug`, or a tracing directive).
     #[arg(long, default_value = "info")]
     pub log_level: String,
+
+    /// Log lines as `text` or `json`.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
 }
 
 /// The config file.

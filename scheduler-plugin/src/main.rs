@@ -18,9 +18,7 @@ async fn main() -> ExitCode {
         Ok(cli) => cli,
         Err(status) => return status,
     };
-    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log_level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).init();
+    tensile::logging::init(&cli.log_level, cli.log_format);
     match run(cli).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {

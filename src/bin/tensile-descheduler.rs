@@ -6,13 +6,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kube::runtime::events::{Recorder, Reporter};
-use tensile::cli::{USAGE_ERROR, parse_args, usage_exit};
+use tensile::cli::{CompatCommand, USAGE_ERROR, compat_command, parse_args, usage_exit};
 use tensile::clusters::{self, RateLimit};
 use tensile::descheduler::cli::{Args, strip_klog_flags};
 use tensile::descheduler::metrics::{self, Metrics};
 use tensile::descheduler::select::{Policy, parse_policy};
 use tensile::descheduler::{Config, Descheduler};
 use tensile::leader::{self, LeaseConfig};
+use tensile::logging;
 use tensile::shutdown::Tasks;
 use tensile::side::Side;
 use tokio::sync::watch;
@@ -24,7 +25,12 @@ const PROGRAM: &str = "tensile-descheduler";
 #[tokio::main]
 async fn main() -> ExitCode {
     // Usage errors (flags, policy file) are one line and exit with 2, like Go's flag package.
-    let (argv, ignored) = strip_klog_flags(std::env::args());
+    let argv: Vec<_> = std::env::args_os().collect();
+    if compat_command(&argv, false) == Some(CompatCommand::Version) {
+        println!("{PROGRAM} {}", env!("CARGO_PKG_VERSION"));
+        return ExitCode::SUCCESS;
+    }
+    let (argv, ignored) = strip_klog_flags(argv);
     let args = match parse_args::<Args>(PROGRAM, argv) {
         Ok(args) => args,
         Err(status) => return status,
@@ -32,12 +38,8 @@ async fn main() -> ExitCode {
     if let Err(error) = args.check() {
         return usage_exit(PROGRAM, &error);
     }
-    let filter = tracing_subscriber::EnvFilter::try_new(&args.log_level)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt().with_env_filter(filter).init();
-    if !ignored.is_empty() {
-        info!(flags = ?ignored, "klog flags accepted and ignored (use --log-level)");
-    }
+    logging::init(&args.log_level, args.log_format);
+    logging::log_ignored_flags(&ignored);
     let policy = match policy(&args) {
         Ok(policy) => policy,
         Err(message) => {

@@ -7,10 +7,12 @@ use std::time::Duration;
 use clap::error::ErrorKind;
 use clap::{ArgAction, CommandFactory, Parser};
 
+pub use crate::cli::strip_klog_flags;
 use crate::cli::{
     MAX_DURATION, MIN_PERIOD, duration_in, format_duration, parse_addr, parse_duration,
     parse_period,
 };
+use crate::logging::LogFormat;
 
 /// The shortest leader-election timing accepted: client-go's are seconds, and tests run
 /// elections in fractions of one.
@@ -18,7 +20,15 @@ const MIN_LEASE_TIMING: Duration = Duration::from_millis(100);
 
 /// Gives pods that a lower cluster cannot place another chance.
 #[derive(Parser, Debug, Clone)]
-#[command(name = "tensile-descheduler", version, about, long_about = None)]
+#[command(
+    name = "tensile-descheduler",
+    version,
+    about,
+    long_about = None,
+    args_override_self = true,
+    after_help = "`tensile-descheduler version` prints the version. klog's flags (`--v=3`, \
+                  `--logtostderr`, ...) are accepted and ignored: use --log-level."
+)]
 pub struct Args {
     /// Kubeconfig of the upper cluster (default: $KUBECONFIG, ~/.kube/config, in-cluster).
     #[arg(long, env = "KUBECONFIG")]
@@ -92,6 +102,10 @@ pub struct Args {
     /// Log filter (`info`, `debug`, or a tracing directive).
     #[arg(long, default_value = "info")]
     pub log_level: String,
+
+    /// Log lines as `text` or `json`.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
 }
 
 /// `--descheduling-interval`: 0 (one round), or a period.
@@ -130,67 +144,6 @@ impl Args {
         }
         Ok(())
     }
-}
-
-/// klog flags whose value may follow as the next argument.
-const KLOG_WITH_VALUE: [&str; 9] = [
-    "v",
-    "vmodule",
-    "log_dir",
-    "log-dir",
-    "log_file",
-    "log-file",
-    "log_file_max_size",
-    "stderrthreshold",
-    "log_backtrace_at",
-];
-/// klog flags that are switches.
-const KLOG_SWITCHES: [&str; 7] = [
-    "logtostderr",
-    "alsologtostderr",
-    "skip_headers",
-    "skip_log_headers",
-    "add_dir_header",
-    "one_output",
-    "log-flush-frequency",
-];
-
-/// Splits klog's flags (`-v 4`, `--v=4`, `--logtostderr`, `--klog.*`, ...) off `argv`:
-/// tensile-kube's manifests pass them; tensile logs through tracing instead.
-pub fn strip_klog_flags(argv: impl IntoIterator<Item = String>) -> (Vec<String>, Vec<String>) {
-    let mut kept = Vec::new();
-    let mut ignored = Vec::new();
-    let mut iter = argv.into_iter().peekable();
-    if let Some(program) = iter.next() {
-        kept.push(program);
-    }
-    while let Some(arg) = iter.next() {
-        let flag = arg.trim_start_matches('-');
-        if arg == "--" || !arg.starts_with('-') || flag.is_empty() {
-            kept.push(arg);
-            continue;
-        }
-        let (name, has_value) = match flag.split_once('=') {
-            Some((name, _)) => (name, true),
-            None => (flag, false),
-        };
-        let name = name.to_owned();
-        if name.starts_with("klog.") || KLOG_SWITCHES.contains(&name.as_str()) {
-            ignored.push(arg);
-        } else if KLOG_WITH_VALUE.contains(&name.as_str()) {
-            ignored.push(arg);
-            if !has_value
-                && let Some(value) = iter.next_if(|next| !next.starts_with("--"))
-                && let Some(last) = ignored.last_mut()
-            {
-                last.push(' ');
-                last.push_str(&value);
-            }
-        } else {
-            kept.push(arg);
-        }
-    }
-    (kept, ignored)
 }
 
 #[cfg(test)]
@@ -321,5 +274,55 @@ mod tests {
                 (got, want) => panic!("{flags:?}: got {got:?}, want {want:?}"),
             }
         }
+    }
+
+    /// Every flag tensile-kube's descheduler takes: its own, klog's Go flags and
+    /// component-base's `--log-flush-frequency` (cobra normalises `_` to `-`).
+    const TENSILE_KUBE_DESCHEDULER_FLAGS: &[&str] = &[
+        "--descheduling-interval=1m0s",
+        "--kubeconfig=/root/.kube/config",
+        "--policy-config-file=/policy-dir/policy.yaml",
+        "--dry-run",
+        "--dry-run=false",
+        "--node-selector=type=virtual-kubelet",
+        "--max-pods-to-evict-per-node=5",
+        "--evict-local-storage-pods",
+        "--evict-local-storage-pods=true",
+        "--log-flush-frequency=5s",
+        "--v=3",
+        "-v=3",
+        "--add-dir-header",
+        "--alsologtostderr",
+        "--log-backtrace-at=main.go:1",
+        "--log-dir=/tmp",
+        "--log-file=/tmp/d.log",
+        "--log-file-max-size=1800",
+        "--logtostderr",
+        "--skip-headers",
+        "--skip-log-headers",
+        "--stderrthreshold=2",
+        "--vmodule=x=4",
+        "--log-format=json",
+    ];
+
+    /// The args of tensile-kube's `manifeasts/descheduler.yaml`.
+    const TENSILE_KUBE_DESCHEDULER_MANIFEST: &[&str] = &[
+        "--policy-config-file=/policy-dir/policy.yaml",
+        "--v=3",
+        "--descheduling-interval=10s",
+    ];
+
+    #[test]
+    fn every_tensile_kube_descheduler_flag_is_accepted_alone() {
+        for flag in TENSILE_KUBE_DESCHEDULER_FLAGS {
+            let (kept, _) = strip_klog_flags(argv(&[flag]));
+            if let Err(error) = Args::try_parse_from(kept) {
+                panic!("{flag}: {}", crate::cli::one_line(&error));
+            }
+        }
+        let (kept, ignored) = strip_klog_flags(argv(TENSILE_KUBE_DESCHEDULER_MANIFEST));
+        let args = Args::try_parse_from(kept).unwrap();
+        assert_eq!(args.descheduling_interval, Duration::from_secs(10));
+        assert_eq!(ignored, ["--v=3"]);
     }
 }

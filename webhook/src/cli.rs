@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::builder::RangedU64ValueParser;
 use clap::{ArgAction, Args, Parser, Subcommand, value_parser};
 use tensile::cli::parse_period;
+use tensile::logging::LogFormat;
 use tensile::translate::meta::{VIRTUAL_NODE_TAINT_EFFECT, VIRTUAL_NODE_TAINT_KEY};
 
 use crate::server::DEFAULT_MAX_BODY_BYTES;
@@ -18,8 +19,19 @@ use crate::server::DEFAULT_MAX_BODY_BYTES;
 /// verifies the webhook, not the reverse), `--master` and `--incluster` (the upper cluster
 /// is found from `--kubeconfig`, `$KUBECONFIG`, `~/.kube/config`, else in-cluster).
 #[derive(Parser, Debug, Clone)]
-#[command(name = "tensile-webhook", version, about, long_about = None, args_conflicts_with_subcommands = true)]
+#[command(
+    name = "tensile-webhook",
+    about,
+    long_about = None,
+    disable_version_flag = true,
+    args_conflicts_with_subcommands = true,
+    args_override_self = true,
+    after_help = "klog's flags (`-v 6`, `--v=6`, `--logtostderr`, ...) are accepted and ignored: use --log-level."
+)]
 pub struct Cli {
+    /// Print the version and exit (a Go boolean, as tensile-kube's: `--version=true` too).
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true")]
+    pub version: bool,
     /// A one-off task instead of serving.
     #[command(subcommand)]
     pub command: Option<Command>,
@@ -107,6 +119,27 @@ pub struct ServeArgs {
     /// Log filter (`info`, `debug`, or a tracing directive such as `tensile_webhook=debug`).
     #[arg(long, default_value = "info")]
     pub log_level: String,
+
+    /// Log lines as `text` or `json`.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+impl ServeArgs {
+    /// The flags given that only tensile-kube's command lines use, as given.
+    pub fn ignored_flags(&self) -> Vec<String> {
+        let mut ignored = Vec::new();
+        if let Some(ca) = &self.ca {
+            ignored.push(format!("--CA={}", ca.display()));
+        }
+        if let Some(master) = &self.master {
+            ignored.push(format!("--master={master}"));
+        }
+        if self.incluster {
+            ignored.push("--incluster".to_owned());
+        }
+        ignored
+    }
 }
 
 /// Flags of `gen-certs`.
@@ -220,5 +253,96 @@ mod tests {
         };
         assert_eq!(args.service, "tensile-webhook");
         assert_eq!(args.host, ["127.0.0.1", "localhost"]);
+    }
+
+    /// Every flag tensile-kube's webhook takes (its pflags and klog's Go flags, which
+    /// pflag takes with `--`, and `-v` as a shorthand). A flag missing here, or refused,
+    /// fails.
+    const TENSILE_KUBE_WEBHOOK_FLAGS: &[&str] = &[
+        "--address=0.0.0.0",
+        "--port=443",
+        "--tlscert=/root/cert.pem",
+        "--tlskey=/root/key.pem",
+        "--CA=/root/ca.pem",
+        "--kubeconfig=/root/.kube/config",
+        "--master=https://10.0.0.1:6443",
+        "--incluster",
+        "--incluster=true",
+        "--incluster=false",
+        "--ignore-selector-keys=clusterID",
+        "--version=false",
+        "--v=6",
+        "-v=6",
+        "--add_dir_header",
+        "--alsologtostderr",
+        "--log_backtrace_at=main.go:1",
+        "--log_dir=/tmp",
+        "--log_file=/tmp/w.log",
+        "--log_file_max_size=1800",
+        "--logtostderr=true",
+        "--skip_headers",
+        "--skip_log_headers",
+        "--stderrthreshold=2",
+        "--vmodule=server=4",
+        "--log-format=json",
+    ];
+
+    /// The args of tensile-kube's `manifeasts/webhook.yaml`.
+    const TENSILE_KUBE_WEBHOOK_MANIFEST: &[&str] = &[
+        "--tlscert=/root/cert.pem",
+        "--tlskey=/root/key.pem",
+        "--port=443",
+        "--v=6",
+    ];
+
+    fn parse(flags: &[&str]) -> (Result<Cli, clap::Error>, Vec<String>) {
+        let (kept, klog) = tensile::cli::strip_klog_flags(
+            std::iter::once("tensile-webhook").chain(flags.iter().copied()),
+        );
+        (Cli::try_parse_from(kept), klog)
+    }
+
+    #[test]
+    fn every_tensile_kube_webhook_flag_is_accepted_alone() {
+        for flag in TENSILE_KUBE_WEBHOOK_FLAGS {
+            if let (Err(error), _) = parse(&[flag]) {
+                panic!("{flag}: {}", tensile::cli::one_line(&error));
+            }
+        }
+        let (cli, klog) = parse(&["-v", "6", "--port=1"]);
+        assert_eq!(cli.unwrap().serve.port, 1);
+        assert_eq!(klog, ["-v 6"]);
+    }
+
+    #[test]
+    fn tensile_kube_webhook_manifest_parses() {
+        let (cli, klog) = parse(TENSILE_KUBE_WEBHOOK_MANIFEST);
+        let cli = cli.unwrap();
+        assert_eq!(cli.serve.port, 443);
+        assert_eq!(cli.serve.tlscert, Some("/root/cert.pem".into()));
+        assert!(cli.serve.ignored_flags().is_empty());
+        assert_eq!(klog, ["--v=6"]);
+    }
+
+    #[test]
+    fn version_and_ignored_flags() {
+        let cases: [(&[&str], bool); 4] = [
+            (&["--version"], true),
+            (&["--version=true"], true),
+            (&["--version=false"], false),
+            (&[], false),
+        ];
+        for (flags, want) in cases {
+            assert_eq!(parse(flags).0.unwrap().version, want, "{flags:?}");
+        }
+        let (cli, _) = parse(&["--CA=/ca", "--master=https://m", "--incluster"]);
+        assert_eq!(
+            cli.unwrap().serve.ignored_flags(),
+            ["--CA=/ca", "--master=https://m", "--incluster"]
+        );
+        let (cli, _) = parse(&["--incluster=false", "--log-format=json"]);
+        let cli = cli.unwrap();
+        assert!(cli.serve.ignored_flags().is_empty());
+        assert_eq!(cli.serve.log_format, LogFormat::Json);
     }
 }

@@ -5,8 +5,9 @@ use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use tensile::cli::parse_args;
+use tensile::cli::{parse_args, strip_klog_flags};
 use tensile::clusters;
+use tensile::logging;
 use tensile::shutdown::Tasks;
 use tensile::side::Side;
 use tensile_webhook::cli::{Cli, Command, GenCertsArgs, ServeArgs};
@@ -20,16 +21,22 @@ use tracing::info;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = match parse_args::<Cli>("tensile-webhook", std::env::args_os()) {
+    let (argv, klog_flags) = strip_klog_flags(std::env::args_os());
+    let cli = match parse_args::<Cli>("tensile-webhook", argv) {
         Ok(cli) => cli,
         Err(status) => return status,
     };
+    if cli.version {
+        println!("tensile-webhook {}", env!("CARGO_PKG_VERSION"));
+        return ExitCode::SUCCESS;
+    }
     let result = match cli.command {
         Some(Command::GenCerts(args)) => gen_certs(&args),
         None => {
-            let filter = tracing_subscriber::EnvFilter::try_new(&cli.serve.log_level)
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-            tracing_subscriber::fmt().with_env_filter(filter).init();
+            logging::init(&cli.serve.log_level, cli.serve.log_format);
+            let mut ignored = cli.serve.ignored_flags();
+            ignored.extend(klog_flags);
+            logging::log_ignored_flags(&ignored);
             serve(cli.serve).await
         }
     };
