@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use clap::{ArgAction, Parser, value_parser};
 
+use crate::clusters::Features;
 use crate::logging::LogFormat;
 use crate::translate::meta::{
     VIRTUAL_NODE_TAINT_EFFECT, VIRTUAL_NODE_TAINT_KEY, VIRTUAL_NODE_TAINT_VALUE,
@@ -21,7 +22,7 @@ use crate::translate::meta::{
     about,
     long_about = None,
     args_override_self = true,
-    after_help = "Commands: `virtual-node version` prints the version, `virtual-node providers` the provider (k8s).\n\
+    after_help = "Commands: `virtual-node version` prints the version, `virtual-node providers` the provider (k8s), `virtual-node check <flags>` verifies both clusters, permissions and ports without changing anything (exit 1 if something is missing).\n\
                   klog's flags (`--klog.v=5`, `-v=5`, `--logtostderr`, ...) are accepted and ignored: use --log-level."
 )]
 pub struct Args {
@@ -246,6 +247,18 @@ impl Args {
             }
         }
         enabled
+    }
+
+    /// The parts that run, by what they need of each cluster.
+    pub fn features(&self) -> Features {
+        let optional = self.optional_controllers();
+        Features {
+            services: optional.services,
+            volumes: optional.volumes,
+            node_lease: self.enable_node_lease,
+            access_reviews: !self.no_verify_clients,
+            token_reviews: self.authentication_token_webhook,
+        }
     }
 }
 

@@ -206,18 +206,12 @@ pub async fn check_permissions(
     cluster: &Cluster,
     needed: &[Permission],
 ) -> Result<(), StartupError> {
-    let reviews: Api<SelfSubjectAccessReview> = Api::all(cluster.client.clone());
-    let answers: Vec<Result<bool, StartupError>> = futures::stream::iter(needed)
-        .map(|permission| is_allowed(cluster, &reviews, permission))
-        .buffered(CONCURRENT_REVIEWS)
-        .collect()
-        .await;
-    let mut missing = Vec::new();
-    for (permission, allowed) in needed.iter().zip(answers) {
-        if !allowed? {
-            missing.push(permission.to_string());
-        }
-    }
+    let missing: Vec<String> = review_permissions(cluster, needed)
+        .await?
+        .into_iter()
+        .filter(|(_, allowed)| !allowed)
+        .map(|(permission, _)| permission.to_string())
+        .collect();
     if missing.is_empty() {
         Ok(())
     } else {
@@ -226,6 +220,25 @@ pub async fn check_permissions(
             missing: missing.join(", "),
         })
     }
+}
+
+/// Whether this client may do each of `needed` in `cluster` (SelfSubjectAccessReviews,
+/// [`CONCURRENT_REVIEWS`] at a time), in order.
+pub async fn review_permissions(
+    cluster: &Cluster,
+    needed: &[Permission],
+) -> Result<Vec<(Permission, bool)>, StartupError> {
+    let reviews: Api<SelfSubjectAccessReview> = Api::all(cluster.client.clone());
+    let answers: Vec<Result<bool, StartupError>> = futures::stream::iter(needed)
+        .map(|permission| is_allowed(cluster, &reviews, permission))
+        .buffered(CONCURRENT_REVIEWS)
+        .collect()
+        .await;
+    needed
+        .iter()
+        .zip(answers)
+        .map(|(permission, allowed)| Ok((*permission, allowed?)))
+        .collect()
 }
 
 async fn is_allowed(

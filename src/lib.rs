@@ -4,6 +4,7 @@
 //! from everything that calls an API server (`node`, `controllers`); `main.rs` only wires.
 
 pub mod api;
+pub mod check;
 pub mod cli;
 pub mod clusters;
 pub mod controllers;

@@ -9,7 +9,7 @@ use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Taint};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::runtime::events::{Recorder, Reporter};
 use tensile::cli::{self, Args, CompatCommand, OptionalControllers};
-use tensile::clusters::{self, Cluster, Features, RateLimit, StartupError};
+use tensile::clusters::{self, Cluster, RateLimit, StartupError};
 use tensile::controllers::{self, Context};
 use tensile::kubelet_api;
 use tensile::logging;
@@ -39,11 +39,30 @@ async fn main() -> ExitCode {
         }
         None => {}
     }
+    // `virtual-node check <flags>`: verify, change nothing.
+    let checking = argv.get(1).is_some_and(|a| a == "check");
+    let argv = if checking {
+        argv.into_iter()
+            .enumerate()
+            .filter_map(|(i, a)| (i != 1).then_some(a))
+            .collect()
+    } else {
+        argv
+    };
     let (argv, klog_flags) = cli::strip_klog_flags(argv);
     let args = match cli::parse_args::<Args>("virtual-node", argv) {
         Ok(args) => args,
         Err(status) => return status,
     };
+    if checking {
+        let report = tensile::check::check(&args).await;
+        print!("{}", report.render());
+        return if report.passed() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        };
+    }
     logging::init(&args.log_level, args.log_format);
     let mut ignored = args.ignored_flags();
     ignored.extend(klog_flags);
@@ -75,7 +94,7 @@ async fn run(args: Args, started: CancellationToken) -> Result<(), String> {
     for unknown in &optional.unknown {
         warn!(controller = %unknown, "--enable-controllers: unknown controller skipped");
     }
-    check_permissions(&args, &optional, &upper, &lower).await?;
+    check_permissions(&args, &upper, &lower).await?;
     let owner = owner(&args, &upper).await?;
     controllers::adopt::adopt(
         &upper.client,
@@ -212,19 +231,8 @@ async fn connect(args: &Args, metrics: &Arc<Metrics>) -> Result<(Cluster, Cluste
 
 /// Fails, naming the cluster and every missing permission, unless virtual-node may do in
 /// both clusters everything the parts it runs will do.
-async fn check_permissions(
-    args: &Args,
-    optional: &OptionalControllers,
-    upper: &Cluster,
-    lower: &Cluster,
-) -> Result<(), String> {
-    let features = Features {
-        services: optional.services,
-        volumes: optional.volumes,
-        node_lease: args.enable_node_lease,
-        access_reviews: !args.no_verify_clients,
-        token_reviews: args.authentication_token_webhook,
-    };
+async fn check_permissions(args: &Args, upper: &Cluster, lower: &Cluster) -> Result<(), String> {
+    let features = args.features();
     let upper_needs = clusters::needed_permissions(Side::Upper, features);
     let lower_needs = clusters::needed_permissions(Side::Lower, features);
     tokio::try_join!(

@@ -1,0 +1,216 @@
+//! `virtual-node check`: verifies, without changing anything, that virtual-node can run with
+//! these flags: both kubeconfigs load, both API servers answer (and their versions), every
+//! permission the enabled parts need is granted in each cluster (SelfSubjectAccessReviews
+//! from the same tables the start-up check uses), the upper cluster's identity can be read,
+//! and the kubelet and metrics ports are free. One line per check, ✓ or ✗.
+
+use std::fmt::Write;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::Namespace;
+use kube::Api;
+
+use crate::cli::Args;
+use crate::clusters::{self, Cluster, RateLimit};
+use crate::metrics::Metrics;
+use crate::side::Side;
+
+/// One check's outcome.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Line {
+    /// Whether it passed.
+    pub ok: bool,
+    /// What was checked, and what was found.
+    pub what: String,
+}
+
+/// Every check's outcome, in order.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Report {
+    /// The lines.
+    pub lines: Vec<Line>,
+}
+
+impl Report {
+    fn pass(&mut self, what: impl Into<String>) {
+        self.lines.push(Line {
+            ok: true,
+            what: what.into(),
+        });
+    }
+
+    fn fail(&mut self, what: impl Into<String>) {
+        self.lines.push(Line {
+            ok: false,
+            what: what.into(),
+        });
+    }
+
+    /// Whether every check passed.
+    pub fn passed(&self) -> bool {
+        self.lines.iter().all(|line| line.ok)
+    }
+
+    /// The table: one `✓`/`✗` line per check, then a summary line.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        for line in &self.lines {
+            let _ = writeln!(out, "{} {}", if line.ok { "✓" } else { "✗" }, line.what);
+        }
+        let failed = self.lines.iter().filter(|l| !l.ok).count();
+        if failed == 0 {
+            let _ = writeln!(out, "all {} checks passed", self.lines.len());
+        } else {
+            let _ = writeln!(out, "{failed} of {} checks failed", self.lines.len());
+        }
+        out
+    }
+}
+
+/// Runs every check for `args`.
+pub async fn check(args: &Args) -> Report {
+    let mut report = Report::default();
+    report.pass(format!(
+        "--nodename {} is a valid node name and label value",
+        args.nodename
+    ));
+    let metrics = Arc::new(Metrics::default());
+    let upper = reach(
+        &mut report,
+        Side::Upper,
+        args.kubeconfig.as_deref(),
+        RateLimit {
+            qps: args.kube_api_qps,
+            burst: args.kube_api_burst,
+        },
+        &metrics,
+    )
+    .await;
+    let lower = reach(
+        &mut report,
+        Side::Lower,
+        Some(&args.client_kubeconfig),
+        RateLimit {
+            qps: args.client_qps,
+            burst: args.client_burst,
+        },
+        &metrics,
+    )
+    .await;
+    let features = args.features();
+    for cluster in [&upper, &lower].into_iter().flatten() {
+        permissions(&mut report, cluster, features).await;
+    }
+    if let Some(upper) = &upper {
+        identity(&mut report, args, upper).await;
+    }
+    port(
+        &mut report,
+        "kubelet API port (KUBELET_PORT)",
+        SocketAddr::from(([0, 0, 0, 0], args.kubelet_port)),
+    )
+    .await;
+    port(&mut report, "--metrics-addr", args.metrics_addr).await;
+    report
+}
+
+async fn reach(
+    report: &mut Report,
+    side: Side,
+    kubeconfig: Option<&std::path::Path>,
+    limit: RateLimit,
+    metrics: &Arc<Metrics>,
+) -> Option<Cluster> {
+    let config = match clusters::load_config(side, kubeconfig).await {
+        Ok(config) => config,
+        Err(error) => {
+            report.fail(error.to_string());
+            return None;
+        }
+    };
+    match clusters::connect(side, config, limit, metrics.clone()).await {
+        Ok(cluster) => {
+            report.pass(format!(
+                "{side} cluster reachable at {} (Kubernetes {})",
+                cluster.server, cluster.version
+            ));
+            Some(cluster)
+        }
+        Err(error) => {
+            report.fail(error.to_string());
+            None
+        }
+    }
+}
+
+async fn permissions(report: &mut Report, cluster: &Cluster, features: clusters::Features) {
+    let needed = clusters::needed_permissions(cluster.side, features);
+    match clusters::review_permissions(cluster, &needed).await {
+        Ok(answers) => {
+            let granted = answers.iter().filter(|(_, allowed)| *allowed).count();
+            for (permission, allowed) in &answers {
+                if !allowed {
+                    report.fail(format!("{} cluster: may not {permission}", cluster.side));
+                }
+            }
+            if granted == answers.len() {
+                report.pass(format!(
+                    "{} cluster: all {granted} permissions granted",
+                    cluster.side
+                ));
+            }
+        }
+        Err(error) => report.fail(error.to_string()),
+    }
+}
+
+async fn identity(report: &mut Report, args: &Args, upper: &Cluster) {
+    if let Some(id) = &args.cluster_id {
+        report.pass(format!("upper cluster identity (--cluster-id): {id}"));
+        return;
+    }
+    match Api::<Namespace>::all(upper.client.clone())
+        .get("kube-system")
+        .await
+    {
+        Ok(ns) => match ns.metadata.uid {
+            Some(uid) => report.pass(format!(
+                "upper cluster identity (UID of kube-system): {uid}"
+            )),
+            None => report.fail("upper cluster: kube-system has no UID; set --cluster-id"),
+        },
+        Err(error) => report.fail(format!(
+            "upper cluster: reading namespace kube-system for the cluster's identity (or set --cluster-id): {error}"
+        )),
+    }
+}
+
+async fn port(report: &mut Report, what: &str, addr: SocketAddr) {
+    match tokio::net::TcpListener::bind(addr).await {
+        Ok(_) => report.pass(format!("{what} {addr} is free")),
+        Err(error) => report.fail(format!("{what} {addr}: {error}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_says_what_failed() {
+        let mut report = Report::default();
+        report.pass("upper cluster reachable");
+        assert!(report.passed());
+        assert_eq!(
+            report.render(),
+            "✓ upper cluster reachable\nall 1 checks passed\n"
+        );
+        report.fail("lower cluster: may not create pods");
+        assert!(!report.passed());
+        assert_eq!(
+            report.render(),
+            "✓ upper cluster reachable\n✗ lower cluster: may not create pods\n1 of 2 checks failed\n"
+        );
+    }
+}
