@@ -630,7 +630,10 @@ async fn descheduler_moves_what_the_lower_cluster_cannot_place() {
     };
     assert_eq!(acted(leader_log), 8, "leader {holder}:\n{leader_log}");
     assert_eq!(acted(other_log), 0, "follower:\n{other_log}");
-    assert!(leader_log.contains("klog flags accepted and ignored"));
+    assert!(
+        leader_log.contains("accepted for tensile-kube compatibility; ignored: --v="),
+        "the klog flag is named as ignored:\n{leader_log}"
+    );
     let (leader, follower) = if holder == "desched-a" {
         (&a, &b)
     } else {
