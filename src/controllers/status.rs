@@ -81,7 +81,9 @@ async fn reconcile(lower: Arc<StoredPod>, sc: Arc<StatusContext>) -> Result<Acti
         // The UID precondition keeps a store that lags a same-name re-create from writing
         // the old pod's status onto the new one.
         let written = write_upper_status(&api, &upper, &desired, &key).await;
-        ctx.metrics.status_write_seconds.observe(started.elapsed());
+        ctx.metrics
+            .status_write_seconds
+            .observe(started.elapsed().as_secs_f64());
         match written {
             Ok(StatusWrite::Written) => {
                 ctx.metrics.status_writes.inc();
