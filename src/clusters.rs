@@ -15,7 +15,6 @@ use kube::client::ClientBuilder;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 use tower::limit::RateLimitLayer;
-use tower::util::MapRequestLayer;
 
 use crate::metrics::Metrics;
 use crate::side::Side;
@@ -138,10 +137,7 @@ pub async fn connect(
     metrics: Arc<Metrics>,
 ) -> Result<Cluster, StartupError> {
     let server = config.cluster_url.to_string();
-    let count = MapRequestLayer::new(move |request: http::Request<kube::client::Body>| {
-        metrics.api_requests.record(side, &request);
-        request
-    });
+    let count = CountRequests { side, metrics };
     let client = ClientBuilder::try_from(config)
         .map_err(|source| StartupError::Client { side, source })?
         .with_layer(&limit.layer())
@@ -165,6 +161,65 @@ pub async fn connect(
         server,
         version: version.git_version,
     })
+}
+
+/// Counts each request to one cluster by verb, and its answer by status code.
+#[derive(Clone)]
+struct CountRequests {
+    side: Side,
+    metrics: Arc<Metrics>,
+}
+
+impl<S> tower::Layer<S> for CountRequests {
+    type Service = CountedRequests<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        CountedRequests {
+            inner,
+            counter: self.clone(),
+        }
+    }
+}
+
+/// The service [`CountRequests`] wraps.
+#[derive(Clone)]
+struct CountedRequests<S> {
+    inner: S,
+    counter: CountRequests,
+}
+
+impl<S, B, R> tower::Service<http::Request<B>> for CountedRequests<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<R>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = futures::future::BoxFuture<'static, Result<S::Response, S::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let verb = crate::metrics::verb(&request);
+        let CountRequests { side, metrics } = self.counter.clone();
+        if let Some(verb) = verb {
+            metrics.api_requests.sent(side, verb);
+        }
+        let answer = self.inner.call(request);
+        Box::pin(async move {
+            let answer = answer.await;
+            if let Some(verb) = verb {
+                let status = answer.as_ref().ok().map(http::Response::status);
+                metrics.api_requests.answered(side, verb, status);
+            }
+            answer
+        })
+    }
 }
 
 /// One permission: verb, API group, resource (with optional subresource), namespace.

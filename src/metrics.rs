@@ -1,133 +1,192 @@
-//! Counters of what virtual-node did, served as Prometheus text on `--metrics-addr`,
-//! with `/healthz` and `/readyz`.
+//! What virtual-node did, on prometheus-client, served as text on `--metrics-addr`, with
+//! `/healthz` and `/readyz`.
 
-use std::collections::BTreeMap;
-use std::fmt::Write;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
 use axum::routing::get;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
 use crate::side::Side;
 
-/// A monotonically increasing counter.
-#[derive(Debug, Default)]
-pub struct Counter(AtomicU64);
-
-impl Counter {
-    /// Adds one.
-    pub fn inc(&self) {
-        self.0.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// The current value.
-    pub fn get(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
-    }
-}
-
-/// Upper bounds of the [`Histogram`] buckets, in seconds.
+/// Upper bounds of the latency histograms' buckets, in seconds.
 pub const LATENCY_BUCKETS: [f64; 11] =
     [0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0];
 
-/// A latency histogram over [`LATENCY_BUCKETS`].
-#[derive(Debug, Default)]
-pub struct Histogram {
-    /// Observations per bucket (not cumulative); the last is above every bound.
-    buckets: [Counter; LATENCY_BUCKETS.len() + 1],
-    sum_micros: AtomicU64,
-}
-
-impl Histogram {
-    /// Records one observation.
-    pub fn observe(&self, took: std::time::Duration) {
-        let secs = took.as_secs_f64();
-        let bucket = LATENCY_BUCKETS
-            .iter()
-            .position(|bound| secs <= *bound)
-            .unwrap_or(LATENCY_BUCKETS.len());
-        self.buckets[bucket].inc();
-        let micros = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
-        self.sum_micros.fetch_add(micros, Ordering::Relaxed);
-    }
-
-    /// Prometheus text for the histogram `name`.
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        let mut cumulative = 0;
-        for (i, bucket) in self.buckets.iter().enumerate() {
-            cumulative += bucket.get();
-            match LATENCY_BUCKETS.get(i) {
-                Some(bound) => {
-                    let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {cumulative}");
-                }
-                None => {
-                    let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {cumulative}");
-                }
-            }
-        }
-        let sum = self.sum_micros.load(Ordering::Relaxed) as f64 / 1e6;
-        let _ = writeln!(out, "{name}_sum {sum}\n{name}_count {cumulative}");
-    }
-}
-
-/// API requests sent, by cluster and verb (to tell what each mirrored pod costs).
-#[derive(Debug, Default)]
-pub struct ApiRequests {
-    counts: [[Counter; VERBS.len()]; 2],
+/// A histogram over [`LATENCY_BUCKETS`].
+pub fn latency_histogram() -> Histogram {
+    Histogram::new(LATENCY_BUCKETS)
 }
 
 /// The verbs counted, from the HTTP method (a GET with `watch=` is a watch).
 pub const VERBS: [&str; 6] = ["get", "watch", "create", "update", "patch", "delete"];
 
+/// The verb of `request`, one of [`VERBS`]; `None` for methods not counted.
+pub fn verb<B>(request: &http::Request<B>) -> Option<&'static str> {
+    let watch = request
+        .uri()
+        .query()
+        .is_some_and(|q| q.split('&').any(|p| p.starts_with("watch=")));
+    let verb = match *request.method() {
+        http::Method::GET if watch => "watch",
+        http::Method::GET => "get",
+        http::Method::POST => "create",
+        http::Method::PUT => "update",
+        http::Method::PATCH => "patch",
+        http::Method::DELETE => "delete",
+        _ => return None,
+    };
+    Some(verb)
+}
+
+/// Labels of the API request counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// `upper` or `lower`.
+    pub cluster: &'static str,
+    /// One of [`VERBS`].
+    pub verb: &'static str,
+}
+
+/// Labels of the API response counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResponseLabels {
+    /// `upper` or `lower`.
+    pub cluster: &'static str,
+    /// One of [`VERBS`].
+    pub verb: &'static str,
+    /// The HTTP status code, or `error` when no answer came (connection, timeout).
+    pub code: String,
+}
+
+/// Label of the reconcile error counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    /// The error's kind (`Error::metric_label`).
+    pub error: &'static str,
+}
+
+/// Label of the reconcile duration histogram.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ControllerLabels {
+    /// `pod`, `status`, `config`, `secret`, `service`, `volume`.
+    pub controller: &'static str,
+}
+
+/// Label of the mirrored objects gauge.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabels {
+    /// `pods`, `configmaps`, `secrets`, `services`.
+    pub kind: &'static str,
+}
+
+/// Counts how many objects of one kind are mirrored now, read at scrape time.
+type MirroredCount = Box<dyn Fn() -> usize + Send + Sync>;
+
+/// API requests sent, by cluster and verb (to tell what each mirrored pod costs), and
+/// their answers by status code.
+#[derive(Debug, Default)]
+pub struct ApiRequests {
+    sent: Family<RequestLabels, Counter>,
+    answered: Family<ResponseLabels, Counter>,
+}
+
 impl ApiRequests {
     /// Counts one request to `side`.
     pub fn record<B>(&self, side: Side, request: &http::Request<B>) {
-        let watch = request
-            .uri()
-            .query()
-            .is_some_and(|q| q.split('&').any(|p| p.starts_with("watch=")));
-        let verb = match *request.method() {
-            http::Method::GET if watch => 1,
-            http::Method::GET => 0,
-            http::Method::POST => 2,
-            http::Method::PUT => 3,
-            http::Method::PATCH => 4,
-            http::Method::DELETE => 5,
-            _ => return,
+        if let Some(verb) = verb(request) {
+            self.sent(side, verb);
+        }
+    }
+
+    /// Counts one request of `verb` to `side`.
+    pub fn sent(&self, side: Side, verb: &'static str) {
+        self.sent.get_or_create(&request_labels(side, verb)).inc();
+    }
+
+    /// Counts the answer to a request of `verb` to `side`: its status, or `None` when
+    /// none came.
+    pub fn answered(&self, side: Side, verb: &'static str, status: Option<http::StatusCode>) {
+        let code = status.map_or_else(|| "error".to_owned(), |s| s.as_u16().to_string());
+        let labels = ResponseLabels {
+            cluster: side_label(side),
+            verb,
+            code,
         };
-        self.counts[side as usize][verb].inc();
+        self.answered.get_or_create(&labels).inc();
     }
 
     /// Requests of `verb` sent to `side`.
-    pub fn get(&self, side: Side, verb: &str) -> u64 {
-        VERBS
-            .iter()
-            .position(|v| *v == verb)
-            .map_or(0, |i| self.counts[side as usize][i].get())
+    pub fn get(&self, side: Side, verb: &'static str) -> u64 {
+        self.sent
+            .get(&request_labels(side, verb))
+            .map_or(0, |c| c.get())
+    }
+}
+
+fn side_label(side: Side) -> &'static str {
+    match side {
+        Side::Upper => "upper",
+        Side::Lower => "lower",
+    }
+}
+
+fn request_labels(side: Side, verb: &'static str) -> RequestLabels {
+    RequestLabels {
+        cluster: side_label(side),
+        verb,
+    }
+}
+
+/// The mirrored-object counts read at scrape time, by kind.
+#[derive(Default)]
+struct MirroredSources(Mutex<Vec<(&'static str, MirroredCount)>>);
+
+impl std::fmt::Debug for MirroredSources {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let sources = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        f.debug_list()
+            .entries(sources.iter().map(|(kind, _)| kind))
+            .finish()
     }
 }
 
 /// Everything counted.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Metrics {
-    /// API requests sent.
+    registry: Registry,
+    /// API requests sent and answered.
     pub api_requests: ApiRequests,
     /// Pod reconciles run.
     pub reconciles: Counter,
     /// Pod reconciles that failed (every kind of error; see [`Metrics::reconcile_failed`]).
     pub errors: Counter,
     /// Pod reconciles that failed, by the error's kind (`Error::metric_label`).
-    reconcile_errors: Mutex<BTreeMap<&'static str, u64>>,
+    reconcile_errors: Family<ErrorLabels, Counter>,
+    /// How long each reconcile took, by controller.
+    reconcile_seconds: Family<ControllerLabels, Histogram, fn() -> Histogram>,
     /// Upper pod status writes.
     pub status_writes: Counter,
     /// How long the upper API server took to answer each status write.
     pub status_write_seconds: Histogram,
+    /// From the status reflector's reconcile start (the lower change taken from its
+    /// queue) to the upper status write answered.
+    pub status_reflection_seconds: Histogram,
+    /// Objects mirrored now, by kind (set from `mirrored_sources` at scrape time).
+    mirrored: Family<KindLabels, Gauge>,
+    mirrored_sources: MirroredSources,
     /// Lower pods created.
     pub lower_creates: Counter,
     /// Lower pods updated.
@@ -145,98 +204,185 @@ pub struct Metrics {
     pub ready: AtomicBool,
 }
 
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("tensile");
+        let api_requests = ApiRequests::default();
+        let reconcile_errors = Family::<ErrorLabels, Counter>::default();
+        let reconcile_seconds =
+            Family::<ControllerLabels, Histogram, fn() -> Histogram>::new_with_constructor(
+                latency_histogram,
+            );
+        let mirrored = Family::<KindLabels, Gauge>::default();
+        let status_write_seconds = latency_histogram();
+        let status_reflection_seconds = latency_histogram();
+        let counters: [(&str, &str, Counter); 8] = [
+            ("pod_reconciles", "Pod reconciles run", Counter::default()),
+            (
+                "upper_status_writes",
+                "Upper pod status writes",
+                Counter::default(),
+            ),
+            (
+                "lower_pod_creates",
+                "Lower pods created",
+                Counter::default(),
+            ),
+            (
+                "lower_pod_updates",
+                "Lower pods updated",
+                Counter::default(),
+            ),
+            (
+                "orphans_deleted",
+                "Orphaned lower pods deleted",
+                Counter::default(),
+            ),
+            (
+                "lower_copy_rewrites_deferred",
+                "Rewrites of lower copies put off because something below keeps editing them",
+                Counter::default(),
+            ),
+            (
+                "upper_events_dropped",
+                "Lower events not reflected up because the publish queue was full",
+                Counter::default(),
+            ),
+            (
+                "gc_rounds",
+                "Orphan collection rounds completed",
+                Counter::default(),
+            ),
+        ];
+        registry.register(
+            "pod_reconcile_errors",
+            "Pod reconciles that failed, by kind of error",
+            reconcile_errors.clone(),
+        );
+        for (name, help, counter) in &counters {
+            registry.register(*name, *help, counter.clone());
+        }
+        registry.register(
+            "upper_status_write_seconds",
+            "How long the upper API server took to answer a pod status write",
+            status_write_seconds.clone(),
+        );
+        registry.register(
+            "status_reflection_seconds",
+            "From the status reflector taking a lower pod change to the upper status write answered",
+            status_reflection_seconds.clone(),
+        );
+        registry.register(
+            "reconcile_duration_seconds",
+            "How long a reconcile took, by controller",
+            reconcile_seconds.clone(),
+        );
+        registry.register(
+            "mirrored_objects",
+            "Objects mirrored into the lower cluster now, by kind",
+            mirrored.clone(),
+        );
+        registry.register(
+            "api_requests",
+            "API requests sent",
+            api_requests.sent.clone(),
+        );
+        registry.register(
+            "api_responses",
+            "API answers received, by status code (`error`: none came)",
+            api_requests.answered.clone(),
+        );
+        // Tests and dashboards read every cluster × verb before anything was sent.
+        for side in [Side::Upper, Side::Lower] {
+            for verb in VERBS {
+                api_requests
+                    .sent
+                    .get_or_create(&request_labels(side, verb))
+                    .get();
+            }
+        }
+        let [
+            reconciles,
+            status_writes,
+            lower_creates,
+            lower_updates,
+            orphans_deleted,
+            copy_rewrites_deferred,
+            events_dropped,
+            gc_rounds,
+        ] = counters.map(|(_, _, counter)| counter);
+        Self {
+            registry,
+            api_requests,
+            reconciles,
+            errors: Counter::default(),
+            reconcile_errors,
+            reconcile_seconds,
+            status_writes,
+            status_write_seconds,
+            status_reflection_seconds,
+            mirrored,
+            mirrored_sources: MirroredSources::default(),
+            lower_creates,
+            lower_updates,
+            orphans_deleted,
+            copy_rewrites_deferred,
+            events_dropped,
+            gc_rounds,
+            ready: AtomicBool::new(false),
+        }
+    }
+}
+
 impl Metrics {
     /// Counts a failed pod reconcile (pod controller or status reflector) whose error is of
     /// the kind `label` (`api`, `conflict`, ...).
     pub fn reconcile_failed(&self, label: &'static str) {
         self.errors.inc();
-        let mut by_label = self
-            .reconcile_errors
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        *by_label.entry(label).or_default() += 1;
+        self.reconcile_errors
+            .get_or_create(&ErrorLabels { error: label })
+            .inc();
     }
 
-    /// Prometheus text exposition.
+    /// Records that one reconcile of `controller` took `took`.
+    pub fn reconciled(&self, controller: &'static str, took: Duration) {
+        self.reconcile_seconds
+            .get_or_create(&ControllerLabels { controller })
+            .observe(took.as_secs_f64());
+    }
+
+    /// Reports `count()` as the number of `kind` mirrored now, read at each scrape (from a
+    /// reflector store's size).
+    pub fn count_mirrored(
+        &self,
+        kind: &'static str,
+        count: impl Fn() -> usize + Send + Sync + 'static,
+    ) {
+        self.mirrored.get_or_create(&KindLabels { kind }).get();
+        let mut sources = self
+            .mirrored_sources
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        sources.push((kind, Box::new(count)));
+    }
+
+    /// OpenMetrics text exposition.
     pub fn render(&self) -> String {
-        let mut out = String::new();
-        let name = "tensile_pod_reconcile_errors_total";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Pod reconciles that failed, by kind of error.\n# TYPE {name} counter"
-        );
         {
-            let by_label = self
-                .reconcile_errors
+            let sources = self
+                .mirrored_sources
+                .0
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
-            for (label, n) in by_label.iter() {
-                let _ = writeln!(out, "{name}{{error=\"{label}\"}} {n}");
+            for (kind, count) in sources.iter() {
+                let n = i64::try_from(count()).unwrap_or(i64::MAX);
+                self.mirrored.get_or_create(&KindLabels { kind }).set(n);
             }
         }
-        for (name, help, counter) in [
-            (
-                "tensile_pod_reconciles_total",
-                "Pod reconciles run.",
-                &self.reconciles,
-            ),
-            (
-                "tensile_upper_status_writes_total",
-                "Upper pod status writes.",
-                &self.status_writes,
-            ),
-            (
-                "tensile_lower_pod_creates_total",
-                "Lower pods created.",
-                &self.lower_creates,
-            ),
-            (
-                "tensile_lower_pod_updates_total",
-                "Lower pods updated.",
-                &self.lower_updates,
-            ),
-            (
-                "tensile_orphans_deleted_total",
-                "Orphaned lower pods deleted.",
-                &self.orphans_deleted,
-            ),
-            (
-                "tensile_lower_copy_rewrites_deferred_total",
-                "Rewrites of lower copies put off because something below keeps editing them.",
-                &self.copy_rewrites_deferred,
-            ),
-            (
-                "tensile_upper_events_dropped_total",
-                "Lower events not reflected up because the publish queue was full.",
-                &self.events_dropped,
-            ),
-            (
-                "tensile_gc_rounds_total",
-                "Orphan collection rounds completed.",
-                &self.gc_rounds,
-            ),
-        ] {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
-                counter.get()
-            );
-        }
-        self.status_write_seconds.render(
-            &mut out,
-            "tensile_upper_status_write_seconds",
-            "How long the upper API server took to answer a pod status write.",
-        );
-        let name = "tensile_api_requests_total";
-        let _ = writeln!(
-            out,
-            "# HELP {name} API requests sent.\n# TYPE {name} counter"
-        );
-        for side in [Side::Upper, Side::Lower] {
-            for verb in VERBS {
-                let n = self.api_requests.get(side, verb);
-                let _ = writeln!(out, "{name}{{cluster=\"{side}\",verb=\"{verb}\"}} {n}");
-            }
+        let mut out = String::new();
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
         }
         out
     }
@@ -262,7 +408,16 @@ pub async fn serve(
         )
         .route(
             "/metrics",
-            get(|State(m): State<Arc<Metrics>>| async move { m.render() }),
+            get(|State(m): State<Arc<Metrics>>| async move {
+                (
+                    [(
+                        header::CONTENT_TYPE,
+                        "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    )],
+                    m.render(),
+                )
+                    .into_response()
+            }),
         )
         .with_state(metrics);
     axum::serve(listener, app)
@@ -280,7 +435,12 @@ pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
+
+    /// The value of the series line `series` in `text`.
+    fn value<'a>(text: &'a str, series: &str) -> Option<&'a str> {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+    }
 
     #[test]
     fn reconcile_errors_are_counted_by_kind() {
@@ -308,46 +468,171 @@ mod tests {
             ),
         ];
         for (series, want) in cases {
-            let got = out
-                .lines()
-                .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '));
-            assert_eq!(got, want, "{series} in\n{out}");
+            assert_eq!(value(&out, series), want, "{series} in\n{out}");
         }
         assert_eq!(metrics.errors.get(), 5, "the total follows");
-        assert_eq!(
-            out.matches("# TYPE tensile_pod_reconcile_errors_total counter")
-                .count(),
-            1
-        );
+    }
+
+    /// Every series that existed before prometheus-client is there, with today's name and
+    /// labels, before anything happened.
+    #[test]
+    fn todays_series_are_there_from_the_start() {
+        let out = Metrics::default().render();
+        let mut series: Vec<String> = [
+            "tensile_pod_reconciles_total",
+            "tensile_upper_status_writes_total",
+            "tensile_lower_pod_creates_total",
+            "tensile_lower_pod_updates_total",
+            "tensile_orphans_deleted_total",
+            "tensile_lower_copy_rewrites_deferred_total",
+            "tensile_upper_events_dropped_total",
+            "tensile_gc_rounds_total",
+            "tensile_upper_status_write_seconds_count",
+            "tensile_upper_status_write_seconds_bucket{le=\"+Inf\"}",
+        ]
+        .map(String::from)
+        .into();
+        for cluster in ["upper", "lower"] {
+            for verb in VERBS {
+                series.push(format!(
+                    "tensile_api_requests_total{{cluster=\"{cluster}\",verb=\"{verb}\"}}"
+                ));
+            }
+        }
+        for name in series {
+            assert_eq!(value(&out, &name), Some("0"), "{name} in\n{out}");
+        }
     }
 
     #[test]
-    fn histogram_renders_cumulative_buckets() {
-        let h = Histogram::default();
-        for ms in [1, 5, 7, 150, 9000] {
-            h.observe(Duration::from_millis(ms));
-        }
-        let mut out = String::new();
-        h.render(&mut out, "t", "help");
-        let value = |key: &str| -> String {
-            out.lines()
-                .find_map(|l| l.strip_prefix(key)?.strip_prefix(' '))
-                .unwrap_or_else(|| panic!("{key} missing in\n{out}"))
-                .to_owned()
+    fn api_requests_and_answers_are_counted() {
+        let metrics = Metrics::default();
+        let request = |method: http::Method, uri: &str| {
+            http::Request::builder()
+                .method(method)
+                .uri(uri)
+                .body(())
+                .unwrap()
         };
         let cases = [
-            ("t_bucket{le=\"0.005\"}", "2"), // 1 ms and exactly 5 ms
-            ("t_bucket{le=\"0.01\"}", "3"),
-            ("t_bucket{le=\"0.1\"}", "3"),
-            ("t_bucket{le=\"0.2\"}", "4"),
-            ("t_bucket{le=\"5\"}", "4"),
-            ("t_bucket{le=\"+Inf\"}", "5"),
-            ("t_count", "5"),
-            ("t_sum", "9.163"),
+            (
+                request(http::Method::GET, "/api/v1/pods?watch=true"),
+                Some("watch"),
+            ),
+            (request(http::Method::GET, "/api/v1/pods"), Some("get")),
+            (request(http::Method::POST, "/api/v1/pods"), Some("create")),
+            (request(http::Method::PUT, "/api/v1/pods/a"), Some("update")),
+            (
+                request(http::Method::PATCH, "/api/v1/pods/a"),
+                Some("patch"),
+            ),
+            (
+                request(http::Method::DELETE, "/api/v1/pods/a"),
+                Some("delete"),
+            ),
+            (request(http::Method::OPTIONS, "/api/v1/pods"), None),
         ];
-        for (key, want) in cases {
-            assert_eq!(value(key), want, "{key}");
+        for (request, want) in &cases {
+            assert_eq!(verb(request), *want, "{request:?}");
+            metrics.api_requests.record(Side::Lower, request);
         }
-        assert!(out.contains("# TYPE t histogram"));
+        metrics
+            .api_requests
+            .answered(Side::Lower, "create", Some(http::StatusCode::CONFLICT));
+        metrics.api_requests.answered(Side::Upper, "patch", None);
+        let out = metrics.render();
+        for (series, want) in [
+            (
+                "tensile_api_requests_total{cluster=\"lower\",verb=\"create\"}",
+                "1",
+            ),
+            (
+                "tensile_api_requests_total{cluster=\"lower\",verb=\"watch\"}",
+                "1",
+            ),
+            (
+                "tensile_api_requests_total{cluster=\"upper\",verb=\"create\"}",
+                "0",
+            ),
+            (
+                "tensile_api_responses_total{cluster=\"lower\",verb=\"create\",code=\"409\"}",
+                "1",
+            ),
+            (
+                "tensile_api_responses_total{cluster=\"upper\",verb=\"patch\",code=\"error\"}",
+                "1",
+            ),
+        ] {
+            assert_eq!(value(&out, series), Some(want), "{series} in\n{out}");
+        }
+        assert_eq!(metrics.api_requests.get(Side::Lower, "delete"), 1);
+    }
+
+    #[test]
+    fn histograms_render_cumulative_buckets() {
+        let metrics = Metrics::default();
+        for ms in [1, 5, 7, 150, 9000] {
+            let took = Duration::from_millis(ms);
+            metrics.status_write_seconds.observe(took.as_secs_f64());
+            metrics
+                .status_reflection_seconds
+                .observe(took.as_secs_f64());
+            metrics.reconciled("status", took);
+        }
+        metrics.reconciled("pod", Duration::from_millis(30));
+        let out = metrics.render();
+        let mut cases = Vec::new();
+        for (name, labels) in [
+            ("tensile_upper_status_write_seconds", ""),
+            ("tensile_status_reflection_seconds", ""),
+            (
+                "tensile_reconcile_duration_seconds",
+                ",controller=\"status\"",
+            ),
+        ] {
+            for (le, want) in [
+                ("0.005", "2"), // 1 ms and exactly 5 ms
+                ("0.01", "3"),
+                ("0.1", "3"),
+                ("0.2", "4"),
+                ("5.0", "4"),
+                ("+Inf", "5"),
+            ] {
+                cases.push((format!("{name}_bucket{{le=\"{le}\"{labels}}}"), want));
+            }
+            let labels = labels.trim_start_matches(',');
+            let labels = if labels.is_empty() {
+                String::new()
+            } else {
+                format!("{{{labels}}}")
+            };
+            cases.push((format!("{name}_count{labels}"), "5"));
+            cases.push((format!("{name}_sum{labels}"), "9.163"));
+        }
+        cases.push((
+            "tensile_reconcile_duration_seconds_count{controller=\"pod\"}".into(),
+            "1",
+        ));
+        for (series, want) in cases {
+            assert_eq!(value(&out, &series), Some(want), "{series} in\n{out}");
+        }
+    }
+
+    #[test]
+    fn mirrored_objects_are_read_at_scrape_time() {
+        let metrics = Metrics::default();
+        let pods = Arc::new(std::sync::atomic::AtomicUsize::new(3));
+        let seen = pods.clone();
+        metrics.count_mirrored("pods", move || seen.load(Ordering::Relaxed));
+        metrics.count_mirrored("secrets", || 0);
+        let series = "tensile_mirrored_objects{kind=\"pods\"}";
+        assert_eq!(value(&metrics.render(), series), Some("3"));
+        pods.store(7, Ordering::Relaxed);
+        let out = metrics.render();
+        assert_eq!(value(&out, series), Some("7"), "{out}");
+        assert_eq!(
+            value(&out, "tensile_mirrored_objects{kind=\"secrets\"}"),
+            Some("0")
+        );
     }
 }

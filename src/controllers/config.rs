@@ -43,6 +43,7 @@ use crate::translate::config::{
     Copied, CopyState, Reference, SYSTEM_NAMESPACE, copy_state, holds, kind_of, referenced,
     replacement, stamped_copy,
 };
+use crate::translate::deps::DependencyKind;
 use crate::translate::meta::Owner;
 use crate::translate::pod::is_owned_by;
 
@@ -96,6 +97,13 @@ fn kind_watches<K: Kept>(ctx: &Context) -> (KindWatches<K>, Ready) {
         Api::namespaced(ctx.upper.clone(), &ctx.namespace)
     };
     let (upper, upper_ready) = indexed(upper_api, watcher::Config::default(), index.clone());
+    let copies = lower.store.clone();
+    let kind = match K::DEPENDENCY {
+        DependencyKind::Secret => "secrets",
+        _ => "configmaps",
+    };
+    ctx.metrics
+        .count_mirrored(kind, move || copies.state().len());
     let ready = lower.ready.clone().and(&upper_ready);
     (
         KindWatches {
@@ -209,7 +217,13 @@ fn backoff_key<K: Kept>(copy: &K) -> String {
 async fn reconcile<K: Kept>(copy: Arc<K>, kc: Arc<KindContext>) -> Result<Action, Error> {
     kc.ready.wait().await?;
     let ctx = &kc.ctx;
+    let started = Instant::now();
     let result = keep_in_step(&*copy, &kc).await;
+    let controller = match K::DEPENDENCY {
+        DependencyKind::Secret => "secret",
+        _ => "config",
+    };
+    ctx.metrics.reconciled(controller, started.elapsed());
     if result.is_ok() {
         ctx.succeeded(&backoff_key(&*copy));
     }

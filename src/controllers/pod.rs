@@ -6,7 +6,7 @@
 //! behind pods being created.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
@@ -193,7 +193,9 @@ async fn reconcile(stored: Arc<StoredPod>, pc: Arc<PodContext>) -> Result<Action
         pc.synced.wait().await?;
         let ctx = &pc.ctx;
         ctx.metrics.reconciles.inc();
+        let started = Instant::now();
         let result = reconcile_pod(&upper, &pc, &key).await;
+        ctx.metrics.reconciled("pod", started.elapsed());
         match &result {
             Ok(_) => ctx.succeeded(&key),
             Err(error) => {

@@ -117,6 +117,9 @@ pub fn watches(ctx: &Context) -> PodWatches {
         Api::all(ctx.lower.clone()),
         watcher::Config::default().labels(&ctx.owner.selector()),
     );
+    let mirrored = lower_store.clone();
+    ctx.metrics
+        .count_mirrored("pods", move || mirrored.state().len());
     let (pods_upper, pods_upper_rx) = mpsc::channel(TRIGGER_BUFFER);
     let (pods_lower, pods_lower_rx) = mpsc::channel(TRIGGER_BUFFER);
     let (status_upper, status_upper_rx) = mpsc::channel(TRIGGER_BUFFER);

@@ -12,7 +12,7 @@
 
 use std::fmt::Debug;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::channel::mpsc;
 use futures::{StreamExt, TryStreamExt};
@@ -94,6 +94,9 @@ pub fn watches(ctx: &Context) -> ServiceWatches {
         Some(deleted.clone()),
     );
     let lower_services = reflected(Api::all(ctx.lower.clone()), ours(), None);
+    let mirrored = lower_services.store.clone();
+    ctx.metrics
+        .count_mirrored("services", move || mirrored.state().len());
     let lower_slices = reflected(Api::all(ctx.lower.clone()), ours(), None);
     let lower_endpoints = reflected(Api::all(ctx.lower.clone()), ours(), None);
     let ready = upper_services
@@ -235,6 +238,13 @@ fn error_policy<K: k8s_openapi::Resource + ResourceExt>(
 
 async fn reconcile_service(upper: Arc<Service>, sc: Arc<ServiceContext>) -> Result<Action, Error> {
     sc.ready.wait().await?;
+    let started = Instant::now();
+    let result = sync_service(&upper, &sc).await;
+    sc.ctx.metrics.reconciled("service", started.elapsed());
+    result
+}
+
+async fn sync_service(upper: &Service, sc: &ServiceContext) -> Result<Action, Error> {
     let ctx = &sc.ctx;
     let namespace = upper.namespace().unwrap_or_default();
     let name = upper.name_any();
@@ -251,11 +261,11 @@ async fn reconcile_service(upper: Arc<Service>, sc: Arc<ServiceContext>) -> Resu
         }
         return Ok(Action::await_change());
     }
-    let desired = match lower_service(&upper, &ctx.owner) {
+    let desired = match lower_service(upper, &ctx.owner) {
         Ok(desired) => desired,
         Err(error @ TranslateError::NotMirrored { .. }) => {
             warn!(service = %format!("{namespace}/{name}"), cluster = "upper", %error, "not mirrored");
-            ctx.warn_on(&*upper, "ServiceNotMirrored", error.to_string())
+            ctx.warn_on(upper, "ServiceNotMirrored", error.to_string())
                 .await;
             return Ok(Action::await_change());
         }
@@ -263,16 +273,16 @@ async fn reconcile_service(upper: Arc<Service>, sc: Arc<ServiceContext>) -> Resu
     };
     let source = upper_version(&upper.metadata);
     let result = apply(
-        &sc,
+        sc,
         desired,
         current.as_deref(),
-        &*upper,
+        upper,
         &source,
         service_update,
     )
     .await;
     if result.is_ok() {
-        ctx.succeeded(&backoff_key(&*upper));
+        ctx.succeeded(&backoff_key(upper));
     }
     result
 }

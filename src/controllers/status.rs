@@ -60,52 +60,71 @@ async fn reconcile(lower: Arc<StoredPod>, sc: Arc<StatusContext>) -> Result<Acti
     let span = info_span!("pod status", pod = %key);
     async {
         sc.pods.synced.wait().await?;
-        let ctx = &sc.ctx;
-        let Some(upper) = same_name(&lower).and_then(|r| sc.pods.upper.get(&r)) else {
-            return Ok(Action::await_change());
-        };
-        let (upper, lower) = (upper.to_pod(), lower.to_pod());
-        // Only for a pod mirrored by this node and not being deleted: the pod controller
-        // owns every other step.
-        if decide(&upper, Some(&lower), &ctx.owner) != Step::Sync {
-            return Ok(Action::await_change());
-        }
-        let desired = upper_status(&lower, &upper);
-        let informative = lower.status.as_ref().is_some_and(status_is_informative);
-        if !informative || status_in_sync(upper.status.as_ref(), &desired) {
-            return Ok(Action::await_change());
-        }
-        let api: Api<Pod> =
-            Api::namespaced(ctx.upper.clone(), &upper.namespace().unwrap_or_default());
         let started = Instant::now();
-        // The UID precondition keeps a store that lags a same-name re-create from writing
-        // the old pod's status onto the new one.
-        let written = write_upper_status(&api, &upper, &desired, &key).await;
-        ctx.metrics.status_write_seconds.observe(started.elapsed());
-        match written {
-            Ok(StatusWrite::Written) => {
-                ctx.metrics.status_writes.inc();
-                ctx.succeeded(&backoff_key(&key));
-                debug!(cluster = "upper", phase = ?desired.phase, "reflected status");
-                Ok(Action::await_change())
-            }
-            Ok(StatusWrite::PodReplaced) => {
-                ctx.succeeded(&backoff_key(&key));
-                debug!(
-                    cluster = "upper",
-                    "the upper pod was replaced meanwhile; its own events bring the next step"
-                );
-                Ok(Action::await_change())
-            }
-            Err(error) => {
-                ctx.metrics.reconcile_failed(error.metric_label());
-                warn!(%error, "reflecting status failed; retrying with backoff");
-                Err(error)
-            }
-        }
+        let result = reflect_status(&lower, &sc, &key, started).await;
+        sc.ctx.metrics.reconciled("status", started.elapsed());
+        result
     }
     .instrument(span)
     .await
+}
+
+/// Writes the status of `lower` onto its upper pod when it says more than the upper
+/// one. `started` (the reconcile's start) stands for when the watch saw the lower change:
+/// the time it waited in the controller's queue is not counted.
+async fn reflect_status(
+    lower: &Arc<StoredPod>,
+    sc: &StatusContext,
+    key: &str,
+    started: Instant,
+) -> Result<Action, Error> {
+    let ctx = &sc.ctx;
+    let Some(upper) = same_name(lower).and_then(|r| sc.pods.upper.get(&r)) else {
+        return Ok(Action::await_change());
+    };
+    let (upper, lower) = (upper.to_pod(), lower.to_pod());
+    // Only for a pod mirrored by this node and not being deleted: the pod controller
+    // owns every other step.
+    if decide(&upper, Some(&lower), &ctx.owner) != Step::Sync {
+        return Ok(Action::await_change());
+    }
+    let desired = upper_status(&lower, &upper);
+    let informative = lower.status.as_ref().is_some_and(status_is_informative);
+    if !informative || status_in_sync(upper.status.as_ref(), &desired) {
+        return Ok(Action::await_change());
+    }
+    let api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &upper.namespace().unwrap_or_default());
+    let write_started = Instant::now();
+    // The UID precondition keeps a store that lags a same-name re-create from writing
+    // the old pod's status onto the new one.
+    let written = write_upper_status(&api, &upper, &desired, key).await;
+    ctx.metrics
+        .status_write_seconds
+        .observe(write_started.elapsed().as_secs_f64());
+    match written {
+        Ok(StatusWrite::Written) => {
+            ctx.metrics.status_writes.inc();
+            ctx.metrics
+                .status_reflection_seconds
+                .observe(started.elapsed().as_secs_f64());
+            ctx.succeeded(&backoff_key(key));
+            debug!(cluster = "upper", phase = ?desired.phase, "reflected status");
+            Ok(Action::await_change())
+        }
+        Ok(StatusWrite::PodReplaced) => {
+            ctx.succeeded(&backoff_key(key));
+            debug!(
+                cluster = "upper",
+                "the upper pod was replaced meanwhile; its own events bring the next step"
+            );
+            Ok(Action::await_change())
+        }
+        Err(error) => {
+            ctx.metrics.reconcile_failed(error.metric_label());
+            warn!(%error, "reflecting status failed; retrying with backoff");
+            Err(error)
+        }
+    }
 }
 
 fn error_policy(lower: Arc<StoredPod>, _error: &Error, sc: Arc<StatusContext>) -> Action {

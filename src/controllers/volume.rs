@@ -8,7 +8,7 @@
 //! it while a pod uses it). A reflected volume goes when its lower volume goes.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
@@ -196,7 +196,9 @@ async fn reconcile(
     vc: Arc<VolumeContext>,
 ) -> Result<Action, Error> {
     vc.ready.wait().await?;
+    let started = Instant::now();
     let result = reflect_claim(&lower, &vc).await;
+    vc.ctx.metrics.reconciled("volume", started.elapsed());
     if result.is_ok() {
         vc.ctx.succeeded(&backoff_key(&lower));
     }

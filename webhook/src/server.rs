@@ -69,7 +69,10 @@ async fn readyz(State(app): State<Arc<App>>) -> Response {
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
         app.metrics.render(),
     )
         .into_response()
@@ -107,7 +110,7 @@ async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Vec<
 }
 
 fn bad_request(app: &App, bad: &BadReview) -> Response {
-    app.metrics.bad_requests.fetch_add(1, Ordering::Relaxed);
+    app.metrics.bad_requests.inc();
     warn!(error = %bad, "bad admission request");
     (StatusCode::BAD_REQUEST, format!("{bad}\n")).into_response()
 }
@@ -131,9 +134,7 @@ pub fn answer(app: &App, body: &[u8]) -> Response {
         Decision::Mutated => info!(pod = %pod(), ops = outcome.patch.0.len(), "mutated"),
         Decision::Remembered => info!(pod = %pod(), "descheduled node remembered"),
         Decision::Unreadable => {
-            app.metrics
-                .warnings
-                .fetch_add(outcome.warnings.len() as u64, Ordering::Relaxed);
+            app.metrics.warnings.inc_by(outcome.warnings.len() as u64);
             warn!(pod = %pod(), warnings = ?outcome.warnings, "allowed unchanged");
         }
         Decision::Ignored | Decision::Unchanged => {
@@ -189,12 +190,12 @@ pub async fn serve_tls(
             let tls = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
                 Ok(Ok(tls)) => tls,
                 Ok(Err(error)) => {
-                    metrics.tls_handshake_errors.fetch_add(1, Ordering::Relaxed);
+                    metrics.tls_handshake_errors.inc();
                     debug!(%peer, %error, "TLS handshake failed");
                     return;
                 }
                 Err(_) => {
-                    metrics.tls_handshake_errors.fetch_add(1, Ordering::Relaxed);
+                    metrics.tls_handshake_errors.inc();
                     debug!(%peer, "TLS handshake timed out");
                     return;
                 }

@@ -2,7 +2,6 @@
 //! disk (a renewed Secret, cert-manager), without dropping connections or restarting.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -177,13 +176,13 @@ pub async fn watch(
                 target.replace(fresh);
                 loaded = bytes;
                 last_error = None;
-                metrics.cert_reloads.fetch_add(1, Ordering::Relaxed);
+                metrics.cert_reloads.inc();
                 info!(cert = %cert.display(), "serving certificate reloaded");
             }
             Err(error) => {
                 let message = error.to_string();
                 if last_error.as_ref() != Some(&message) {
-                    metrics.cert_reload_errors.fetch_add(1, Ordering::Relaxed);
+                    metrics.cert_reload_errors.inc();
                     warn!(%error, "certificate changed on disk but cannot be loaded; keeping the previous one");
                     last_error = Some(message);
                 }

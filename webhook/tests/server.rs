@@ -159,7 +159,7 @@ async fn bad_input_is_a_400_with_a_message() {
         assert_eq!(status, 400, "{name}: {message}");
         assert!(message.contains(want), "{name}: {message}");
     }
-    assert_eq!(f.metrics.bad_requests.load(Ordering::Relaxed), 9);
+    assert_eq!(f.metrics.bad_requests.get(), 9);
 
     // An unreadable pod is not bad input: allowed, unchanged, with a warning.
     let (status, body) = post(
@@ -259,7 +259,7 @@ async fn reloads_the_certificate_when_the_files_change() {
     let current_key = std::fs::read_to_string(f.dir.path().join("tls.key")).unwrap();
     rewrite(f.dir.path(), &other.cert_pem, &current_key);
     wait_for("the reload error", Duration::from_secs(10), || async {
-        Ok((f.metrics.cert_reload_errors.load(Ordering::Relaxed) > 0).then_some(()))
+        Ok((f.metrics.cert_reload_errors.get() > 0).then_some(()))
     })
     .await
     .unwrap();
@@ -287,7 +287,7 @@ async fn reloads_the_certificate_when_the_files_change() {
     )
     .await
     .unwrap_or_else(|e| panic!("{e:#}"));
-    assert_eq!(f.metrics.cert_reloads.load(Ordering::Relaxed), 1);
+    assert_eq!(f.metrics.cert_reloads.get(), 1);
     assert_eq!(
         old.send("GET", "/healthz", Vec::new())
             .await
