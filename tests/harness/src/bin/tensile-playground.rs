@@ -128,7 +128,7 @@ async fn up(dir: &Path, lower_nodes: usize, upper_nodes: usize, node: Option<&st
         _ = sigterm.recv() => bail!("interrupted while starting"),
         _ = sigint.recv() => bail!("interrupted while starting"),
     };
-    let _virtual_node = match node {
+    let virtual_node = match node {
         Some(node) => Some(tokio::select! {
             started = join_and_demo(&pair, node) => started?,
             _ = sigterm.recv() => bail!("interrupted while starting"),
@@ -137,7 +137,7 @@ async fn up(dir: &Path, lower_nodes: usize, upper_nodes: usize, node: Option<&st
         None => None,
     };
     std::fs::write(dir.join(READY_FILE), "")?;
-    print_summary(&pair, started.elapsed(), node);
+    print_summary(&pair, started.elapsed(), node, virtual_node.as_ref());
 
     tokio::select! {
         _ = sigterm.recv() => {}
@@ -213,7 +213,12 @@ async fn join_and_demo(pair: &ClusterPair, node: &str) -> Result<VirtualNode> {
     Ok(virtual_node)
 }
 
-fn print_summary(pair: &ClusterPair, elapsed: Duration, node: Option<&str>) {
+fn print_summary(
+    pair: &ClusterPair,
+    elapsed: Duration,
+    node: Option<&str>,
+    virtual_node: Option<&VirtualNode>,
+) {
     println!(
         "\nready in {:.1}s (Kubernetes {})",
         elapsed.as_secs_f64(),
@@ -248,6 +253,12 @@ fn print_summary(pair: &ClusterPair, elapsed: Duration, node: Option<&str>) {
         println!("  {upper} port-forward pod/vk-demo 8080:80   # kwok echoes what you send");
     }
     println!("  {lower} get nodes,pods -A");
+    if let Some(vn) = virtual_node {
+        let port = vn.metrics_port;
+        println!(
+            "  curl -s http://127.0.0.1:{port}/metrics   # the virtual node's metrics (also /healthz, /readyz)"
+        );
+    }
     let dir = pair.dir.display();
     println!("logs: {dir}/{{upper,lower}}/*.log, {dir}/virtual-node-*.log");
     println!("\nCtrl-C (or `tensile-playground down --dir {dir}`) stops it.");
