@@ -134,6 +134,13 @@ pub fn names(pods: &[Pod]) -> BTreeSet<String> {
 /// node's metrics endpoint. Panics when the endpoint does not export it, so an assertion
 /// on a renamed metric fails instead of reading 0.
 pub async fn metric(vn: &VirtualNode, series: &str) -> u64 {
+    let text = metrics_text(vn).await;
+    series_value(&text, series)
+        .unwrap_or_else(|| panic!("the metrics endpoint exports no series {series}"))
+}
+
+/// The node's metrics endpoint's whole answer.
+pub async fn metrics_text(vn: &VirtualNode) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", vn.metrics_port))
         .await
@@ -144,8 +151,7 @@ pub async fn metric(vn: &VirtualNode, series: &str) -> u64 {
         .unwrap();
     let mut text = String::new();
     stream.read_to_string(&mut text).await.unwrap();
-    series_value(&text, series)
-        .unwrap_or_else(|| panic!("the metrics endpoint exports no series {series}"))
+    text
 }
 
 /// The value of `series` in a Prometheus text exposition, if it is there.
