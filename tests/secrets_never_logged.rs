@@ -70,29 +70,27 @@ async fn secret_contents_appear_in_no_log_event_or_metric() {
             .and_then(|d| d.get("password"))
             .is_some_and(|v| v.0 == marker.as_bytes())
     };
-    wait_for("the copy updated", TIMEOUT, || async {
-        Ok(lower_secrets
-            .get_opt("db")
-            .await?
-            .filter(|s| holds(s, markers[1]))
-            .map(|_| ()))
-    })
-    .await
-    .unwrap();
+    let copy_holds = |what: &'static str, marker: &'static str| {
+        let lower_secrets = lower_secrets.clone();
+        async move {
+            wait_for(what, TIMEOUT, || async {
+                Ok(lower_secrets
+                    .get_opt("db")
+                    .await?
+                    .filter(|s| holds(s, marker))
+                    .map(|_| ()))
+            })
+            .await
+            .unwrap();
+        }
+    };
+    copy_holds("the copy updated", markers[1]).await;
     let below = json!({"stringData": {"password": "edited-below"}});
     lower_secrets
         .patch("db", &PatchParams::default(), &Patch::Merge(&below))
         .await
         .unwrap();
-    wait_for("the edit below undone", TIMEOUT, || async {
-        Ok(lower_secrets
-            .get_opt("db")
-            .await?
-            .filter(|s| holds(s, markers[1]))
-            .map(|_| ()))
-    })
-    .await
-    .unwrap();
+    copy_holds("the edit below undone", markers[1]).await;
     upper_pods
         .delete("app", &DeleteParams::default())
         .await

@@ -125,9 +125,7 @@ pub struct Context {
     pub upper: Client,
     /// Lower cluster client.
     pub lower: Client,
-    /// `--nodename`.
-    pub node_name: String,
-    /// This node of this upper cluster: the marks on what it makes below.
+    /// This node (`--nodename`) of this upper cluster: the marks on what it makes below.
     pub owner: Owner,
     /// `--ignore-labels`.
     pub ignore_labels: Vec<String>,
@@ -164,7 +162,6 @@ impl Context {
         Self {
             upper,
             lower,
-            node_name: owner.node.clone(),
             owner,
             ignore_labels,
             with_service_account,
@@ -229,7 +226,7 @@ impl Context {
                 "lower cluster: {kind} {key} keeps being changed by something other than \
                  virtual node {node}; its rewrites from the upper {kind} are put off, up to \
                  {longest}s apart, until it stays as written for {quiet}s",
-                node = self.node_name,
+                node = self.owner.node,
                 longest = LONGEST_DELAY.as_secs(),
                 quiet = QUIET.as_secs(),
             );

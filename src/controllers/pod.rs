@@ -391,7 +391,7 @@ async fn create(
             Found::Nothing | Found::Copy | Found::OursInTransit => Ok(()),
             Found::Foreign => Err(Error::Conflict {
                 key: key.to_owned(),
-                node: ctx.node_name.clone(),
+                node: ctx.owner.node.clone(),
             }),
         },
         Err(e) => Err(api_error(Side::Lower, "creating", "Pod", key)(e)),

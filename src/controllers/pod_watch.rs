@@ -111,7 +111,7 @@ pub fn watches(ctx: &Context) -> PodWatches {
     };
     let (upper_store, upper_stream, upper_ready) = pod_reflector(
         upper_api,
-        watcher::Config::default().fields(&format!("spec.nodeName={}", ctx.node_name)),
+        watcher::Config::default().fields(&format!("spec.nodeName={}", ctx.owner.node)),
     );
     let (lower_store, lower_stream, lower_ready) = pod_reflector(
         Api::all(ctx.lower.clone()),

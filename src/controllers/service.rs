@@ -513,7 +513,7 @@ async fn foreign<K: Mirrored, U: Resource<DynamicType = ()>>(
     }
     let note = format!(
         "lower cluster: {kind} {key} exists and was not created by virtual node {} for this object; leaving it alone",
-        ctx.node_name
+        ctx.owner.node
     );
     warn!(object = %key, kind, cluster = "lower", "{note}");
     ctx.warn_on(upper, "LowerObjectNotOurs", note).await;

@@ -52,7 +52,7 @@ pub struct VolumeWatches {
 /// this node, upper claims (in `--namespace` if given), lower volumes and storage classes.
 pub fn watches(ctx: &Context) -> VolumeWatches {
     let ours = watcher::Config::default().labels(&ctx.owner.selector());
-    let reflections = watcher::Config::default().labels(&reflections_selector(&ctx.node_name));
+    let reflections = watcher::Config::default().labels(&reflections_selector(&ctx.owner.node));
     let lower_volume_deleted = Arc::new(Notify::new());
     let upper_claims_api = if ctx.namespace.is_empty() {
         Api::all(ctx.upper.clone())
@@ -257,7 +257,7 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, vc: &VolumeContext) -> Res
         return Ok(Action::await_change());
     }
 
-    if let Some(patch) = selected_node_patch(&upper, lower, &ctx.node_name) {
+    if let Some(patch) = selected_node_patch(&upper, lower, &ctx.owner.node) {
         upper_api
             .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
@@ -294,7 +294,7 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, vc: &VolumeContext) -> Res
     if !bound_to_copy {
         return Ok(Action::await_change());
     }
-    let desired = upper_pv(&lower_volume, &upper, &ctx.node_name)?;
+    let desired = upper_pv(&lower_volume, &upper, &ctx.owner.node)?;
     let volumes: Api<PersistentVolume> = Api::all(ctx.upper.clone());
     match vc.upper_volumes.get(&ObjectRef::new(volume)) {
         None => match volumes.create(&PostParams::default(), &desired).await {
@@ -310,7 +310,7 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, vc: &VolumeContext) -> Res
                 ))?;
                 let ours = existing
                     .as_ref()
-                    .is_some_and(|m| is_reflected_by(&m.metadata, &ctx.node_name));
+                    .is_some_and(|m| is_reflected_by(&m.metadata, &ctx.owner.node));
                 // The seed's way: the user prepared an upper volume and the claim bound it.
                 let users_bound = upper_volume_name == Some(volume);
                 if existing.is_some() && !ours && !users_bound {
@@ -421,7 +421,7 @@ async fn remove_orphaned_volumes(
             () = tick_or_wake(&mut tick, &deleted) => {}
         }
         for reflection in vc.upper_volumes.state() {
-            if !is_reflected_by(&reflection.metadata, &ctx.node_name)
+            if !is_reflected_by(&reflection.metadata, &ctx.owner.node)
                 || reflection.metadata.deletion_timestamp.is_some()
             {
                 continue;
