@@ -169,7 +169,17 @@ impl Process {
 }
 
 impl Drop for Process {
+    /// Kills it; when a test is failing (the thread panics), its log's tail goes to
+    /// stderr first, so that CI output shows what the component did.
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "--- last lines of {} ({}):\n{}\n---",
+                self.name,
+                self.log.display(),
+                tail(&self.log, 80)
+            );
+        }
         let _ = self.kill();
     }
 }
