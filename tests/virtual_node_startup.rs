@@ -164,6 +164,10 @@ async fn the_shipped_rbac_is_enough_to_run() {
             .kubeconfig_for("tensile-virtual-node", &[])
             .unwrap(),
     );
+    // Every node running ServiceControllers mirrors every upper Service, the first copy
+    // standing: only the least-privilege test's node runs them, so that this one never
+    // owns (and leaves behind, once stopped) the copies that test waits for.
+    options.args = vec!["--enable-controllers=PVControllers".into()];
     let mut vn = common::start_node_with(pair, &options, &upper).await;
 
     let test_ns = TestNamespace::create(&upper, "rbac").await.unwrap();
