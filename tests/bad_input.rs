@@ -1,0 +1,232 @@
+//! Bad input: pods that are hard to mirror are mirrored as written or refused below with
+//! a Warning naming the reason, and one pod the lower cluster refuses never stalls the
+//! others.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use common::{TIMEOUT, start_node, wait_running};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{Api, ListParams, PostParams};
+use serde_json::{Value, json};
+use tensile_harness::fixtures::{bound_pod, config_map, merge, pinned_spec};
+use tensile_harness::{ClusterPair, TestNamespace, wait_for};
+
+/// The most bytes the API server admits in one object's annotations (keys and values).
+const ANNOTATIONS_LIMIT: usize = 256 * 1024;
+
+/// A pod bound to `node` from `metadata` and a patch over the pinned spec.
+fn pod_with(metadata: Value, node: &str, spec_patch: Value) -> Pod {
+    let mut spec = pinned_spec(node);
+    merge(&mut spec, json!({"nodeName": node}));
+    merge(&mut spec, spec_patch);
+    serde_json::from_value(json!({"metadata": metadata, "spec": spec})).unwrap()
+}
+
+/// The Warning events about the upper pod `name`, as `reason: note`.
+async fn warnings(events: &Api<Event>, name: &str) -> Vec<String> {
+    events
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.type_.as_deref() == Some("Warning"))
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
+        .map(|e| {
+            format!(
+                "{}: {}",
+                e.reason.unwrap_or_default(),
+                e.note.unwrap_or_default()
+            )
+        })
+        .collect()
+}
+
+/// A pod whose annotations fill the upper limit: the upper cluster admits it, the lower
+/// one refuses its copy (tensile's own annotations push it over). It is refused with a
+/// Warning naming the reason, while 50 ordinary pods created after it all run.
+#[tokio::test]
+async fn a_pod_refused_below_stalls_none_of_fifty_others_and_is_named_in_a_warning() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let node = "vk-bad-one";
+    let _vn = start_node(pair, node, &[]).await;
+    let upper = pair.upper.client().await.unwrap();
+    let ns = TestNamespace::create(&upper, "bad-one").await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let pp = PostParams::default();
+
+    let key = "example.com/bulk";
+    let bulk = "x".repeat(ANNOTATIONS_LIMIT - key.len() - 64);
+    let too_big = pod_with(
+        json!({"name": "too-big", "labels": {"role": "bad"}, "annotations": {key: bulk}}),
+        node,
+        json!({}),
+    );
+    upper_pods.create(&pp, &too_big).await.unwrap();
+
+    let started = Instant::now();
+    for i in 0..50 {
+        let mut good = bound_pod(&format!("good-{i}"), node);
+        good.metadata.labels = Some(BTreeMap::from([("role".into(), "good".into())]));
+        upper_pods.create(&pp, &good).await.unwrap();
+    }
+    wait_running(&upper_pods, "role=good", 50).await;
+    println!(
+        "50 good pods Running {:.1} s after the first was created, beside one refused below",
+        started.elapsed().as_secs_f64()
+    );
+
+    let events: Api<Event> = Api::namespaced(upper.clone(), &ns.name);
+    let warning = wait_for(
+        "a Warning on too-big naming the refusal",
+        TIMEOUT,
+        || async {
+            let found = warnings(&events, "too-big").await;
+            Ok(found.into_iter().find(|w| {
+                w.starts_with("LowerSyncFailed") && w.contains("262144 bytes")
+            }))
+        },
+    )
+    .await
+    .unwrap();
+    assert!(warning.contains("lower"), "names the cluster: {warning}");
+    let status = upper_pods
+        .get("too-big")
+        .await
+        .unwrap()
+        .status
+        .unwrap_or_default();
+    assert_eq!(status.phase.as_deref(), Some("Pending"), "{status:?}");
+    ns.delete().await.unwrap();
+}
+
+/// Pods that are unusual but valid run below as written: a 253-character name, unicode
+/// in annotations and env, hostNetwork, init containers, projected volumes with every
+/// source, downward API, emptyDir and a ConfigMap; a reference to a ConfigMap that does
+/// not exist is named in a Warning and does not hold up the others.
+#[tokio::test]
+async fn unusual_but_valid_pods_run_below_as_written() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let node = "vk-unusual";
+    let _vn = start_node(pair, node, &[]).await;
+    let (upper, lower) = (
+        pair.upper.client().await.unwrap(),
+        pair.lower.client().await.unwrap(),
+    );
+    let ns = TestNamespace::create(&upper, "unusual").await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), &ns.name);
+    let pp = PostParams::default();
+    Api::<ConfigMap>::namespaced(upper.clone(), &ns.name)
+        .create(&pp, &config_map("settings", json!({"k": "v"})))
+        .await
+        .unwrap();
+
+    let long_name = format!("long-{}", "n".repeat(253 - 5));
+    let unicode = "ünïcødé ✓ 日本語 🚀";
+    let corpus = [
+        pod_with(
+            json!({"name": long_name, "labels": {"role": "unusual"}}),
+            node,
+            json!({}),
+        ),
+        pod_with(
+            json!({"name": "unicode", "labels": {"role": "unusual"},
+                   "annotations": {"example.com/note": unicode}}),
+            node,
+            json!({"containers": [{"name": "app", "image": "nginx",
+                                   "env": [{"name": "GREETING", "value": unicode}]}]}),
+        ),
+        pod_with(
+            json!({"name": "host-network", "labels": {"role": "unusual"}}),
+            node,
+            json!({"hostNetwork": true}),
+        ),
+        pod_with(
+            json!({"name": "init", "labels": {"role": "unusual"}}),
+            node,
+            json!({"initContainers": [{"name": "setup", "image": "busybox",
+                                       "command": ["true"]}]}),
+        ),
+        pod_with(
+            json!({"name": "volumes", "labels": {"role": "unusual"}}),
+            node,
+            json!({
+                "volumes": [
+                    {"name": "scratch", "emptyDir": {"sizeLimit": "1Mi"}},
+                    {"name": "settings", "configMap": {"name": "settings"}},
+                    {"name": "info", "downwardAPI": {"items": [
+                        {"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]}},
+                    {"name": "all-in-one", "projected": {"sources": [
+                        {"configMap": {"name": "settings"}},
+                        {"downwardAPI": {"items": [
+                            {"path": "name", "fieldRef": {"fieldPath": "metadata.name"}}]}},
+                        {"serviceAccountToken": {"path": "token", "expirationSeconds": 3600}},
+                    ]}},
+                ],
+                "containers": [{"name": "app", "image": "nginx", "volumeMounts": [
+                    {"name": "scratch", "mountPath": "/scratch"},
+                    {"name": "settings", "mountPath": "/settings"},
+                    {"name": "info", "mountPath": "/info"},
+                    {"name": "all-in-one", "mountPath": "/all"},
+                ]}],
+            }),
+        ),
+    ];
+    let missing = pod_with(
+        json!({"name": "missing-config", "labels": {"role": "waiting"}}),
+        node,
+        json!({"volumes": [{"name": "c", "configMap": {"name": "does-not-exist"}}]}),
+    );
+    upper_pods.create(&pp, &missing).await.unwrap();
+    for pod in &corpus {
+        upper_pods.create(&pp, pod).await.unwrap();
+    }
+    wait_running(&upper_pods, "role=unusual", corpus.len()).await;
+
+    let below = lower_pods.get("unicode").await.unwrap();
+    assert_eq!(
+        below
+            .metadata
+            .annotations
+            .unwrap_or_default()
+            .get("example.com/note")
+            .map(String::as_str),
+        Some(unicode)
+    );
+    let env = below.spec.unwrap().containers[0].env.clone().unwrap();
+    assert_eq!(env[0].value.as_deref(), Some(unicode));
+    assert!(lower_pods.get_opt(&long_name).await.unwrap().is_some());
+    let host = lower_pods.get("host-network").await.unwrap();
+    assert_eq!(host.spec.unwrap().host_network, Some(true));
+    let init = lower_pods.get("init").await.unwrap();
+    assert_eq!(init.spec.unwrap().init_containers.unwrap()[0].name, "setup");
+    let volumes = lower_pods.get("volumes").await.unwrap().spec.unwrap();
+    let sources = volumes
+        .volumes
+        .unwrap()
+        .into_iter()
+        .find(|v| v.name == "all-in-one")
+        .and_then(|v| v.projected)
+        .and_then(|p| p.sources)
+        .unwrap_or_default();
+    assert_eq!(sources.len(), 3, "every projected source kept: {sources:?}");
+
+    let events: Api<Event> = Api::namespaced(upper.clone(), &ns.name);
+    wait_for(
+        "a Warning naming the missing ConfigMap",
+        TIMEOUT,
+        || async {
+            let found = warnings(&events, "missing-config").await;
+            Ok(found.into_iter().find(|w| w.contains("does-not-exist")))
+        },
+    )
+    .await
+    .unwrap();
+    ns.delete().await.unwrap();
+}
