@@ -60,6 +60,18 @@ pub enum StartupError {
         /// What went wrong.
         reason: String,
     },
+    /// The API server answered 401: it does not accept the kubeconfig's credentials.
+    #[error(
+        "{side} cluster: API server {server} rejected the credentials (401 Unauthorized): \
+         the kubeconfig's client certificate may have expired or be signed by another CA, \
+         or its token may be revoked"
+    )]
+    Unauthenticated {
+        /// Which cluster.
+        side: Side,
+        /// Its URL.
+        server: String,
+    },
     /// RBAC does not allow something virtual-node needs.
     #[error(
         "{side} cluster: not allowed to {missing} (check the RBAC of the identity in its kubeconfig)"
@@ -150,10 +162,19 @@ pub async fn connect(
             server: server.clone(),
             reason: "no answer within 15s".into(),
         })?
-        .map_err(|e| StartupError::Unreachable {
-            side,
-            server: server.clone(),
-            reason: e.to_string(),
+        .map_err(|e| {
+            if crate::api::is_status(&e, 401) {
+                StartupError::Unauthenticated {
+                    side,
+                    server: server.clone(),
+                }
+            } else {
+                StartupError::Unreachable {
+                    side,
+                    server: server.clone(),
+                    reason: e.to_string(),
+                }
+            }
         })?;
     Ok(Cluster {
         side,

@@ -87,9 +87,9 @@ async fn a_pod_refused_below_stalls_none_of_fifty_others_and_is_named_in_a_warni
         TIMEOUT,
         || async {
             let found = warnings(&events, "too-big").await;
-            Ok(found.into_iter().find(|w| {
-                w.starts_with("LowerSyncFailed") && w.contains("262144 bytes")
-            }))
+            Ok(found
+                .into_iter()
+                .find(|w| w.starts_with("LowerSyncFailed") && w.contains("262144 bytes")))
         },
     )
     .await

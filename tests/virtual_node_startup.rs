@@ -696,3 +696,83 @@ async fn a_single_missing_permission_is_named_at_start() {
     revoke(&upper, upper_grants).await;
     revoke(&lower, lower_grants).await;
 }
+
+/// Kubeconfigs that are broken in each common way: one clear line naming the cluster and
+/// what is wrong, exit 1, no panic.
+#[test]
+fn broken_kubeconfigs_name_the_cluster_and_what_is_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = write_kubeconfig(dir.path(), "good", "https://127.0.0.1:1");
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let garbage = write("garbage", "{this is: [not a kubeconfig");
+    let empty = write("empty", "");
+    let no_context = write(
+        "no-context",
+        r#"{"apiVersion": "v1", "kind": "Config", "clusters": [], "users": [], "contexts": []}"#,
+    );
+    let missing_cert = write(
+        "missing-cert",
+        &json!({
+            "apiVersion": "v1", "kind": "Config",
+            "clusters": [{"name": "c", "cluster": {"server": "https://127.0.0.1:1"}}],
+            "users": [{"name": "u", "user": {"client-certificate": "/nonexistent/u.crt",
+                                              "client-key": "/nonexistent/u.key"}}],
+            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+            "current-context": "c",
+        })
+        .to_string(),
+    );
+    let cases: [(&str, &Path, &Path, &[&str]); 5] = [
+        (
+            "garbage upper",
+            &garbage,
+            &good,
+            &["upper cluster", "garbage"],
+        ),
+        (
+            "garbage lower",
+            &good,
+            &garbage,
+            &["lower cluster", "garbage"],
+        ),
+        ("empty", &good, &empty, &["lower cluster", "empty"]),
+        (
+            "no context",
+            &no_context,
+            &good,
+            &["upper cluster", "no-context"],
+        ),
+        (
+            "missing cert",
+            &missing_cert,
+            &good,
+            &["upper cluster", "u.crt"],
+        ),
+    ];
+    for (case, upper, lower, needles) in cases {
+        let output = virtual_node(upper, lower);
+        eprintln!("{case}: {}", String::from_utf8_lossy(&output.stderr).trim());
+        assert_one_clear_line(&output, needles);
+    }
+}
+
+/// A client certificate that has expired: one line naming the cluster and saying the
+/// credentials were rejected (it used to say the API server was unreachable).
+#[tokio::test]
+async fn an_expired_client_certificate_names_the_cluster() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let expired = pair.upper.kubeconfig_expired_for("vk-expired").unwrap();
+    let lower = pair.lower.kubeconfig_for("vk-expired", &[]).unwrap();
+    let output = tokio::task::spawn_blocking(move || virtual_node(&expired, &lower))
+        .await
+        .unwrap();
+    eprintln!("{}", String::from_utf8_lossy(&output.stderr).trim());
+    assert_one_clear_line(
+        &output,
+        &["upper cluster", "rejected the credentials", "expired"],
+    );
+}

@@ -447,6 +447,14 @@ impl Cluster {
         Ok(path)
     }
 
+    /// A kubeconfig for `user` with a client certificate that has expired.
+    pub fn kubeconfig_expired_for(&self, user: &str) -> Result<PathBuf> {
+        let cert = self.pki.issue_expired_client(user)?;
+        let path = self.dir.join(format!("expired-{user}.kubeconfig"));
+        write_kubeconfig(&path, &self.name, &self.server, &self.pki.ca_cert, &cert)?;
+        Ok(path)
+    }
+
     /// A client with the admin identity.
     pub async fn client(&self) -> Result<Client> {
         client_for(&self.kubeconfig)

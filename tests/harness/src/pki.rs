@@ -92,8 +92,24 @@ impl Ca {
         sans: &[&str],
         usage: ExtendedKeyUsagePurpose,
     ) -> Result<(String, String)> {
+        self.issue_with(
+            user,
+            groups,
+            sans,
+            usage,
+            CertificateParams::new(Vec::<String>::new())?,
+        )
+    }
+
+    fn issue_with(
+        &self,
+        user: &str,
+        groups: &[&str],
+        sans: &[&str],
+        usage: ExtendedKeyUsagePurpose,
+        mut params: CertificateParams,
+    ) -> Result<(String, String)> {
         let key = KeyPair::generate()?;
-        let mut params = CertificateParams::new(Vec::<String>::new())?;
         params.distinguished_name.push(DnType::CommonName, user);
         for group in groups {
             params
@@ -238,6 +254,28 @@ impl Pki {
             &self.dir,
             &file,
             ca.issue(user, groups, &[], ExtendedKeyUsagePurpose::ClientAuth)?,
+        )
+    }
+
+    /// Issues a client certificate for `user` that expired in 2001 (signed by the cluster
+    /// CA, so only its dates are wrong).
+    pub fn issue_expired_client(&self, user: &str) -> Result<ClientCert> {
+        let key_pem = std::fs::read_to_string(&self.ca_key)
+            .with_context(|| format!("reading {}", self.ca_key.display()))?;
+        let ca = Ca {
+            issuer: Issuer::new(ca_params(&self.name)?, KeyPair::from_pem(&key_pem)?),
+        };
+        let mut params = CertificateParams::new(Vec::<String>::new())?;
+        params.not_before = rcgen::date_time_ymd(2000, 1, 1);
+        params.not_after = rcgen::date_time_ymd(2001, 1, 1);
+        let file = format!(
+            "expired-{}",
+            user.replace(|c: char| !c.is_ascii_alphanumeric(), "-")
+        );
+        write_pair(
+            &self.dir,
+            &file,
+            ca.issue_with(user, &[], &[], ExtendedKeyUsagePurpose::ClientAuth, params)?,
         )
     }
 }
