@@ -16,7 +16,7 @@ use tensile::translate::meta::{OWNER_NODE_LABEL, UPPER_UID_ANNOTATION};
 use tensile_harness::fixtures::{
     bound_pod, config_map, deployment, merge, pinned_spec, pod, secret,
 };
-use tensile_harness::{ClusterPair, TestNamespace, VirtualNode, wait_for};
+use tensile_harness::{ClusterPair, TestNamespace, VirtualNode, invariant, wait_for};
 
 /// A virtual node and one pod `web` bound to it, in a namespace of its own.
 struct OnePod {
@@ -370,6 +370,70 @@ async fn killed_mid_burst_it_converges_without_duplicates_or_orphans() {
         100,
         "no stray pods of this node elsewhere"
     );
+    let (report, took) = invariant::converge(&upper, &lower, node, None, TIMEOUT)
+        .await
+        .unwrap();
+    println!("after the kill mid-burst: {report} (converged in {took:?})");
+    assert!(report.holds(), "{report}");
+    ns.delete().await.unwrap();
+}
+
+/// SIGKILLed while 100 pods are being deleted, then started again: every lower pod of a
+/// deleted upper pod goes, the rest stay, and the invariant holds.
+#[tokio::test]
+async fn killed_mid_deletion_it_leaves_no_orphans() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let node = "vk-unburst";
+    let mut vn = start_node(pair, node, &[]).await;
+    let (upper, lower) = (
+        pair.upper.client().await.unwrap(),
+        pair.lower.client().await.unwrap(),
+    );
+    let ns = TestNamespace::create(&upper, "unburst").await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), &ns.name);
+    let creates = (0..120).map(|i| {
+        let api = upper_pods.clone();
+        async move {
+            let mut p = bound_pod(&format!("p-{i:03}"), node);
+            let group = if i < 100 { "doomed" } else { "kept" };
+            p.metadata.labels = Some([("group".to_owned(), group.to_owned())].into());
+            api.create(&PostParams::default(), &p).await.unwrap();
+        }
+    });
+    futures::future::join_all(creates).await;
+    wait_running(&lower_pods, "group=doomed", 100).await;
+    wait_running(&lower_pods, "group=kept", 20).await;
+
+    // Restarted throttled, so that the kill lands while lower pods are still going.
+    vn.kill().unwrap();
+    let mut vn = start_node(pair, node, &["--client-qps", "10", "--client-burst", "2"]).await;
+    upper_pods
+        .delete_collection(
+            &DeleteParams::default(),
+            &ListParams::default().labels("group=doomed"),
+        )
+        .await
+        .unwrap();
+    wait_for("some lower pods to go", TIMEOUT, || async {
+        Ok((pods(&lower_pods, "group=doomed").await.len() <= 90).then_some(()))
+    })
+    .await
+    .unwrap();
+    vn.kill().unwrap();
+    let left = pods(&lower_pods, "group=doomed").await.len();
+    assert!(left > 0, "killed mid-way ({left} of 100 left below)");
+    let _vn = start_node(pair, node, &[]).await;
+
+    wait_gone(&upper_pods, "group=doomed").await;
+    wait_gone(&lower_pods, "group=doomed").await;
+    let kept = wait_running(&lower_pods, "group=kept", 20).await;
+    assert_eq!(kept.len(), 20);
+    let (report, took) = invariant::converge(&upper, &lower, node, None, TIMEOUT)
+        .await
+        .unwrap();
+    println!("after the kill mid-deletion ({left} left below): {report} (converged in {took:?})");
+    assert!(report.holds(), "{report}");
     ns.delete().await.unwrap();
 }
 

@@ -15,6 +15,7 @@
 pub mod binaries;
 pub mod cluster;
 pub mod fixtures;
+pub mod invariant;
 pub mod measure;
 pub mod pair;
 pub mod pki;
