@@ -433,6 +433,16 @@ impl Cluster {
         process.signal(signal)
     }
 
+    /// SIGKILLs a component and starts it again (same flags, same data): a crash and a
+    /// restart. Does not wait for it to serve.
+    pub fn restart(&self, component: Component, reaper: &Reaper) -> Result<()> {
+        let mut processes = self.lock();
+        let Some((_, process)) = processes.iter_mut().find(|(c, _)| *c == component) else {
+            bail!("{}: {} is not running", self.name, component.binary());
+        };
+        process.restart(reaper)
+    }
+
     /// A kubeconfig for `user` in `groups` (for RBAC tests), written beside the admin one.
     pub fn kubeconfig_for(&self, user: &str, groups: &[&str]) -> Result<PathBuf> {
         let cert = self.pki.issue_client(user, groups)?;

@@ -11,7 +11,7 @@ use kube::api::{Api, DeleteParams, PostParams};
 use tokio::sync::OnceCell;
 
 use crate::binaries::Binaries;
-use crate::cluster::{Cluster, ClusterOptions};
+use crate::cluster::{Cluster, ClusterOptions, Component};
 use crate::process::Reaper;
 use crate::wait::wait_for;
 
@@ -113,6 +113,12 @@ impl ClusterPair {
     /// it is dropped, or with the test process.
     pub async fn start_cluster(&self, options: ClusterOptions) -> Result<Cluster> {
         Cluster::start(&self.binaries, options, &self.dir, &self.reaper).await
+    }
+
+    /// SIGKILLs `component` of `cluster` (one of this pair's) and starts it again; does
+    /// not wait for it to serve.
+    pub fn restart(&self, cluster: &Cluster, component: Component) -> Result<()> {
+        cluster.restart(component, &self.reaper)
     }
 
     pub(crate) fn reaper(&self) -> &Reaper {

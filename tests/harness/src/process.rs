@@ -70,6 +70,8 @@ pub struct Process {
     name: String,
     child: Child,
     log: PathBuf,
+    /// How it was started, to start it again.
+    command: (PathBuf, Vec<String>, Vec<(String, String)>),
 }
 
 impl Process {
@@ -102,7 +104,16 @@ impl Process {
             name: name.to_owned(),
             child,
             log: log.to_owned(),
+            command: (program.to_owned(), args.to_owned(), envs.to_owned()),
         })
+    }
+
+    /// SIGKILLs it and starts it again the same way (its log continues).
+    pub fn restart(&mut self, reaper: &Reaper) -> Result<()> {
+        self.kill()?;
+        let (program, args, envs) = self.command.clone();
+        *self = Self::spawn(&self.name, &program, &args, &envs, &self.log, reaper)?;
+        Ok(())
     }
 
     /// The component's name (e.g. `lower/kube-apiserver`).
