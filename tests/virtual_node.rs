@@ -378,6 +378,68 @@ async fn killed_mid_burst_it_converges_without_duplicates_or_orphans() {
     ns.delete().await.unwrap();
 }
 
+/// SIGTERM in the middle of a 100-pod burst: the process ends with status 0 within 5 s
+/// (in-flight work finished or abandoned), and once started again nothing is lost,
+/// duplicated or orphaned.
+#[tokio::test]
+async fn sigterm_mid_burst_exits_within_5_s_and_loses_nothing() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let node = "vk-term";
+    // Throttled, so that the signal lands while pods are still being created.
+    let mut vn = start_node(pair, node, &["--client-qps", "20", "--client-burst", "5"]).await;
+    let (upper, lower) = (
+        pair.upper.client().await.unwrap(),
+        pair.lower.client().await.unwrap(),
+    );
+    let ns = TestNamespace::create(&upper, "term").await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), &ns.name);
+    let creates = (0..100).map(|i| {
+        let api = upper_pods.clone();
+        async move {
+            let mut p = bound_pod(&format!("p-{i:03}"), node);
+            p.metadata.labels = Some([("app".to_owned(), "term".to_owned())].into());
+            api.create(&PostParams::default(), &p).await.unwrap();
+        }
+    });
+    futures::future::join_all(creates).await;
+    wait_for("some lower pods to exist", TIMEOUT, || async {
+        Ok((pods(&lower_pods, "app=term").await.len() >= 20).then_some(()))
+    })
+    .await
+    .unwrap();
+
+    let signalled = std::time::Instant::now();
+    vn.signal(nix::sys::signal::Signal::SIGTERM).unwrap();
+    let exited = wait_for("virtual-node to exit on SIGTERM", TIMEOUT, || {
+        let exited = vn.check_running().err().map(|e| e.to_string());
+        async move { Ok(exited) }
+    })
+    .await
+    .unwrap();
+    let took = signalled.elapsed();
+    let at_exit = pods(&lower_pods, "app=term").await.len();
+    println!("SIGTERM with {at_exit} of 100 created below: exited in {took:?}");
+    assert!(exited.contains("exit status: 0"), "{exited}");
+    assert!(
+        at_exit < 100,
+        "signalled mid-way ({at_exit} of 100 created)"
+    );
+    assert!(
+        took < std::time::Duration::from_secs(5),
+        "exited in {took:?}"
+    );
+
+    let _vn = start_node(pair, node, &[]).await;
+    wait_running(&upper_pods, "app=term", 100).await;
+    let (report, converged) = invariant::converge(&upper, &lower, node, None, TIMEOUT)
+        .await
+        .unwrap();
+    println!("after SIGTERM mid-burst: {report} (converged in {converged:?})");
+    assert!(report.holds(), "{report}");
+    ns.delete().await.unwrap();
+}
+
 /// SIGKILLed while 100 pods are being deleted, then started again: every lower pod of a
 /// deleted upper pod goes, the rest stay, and the invariant holds.
 #[tokio::test]
