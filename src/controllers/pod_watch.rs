@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use futures::channel::mpsc;
+use futures::stream::BoxStream;
 use futures::{FutureExt, SinkExt, StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
@@ -29,8 +30,40 @@ const TRIGGER_BUFFER: usize = 1024;
 /// The changed pods one controller is woken by: upper pods bound to this node and lower
 /// pods it owns.
 pub struct Triggers {
-    pub(crate) upper: mpsc::Receiver<Arc<StoredPod>>,
-    pub(crate) lower: mpsc::Receiver<Arc<StoredPod>>,
+    pub(crate) upper: BoxStream<'static, Arc<StoredPod>>,
+    pub(crate) lower: BoxStream<'static, Arc<StoredPod>>,
+}
+
+impl Triggers {
+    /// Drops every change until `until` ends, then yields every pod of `upper` once, as if
+    /// each had just changed, before the changes from then on. A standby (`--leader-elect`)
+    /// runs no controller: dropping keeps its watches, and so its stores, current instead of
+    /// waiting on a full queue; the replay makes the new leader act on whatever changed
+    /// meanwhile (both controllers map an upper pod to its lower one; a lower pod whose
+    /// upper pod is gone is the orphan collector's).
+    pub async fn drop_until(
+        mut self,
+        upper: &Store<StoredPod>,
+        until: impl Future<Output = ()>,
+    ) -> Self {
+        let mut until = std::pin::pin!(until);
+        loop {
+            tokio::select! {
+                () = &mut until => break,
+                Some(_) = self.upper.next() => {}
+                Some(_) = self.lower.next() => {}
+                else => {
+                    until.await;
+                    break;
+                }
+            }
+        }
+        let replay = futures::stream::iter(upper.state());
+        Self {
+            upper: replay.chain(self.upper).boxed(),
+            lower: self.lower,
+        }
+    }
 }
 
 /// The two pod watches, their stores, and the changes they hand to the pod controller and
@@ -138,12 +171,12 @@ pub fn watches(ctx: &Context) -> PodWatches {
         },
         pump,
         pods: Triggers {
-            upper: pods_upper_rx,
-            lower: pods_lower_rx,
+            upper: pods_upper_rx.boxed(),
+            lower: pods_lower_rx.boxed(),
         },
         status: Triggers {
-            upper: status_upper_rx,
-            lower: status_lower_rx,
+            upper: status_upper_rx.boxed(),
+            lower: status_lower_rx.boxed(),
         },
     }
 }
