@@ -16,7 +16,9 @@ use kube::Client;
 use kube::api::{Api, ListParams, PostParams};
 use nix::sys::signal::Signal;
 use tensile_harness::fixtures::bound_pod;
-use tensile_harness::{ClusterPair, TestNamespace, VirtualNode, VirtualNodeOptions, wait_for};
+use tensile_harness::{
+    ClusterPair, Component, PairOptions, TestNamespace, VirtualNode, VirtualNodeOptions, wait_for,
+};
 
 /// Where the Lease is when neither POD_NAMESPACE nor a service account says otherwise.
 const LEASE_NAMESPACE: &str = "kube-system";
@@ -107,21 +109,33 @@ async fn reachable(port: u16, path: &str) -> bool {
     answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.0 200")
 }
 
-/// How long after `from` the Lease is held by `identity` (polled every 20 ms).
-async fn until_held_by(leases: &Api<Lease>, node: &str, identity: &str, from: Instant) -> Duration {
-    wait_for(
-        &format!("the lease held by {identity}"),
-        TIMEOUT,
-        || async {
-            let held = holder(leases, node).await.as_deref() == Some(identity);
-            if !held {
-                tokio::time::sleep(Duration::from_millis(20)).await;
+/// Polls `check` every 20 ms until it returns `Some`, for at most [`TIMEOUT`]. A figure
+/// needs this resolution: `wait_for` backs off to 500 ms between polls.
+async fn poll_finely<T, Fut: Future<Output = Option<T>>>(
+    what: &str,
+    mut check: impl FnMut() -> Fut,
+) -> T {
+    let mut every = tokio::time::interval(Duration::from_millis(20));
+    let polled = tokio::time::timeout(TIMEOUT, async {
+        loop {
+            every.tick().await;
+            if let Some(value) = check().await {
+                return value;
             }
-            Ok(held.then(|| from.elapsed()))
-        },
-    )
+        }
+    });
+    polled
+        .await
+        .unwrap_or_else(|_| panic!("timed out after {TIMEOUT:?} waiting for {what}"))
+}
+
+/// How long after `from` the Lease is held by `identity`.
+async fn until_held_by(leases: &Api<Lease>, node: &str, identity: &str, from: Instant) -> Duration {
+    poll_finely(&format!("the lease held by {identity}"), || async {
+        let held = holder(leases, node).await.as_deref() == Some(identity);
+        held.then(|| from.elapsed())
+    })
     .await
-    .unwrap()
 }
 
 /// Creates the bound pods `names` in `pods`, 20 at a time.
@@ -292,4 +306,38 @@ async fn takeover_median_of_five() {
         figures[2].as_millis()
     );
     leader.stop().unwrap();
+}
+
+/// A leader that cannot renew (its upper API server frozen) exits with status 1 at its
+/// renew deadline (3 s), before its 8 s Lease could pass to another replica (the margin is
+/// wide so that a loaded machine does not fail the test). A pair of its own: it freezes the
+/// upper API server.
+#[tokio::test]
+async fn a_leader_that_cannot_renew_exits_before_its_lease_expires() {
+    let pair = ClusterPair::start(PairOptions::default()).await.unwrap();
+    let node = "vk-ha-lost";
+    let upper = pair.upper.client().await.unwrap();
+    let timings = [
+        "--leader-elect-lease-duration=8s",
+        "--leader-elect-renew-deadline=3s",
+        "--leader-elect-retry-period=500ms",
+    ];
+    let mut leader = start_node_with(&pair, &options(node, "a", &timings), &upper).await;
+
+    pair.upper
+        .signal(Component::ApiServer, Signal::SIGSTOP)
+        .unwrap();
+    let frozen = Instant::now();
+    let (after, exit) = poll_finely("the leader to exit", || {
+        let exited = leader.check_running().err();
+        std::future::ready(exited.map(|e| (frozen.elapsed(), e.to_string())))
+    })
+    .await;
+    pair.upper
+        .signal(Component::ApiServer, Signal::SIGCONT)
+        .unwrap();
+    eprintln!("exited {} ms after the freeze", after.as_millis());
+    assert!(exit.contains("exit status: 1"), "{exit}");
+    assert!(exit.contains("leader election lost"), "{exit}");
+    assert!(after < Duration::from_secs(8), "{after:?}");
 }
