@@ -657,6 +657,74 @@ mod tests {
     use super::*;
 
     #[test]
+    fn leader_election_flags() {
+        let base = [
+            "virtual-node",
+            "--nodename=vk-1",
+            "--client-kubeconfig=lower",
+            "--leader-elect-resource-namespace=tensile-system",
+            "--leader-elect-identity=pod-a",
+        ];
+        // (extra flags, Ok((lease name, lease/renew/retry in ms)) or Err(part of the message))
+        type Want = Result<Option<(&'static str, [u128; 3])>, &'static str>;
+        let cases: [(&[&str], Want); 6] = [
+            (&[], Ok(None)),
+            (
+                &["--leader-elect"],
+                Ok(Some(("tensile-virtual-node-vk-1", [10_000, 7_000, 2_000]))),
+            ),
+            (
+                &["--leader-elect=true", "--leader-elect-resource-name=mine"],
+                Ok(Some(("mine", [10_000, 7_000, 2_000]))),
+            ),
+            (
+                &[
+                    "--leader-elect",
+                    "--leader-elect-lease-duration=4s",
+                    "--leader-elect-renew-deadline=3s",
+                    "--leader-elect-retry-period=500ms",
+                ],
+                Ok(Some(("tensile-virtual-node-vk-1", [4_000, 3_000, 500]))),
+            ),
+            (
+                &["--leader-elect", "--leader-elect-renew-deadline=10s"],
+                Err("--leader-elect-lease-duration (10s) must be longer"),
+            ),
+            (
+                &["--leader-elect", "--leader-elect-retry-period=7s"],
+                Err("--leader-elect-renew-deadline (7s) must be longer"),
+            ),
+        ];
+        for (extra, want) in cases {
+            let argv = base.iter().chain(extra.iter());
+            let args = Args::try_parse_from(argv).unwrap();
+            let got = args.lease_config();
+            match (got, want) {
+                (Ok(None), Ok(None)) => {}
+                (Ok(Some(config)), Ok(Some((name, timings)))) => {
+                    assert_eq!(config.name, name, "{extra:?}");
+                    assert_eq!(config.namespace, "tensile-system", "{extra:?}");
+                    assert_eq!(config.identity, "pod-a", "{extra:?}");
+                    let got = [
+                        config.lease_duration,
+                        config.renew_deadline,
+                        config.retry_period,
+                    ]
+                    .map(|d| d.as_millis());
+                    assert_eq!(got, timings, "{extra:?}");
+                    assert_eq!(
+                        args.features().leader_election,
+                        Some("tensile-system"),
+                        "{extra:?}"
+                    );
+                }
+                (Err(got), Err(want)) => assert!(got.contains(want), "{extra:?}: {got}"),
+                (got, want) => panic!("{extra:?}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
+
+    #[test]
     fn durations() {
         let cases = [
             ("10s", Some(10_000_000_000)),

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use clap::CommandFactory;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Taint};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::runtime::events::{Recorder, Reporter};
@@ -55,6 +56,10 @@ async fn main() -> ExitCode {
         Ok(args) => args,
         Err(status) => return status,
     };
+    if let Err(message) = args.lease_config() {
+        let error = Args::command().error(clap::error::ErrorKind::ValueValidation, message);
+        return cli::usage_exit("virtual-node", &error);
+    }
     if checking {
         let report = tensile::check::check(&args).await;
         print!("{}", report.render());

@@ -498,6 +498,17 @@ mod tests {
         assert_eq!(metrics.errors.get(), 5, "the total follows");
     }
 
+    #[test]
+    fn the_leader_gauge_follows_the_lease() {
+        let metrics = Metrics::default();
+        let series = "tensile_leader{lease=\"kube-system/tensile-virtual-node-vk\"}";
+        let cases = [(false, "0"), (true, "1"), (false, "0")];
+        for (leading, want) in cases {
+            metrics.set_leader("kube-system/tensile-virtual-node-vk", leading);
+            assert_eq!(value(&metrics.render(), series), Some(want), "{leading}");
+        }
+    }
+
     /// Every series that existed before prometheus-client is there, with today's name and
     /// labels, before anything happened.
     #[test]

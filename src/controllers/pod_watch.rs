@@ -187,3 +187,69 @@ pub(crate) fn same_name(pod: &Arc<StoredPod>) -> Option<ObjectRef<StoredPod>> {
     let namespace = pod.metadata.namespace.as_deref()?;
     Some(ObjectRef::new(name).within(namespace))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+    use std::time::Duration;
+
+    use super::*;
+
+    fn pod(name: &str) -> StoredPod {
+        let mut pod = Pod::default();
+        pod.metadata.name = Some(name.into());
+        pod.metadata.namespace = Some("ns".into());
+        StoredPod::from(pod)
+    }
+
+    fn name(pod: &StoredPod) -> String {
+        pod.metadata.name.clone().unwrap_or_default()
+    }
+
+    /// A standby's triggers never make its watch wait (queues of one, ten changes), and
+    /// the new leader is handed every stored pod, then the live changes.
+    #[tokio::test]
+    async fn a_standby_drops_changes_then_replays_its_store() {
+        let (store, mut writer) = reflector::store::<StoredPod>();
+        let (mut upper_tx, upper_rx) = mpsc::channel(1);
+        let (mut lower_tx, lower_rx) = mpsc::channel(1);
+        let triggers = Triggers {
+            upper: upper_rx.boxed(),
+            lower: lower_rx.boxed(),
+        };
+        let (lead_tx, lead_rx) = tokio::sync::oneshot::channel::<()>();
+        let standby = tokio::spawn(async move {
+            let until = async {
+                let _ = lead_rx.await;
+            };
+            triggers.drop_until(&store, until).await
+        });
+        let test = async {
+            let stored: BTreeSet<String> = (0..10).map(|i| format!("pod-{i}")).collect();
+            for name in &stored {
+                writer.apply_watcher_event(&watcher::Event::Apply(pod(name)));
+                upper_tx.send(Arc::new(pod(name))).await.unwrap();
+                lower_tx.send(Arc::new(pod(name))).await.unwrap();
+            }
+            lead_tx.send(()).unwrap();
+            let mut triggers = standby.await.unwrap();
+            upper_tx.send(Arc::new(pod("live"))).await.unwrap();
+            lower_tx.send(Arc::new(pod("live-below"))).await.unwrap();
+            let upper: Vec<String> = triggers
+                .upper
+                .by_ref()
+                .take(11)
+                .map(|p| name(&p))
+                .collect()
+                .await;
+            let replayed: BTreeSet<String> = upper[..10].iter().cloned().collect();
+            assert_eq!(replayed, stored);
+            assert_eq!(upper[10], "live");
+            let below = triggers.lower.next().await.map(|p| name(&p));
+            assert_eq!(below.as_deref(), Some("live-below"));
+        };
+        tokio::time::timeout(Duration::from_secs(10), test)
+            .await
+            .unwrap();
+    }
+}
