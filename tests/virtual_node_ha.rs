@@ -198,10 +198,19 @@ async fn a_killed_leader_is_replaced_and_no_pod_is_lost_or_duplicated() {
     let killed = Instant::now();
     leader.kill().unwrap();
     let burst = create_pods(&upper_pods, node, (50..100).map(name));
-    let (took_over, ()) = tokio::join!(until_held_by(&leases, node, "b", killed), burst);
+    let first_create = poll_finely("the new leader's first lower pod", || async {
+        let created = metric(&standby, "tensile_lower_pod_creates_total").await;
+        (created > 0).then(|| killed.elapsed())
+    });
+    let (took_over, first_create, ()) = tokio::join!(
+        until_held_by(&leases, node, "b", killed),
+        first_create,
+        burst
+    );
     eprintln!(
-        "takeover after SIGKILL: {} ms (lease 4s, renew 3s, retry 500ms); {} lower pods existed before",
+        "after SIGKILL: lease taken {} ms, first lower pod created {} ms (lease 4s, renew 3s, retry 500ms); {} lower pods existed before",
         took_over.as_millis(),
+        first_create.as_millis(),
         before.len()
     );
     assert!(took_over < Duration::from_secs(10), "{took_over:?}");
