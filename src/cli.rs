@@ -205,6 +205,40 @@ pub struct Args {
     /// Serve the kubelet API to anyone, unauthenticated: a remote shell for all. Labs only.
     #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true")]
     pub no_verify_clients: bool,
+
+    /// Run as one of several replicas of this node: only the holder of a Lease in the
+    /// upper cluster writes anything; the others keep their pod watches warm and take over
+    /// when it stops renewing (off: this process always acts).
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true")]
+    pub leader_elect: bool,
+
+    /// Name of the leader-election Lease (default: `tensile-virtual-node-<nodename>`).
+    #[arg(long)]
+    pub leader_elect_resource_name: Option<String>,
+
+    /// Namespace of the leader-election Lease (default: $POD_NAMESPACE, else the in-cluster
+    /// service account's namespace, else kube-system).
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub leader_elect_resource_namespace: Option<String>,
+
+    /// This replica's identity in the Lease (default: $POD_NAME, else the host name and a
+    /// random suffix).
+    #[arg(long, env = "POD_NAME")]
+    pub leader_elect_identity: Option<String>,
+
+    /// How long a leader that stopped renewing keeps the Lease; a dead leader is replaced
+    /// about this long after its last renewal (longer than the renew deadline).
+    #[arg(long, value_parser = duration_in(MIN_LEASE_TIMING, MAX_DURATION), default_value = "10s")]
+    pub leader_elect_lease_duration: Duration,
+
+    /// The leader stops writing, and exits, when it could not renew for this long (longer
+    /// than the retry period).
+    #[arg(long, value_parser = duration_in(MIN_LEASE_TIMING, MAX_DURATION), default_value = "7s")]
+    pub leader_elect_renew_deadline: Duration,
+
+    /// How often the Lease is renewed, or tried by a standby.
+    #[arg(long, value_parser = duration_in(MIN_LEASE_TIMING, MAX_DURATION), default_value = "2s")]
+    pub leader_elect_retry_period: Duration,
 }
 
 /// Which optional controllers `--enable-controllers` turns on.
@@ -258,7 +292,37 @@ impl Args {
             node_lease: self.enable_node_lease,
             access_reviews: !self.no_verify_clients,
             token_reviews: self.authentication_token_webhook,
+            leader_election: self.leader_elect.then(|| {
+                // Leaked: computed a few times per process, at start only.
+                &*crate::leader::lease_namespace(self.leader_elect_resource_namespace.as_deref())
+                    .leak()
+            }),
         }
+    }
+
+    /// The leader-election Lease and timings, when `--leader-elect`; `Err` names the flags
+    /// whose timings do not nest (lease duration > renew deadline > retry period), which
+    /// would let a leader lose the Lease while still writing.
+    pub fn lease_config(&self) -> Result<Option<crate::leader::LeaseConfig>, String> {
+        if !self.leader_elect {
+            return Ok(None);
+        }
+        let name = self
+            .leader_elect_resource_name
+            .clone()
+            .filter(|n| !n.is_empty())
+            .unwrap_or_else(|| format!("tensile-virtual-node-{}", self.nodename));
+        let namespace =
+            crate::leader::lease_namespace(self.leader_elect_resource_namespace.as_deref());
+        let identity = crate::leader::identity(self.leader_elect_identity.as_deref());
+        let config = crate::leader::LeaseConfig {
+            lease_duration: self.leader_elect_lease_duration,
+            renew_deadline: self.leader_elect_renew_deadline,
+            retry_period: self.leader_elect_retry_period,
+            ..crate::leader::LeaseConfig::new(&namespace, &name, &identity)
+        };
+        config.check_timings()?;
+        Ok(Some(config))
     }
 }
 
@@ -269,6 +333,10 @@ pub const MAX_DURATION: Duration = Duration::from_secs(365 * 24 * 3600);
 /// The shortest period of anything repeated (a resync, a renewal, a reload): a shorter
 /// one would only spin.
 pub const MIN_PERIOD: Duration = Duration::from_secs(1);
+
+/// The shortest leader-election timing accepted: client-go's are seconds, and tests run
+/// elections in fractions of one.
+const MIN_LEASE_TIMING: Duration = Duration::from_millis(100);
 
 /// A duration as Go writes it, or plain seconds: `10s`, `1m`, `500ms`, `30`, and Go's
 /// compound forms (`1m0s`, `1h30m`, `1.5h`, `300ms`) that tensile-kube prints and its
@@ -587,6 +655,74 @@ pub fn parse_addr(text: &str) -> Result<SocketAddr, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn leader_election_flags() {
+        let base = [
+            "virtual-node",
+            "--nodename=vk-1",
+            "--client-kubeconfig=lower",
+            "--leader-elect-resource-namespace=tensile-system",
+            "--leader-elect-identity=pod-a",
+        ];
+        // (extra flags, Ok((lease name, lease/renew/retry in ms)) or Err(part of the message))
+        type Want = Result<Option<(&'static str, [u128; 3])>, &'static str>;
+        let cases: [(&[&str], Want); 6] = [
+            (&[], Ok(None)),
+            (
+                &["--leader-elect"],
+                Ok(Some(("tensile-virtual-node-vk-1", [10_000, 7_000, 2_000]))),
+            ),
+            (
+                &["--leader-elect=true", "--leader-elect-resource-name=mine"],
+                Ok(Some(("mine", [10_000, 7_000, 2_000]))),
+            ),
+            (
+                &[
+                    "--leader-elect",
+                    "--leader-elect-lease-duration=4s",
+                    "--leader-elect-renew-deadline=3s",
+                    "--leader-elect-retry-period=500ms",
+                ],
+                Ok(Some(("tensile-virtual-node-vk-1", [4_000, 3_000, 500]))),
+            ),
+            (
+                &["--leader-elect", "--leader-elect-renew-deadline=10s"],
+                Err("--leader-elect-lease-duration (10s) must be longer"),
+            ),
+            (
+                &["--leader-elect", "--leader-elect-retry-period=7s"],
+                Err("--leader-elect-renew-deadline (7s) must be longer"),
+            ),
+        ];
+        for (extra, want) in cases {
+            let argv = base.iter().chain(extra.iter());
+            let args = Args::try_parse_from(argv).unwrap();
+            let got = args.lease_config();
+            match (got, want) {
+                (Ok(None), Ok(None)) => {}
+                (Ok(Some(config)), Ok(Some((name, timings)))) => {
+                    assert_eq!(config.name, name, "{extra:?}");
+                    assert_eq!(config.namespace, "tensile-system", "{extra:?}");
+                    assert_eq!(config.identity, "pod-a", "{extra:?}");
+                    let got = [
+                        config.lease_duration,
+                        config.renew_deadline,
+                        config.retry_period,
+                    ]
+                    .map(|d| d.as_millis());
+                    assert_eq!(got, timings, "{extra:?}");
+                    assert_eq!(
+                        args.features().leader_election,
+                        Some("tensile-system"),
+                        "{extra:?}"
+                    );
+                }
+                (Err(got), Err(want)) => assert!(got.contains(want), "{extra:?}: {got}"),
+                (got, want) => panic!("{extra:?}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
 
     #[test]
     fn durations() {

@@ -560,7 +560,12 @@ pub struct Features {
     pub access_reviews: bool,
     /// `--authentication-token-webhook`.
     pub token_reviews: bool,
+    /// `--leader-elect`: the namespace of the leader-election Lease.
+    pub leader_election: Option<&'static str>,
 }
+
+/// Leader election's calls (`crate::leader`): the Lease read, created once, then updated.
+const LEADER_ELECTION_VERBS: [&str; 3] = ["get", "create", "update"];
 
 /// Every permission virtual-node needs in `side` with `features`: the list checked at
 /// start.
@@ -580,11 +585,18 @@ pub fn needed_permissions(side: Side, features: Features) -> Vec<Permission> {
             (features.volumes, LOWER_PV_PERMISSIONS),
         ],
     };
-    tables
+    let mut needed: Vec<Permission> = tables
         .into_iter()
         .filter(|(on, _)| *on)
         .flat_map(|(_, table)| table.iter().copied())
-        .collect()
+        .collect();
+    if let (Side::Upper, Some(namespace)) = (side, features.leader_election) {
+        needed.extend(LEADER_ELECTION_VERBS.map(|verb| Permission {
+            namespace: Some(namespace),
+            ..grouped(verb, "coordination.k8s.io", "leases")
+        }));
+    }
+    needed
 }
 
 #[cfg(test)]
@@ -604,6 +616,7 @@ mod tests {
             node_lease: true,
             access_reviews: true,
             token_reviews: true,
+            leader_election: Some("tensile-system"),
         };
         let none = Features::default();
         let cases = [
@@ -648,6 +661,24 @@ mod tests {
             ),
             (Side::Upper, none, "watch services", false),
             (Side::Upper, all, "watch services", true),
+            (
+                Side::Upper,
+                all,
+                "update leases.coordination.k8s.io in tensile-system",
+                true,
+            ),
+            (
+                Side::Upper,
+                none,
+                "get leases.coordination.k8s.io in tensile-system",
+                false,
+            ),
+            (
+                Side::Lower,
+                all,
+                "get leases.coordination.k8s.io in tensile-system",
+                false,
+            ),
             (Side::Lower, none, "get namespaces", true),
             (Side::Lower, none, "create pods/exec", true),
             (Side::Lower, none, "update services", false),
@@ -679,6 +710,7 @@ mod tests {
                 node_lease: true,
                 access_reviews: true,
                 token_reviews: true,
+                leader_election: Some("tensile-system"),
             };
             let listed: Vec<String> = needed_permissions(side, all)
                 .iter()

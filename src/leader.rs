@@ -1,5 +1,5 @@
 //! Leader election on a coordination.k8s.io/v1 Lease, for binaries that run several
-//! replicas and must act from one only (the descheduler; virtual-node's HA later).
+//! replicas and must act from one only (the descheduler, virtual-node with `--leader-elect`).
 //!
 //! Like client-go's leaderelection: a replica takes the Lease when it is free or its
 //! holder has not renewed it for `lease_duration` (measured on the local clock, from when
@@ -49,6 +49,66 @@ impl LeaseConfig {
             retry_period: Duration::from_secs(2),
         }
     }
+
+    /// Fails, naming the flags, unless lease duration > renew deadline > retry period
+    /// (as client-go requires): otherwise a leader could lose the Lease while still acting,
+    /// or give up before its first retry.
+    pub fn check_timings(&self) -> Result<(), String> {
+        use crate::cli::format_duration;
+        if self.lease_duration <= self.renew_deadline {
+            return Err(format!(
+                "--leader-elect-lease-duration ({}) must be longer than --leader-elect-renew-deadline ({})",
+                format_duration(self.lease_duration),
+                format_duration(self.renew_deadline)
+            ));
+        }
+        if self.renew_deadline <= self.retry_period {
+            return Err(format!(
+                "--leader-elect-renew-deadline ({}) must be longer than --leader-elect-retry-period ({})",
+                format_duration(self.renew_deadline),
+                format_duration(self.retry_period)
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Where the service account's namespace is mounted in a pod.
+const SERVICE_ACCOUNT_NAMESPACE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/namespace";
+
+/// The Lease's namespace: `flag` (`--leader-elect-resource-namespace` or $POD_NAMESPACE),
+/// else this pod's service account namespace, else `kube-system`.
+pub fn lease_namespace(flag: Option<&str>) -> String {
+    let mounted = std::fs::read_to_string(SERVICE_ACCOUNT_NAMESPACE).ok();
+    first_named([flag, mounted.as_deref()]).unwrap_or_else(|| "kube-system".into())
+}
+
+/// This replica's identity: `flag` (`--leader-elect-identity` or $POD_NAME), else the host
+/// name with a random suffix, so two processes on one host never share it.
+pub fn identity(flag: Option<&str>) -> String {
+    use std::hash::{BuildHasher, Hasher};
+    if let Some(identity) = first_named([flag]) {
+        return identity;
+    }
+    let env_host = std::env::var("HOSTNAME").ok();
+    let file_host = std::fs::read_to_string("/etc/hostname").ok();
+    let host =
+        first_named([env_host.as_deref(), file_host.as_deref()]).unwrap_or_else(|| "host".into());
+    // std's hasher keys are random per process: a random suffix without another crate.
+    let suffix = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    format!("{host}_{:08x}", suffix & 0xffff_ffff)
+}
+
+/// The first of `candidates` that is not blank, trimmed.
+fn first_named<const N: usize>(candidates: [Option<&str>; N]) -> Option<String> {
+    candidates
+        .into_iter()
+        .flatten()
+        .map(str::trim)
+        .find(|c| !c.is_empty())
+        .map(str::to_owned)
 }
 
 /// What to do with the Lease as last read.
@@ -402,6 +462,48 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn timings_must_nest() {
+        let ms = Duration::from_millis;
+        let cases = [
+            ((15_000, 10_000, 2_000), true),
+            ((4_000, 3_000, 500), true),
+            ((10_000, 10_000, 2_000), false),
+            ((10_000, 12_000, 2_000), false),
+            ((10_000, 2_000, 2_000), false),
+            ((10_000, 1_000, 2_000), false),
+        ];
+        for ((lease, renew, retry), ok) in cases {
+            let config = LeaseConfig {
+                lease_duration: ms(lease),
+                renew_deadline: ms(renew),
+                retry_period: ms(retry),
+                ..LeaseConfig::new("ns", "name", "me")
+            };
+            assert_eq!(
+                config.check_timings().is_ok(),
+                ok,
+                "{lease} {renew} {retry}"
+            );
+        }
+    }
+
+    #[test]
+    fn names_fall_back_in_order() {
+        let cases: [([Option<&str>; 2], Option<&str>); 5] = [
+            ([Some("flag"), Some("file")], Some("flag")),
+            ([None, Some("file\n")], Some("file")),
+            ([Some(""), Some("file")], Some("file")),
+            ([Some("  "), None], None),
+            ([None, None], None),
+        ];
+        for (candidates, want) in cases {
+            assert_eq!(first_named(candidates).as_deref(), want, "{candidates:?}");
+        }
+        assert_eq!(identity(Some("pod-a")), "pod-a");
+        assert_ne!(identity(None), identity(None), "two processes on one host");
     }
 
     #[test]

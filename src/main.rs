@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use clap::CommandFactory;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Taint};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::runtime::events::{Recorder, Reporter};
@@ -12,6 +13,7 @@ use tensile::cli::{self, Args, CompatCommand, OptionalControllers};
 use tensile::clusters::{self, Cluster, RateLimit, StartupError};
 use tensile::controllers::{self, Context};
 use tensile::kubelet_api;
+use tensile::leader;
 use tensile::logging;
 use tensile::metrics::{self, Metrics};
 use tensile::node::{self, spec::NodeConfig};
@@ -20,7 +22,7 @@ use tensile::side::Side;
 use tensile::translate::meta::Owner;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 /// The lower capacity as last computed; `None` until the lower watches have listed.
 type Capacity = Option<BTreeMap<String, Quantity>>;
@@ -54,6 +56,10 @@ async fn main() -> ExitCode {
         Ok(args) => args,
         Err(status) => return status,
     };
+    if let Err(message) = args.lease_config() {
+        let error = Args::command().error(clap::error::ErrorKind::ValueValidation, message);
+        return cli::usage_exit("virtual-node", &error);
+    }
     if checking {
         let report = tensile::check::check(&args).await;
         print!("{}", report.render());
@@ -87,7 +93,10 @@ async fn main() -> ExitCode {
 
 /// Checks everything that can be checked before starting, then runs every part on a task
 /// of its own until shutdown. `Err` is the one line to print: what stopped it, by name.
+/// With `--leader-elect` the parts that only read (watches, metrics, kubelet API) run at
+/// once, and those that write once this process holds the Lease.
 async fn run(args: Args, started: CancellationToken) -> Result<(), String> {
+    let lease = args.lease_config()?;
     let metrics = Arc::new(Metrics::default());
     let (upper, lower) = connect(&args, &metrics).await?;
     let optional = args.optional_controllers();
@@ -96,15 +105,9 @@ async fn run(args: Args, started: CancellationToken) -> Result<(), String> {
     }
     check_permissions(&args, &upper, &lower).await?;
     let owner = owner(&args, &upper).await?;
-    controllers::adopt::adopt(
-        &upper.client,
-        &lower.client,
-        &owner,
-        optional.services,
-        optional.volumes,
-    )
-    .await
-    .map_err(|e| e.to_string())?;
+    if lease.is_none() {
+        adopt(&upper, &lower, &owner, &optional).await?;
+    }
     let metrics_listener = metrics::bind(args.metrics_addr).await?;
     let (kubelet_listener, kubelet_tls, kubelet_api) =
         kubelet_api_setup(&args, &owner, &upper.client, &lower.client).await?;
@@ -121,6 +124,8 @@ async fn run(args: Args, started: CancellationToken) -> Result<(), String> {
         "metrics server",
         metrics::serve(metrics_listener, metrics.clone(), shutdown.clone()),
     );
+    // Standbys serve the kubelet API too: it only proxies reads and streams to lower pods,
+    // and the upper API server calls the address on the Node, which only the leader writes.
     tasks.spawn(
         "kubelet API server",
         kubelet_api::serve(kubelet_listener, kubelet_tls, kubelet_api, shutdown.clone()),
@@ -135,17 +140,100 @@ async fn run(args: Args, started: CancellationToken) -> Result<(), String> {
             shutdown.clone(),
         ),
     );
+    let ctx = context(&args, owner.clone(), &upper, &lower, metrics.clone());
+    let controllers::pod_watch::PodWatches {
+        stores,
+        pump,
+        pods: pod_triggers,
+        status: status_triggers,
+    } = controllers::pod_watch::watches(&ctx);
+    // The watches run until shutdown; the controllers stop on it by themselves.
+    let stop = shutdown.clone();
+    tasks.spawn("pod watches", async move {
+        tokio::select! {
+            () = stop.cancelled() => {}
+            () = pump => {}
+        }
+    });
+
+    // The election outlives the controllers' draining: it stops on `election_stop`, once
+    // they have stopped, and then gives the Lease up so a standby takes over at once.
+    let election_stop = CancellationToken::new();
+    let lease_label = lease
+        .as_ref()
+        .map(|l| format!("{}/{}", l.namespace, l.name))
+        .unwrap_or_default();
+    metrics.set_leader(&lease_label, lease.is_none());
+    let (triggers, election) = match lease {
+        None => ((pod_triggers, status_triggers), None),
+        Some(config) => {
+            info!(lease = %lease_label, identity = %config.identity, cluster = "upper",
+                "standing by until this process holds the lease");
+            let (leading, election) =
+                leader::elect(upper.client.clone(), config, election_stop.clone());
+            let election = tokio::spawn(election);
+            let guard = tokio::spawn(exit_on_lost_lease(
+                leading.clone(),
+                lease_label.clone(),
+                metrics.clone(),
+                election_stop.clone(),
+            ));
+            let (metrics, synced, stop) =
+                (metrics.clone(), stores.synced.clone(), shutdown.clone());
+            tasks.spawn("standby readiness", async move {
+                // A standby is ready to take over once its pod stores are current.
+                let ready = async {
+                    if synced.wait().await.is_ok() {
+                        metrics.ready.store(true, Ordering::Relaxed);
+                    }
+                    stop.cancelled().await;
+                };
+                tokio::select! {
+                    () = stop.cancelled() => {}
+                    () = ready => {}
+                }
+            });
+            started.cancel();
+            let took_lead = CancellationToken::new();
+            let (pods, status, leads) = tokio::join!(
+                pod_triggers.drop_until(&stores.upper, took_lead.cancelled()),
+                status_triggers.drop_until(&stores.upper, took_lead.cancelled()),
+                async {
+                    let mut leading = leading;
+                    let leads = tokio::select! {
+                        () = shutdown.cancelled() => false,
+                        leads = leading.wait_for(|l| *l) => leads.is_ok(),
+                    };
+                    took_lead.cancel();
+                    leads
+                },
+            );
+            if leads {
+                adopt(&upper, &lower, &owner, &optional).await?;
+            }
+            ((pods, status), Some((election, guard)))
+        }
+    };
 
     let node_config = node_config(&args, &lower);
-    let registered = tokio::select! {
-        () = shutdown.cancelled() => None,
-        registered = register_node(&upper, &node_config, capacity_rx.clone()) => Some(registered),
+    let registered = if shutdown.is_cancelled() {
+        None
+    } else {
+        tokio::select! {
+            biased;
+            () = shutdown.cancelled() => None,
+            registered = register_node(&upper, &node_config, capacity_rx.clone()) => Some(registered),
+        }
     };
-    match registered {
-        None => {}
+    let outcome = match registered {
+        None => tasks.supervise().await.map_err(|f| f.to_string()),
         Some(Ok(node)) => {
-            let ctx = context(&args, owner, &upper, &lower, metrics.clone());
-            spawn_controllers(&mut tasks, &ctx, &args, &optional, &shutdown);
+            let watched = PodWatched {
+                stores,
+                pods: triggers.0,
+                status: triggers.1,
+            };
+            spawn_controllers(&mut tasks, &ctx, &args, &optional, watched, &shutdown);
             started.cancel();
             tasks.spawn(
                 "node keep-alive",
@@ -159,17 +247,72 @@ async fn run(args: Args, started: CancellationToken) -> Result<(), String> {
                     shutdown.clone(),
                 ),
             );
+            tasks.supervise().await.map_err(|f| f.to_string())
         }
         Some(Err(error)) => {
             shutdown.cancel();
             // A task that failed meanwhile (the capacity watch) is the cause.
-            tasks.supervise().await.map_err(|f| f.to_string())?;
-            return Err(error);
+            match tasks.supervise().await {
+                Err(failure) => Err(failure.to_string()),
+                Ok(()) => Err(error),
+            }
         }
+    };
+    if let Some((election, guard)) = election {
+        // Every writer has stopped: only now may another replica take over.
+        election_stop.cancel();
+        let _ = election.await;
+        let _ = guard.await;
     }
-    let outcome = tasks.supervise().await;
     info!("stopped");
-    outcome.map_err(|failure| failure.to_string())
+    outcome
+}
+
+/// Exits the process, status 1, the moment `leading` turns from true to false before
+/// `election_stop`: the Lease was lost (not renewed within the renew deadline), and every
+/// writer must stop before another replica takes over; the restarted pod stands by.
+/// Keeps the leader gauge current meanwhile.
+async fn exit_on_lost_lease(
+    mut leading: watch::Receiver<bool>,
+    lease: String,
+    metrics: Arc<Metrics>,
+    election_stop: CancellationToken,
+) {
+    let mut was_leading = false;
+    loop {
+        tokio::select! {
+            () = election_stop.cancelled() => break,
+            changed = leading.changed() => if changed.is_err() { break },
+        }
+        let leads = *leading.borrow_and_update();
+        if was_leading && !leads && !election_stop.is_cancelled() {
+            error!(%lease, cluster = "upper",
+                "leader election lost: the lease was not renewed within the renew deadline; exiting so that nothing is written while another replica may lead");
+            std::process::exit(1);
+        }
+        was_leading = leads;
+        metrics.set_leader(&lease, leads);
+    }
+    metrics.set_leader(&lease, false);
+}
+
+/// Adopts, at start, the lower objects this node created under older ownership marks.
+async fn adopt(
+    upper: &Cluster,
+    lower: &Cluster,
+    owner: &Owner,
+    optional: &OptionalControllers,
+) -> Result<(), String> {
+    controllers::adopt::adopt(
+        &upper.client,
+        &lower.client,
+        owner,
+        optional.services,
+        optional.volumes,
+    )
+    .await
+    .map(|_| ())
+    .map_err(|e| e.to_string())
 }
 
 /// Ends when `timeout` (unless zero) has passed before `started`; never otherwise.
@@ -308,21 +451,28 @@ fn context(
     ))
 }
 
-/// Spawns the watches and every controller, each as a task of its own.
+/// The pod watches' stores and the changes that wake the two pod controllers.
+struct PodWatched {
+    stores: controllers::pod_watch::PodStores,
+    pods: controllers::pod_watch::Triggers,
+    status: controllers::pod_watch::Triggers,
+}
+
+/// Spawns every controller, and the watches only they read, each as a task of its own.
 fn spawn_controllers(
     tasks: &mut Tasks,
     ctx: &Arc<Context>,
     args: &Args,
     optional: &OptionalControllers,
+    watched: PodWatched,
     shutdown: &CancellationToken,
 ) {
     let resync = args.full_resync_period;
-    let controllers::pod_watch::PodWatches {
+    let PodWatched {
         stores,
-        pump,
         pods: pod_triggers,
         status: status_triggers,
-    } = controllers::pod_watch::watches(ctx);
+    } = watched;
     let config_watches = controllers::config::watches(ctx);
     let service_watches = optional
         .services
@@ -339,14 +489,6 @@ fn spawn_controllers(
         watches_ready = watches_ready.and(ready);
     }
 
-    // The watches run until shutdown; the controllers stop on it by themselves.
-    let stop = shutdown.clone();
-    tasks.spawn("pod watches", async move {
-        tokio::select! {
-            () = stop.cancelled() => {}
-            () = pump => {}
-        }
-    });
     tasks.spawn(
         "pod controller",
         controllers::pod::run(

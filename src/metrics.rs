@@ -92,6 +92,13 @@ pub struct KindLabels {
     pub kind: &'static str,
 }
 
+/// Label of the leader gauge.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LeaseLabels {
+    /// `namespace/name` of the leader-election Lease; empty without `--leader-elect`.
+    pub lease: String,
+}
+
 /// Counts how many objects of one kind are mirrored now, read at scrape time.
 type MirroredCount = Box<dyn Fn() -> usize + Send + Sync>;
 
@@ -202,6 +209,8 @@ pub struct Metrics {
     pub gc_rounds: Counter,
     /// Whether every watch has synced and the node is registered.
     pub ready: AtomicBool,
+    /// 1 while this process may write (leads), by Lease.
+    leader: Family<LeaseLabels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -282,6 +291,12 @@ impl Default for Metrics {
             "Objects mirrored into the lower cluster now, by kind",
             mirrored.clone(),
         );
+        let leader = Family::<LeaseLabels, Gauge>::default();
+        registry.register(
+            "leader",
+            "1 while this process leads and may write, by leader-election Lease (empty: --leader-elect off)",
+            leader.clone(),
+        );
         registry.register(
             "api_requests",
             "API requests sent",
@@ -330,6 +345,7 @@ impl Default for Metrics {
             events_dropped,
             gc_rounds,
             ready: AtomicBool::new(false),
+            leader,
         }
     }
 }
@@ -365,6 +381,15 @@ impl Metrics {
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         sources.push((kind, Box::new(count)));
+    }
+
+    /// Sets whether this process leads through `lease` (`namespace/name`; empty without
+    /// `--leader-elect`): `tensile_leader{lease="…"} 1|0`.
+    pub fn set_leader(&self, lease: &str, leading: bool) {
+        let labels = LeaseLabels {
+            lease: lease.to_owned(),
+        };
+        self.leader.get_or_create(&labels).set(i64::from(leading));
     }
 
     /// OpenMetrics text exposition.
@@ -471,6 +496,17 @@ mod tests {
             assert_eq!(value(&out, series), want, "{series} in\n{out}");
         }
         assert_eq!(metrics.errors.get(), 5, "the total follows");
+    }
+
+    #[test]
+    fn the_leader_gauge_follows_the_lease() {
+        let metrics = Metrics::default();
+        let series = "tensile_leader{lease=\"kube-system/tensile-virtual-node-vk\"}";
+        let cases = [(false, "0"), (true, "1"), (false, "0")];
+        for (leading, want) in cases {
+            metrics.set_leader("kube-system/tensile-virtual-node-vk", leading);
+            assert_eq!(value(&metrics.render(), series), Some(want), "{leading}");
+        }
     }
 
     /// Every series that existed before prometheus-client is there, with today's name and

@@ -29,6 +29,7 @@ const ALL_FEATURES: Features = Features {
     node_lease: true,
     access_reviews: true,
     token_reviews: true,
+    leader_election: Some(NAMESPACE),
 };
 
 /// The root of the repository.

@@ -333,6 +333,7 @@ const DEFAULT_FEATURES: Features = Features {
     node_lease: true,
     access_reviews: true,
     token_reviews: false,
+    leader_election: None,
 };
 
 /// Lines of a virtual-node log that tell of a refusal by RBAC.

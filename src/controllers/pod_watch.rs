@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use futures::channel::mpsc;
+use futures::stream::BoxStream;
 use futures::{FutureExt, SinkExt, StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
@@ -29,8 +30,40 @@ const TRIGGER_BUFFER: usize = 1024;
 /// The changed pods one controller is woken by: upper pods bound to this node and lower
 /// pods it owns.
 pub struct Triggers {
-    pub(crate) upper: mpsc::Receiver<Arc<StoredPod>>,
-    pub(crate) lower: mpsc::Receiver<Arc<StoredPod>>,
+    pub(crate) upper: BoxStream<'static, Arc<StoredPod>>,
+    pub(crate) lower: BoxStream<'static, Arc<StoredPod>>,
+}
+
+impl Triggers {
+    /// Drops every change until `until` ends, then yields every pod of `upper` once, as if
+    /// each had just changed, before the changes from then on. A standby (`--leader-elect`)
+    /// runs no controller: dropping keeps its watches, and so its stores, current instead of
+    /// waiting on a full queue; the replay makes the new leader act on whatever changed
+    /// meanwhile (both controllers map an upper pod to its lower one; a lower pod whose
+    /// upper pod is gone is the orphan collector's).
+    pub async fn drop_until(
+        mut self,
+        upper: &Store<StoredPod>,
+        until: impl Future<Output = ()>,
+    ) -> Self {
+        let mut until = std::pin::pin!(until);
+        loop {
+            tokio::select! {
+                () = &mut until => break,
+                Some(_) = self.upper.next() => {}
+                Some(_) = self.lower.next() => {}
+                else => {
+                    until.await;
+                    break;
+                }
+            }
+        }
+        let replay = futures::stream::iter(upper.state());
+        Self {
+            upper: replay.chain(self.upper).boxed(),
+            lower: self.lower,
+        }
+    }
 }
 
 /// The two pod watches, their stores, and the changes they hand to the pod controller and
@@ -138,12 +171,12 @@ pub fn watches(ctx: &Context) -> PodWatches {
         },
         pump,
         pods: Triggers {
-            upper: pods_upper_rx,
-            lower: pods_lower_rx,
+            upper: pods_upper_rx.boxed(),
+            lower: pods_lower_rx.boxed(),
         },
         status: Triggers {
-            upper: status_upper_rx,
-            lower: status_lower_rx,
+            upper: status_upper_rx.boxed(),
+            lower: status_lower_rx.boxed(),
         },
     }
 }
@@ -153,4 +186,70 @@ pub(crate) fn same_name(pod: &Arc<StoredPod>) -> Option<ObjectRef<StoredPod>> {
     let name = pod.metadata.name.as_deref()?;
     let namespace = pod.metadata.namespace.as_deref()?;
     Some(ObjectRef::new(name).within(namespace))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+    use std::time::Duration;
+
+    use super::*;
+
+    fn pod(name: &str) -> StoredPod {
+        let mut pod = Pod::default();
+        pod.metadata.name = Some(name.into());
+        pod.metadata.namespace = Some("ns".into());
+        StoredPod::from(pod)
+    }
+
+    fn name(pod: &StoredPod) -> String {
+        pod.metadata.name.clone().unwrap_or_default()
+    }
+
+    /// A standby's triggers never make its watch wait (queues of one, ten changes), and
+    /// the new leader is handed every stored pod, then the live changes.
+    #[tokio::test]
+    async fn a_standby_drops_changes_then_replays_its_store() {
+        let (store, mut writer) = reflector::store::<StoredPod>();
+        let (mut upper_tx, upper_rx) = mpsc::channel(1);
+        let (mut lower_tx, lower_rx) = mpsc::channel(1);
+        let triggers = Triggers {
+            upper: upper_rx.boxed(),
+            lower: lower_rx.boxed(),
+        };
+        let (lead_tx, lead_rx) = tokio::sync::oneshot::channel::<()>();
+        let standby = tokio::spawn(async move {
+            let until = async {
+                let _ = lead_rx.await;
+            };
+            triggers.drop_until(&store, until).await
+        });
+        let test = async {
+            let stored: BTreeSet<String> = (0..10).map(|i| format!("pod-{i}")).collect();
+            for name in &stored {
+                writer.apply_watcher_event(&watcher::Event::Apply(pod(name)));
+                upper_tx.send(Arc::new(pod(name))).await.unwrap();
+                lower_tx.send(Arc::new(pod(name))).await.unwrap();
+            }
+            lead_tx.send(()).unwrap();
+            let mut triggers = standby.await.unwrap();
+            upper_tx.send(Arc::new(pod("live"))).await.unwrap();
+            lower_tx.send(Arc::new(pod("live-below"))).await.unwrap();
+            let upper: Vec<String> = triggers
+                .upper
+                .by_ref()
+                .take(11)
+                .map(|p| name(&p))
+                .collect()
+                .await;
+            let replayed: BTreeSet<String> = upper[..10].iter().cloned().collect();
+            assert_eq!(replayed, stored);
+            assert_eq!(upper[10], "live");
+            let below = triggers.lower.next().await.map(|p| name(&p));
+            assert_eq!(below.as_deref(), Some("live-below"));
+        };
+        tokio::time::timeout(Duration::from_secs(10), test)
+            .await
+            .unwrap();
+    }
 }
