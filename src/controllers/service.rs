@@ -264,7 +264,7 @@ async fn sync_service(upper: &Service, sc: &ServiceContext) -> Result<Action, Er
     let desired = match lower_service(upper, &ctx.owner) {
         Ok(desired) => desired,
         Err(error @ TranslateError::NotMirrored { .. }) => {
-            warn!(service = %format!("{namespace}/{name}"), cluster = "upper", %error, "not mirrored");
+            warn!(object = %format!("{namespace}/{name}"), kind = "Service", cluster = "upper", %error, "not mirrored");
             ctx.warn_on(upper, "ServiceNotMirrored", error.to_string())
                 .await;
             return Ok(Action::await_change());
@@ -508,7 +508,7 @@ async fn foreign<K: Mirrored, U: Resource<DynamicType = ()>>(
         .cloned();
     if owner.is_some() && upper_uid(meta).is_some() && upper_uid(meta) == upper_uid(desired.meta())
     {
-        debug!(object = %key, kind, owner = ?owner, "mirrored by another virtual node");
+        debug!(object = %key, kind, cluster = "lower", owner = ?owner, "mirrored by another virtual node");
         return Ok(Action::requeue(FOREIGN_RECHECK));
     }
     let note = format!(
