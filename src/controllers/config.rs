@@ -437,7 +437,7 @@ async fn remove_unreferenced(
         }
         for (namespace, copies) in due {
             if let Err(error) = remove_in(&ctx, &pods, &namespace, copies).await {
-                warn!(%error, namespace, "removing unreferenced copies");
+                warn!(%error, namespace, cluster = "lower", "removing unreferenced copies");
             }
         }
     }

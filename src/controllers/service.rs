@@ -533,7 +533,7 @@ async fn warn_if_refused<U: Resource<DynamicType = ()>>(
     } = &error
         && (400..500).contains(&status.code)
     {
-        warn!(%error, "mirroring");
+        warn!(object = %format!("{}/{}", upper.meta().namespace.as_deref().unwrap_or_default(), upper.meta().name.as_deref().unwrap_or_default()), kind = %U::kind(&()), cluster = "lower", %error, "mirroring");
         let mut note = error.to_string();
         note.truncate(1000);
         ctx.warn_on(upper, "LowerSyncFailed", note).await;
@@ -585,7 +585,7 @@ async fn remove_orphans(
             sweep(ctx, &sc.lower_endpoints, &sc.upper_endpoints, |_| true).await,
         ];
         for error in results.into_iter().filter_map(Result::err) {
-            warn!(%error, "deleting orphaned copies");
+            warn!(cluster = "lower", %error, "deleting orphaned copies");
         }
     }
 }

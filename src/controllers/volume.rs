@@ -443,7 +443,7 @@ async fn remove_orphaned_volumes(
             if let Err(error) =
                 delete_upper_volume(ctx, &reflection, "its lower volume is gone").await
             {
-                warn!(%error, "deleting a reflected volume");
+                warn!(object = %name, kind = "PersistentVolume", cluster = "upper", %error, "deleting a reflected volume");
             }
         }
     }
