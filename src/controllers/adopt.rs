@@ -70,6 +70,8 @@ pub async fn adopt(
     }
     if !found.foreign.is_empty() {
         warn!(
+            cluster = "lower",
+            node = %owner.node,
             "lower cluster: {} carry virtual node {} of another upper cluster ({}); they are not this node's and are left alone",
             describe(&found.foreign),
             owner.node,

@@ -297,7 +297,7 @@ async fn keep_in_step<K: Kept>(copy: &K, kc: &KindContext) -> Result<Action, Err
         // A field that cannot change in place (an immutable ConfigMap's data, a Secret's
         // type): make the copy anew.
         Err(e) if is_status(&e, 422) => {
-            debug!(object = %key, kind, error = %e, "update refused; re-creating the copy");
+            debug!(object = %key, kind, cluster = "lower", error = %e, "update refused; re-creating the copy");
             delete_copy(ctx, &lower_api, copy, "it cannot be updated in place").await?;
             match lower_api.create(&PostParams::default(), &desired).await {
                 Ok(_) => {
@@ -316,7 +316,7 @@ async fn keep_in_step<K: Kept>(copy: &K, kc: &KindContext) -> Result<Action, Err
         }
         Err(e) => {
             let error = api_error(Side::Lower, "updating", kind, &key)(e);
-            warn!(object = %key, kind, %error, "keeping the copy in step");
+            warn!(object = %key, kind, cluster = "lower", %error, "keeping the copy in step");
             ctx.warn_on(&original, "LowerSyncFailed", error.to_string())
                 .await;
             Err(error)
@@ -437,7 +437,7 @@ async fn remove_unreferenced(
         }
         for (namespace, copies) in due {
             if let Err(error) = remove_in(&ctx, &pods, &namespace, copies).await {
-                warn!(%error, namespace, "removing unreferenced copies");
+                warn!(%error, namespace, cluster = "lower", "removing unreferenced copies");
             }
         }
     }

@@ -88,7 +88,9 @@ pub(crate) async fn ensure_namespace(ctx: &Context, namespace: &str) -> Result<(
             )
             .await
         {
-            Ok(_) => tracing::info!(namespace, cluster = "lower", "created namespace"),
+            Ok(_) => {
+                tracing::info!(object = %namespace, kind = "Namespace", cluster = "lower", "created namespace")
+            }
             Err(e) if is_status(&e, 409) => {}
             Err(e) => {
                 return Err(api_error(Side::Lower, "creating", "Namespace", namespace)(

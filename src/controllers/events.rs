@@ -124,7 +124,7 @@ async fn watch(ctx: &Context, pods: &PodStores, outbox: &Outbox, shutdown: &Canc
         outbox.added.notify_one();
         if let Some(dropped) = dropped {
             ctx.metrics.events_dropped.inc();
-            debug!(pod = %dropped.pod, reason = %dropped.event.reason, cluster = "upper",
+            debug!(object = %dropped.pod, kind = "Pod", reason = %dropped.event.reason, cluster = "upper",
                 "the upper API server is behind; dropped a lower event");
         }
     }
@@ -150,8 +150,12 @@ async fn publish(ctx: &Context, outbox: &Outbox, shutdown: &CancellationToken) {
             published = ctx.recorder.publish(&event, &reference) => published,
         };
         match published {
-            Ok(()) => debug!(%pod, reason = %event.reason, "reflected a lower event"),
-            Err(error) => debug!(%pod, %error, cluster = "upper", "reflecting a lower event"),
+            Ok(()) => {
+                debug!(object = %pod, kind = "Pod", cluster = "upper", reason = %event.reason, "reflected a lower event")
+            }
+            Err(error) => {
+                debug!(object = %pod, kind = "Pod", cluster = "upper", %error, "reflecting a lower event")
+            }
         }
     }
 }
@@ -193,7 +197,7 @@ fn reflect(
         Verdict::Publish => {}
         Verdict::Duplicate => return None,
         Verdict::RateLimited => {
-            debug!(%pod, reason = %reflected.reason, "rate-limited a lower event");
+            debug!(object = %pod, kind = "Pod", cluster = "upper", reason = %reflected.reason, "rate-limited a lower event");
             return None;
         }
     }

@@ -85,11 +85,11 @@ pub async fn run(ctx: Arc<Context>, pods: PodStores, shutdown: CancellationToken
             match delete_exact(&api, &orphan.name_any(), orphan.metadata.uid.clone(), None).await {
                 Ok(Deleted::Now) => {
                     ctx.metrics.orphans_deleted.inc();
-                    info!(pod = %key, cluster = "lower", "deleted an orphaned lower pod (its upper pod is gone)");
+                    info!(object = %key, kind = "Pod", cluster = "lower", "deleted an orphaned lower pod (its upper pod is gone)");
                 }
                 Ok(Deleted::AlreadyGone) => {}
                 Err(error) => {
-                    warn!(pod = %key, cluster = "lower", %error, "deleting an orphaned pod")
+                    warn!(object = %key, kind = "Pod", cluster = "lower", %error, "deleting an orphaned pod")
                 }
             }
         }

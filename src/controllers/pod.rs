@@ -218,7 +218,7 @@ async fn reconcile_pod(upper: &Pod, pc: &PodContext, key: &str) -> Result<Action
     let lower_api: Api<Pod> = Api::namespaced(ctx.lower.clone(), &namespace);
     let upper_api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &namespace);
     let step = decide(upper, lower.as_ref(), &ctx.owner);
-    debug!(?step, "reconcile");
+    debug!(object = %key, kind = "Pod", cluster = "upper", ?step, "reconcile");
     match step {
         Step::Nothing | Step::WaitForLower => {}
         Step::FinishDeletion => {
@@ -226,17 +226,17 @@ async fn reconcile_pod(upper: &Pod, pc: &PodContext, key: &str) -> Result<Action
                 .await
                 .map_err(api_error(Side::Upper, "deleting", "Pod", key))?;
             if deleted == Deleted::Now {
-                info!(cluster = "upper", "lower pod gone; finished the deletion");
+                info!(object = %key, kind = "Pod", cluster = "upper", "lower pod gone; finished the deletion");
             }
         }
         Step::DeleteLower { grace } => {
             delete_lower(&lower_api, lower.as_ref(), grace, key).await?;
-            info!(cluster = "lower", ?grace, "deleting the lower pod");
+            info!(object = %key, kind = "Pod", cluster = "lower", ?grace, "deleting the lower pod");
         }
         Step::DeleteStale => {
             delete_lower(&lower_api, lower.as_ref(), None, key).await?;
             info!(
-                cluster = "lower",
+                object = %key, kind = "Pod", cluster = "lower",
                 "deleting a lower pod left by an earlier pod of this name"
             );
         }
@@ -268,7 +268,7 @@ async fn mark_failed(
     );
     if write_upper_status(upper_api, upper, &status, key).await? == StatusWrite::PodReplaced {
         debug!(
-            cluster = "upper",
+            object = %key, kind = "Pod", cluster = "upper",
             "the pod was replaced meanwhile; nothing to fail"
         );
         return Ok(());
@@ -279,7 +279,7 @@ async fn mark_failed(
         format!("lower pod {key} disappeared; the pod has failed so its controller can replace it"),
     )
     .await;
-    info!(cluster = "upper", "lower pod gone; marked the pod Failed");
+    info!(object = %key, kind = "Pod", cluster = "upper", "lower pod gone; marked the pod Failed");
     Ok(())
 }
 
@@ -320,7 +320,7 @@ async fn reclaim(
         if !is_owned_by(&lower.metadata, owner) {
             propagate_update(upper, &lower, pc, lower_api, key).await?;
             info!(
-                cluster = "lower",
+                object = %key, kind = "Pod", cluster = "lower",
                 "the lower pod had lost this node's owner label below; put it back"
             );
         }
@@ -382,7 +382,7 @@ async fn create(
     match lower_api.create(&PostParams::default(), &pod).await {
         Ok(_) => {
             ctx.metrics.lower_creates.inc();
-            info!(cluster = "lower", "created the lower pod");
+            info!(object = %key, kind = "Pod", cluster = "lower", "created the lower pod");
             Ok(())
         }
         // Our store may lag our own create, or an edit below took our owner label off our
@@ -428,11 +428,11 @@ async fn propagate_update(
     {
         Ok(_) => {
             ctx.metrics.lower_updates.inc();
-            info!(cluster = "lower", "propagated an update");
+            info!(object = %key, kind = "Pod", cluster = "lower", "propagated an update");
             Ok(())
         }
         Err(e) if is_replaced(&e) => {
-            debug!(cluster = "lower", "the lower pod was replaced meanwhile");
+            debug!(object = %key, kind = "Pod", cluster = "lower", "the lower pod was replaced meanwhile");
             Ok(())
         }
         Err(e) => Err(api_error(Side::Lower, "updating", "Pod", key)(e)),
@@ -443,10 +443,10 @@ async fn propagate_update(
 /// series) and, while nothing runs below, the reason on the pending upper pod.
 async fn explain_failure(ctx: &Context, upper: &Pod, error: &Error) {
     let Some(reason) = error.event_reason() else {
-        warn!(%error, "reconcile failed");
+        warn!(object = %object_ref(&upper.metadata), kind = "Pod", cluster = "upper", %error, "reconcile failed");
         return;
     };
-    warn!(%error, reason, "reconcile failed");
+    warn!(object = %object_ref(&upper.metadata), kind = "Pod", cluster = "upper", %error, reason, "reconcile failed");
     let mut note = error.to_string();
     note.truncate(1000);
     ctx.warn_on(upper, reason, note.clone()).await;
@@ -471,7 +471,9 @@ async fn explain_failure(ctx: &Context, upper: &Pod, error: &Error) {
         {
             Ok(_) => {}
             Err(e) if is_replaced(&e) => {}
-            Err(error) => debug!(%error, cluster = "upper", "recording the pending reason"),
+            Err(error) => {
+                debug!(object = %object_ref(&upper.metadata), kind = "Pod", cluster = "upper", %error, "recording the pending reason")
+            }
         }
     }
 }

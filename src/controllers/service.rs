@@ -264,7 +264,7 @@ async fn sync_service(upper: &Service, sc: &ServiceContext) -> Result<Action, Er
     let desired = match lower_service(upper, &ctx.owner) {
         Ok(desired) => desired,
         Err(error @ TranslateError::NotMirrored { .. }) => {
-            warn!(service = %format!("{namespace}/{name}"), cluster = "upper", %error, "not mirrored");
+            warn!(object = %format!("{namespace}/{name}"), kind = "Service", cluster = "upper", %error, "not mirrored");
             ctx.warn_on(upper, "ServiceNotMirrored", error.to_string())
                 .await;
             return Ok(Action::await_change());
@@ -508,7 +508,7 @@ async fn foreign<K: Mirrored, U: Resource<DynamicType = ()>>(
         .cloned();
     if owner.is_some() && upper_uid(meta).is_some() && upper_uid(meta) == upper_uid(desired.meta())
     {
-        debug!(object = %key, kind, owner = ?owner, "mirrored by another virtual node");
+        debug!(object = %key, kind, cluster = "lower", owner = ?owner, "mirrored by another virtual node");
         return Ok(Action::requeue(FOREIGN_RECHECK));
     }
     let note = format!(
@@ -533,7 +533,7 @@ async fn warn_if_refused<U: Resource<DynamicType = ()>>(
     } = &error
         && (400..500).contains(&status.code)
     {
-        warn!(%error, "mirroring");
+        warn!(object = %format!("{}/{}", upper.meta().namespace.as_deref().unwrap_or_default(), upper.meta().name.as_deref().unwrap_or_default()), kind = %U::kind(&()), cluster = "lower", %error, "mirroring");
         let mut note = error.to_string();
         note.truncate(1000);
         ctx.warn_on(upper, "LowerSyncFailed", note).await;
@@ -585,7 +585,7 @@ async fn remove_orphans(
             sweep(ctx, &sc.lower_endpoints, &sc.upper_endpoints, |_| true).await,
         ];
         for error in results.into_iter().filter_map(Result::err) {
-            warn!(%error, "deleting orphaned copies");
+            warn!(cluster = "lower", %error, "deleting orphaned copies");
         }
     }
 }

@@ -108,20 +108,20 @@ async fn reflect_status(
                 .status_reflection_seconds
                 .observe(started.elapsed().as_secs_f64());
             ctx.succeeded(&backoff_key(key));
-            debug!(cluster = "upper", phase = ?desired.phase, "reflected status");
+            debug!(object = %key, kind = "Pod", cluster = "upper", phase = ?desired.phase, "reflected status");
             Ok(Action::await_change())
         }
         Ok(StatusWrite::PodReplaced) => {
             ctx.succeeded(&backoff_key(key));
             debug!(
-                cluster = "upper",
+                object = %key, kind = "Pod", cluster = "upper",
                 "the upper pod was replaced meanwhile; its own events bring the next step"
             );
             Ok(Action::await_change())
         }
         Err(error) => {
             ctx.metrics.reconcile_failed(error.metric_label());
-            warn!(%error, "reflecting status failed; retrying with backoff");
+            warn!(object = %key, kind = "Pod", cluster = "upper", %error, "reflecting status failed; retrying with backoff");
             Err(error)
         }
     }

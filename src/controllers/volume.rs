@@ -251,7 +251,7 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, vc: &VolumeContext) -> Res
         let note = format!(
             "lower cluster: storage class {class} does not exist, so PersistentVolumeClaim {key} cannot bind there"
         );
-        warn!(claim = %key, cluster = "lower", class, "storage class missing below");
+        warn!(object = %key, kind = "PersistentVolumeClaim", cluster = "lower", class, "storage class missing below");
         ctx.warn_on(&*upper, "LowerStorageClassMissing", note).await;
         // The class appearing below wakes this claim.
         return Ok(Action::await_change());
@@ -267,7 +267,7 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, vc: &VolumeContext) -> Res
                 "PersistentVolumeClaim",
                 &key,
             ))?;
-        info!(claim = %key, cluster = "upper", "set selected-node to the virtual node");
+        info!(object = %key, kind = "PersistentVolumeClaim", cluster = "upper", "set selected-node to the virtual node");
     }
 
     let Some(volume) = bound_volume(lower) else {
@@ -279,7 +279,7 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, vc: &VolumeContext) -> Res
         .and_then(|s| s.volume_name.as_deref())
         .filter(|v| !v.is_empty());
     if upper_volume_name.is_some_and(|v| v != volume) {
-        debug!(claim = %key, "the upper claim is bound to another volume; nothing to reflect");
+        debug!(object = %key, kind = "PersistentVolumeClaim", cluster = "upper", "the upper claim is bound to another volume; nothing to reflect");
         return Ok(Action::await_change());
     }
     let Some(lower_volume) = vc.lower_volumes.get(&ObjectRef::new(volume)) else {
@@ -299,7 +299,7 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, vc: &VolumeContext) -> Res
     match vc.upper_volumes.get(&ObjectRef::new(volume)) {
         None => match volumes.create(&PostParams::default(), &desired).await {
             Ok(_) => {
-                info!(claim = %key, volume, cluster = "upper", "reflected the bound volume");
+                info!(object = %key, kind = "PersistentVolumeClaim", volume, cluster = "upper", "reflected the bound volume");
             }
             Err(e) if is_status(&e, 409) => {
                 let existing = volumes.get_metadata_opt(volume).await.map_err(api_error(
@@ -317,7 +317,7 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, vc: &VolumeContext) -> Res
                     let note = format!(
                         "upper cluster: PersistentVolume {volume} exists and was not created by tensile; the lower volume bound to {key} is not reflected"
                     );
-                    warn!(claim = %key, volume, cluster = "upper", "{note}");
+                    warn!(object = %key, kind = "PersistentVolumeClaim", volume, cluster = "upper", "{note}");
                     ctx.warn_on(&*upper, "UpperVolumeConflict", note).await;
                 }
             }
@@ -345,7 +345,7 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, vc: &VolumeContext) -> Res
                         "PersistentVolume",
                         volume,
                     ))?;
-                info!(claim = %key, volume, cluster = "upper", "updated the reflected volume");
+                info!(object = %key, kind = "PersistentVolumeClaim", volume, cluster = "upper", "updated the reflected volume");
             }
         }
     }
@@ -372,7 +372,7 @@ async fn delete_lower_claim(
         key,
     ))? == Deleted::Now
     {
-        info!(claim = %key, cluster = "lower",
+        info!(object = %key, kind = "PersistentVolumeClaim", cluster = "lower",
             "the upper claim is gone; deleted the lower one (kept by the lower cluster while a pod uses it)");
     }
     Ok(())
@@ -387,7 +387,7 @@ async fn delete_upper_volume(
     let api = Api::<PersistentVolume>::all(ctx.upper.clone());
     match delete_exact(&api, &name, volume.metadata.uid.clone(), None).await {
         Ok(Deleted::Now) => {
-            info!(volume = %name, cluster = "upper", why, "deleted the reflected volume");
+            info!(object = %name, kind = "PersistentVolume", cluster = "upper", why, "deleted the reflected volume");
             Ok(())
         }
         Ok(Deleted::AlreadyGone) => Ok(()),
@@ -436,14 +436,14 @@ async fn remove_orphaned_volumes(
                 Ok(Some(live)) if live.metadata.uid.as_deref() == origin => continue,
                 Ok(_) => {}
                 Err(error) => {
-                    warn!(volume = %name, cluster = "lower", %error, "reading a volume");
+                    warn!(object = %name, kind = "PersistentVolume", cluster = "lower", %error, "reading a volume");
                     continue;
                 }
             }
             if let Err(error) =
                 delete_upper_volume(ctx, &reflection, "its lower volume is gone").await
             {
-                warn!(%error, "deleting a reflected volume");
+                warn!(object = %name, kind = "PersistentVolume", cluster = "upper", %error, "deleting a reflected volume");
             }
         }
     }

@@ -98,11 +98,11 @@ pub async fn exec(
     })
     .await;
     if gathered != Ok(true) {
-        warn!(pod = %pod, "exec/attach: the client did not open its streams");
+        warn!(object = %pod, kind = "Pod", cluster = "lower", "exec/attach: the client did not open its streams");
         conn.close().await;
         return;
     }
-    debug!(pod = %pod, ?flags, "streams gathered; calling the lower pod");
+    debug!(object = %pod, kind = "Pod", cluster = "lower", ?flags, "streams gathered; calling the lower pod");
     let params = AttachParams {
         container: Some(container),
         stdin: flags.stdin,
@@ -126,7 +126,7 @@ pub async fn exec(
             tokio::select! {
                 status = run_process(process, &mut streams) => status,
                 () = closed => {
-                    debug!(pod = %pod, "exec/attach: the client went away; ending the lower call");
+                    debug!(object = %pod, kind = "Pod", cluster = "lower", "exec/attach: the client went away; ending the lower call");
                     return;
                 }
             }

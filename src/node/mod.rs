@@ -79,6 +79,9 @@ pub async fn register(
         None => {
             info!(
                 node = name,
+                object = name,
+                kind = "Node",
+                cluster = "upper",
                 "registering the virtual node in the upper cluster"
             );
             nodes
@@ -224,9 +227,9 @@ pub async fn keep_alive(
                     .is_ok_and(|r| r.is_ok());
                 if healthy != lower_healthy {
                     if healthy {
-                        info!(node = %config.name, cluster = "lower", "lower API server answers again");
+                        info!(node = %config.name, object = %config.name, kind = "Node", cluster = "lower", "lower API server answers again");
                     } else {
-                        warn!(node = %config.name, cluster = "lower", "lower API server does not answer; no longer renewing the node's lease");
+                        warn!(node = %config.name, object = %config.name, kind = "Node", cluster = "lower", "lower API server does not answer; no longer renewing the node's lease");
                     }
                 }
                 // After an outage the node lifecycle controller has marked the node
@@ -238,7 +241,7 @@ pub async fn keep_alive(
                 }
                 if use_lease {
                     if let Err(error) = renew_lease(&upper, &last).await {
-                        warn!(%error, node = %config.name, cluster = "upper", "renewing the node lease");
+                        warn!(%error, node = %config.name, object = %format!("kube-node-lease/{}", config.name), kind = "Lease", cluster = "upper", "renewing the node lease");
                     }
                 } else {
                     write = true;
@@ -266,7 +269,9 @@ pub async fn keep_alive(
                 written_capacity = Some(current);
                 last_status_write = tokio::time::Instant::now();
             }
-            Err(error) => warn!(%error, "node status"),
+            Err(error) => {
+                warn!(%error, node = %config.name, object = %config.name, kind = "Node", cluster = "upper", "node status")
+            }
         }
     }
 }

@@ -131,14 +131,18 @@ pub fn answer(app: &App, body: &[u8]) -> Response {
     app.metrics.decided(outcome.decision);
     let pod = || request.object_ref();
     match outcome.decision {
-        Decision::Mutated => info!(pod = %pod(), ops = outcome.patch.0.len(), "mutated"),
-        Decision::Remembered => info!(pod = %pod(), "descheduled node remembered"),
+        Decision::Mutated => {
+            info!(object = %pod(), kind = "Pod", cluster = "upper", ops = outcome.patch.0.len(), "mutated")
+        }
+        Decision::Remembered => {
+            info!(object = %pod(), kind = "Pod", cluster = "upper", "descheduled node remembered")
+        }
         Decision::Unreadable => {
             app.metrics.warnings.inc_by(outcome.warnings.len() as u64);
-            warn!(pod = %pod(), warnings = ?outcome.warnings, "allowed unchanged");
+            warn!(object = %pod(), kind = "Pod", cluster = "upper", warnings = ?outcome.warnings, "allowed unchanged");
         }
         Decision::Ignored | Decision::Unchanged => {
-            debug!(pod = %pod(), operation = %request.operation, reason = outcome.reason, "allowed unchanged");
+            debug!(object = %pod(), kind = "Pod", cluster = "upper", operation = %request.operation, reason = outcome.reason, "allowed unchanged");
         }
     }
     match review::encode(&request.uid, &outcome.patch, &outcome.warnings) {

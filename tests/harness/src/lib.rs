@@ -14,6 +14,7 @@
 
 pub mod binaries;
 pub mod cluster;
+pub mod dashboard;
 pub mod fixtures;
 pub mod invariant;
 pub mod measure;
