@@ -170,6 +170,11 @@ impl std::fmt::Debug for MirroredSources {
     }
 }
 
+/// The kinds of pod reconcile error (`tensile_pod_reconcile_errors_total{error}`), each
+/// exported at zero from the start.
+pub const RECONCILE_ERROR_LABELS: [&str; 5] =
+    ["api", "conflict", "missing_dependency", "translate", "shutdown"];
+
 /// Everything counted.
 #[derive(Debug)]
 pub struct Metrics {
@@ -307,6 +312,10 @@ impl Default for Metrics {
             "API answers received, by status code (`error`: none came)",
             api_requests.answered.clone(),
         );
+        // Dashboards read every kind of reconcile error before the first one.
+        for error in RECONCILE_ERROR_LABELS {
+            reconcile_errors.get_or_create(&ErrorLabels { error }).get();
+        }
         // Tests and dashboards read every cluster × verb before anything was sent.
         for side in [Side::Upper, Side::Lower] {
             for verb in VERBS {
@@ -487,9 +496,10 @@ mod tests {
                 "tensile_pod_reconcile_errors_total{error=\"missing_dependency\"}",
                 Some("1"),
             ),
+            // Exported at zero from the start, so dashboards show 0, not "No data".
             (
                 "tensile_pod_reconcile_errors_total{error=\"translate\"}",
-                None,
+                Some("0"),
             ),
         ];
         for (series, want) in cases {

@@ -14,10 +14,6 @@ use serde_json::{Value, json};
 use tensile_harness::fixtures::{bound_pod, merge};
 use tensile_harness::{ClusterPair, TestNamespace, VirtualNode, dashboard, wait_for};
 
-/// Metrics the dashboard queries that a change in flight adds (the HA engineer's
-/// `tensile_leader{lease}`): absent until it merges, then exported like the rest. Empty
-/// this once they are all exported.
-const METRICS_PENDING_MERGE: &[&str] = &["tensile_leader"];
 
 /// Whether virtual-node (rather than the webhook) exports `name`.
 fn exported_by_virtual_node(name: &str) -> bool {
@@ -61,7 +57,7 @@ async fn every_metric_the_dashboard_queries_is_exported() {
             &exprs,
             &exported,
             exported_by_virtual_node,
-            METRICS_PENDING_MERGE,
+            &[],
         )
     };
     let found = wait_for("every dashboard metric exported", TIMEOUT, || async {
