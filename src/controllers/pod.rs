@@ -261,6 +261,18 @@ async fn mark_failed(
     upper_api: &Api<Pod>,
     key: &str,
 ) -> Result<(), Error> {
+    // The store keeps a summary of an upper pod's status; the Failed status keeps what
+    // the whole one knew of each container.
+    let Some(upper) = upper_api
+        .get_opt(&upper.name_any())
+        .await
+        .map_err(api_error(Side::Upper, "reading", "Pod", key))?
+        .filter(|p| p.metadata.uid == upper.metadata.uid)
+    else {
+        // Gone or replaced meanwhile: its own watch event brings the next step.
+        return Ok(());
+    };
+    let upper = &upper;
     let status = lower_gone_status(
         upper,
         LOWER_POD_GONE,

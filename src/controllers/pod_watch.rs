@@ -18,7 +18,7 @@ use tracing::warn;
 use super::Context;
 use super::stores::Ready;
 use crate::side::Side;
-use crate::translate::stored::StoredPod;
+use crate::translate::stored::{SharedSpecs, StoredPod};
 
 /// A watch stream feeding a reflector store.
 type PodStream =
@@ -92,16 +92,25 @@ pub struct PodStores {
     pub synced: Ready,
 }
 
-/// A reflector of pods over `api`, stored as [`StoredPod`]s, with its readiness.
-fn pod_reflector(api: Api<Pod>, config: watcher::Config) -> (Store<StoredPod>, PodStream, Ready) {
+/// How a pod store keeps each pod ([`StoredPod::new`] or [`StoredPod::summarized`]).
+type Keep = fn(Pod, &mut SharedSpecs) -> StoredPod;
+
+/// A reflector of pods over `api`, stored as [`StoredPod`]s made by `keep`, with its
+/// readiness.
+fn pod_reflector(
+    api: Api<Pod>,
+    config: watcher::Config,
+    keep: Keep,
+) -> (Store<StoredPod>, PodStream, Ready) {
     let (store, writer) = reflector::store();
     let (listed_tx, listed_rx) = watch::channel(false);
     // Pods are stored compactly: a full pod's spec detail is read only when its lower pod
     // is created, and is most of its memory.
-    let events = watcher::watcher(api, config).map_ok(|event| match event {
-        watcher::Event::Apply(pod) => watcher::Event::Apply(StoredPod::from(pod)),
-        watcher::Event::Delete(pod) => watcher::Event::Delete(StoredPod::from(pod)),
-        watcher::Event::InitApply(pod) => watcher::Event::InitApply(StoredPod::from(pod)),
+    let mut shared = SharedSpecs::default();
+    let events = watcher::watcher(api, config).map_ok(move |event| match event {
+        watcher::Event::Apply(pod) => watcher::Event::Apply(keep(pod, &mut shared)),
+        watcher::Event::Delete(pod) => watcher::Event::Delete(keep(pod, &mut shared)),
+        watcher::Event::InitApply(pod) => watcher::Event::InitApply(keep(pod, &mut shared)),
         watcher::Event::Init => watcher::Event::Init,
         watcher::Event::InitDone => watcher::Event::InitDone,
     });
@@ -145,10 +154,14 @@ pub fn watches(ctx: &Context) -> PodWatches {
     let (upper_store, upper_stream, upper_ready) = pod_reflector(
         upper_api,
         watcher::Config::default().fields(&format!("spec.nodeName={}", ctx.owner.node)),
+        // An upper status is only compared with the lower one (as a digest) between
+        // reconciles; the lower status is what gets written up, so it is kept whole.
+        StoredPod::summarized,
     );
     let (lower_store, lower_stream, lower_ready) = pod_reflector(
         Api::all(ctx.lower.clone()),
         watcher::Config::default().labels(&ctx.owner.selector()),
+        StoredPod::new,
     );
     let mirrored = lower_store.clone();
     ctx.metrics

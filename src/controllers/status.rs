@@ -21,7 +21,7 @@ use super::pod_watch::{PodStores, Triggers, same_name};
 use super::stores::{every, log_outcome};
 use super::{Context, Error};
 use crate::translate::object_ref;
-use crate::translate::pod::{status_in_sync, status_is_informative, upper_status};
+use crate::translate::pod::{status_is_informative, upper_status};
 use crate::translate::stored::StoredPod;
 
 struct StatusContext {
@@ -79,10 +79,10 @@ async fn reflect_status(
     started: Instant,
 ) -> Result<Action, Error> {
     let ctx = &sc.ctx;
-    let Some(upper) = same_name(lower).and_then(|r| sc.pods.upper.get(&r)) else {
+    let Some(stored_upper) = same_name(lower).and_then(|r| sc.pods.upper.get(&r)) else {
         return Ok(Action::await_change());
     };
-    let (upper, lower) = (upper.to_pod(), lower.to_pod());
+    let (upper, lower) = (stored_upper.to_pod(), lower.to_pod());
     // Only for a pod mirrored by this node and not being deleted: the pod controller
     // owns every other step.
     if decide(&upper, Some(&lower), &ctx.owner) != Step::Sync {
@@ -90,7 +90,7 @@ async fn reflect_status(
     }
     let desired = upper_status(&lower, &upper);
     let informative = lower.status.as_ref().is_some_and(status_is_informative);
-    if !informative || status_in_sync(upper.status.as_ref(), &desired) {
+    if !informative || stored_upper.status_in_sync(&desired) {
         return Ok(Action::await_change());
     }
     let api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &upper.namespace().unwrap_or_default());

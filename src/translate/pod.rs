@@ -326,20 +326,93 @@ pub fn status_is_informative(lower: &PodStatus) -> bool {
 /// [`upper_status`] leaves empty are not compared, so something else setting them upstream
 /// (the upper scheduler's nominatedNodeName) does not cause a write on every event.
 pub fn status_in_sync(current: Option<&PodStatus>, desired: &PodStatus) -> bool {
-    let mut current = current.cloned().unwrap_or_default();
+    digest_in_sync(&status_digest(current), desired)
+}
+
+/// What [`status_in_sync`] compares of a status, as 64-bit hashes: the fields
+/// [`upper_status`] copies (conditions apart) and each condition by type. The upper pod
+/// store keeps this instead of the upper status (see [`status_summary`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StatusDigest {
+    /// The copied fields but conditions.
+    fields: u64,
+    /// Each condition: the hash of its type and of the whole condition.
+    conditions: Box<[(u64, u64)]>,
+}
+
+fn hash_of<T: std::hash::Hash + ?Sized>(value: &T) -> u64 {
+    use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+    BuildHasherDefault::<DefaultHasher>::default().hash_one(value)
+}
+
+/// A value's hash through its JSON: k8s-openapi types implement no `Hash`, and their
+/// JSON is canonical (struct fields in order, maps sorted).
+fn json_hash<T: Serialize>(value: &T) -> u64 {
+    hash_of(&serde_json::to_vec(value).unwrap_or_default())
+}
+
+/// The digest of `status` for [`digest_in_sync`].
+pub fn status_digest(status: Option<&PodStatus>) -> StatusDigest {
+    let mut copied = copied_fields(status.cloned().unwrap_or_default());
+    let conditions = copied
+        .conditions
+        .take()
+        .unwrap_or_default()
+        .iter()
+        .map(|c| (hash_of(c.type_.as_str()), json_hash(c)))
+        .collect();
+    StatusDigest {
+        fields: json_hash(&copied),
+        conditions,
+    }
+}
+
+/// [`status_in_sync`] for a current status known by its digest.
+pub fn digest_in_sync(current: &StatusDigest, desired: &PodStatus) -> bool {
+    let desired = status_digest(Some(desired));
+    if current.fields != desired.fields {
+        return false;
+    }
     // Conditions of types the lower pod does not report are other upper actors' (readiness
     // gates) or tensile's own mark: a status write merges conditions by type and leaves
-    // them be, so they are no difference.
-    let reflected_types: BTreeSet<&str> = desired
+    // them be, so they are no difference. Order does not matter either: a merge by type
+    // keeps the upper order.
+    let reflected_types: BTreeSet<u64> = desired.conditions.iter().map(|(t, _)| *t).collect();
+    let mut current: Vec<(u64, u64)> = current
         .conditions
         .iter()
-        .flatten()
-        .map(|c| c.type_.as_str())
+        .filter(|(t, _)| reflected_types.contains(t))
+        .copied()
         .collect();
-    if let Some(conditions) = current.conditions.as_mut() {
-        conditions.retain(|c| reflected_types.contains(c.type_.as_str()));
+    let mut desired = desired.conditions.into_vec();
+    current.sort_unstable();
+    desired.sort_unstable();
+    current == desired
+}
+
+/// What the pod controller reads of an upper pod's status between reconciles: phase,
+/// reason, message, qosClass, and whether it [`was_mirrored`] (as tensile's own
+/// [`MIRRORED_CONDITION`]). The rest is compared through its [`StatusDigest`]; a step that
+/// needs the whole status (marking the pod Failed) reads the pod again.
+pub fn status_summary(status: &PodStatus) -> PodStatus {
+    let mirrored = was_mirrored(&Pod {
+        status: Some(status.clone()),
+        ..Pod::default()
+    });
+    PodStatus {
+        phase: status.phase.clone(),
+        reason: status.reason.clone(),
+        message: status.message.clone(),
+        qos_class: status.qos_class.clone(),
+        conditions: mirrored.then(|| {
+            vec![PodCondition {
+                type_: MIRRORED_CONDITION.to_owned(),
+                status: "True".to_owned(),
+                ..PodCondition::default()
+            }]
+        }),
+        ..PodStatus::default()
     }
-    copied_fields(current) == copied_fields(desired.clone())
 }
 
 /// The part of a status that [`upper_status`] copies, with empty lists as absent and
@@ -1256,6 +1329,57 @@ mod tests {
         };
         assert!(status_in_sync(Some(&empty_lists), &absent_lists));
         assert!(status_in_sync(Some(&absent_lists), &empty_lists));
+    }
+
+    #[test]
+    fn a_status_summary_answers_what_the_pod_controller_asks() {
+        let running = pod(upper_json()).status.unwrap();
+        let statuses = [
+            ("none", PodStatus::default()),
+            ("the upper fixture", running.clone()),
+            (
+                "written from below",
+                upper_status(&running_lower(), &pod(upper_json())),
+            ),
+            (
+                "pending with a reason",
+                serde_json::from_value(json!({"phase": "Pending", "reason": "R", "message": "M",
+                    "qosClass": "BestEffort"}))
+                .unwrap(),
+            ),
+            (
+                "only tensile's mark",
+                serde_json::from_value(json!({"phase": "Pending",
+                    "conditions": [{"type": MIRRORED_CONDITION, "status": "True"}]}))
+                .unwrap(),
+            ),
+            (
+                "only a container status",
+                serde_json::from_value(json!({"containerStatuses": [{"name": "app",
+                    "image": "i", "imageID": "", "ready": false, "restartCount": 0}]}))
+                .unwrap(),
+            ),
+        ];
+        let with = |status: PodStatus| Pod {
+            status: Some(status),
+            ..Pod::default()
+        };
+        for (name, status) in statuses {
+            let summary = status_summary(&status);
+            assert_eq!(summary.phase, status.phase, "{name}");
+            assert_eq!(summary.reason, status.reason, "{name}");
+            assert_eq!(summary.message, status.message, "{name}");
+            assert_eq!(summary.qos_class, status.qos_class, "{name}");
+            assert_eq!(
+                was_mirrored(&with(summary)),
+                was_mirrored(&with(status.clone())),
+                "{name}"
+            );
+            assert!(
+                digest_in_sync(&status_digest(Some(&status)), &status),
+                "{name}: a status is in sync with itself"
+            );
+        }
     }
 
     #[test]

@@ -4,28 +4,22 @@
 //! activeDeadlineSeconds, nodeName and status. Watch events are converted on arrival, so
 //! ten thousand mirrored pods fit in a small footprint; a reconcile rebuilds a `Pod` view.
 //! The status is kept as its JSON, a third of the size of its struct graph, and parsed
-//! back when a reconcile needs it. Labels and annotations are kept as [`Pairs`], one
+//! back when a reconcile needs it; so is the compared part of the spec, which pods of one
+//! workload share ([`SharedSpecs`]). Labels and annotations are kept as [`Pairs`], one
 //! buffer each instead of a `BTreeMap` (whose smallest node reserves room for eleven
 //! entries: half a kilobyte for the two to five a pod has).
 
 use std::borrow::Cow;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus, Toleration};
+use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Resource;
 use kube::core::NamespaceResourceScope;
 
 use super::meta::{Claim, Owner, UPPER_UID_ANNOTATION};
-
-/// A container as stored: its name and image.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct StoredContainer {
-    /// `name`.
-    pub name: String,
-    /// `image`.
-    pub image: Option<String>,
-}
+use super::pod::{StatusDigest, digest_in_sync, status_digest, status_in_sync, status_summary};
 
 /// A string map of a few entries in one buffer: `text` holds the keys and values one
 /// after the other, `ends[i]` where the i-th of them ends. Entries keep the map's (sorted)
@@ -95,44 +89,94 @@ pub struct StoredPod {
     labels: Pairs,
     /// `metadata.annotations`.
     annotations: Pairs,
-    /// `spec.nodeName`.
-    pub node_name: Option<String>,
-    /// `spec.containers`, names and images.
-    pub containers: Vec<StoredContainer>,
-    /// `spec.initContainers`, names and images.
-    pub init_containers: Vec<StoredContainer>,
-    /// `spec.tolerations`, as JSON (a `Toleration` is 112 bytes before its strings, and
-    /// every pod has at least the two the API server adds).
-    tolerations: Option<Box<[u8]>>,
-    /// `spec.activeDeadlineSeconds`.
-    pub active_deadline_seconds: Option<i64>,
-    /// `status`, as JSON.
+    /// The spec fields a reconcile compares (nodeName, container names and images,
+    /// tolerations, activeDeadlineSeconds), as the JSON of a `PodSpec` with only those
+    /// set. The pods of one workload on one node have equal ones, which a [`SharedSpecs`]
+    /// keeps once: three tolerations alone are 300 bytes a pod.
+    spec: Option<Arc<[u8]>>,
+    /// `status`, as JSON; only its [`status_summary`] for a pod stored
+    /// [`StoredPod::summarized`].
     status: Option<Box<[u8]>>,
+    /// What [`status_in_sync`] compares of the status, for a pod stored
+    /// [`StoredPod::summarized`].
+    status_digest: Option<StatusDigest>,
 }
 
-fn stored(containers: &[Container]) -> Vec<StoredContainer> {
-    containers
-        .iter()
-        .map(|c| StoredContainer {
-            name: c.name.clone(),
-            image: c.image.clone(),
-        })
-        .collect()
+/// `spec` reduced to what [`StoredPod`] keeps.
+fn compared_spec(spec: PodSpec) -> PodSpec {
+    let names_and_images = |containers: Vec<Container>| -> Vec<Container> {
+        containers
+            .into_iter()
+            .map(|c| Container {
+                name: c.name,
+                image: c.image,
+                ..Container::default()
+            })
+            .collect()
+    };
+    PodSpec {
+        node_name: spec.node_name,
+        containers: names_and_images(spec.containers),
+        init_containers: spec
+            .init_containers
+            .filter(|c| !c.is_empty())
+            .map(names_and_images),
+        tolerations: spec.tolerations,
+        active_deadline_seconds: spec.active_deadline_seconds,
+        ..PodSpec::default()
+    }
 }
 
-fn containers(stored: &[StoredContainer]) -> Vec<Container> {
-    stored
-        .iter()
-        .map(|c| Container {
-            name: c.name.clone(),
-            image: c.image.clone(),
-            ..Container::default()
-        })
-        .collect()
+/// Equal buffers of many [`StoredPod`]s, kept once. One per pod store (the watch that
+/// fills it is its only writer). Values no stored pod holds any more are swept out once
+/// it has doubled since the last sweep, so it stays within twice the distinct values in
+/// use.
+#[derive(Debug, Default)]
+pub struct SharedSpecs {
+    specs: HashSet<Arc<[u8]>>,
+    /// How many it kept after the last sweep.
+    swept_to: usize,
+}
+
+/// Below this, a [`SharedSpecs`] is never swept: the sweep would cost more than it frees.
+const SWEEP_FLOOR: usize = 64;
+
+impl SharedSpecs {
+    /// The shared copy of `json`.
+    fn share(&mut self, json: Vec<u8>) -> Arc<[u8]> {
+        if let Some(shared) = self.specs.get(json.as_slice()) {
+            return shared.clone();
+        }
+        if self.specs.len() >= 2 * self.swept_to.max(SWEEP_FLOOR) {
+            // Held only here: no stored pod has this spec any more.
+            self.specs.retain(|spec| Arc::strong_count(spec) > 1);
+            self.swept_to = self.specs.len();
+        }
+        let shared: Arc<[u8]> = json.into();
+        self.specs.insert(shared.clone());
+        shared
+    }
+
+    /// How many distinct specs it holds.
+    pub fn len(&self) -> usize {
+        self.specs.len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.specs.is_empty()
+    }
 }
 
 impl From<Pod> for StoredPod {
     fn from(pod: Pod) -> Self {
+        Self::new(pod, &mut SharedSpecs::default())
+    }
+}
+
+impl StoredPod {
+    /// `pod` as stored, its spec shared through `shared` with the equal ones of other pods.
+    pub fn new(pod: Pod, shared: &mut SharedSpecs) -> Self {
         let Pod {
             mut metadata,
             spec,
@@ -150,18 +194,29 @@ impl From<Pod> for StoredPod {
         metadata.resource_version = None;
         let labels = packed(metadata.labels.take());
         let annotations = packed(metadata.annotations.take());
-        let spec = spec.unwrap_or_default();
         Self {
             metadata,
             labels,
             annotations,
-            containers: stored(&spec.containers),
-            init_containers: stored(spec.init_containers.as_deref().unwrap_or_default()),
-            node_name: spec.node_name,
-            tolerations: spec.tolerations.as_ref().and_then(json),
-            active_deadline_seconds: spec.active_deadline_seconds,
+            spec: spec
+                .map(compared_spec)
+                .as_ref()
+                .and_then(json)
+                .map(|json| shared.share(json.into_vec())),
             status: status.as_ref().and_then(json),
+            status_digest: None,
         }
+    }
+
+    /// Like [`StoredPod::new`], keeping of the status only its [`status_summary`] and
+    /// [`StatusDigest`]: for upper pods, whose status only the status reflector compares
+    /// (with the lower pod's) and a failing pod's step reads whole, from the API.
+    pub fn summarized(mut pod: Pod, shared: &mut SharedSpecs) -> Self {
+        let status = pod.status.take();
+        let mut stored = Self::new(pod, shared);
+        stored.status_digest = Some(status_digest(status.as_ref()));
+        stored.status = status.as_ref().map(status_summary).as_ref().and_then(json);
+        stored
     }
 }
 
@@ -203,14 +258,17 @@ impl StoredPod {
         self.annotation(UPPER_UID_ANNOTATION)
     }
 
-    /// The status.
+    /// The status (only its [`status_summary`] for a pod stored [`StoredPod::summarized`]).
     pub fn status(&self) -> Option<PodStatus> {
         parsed(self.status.as_deref())
     }
 
-    /// `spec.tolerations`.
-    pub fn tolerations(&self) -> Option<Vec<Toleration>> {
-        parsed(self.tolerations.as_deref())
+    /// Whether its status already shows `desired` ([`status_in_sync`]).
+    pub fn status_in_sync(&self, desired: &PodStatus) -> bool {
+        match &self.status_digest {
+            Some(digest) => digest_in_sync(digest, desired),
+            None => status_in_sync(self.status().as_ref(), desired),
+        }
     }
 
     /// The `Pod` this stands for, with only the stored fields set — enough for the
@@ -222,15 +280,7 @@ impl StoredPod {
                 annotations: self.annotations.to_map(),
                 ..self.metadata.clone()
             },
-            spec: Some(PodSpec {
-                node_name: self.node_name.clone(),
-                containers: containers(&self.containers),
-                init_containers: (!self.init_containers.is_empty())
-                    .then(|| containers(&self.init_containers)),
-                tolerations: self.tolerations(),
-                active_deadline_seconds: self.active_deadline_seconds,
-                ..PodSpec::default()
-            }),
+            spec: Some(parsed(self.spec.as_deref()).unwrap_or_default()),
             status: self.status(),
         }
     }
@@ -316,6 +366,86 @@ mod tests {
         assert!(spec.volumes.is_none());
         assert_eq!(StoredPod::kind(&()), "Pod");
         assert_eq!(StoredPod::plural(&()), "pods");
+    }
+
+    #[test]
+    fn equal_specs_are_kept_once_and_swept_when_unused() {
+        let pod = |name: &str, image: &str, node: &str| -> Pod {
+            serde_json::from_value(json!({
+                "metadata": {"name": name, "namespace": "ns"},
+                "spec": {"nodeName": node, "containers": [{"name": "app", "image": image,
+                         "env": [{"name": "POD", "value": name}]}],
+                         "tolerations": [{"key": "k", "operator": "Exists"}]},
+            }))
+            .unwrap()
+        };
+        let spec = |p: &StoredPod| p.spec.clone().unwrap();
+        let mut shared = SharedSpecs::default();
+        let a = StoredPod::new(pod("a", "nginx:1", "n1"), &mut shared);
+        let b = StoredPod::new(pod("b", "nginx:1", "n1"), &mut shared);
+        let c = StoredPod::new(pod("c", "nginx:2", "n1"), &mut shared);
+        let d = StoredPod::new(pod("d", "nginx:1", "n2"), &mut shared);
+        assert!(
+            Arc::ptr_eq(&spec(&a), &spec(&b)),
+            "same workload, same node"
+        );
+        assert!(!Arc::ptr_eq(&spec(&a), &spec(&c)), "another image");
+        assert!(!Arc::ptr_eq(&spec(&a), &spec(&d)), "another node");
+        assert_eq!(shared.len(), 3);
+        assert_eq!(
+            a.to_pod().spec.unwrap().containers[0].image.as_deref(),
+            Some("nginx:1")
+        );
+        drop((b, c, d));
+        // Enough distinct specs to trigger a sweep: only those still held survive it.
+        let held: Vec<StoredPod> = (0..2 * SWEEP_FLOOR)
+            .map(|i| StoredPod::new(pod("x", &format!("img:{i}"), "n1"), &mut shared))
+            .collect();
+        assert!(shared.len() <= held.len() + 1, "{} kept", shared.len());
+        let again = StoredPod::new(pod("e", "nginx:1", "n1"), &mut shared);
+        assert!(
+            Arc::ptr_eq(&spec(&a), &spec(&again)),
+            "a's spec is still held"
+        );
+    }
+
+    #[test]
+    fn a_summarized_pod_compares_its_status_through_the_digest() {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "web", "namespace": "ns", "uid": "u"},
+            "spec": {"nodeName": "vk", "containers": [{"name": "app", "image": "nginx:1"}]},
+            "status": {"phase": "Running", "podIP": "10.0.0.1", "qosClass": "BestEffort",
+                       "hostIP": "192.168.0.1",
+                       "conditions": [{"type": "Ready", "status": "True"},
+                                      {"type": "example.com/gate", "status": "True"}]},
+        }))
+        .unwrap();
+        let whole = StoredPod::from(pod.clone());
+        let summarized = StoredPod::summarized(pod.clone(), &mut SharedSpecs::default());
+        let status = pod.status.clone().unwrap();
+        let moved: PodStatus = serde_json::from_value(json!({"phase": "Running",
+            "podIP": "10.0.0.2", "conditions": [{"type": "Ready", "status": "True"}]}))
+        .unwrap();
+        let reported: PodStatus = serde_json::from_value(json!({"phase": "Running",
+            "podIP": "10.0.0.1", "hostIP": "192.168.0.1",
+            "conditions": [{"type": "Ready", "status": "True"}]}))
+        .unwrap();
+        for (desired, want) in [(&status, true), (&moved, false), (&reported, true)] {
+            assert_eq!(whole.status_in_sync(desired), want, "{desired:?}");
+            assert_eq!(summarized.status_in_sync(desired), want, "{desired:?}");
+        }
+        let summary = summarized.status().unwrap();
+        assert_eq!(summary.phase.as_deref(), Some("Running"));
+        assert_eq!(summary.qos_class.as_deref(), Some("BestEffort"));
+        assert_eq!(summary.pod_ip, None, "compared through the digest only");
+        let kept = |p: &StoredPod| p.status.as_ref().map_or(0, |s| s.len());
+        assert!(
+            kept(&summarized) * 2 < kept(&whole),
+            "{} bytes of status kept, {} whole",
+            kept(&summarized),
+            kept(&whole)
+        );
+        assert_eq!(summarized.to_pod().metadata, whole.to_pod().metadata);
     }
 
     #[test]

@@ -46,6 +46,39 @@ pub fn footprint(pid: u32) -> Result<(u64, u64, f64)> {
     ))
 }
 
+/// Resident memory (bytes) of a process split by what backs it: anonymous (heap, stacks)
+/// and file-backed (the binary's code and other mapped files).
+pub fn resident_split(pid: u32) -> Result<(u64, u64)> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib = |key: &str| -> u64 {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    Ok((kib("RssAnon:") * 1024, kib("RssFile:") * 1024))
+}
+
+/// The least-squares slope of `y` over `x`: e.g. the bytes each further mirrored pod
+/// costs, fitted over the footprint sizes. `None` with fewer than two distinct `x`.
+pub fn slope(points: &[(f64, f64)]) -> Option<f64> {
+    let n = points.len() as f64;
+    let (mean_x, mean_y) = (
+        points.iter().map(|p| p.0).sum::<f64>() / n,
+        points.iter().map(|p| p.1).sum::<f64>() / n,
+    );
+    let spread: f64 = points.iter().map(|p| (p.0 - mean_x).powi(2)).sum();
+    (spread > 0.0).then(|| {
+        points
+            .iter()
+            .map(|p| (p.0 - mean_x) * (p.1 - mean_y))
+            .sum::<f64>()
+            / spread
+    })
+}
+
 /// CPU seconds so far of every process of the pair, of virtual-node and of this process
 /// (named `me`), by name.
 pub fn cpu_by_component(pair: &ClusterPair, vn: &VirtualNode, me: &str) -> BTreeMap<String, f64> {
@@ -79,6 +112,26 @@ pub fn cpu_profile(before: &BTreeMap<String, f64>, after: &BTreeMap<String, f64>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Points, and the slope fitted through them.
+    type SlopeCase = (&'static [(f64, f64)], Option<f64>);
+
+    #[test]
+    fn slopes() {
+        let cases: [SlopeCase; 4] = [
+            (&[], None),
+            (&[(1.0, 5.0), (1.0, 7.0)], None),
+            (&[(1000.0, 10.0), (3000.0, 30.0)], Some(0.01)),
+            (&[(0.0, 1.0), (1.0, 2.0), (2.0, 3.5)], Some(1.25)),
+        ];
+        for (points, want) in cases {
+            let got = slope(points);
+            assert_eq!(got.is_some(), want.is_some(), "{points:?}");
+            if let (Some(got), Some(want)) = (got, want) {
+                assert!((got - want).abs() < 1e-9, "{points:?}: {got}");
+            }
+        }
+    }
 
     #[test]
     fn nearest_rank_percentiles() {

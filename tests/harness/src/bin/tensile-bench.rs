@@ -23,7 +23,9 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::{Value, json};
 use tensile_harness::fixtures::{bound_pod, pinned_spec, pod};
-use tensile_harness::measure::{cpu_by_component, cpu_profile, footprint, percentile};
+use tensile_harness::measure::{
+    cpu_by_component, cpu_profile, footprint, percentile, resident_split, slope,
+};
 use tensile_harness::{
     ClusterPair, NodeShape, PairOptions, TestNamespace, VirtualNode, VirtualNodeOptions,
     node_is_ready, wait_for,
@@ -970,6 +972,8 @@ async fn run(args: Args) -> Result<()> {
         let base = scrape(vn.metrics_port).await?;
         let (_, _, cpu_before) = footprint(vn.pid())?;
         let mut made = 0;
+        // (mirrored pods, resident bytes, anonymous resident bytes) at each size.
+        let mut samples: Vec<(f64, f64, f64)> = Vec::new();
         for size in &sizes {
             let pods: Vec<Pod> = (made..*size)
                 .map(|i| labelled(bound_pod(&format!("f-{i:05}"), NODE)))
@@ -979,6 +983,8 @@ async fn run(args: Args) -> Result<()> {
             wait_all_running(&timeline, made, &format!("{made} mirrored pods Running")).await?;
             tokio::time::sleep(Duration::from_secs(5)).await; // settle before sampling memory
             let (rss, peak, cpu) = footprint(vn.pid())?;
+            let (anonymous, file_backed) = resident_split(vn.pid())?;
+            samples.push((made as f64, rss as f64, anonymous as f64));
             let metrics = scrape(vn.metrics_port).await?;
             let label = format!("footprint at {size} pods");
             report.row(
@@ -988,6 +994,15 @@ async fn run(args: Args) -> Result<()> {
                     "{:.1} MiB / {:.1} MiB",
                     rss as f64 / 1048576.0,
                     peak as f64 / 1048576.0
+                ),
+            );
+            report.row(
+                &label,
+                "resident: anonymous (heap, stacks) / file-backed (code)",
+                format!(
+                    "{:.1} MiB / {:.1} MiB",
+                    anonymous as f64 / 1048576.0,
+                    file_backed as f64 / 1048576.0
                 ),
             );
             report.row(
@@ -1002,6 +1017,15 @@ async fn run(args: Args) -> Result<()> {
             );
         }
         tracker.abort();
+        let resident: Vec<(f64, f64)> = samples.iter().map(|s| (s.0, s.1)).collect();
+        let anonymous: Vec<(f64, f64)> = samples.iter().map(|s| (s.0, s.2)).collect();
+        if let (Some(resident), Some(anonymous)) = (slope(&resident), slope(&anonymous)) {
+            report.row(
+                &format!("footprint, fit over {sizes:?} pods"),
+                "resident per further mirrored pod (target <= 3 KB) / of it anonymous",
+                format!("{:.2} KB / {:.2} KB", resident / 1000.0, anonymous / 1000.0),
+            );
+        }
 
         // Restart: caught up = every mirrored pod reconciled once; writes should be zero.
         vn.stop()?;
