@@ -172,8 +172,13 @@ impl std::fmt::Debug for MirroredSources {
 
 /// The kinds of pod reconcile error (`tensile_pod_reconcile_errors_total{error}`), each
 /// exported at zero from the start.
-pub const RECONCILE_ERROR_LABELS: [&str; 5] =
-    ["api", "conflict", "missing_dependency", "translate", "shutdown"];
+pub const RECONCILE_ERROR_LABELS: [&str; 5] = [
+    "api",
+    "conflict",
+    "missing_dependency",
+    "translate",
+    "shutdown",
+];
 
 /// Everything counted.
 #[derive(Debug)]

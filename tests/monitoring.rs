@@ -14,7 +14,6 @@ use serde_json::{Value, json};
 use tensile_harness::fixtures::{bound_pod, merge};
 use tensile_harness::{ClusterPair, TestNamespace, VirtualNode, dashboard, wait_for};
 
-
 /// Whether virtual-node (rather than the webhook) exports `name`.
 fn exported_by_virtual_node(name: &str) -> bool {
     !name.starts_with("tensile_webhook_")
@@ -53,12 +52,7 @@ async fn every_metric_the_dashboard_queries_is_exported() {
         .unwrap();
     let missing = |text: &str| {
         let exported = dashboard::exported_names(text);
-        dashboard::missing(
-            &exprs,
-            &exported,
-            exported_by_virtual_node,
-            &[],
-        )
+        dashboard::missing(&exprs, &exported, exported_by_virtual_node, &[])
     };
     let found = wait_for("every dashboard metric exported", TIMEOUT, || async {
         Ok(missing(&exposition(&vn).await).is_empty().then_some(()))
