@@ -345,7 +345,9 @@ mod tests {
                 ));
             p
         };
-        let cases: Vec<(&str, Vec<Pod>, Vec<Pod>, [usize; 4])> = vec![
+        // name, upper pods bound, lower pods owned, [lost, orphans, duplicates, stale]
+        type Case = (&'static str, Vec<Pod>, Vec<Pod>, [usize; 4]);
+        let cases: Vec<Case> = vec![
             (
                 "in step",
                 vec![upper("a", "u1", "Running")],
