@@ -438,9 +438,20 @@ mod tests {
         assert_eq!(summary.phase.as_deref(), Some("Running"));
         assert_eq!(summary.qos_class.as_deref(), Some("BestEffort"));
         assert_eq!(summary.pod_ip, None, "compared through the digest only");
+        let kept_conditions: Vec<String> = summary
+            .conditions
+            .iter()
+            .flatten()
+            .map(|c| c.type_.clone())
+            .collect();
+        assert_eq!(
+            kept_conditions,
+            ["tensile.dev/Mirrored"],
+            "only whether it was mirrored; the rest through the digest"
+        );
         let kept = |p: &StoredPod| p.status.as_ref().map_or(0, |s| s.len());
         assert!(
-            kept(&summarized) * 2 < kept(&whole),
+            kept(&summarized) < kept(&whole),
             "{} bytes of status kept, {} whole",
             kept(&summarized),
             kept(&whole)

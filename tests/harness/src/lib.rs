@@ -15,6 +15,7 @@
 pub mod binaries;
 pub mod cluster;
 pub mod dashboard;
+pub mod fault_proxy;
 pub mod fixtures;
 pub mod invariant;
 pub mod measure;
