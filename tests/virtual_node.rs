@@ -312,34 +312,65 @@ async fn two_virtual_nodes_on_one_lower_cluster_keep_their_own_pods_through_rest
     ns.delete().await.unwrap();
 }
 
-#[tokio::test]
-async fn killed_mid_burst_it_converges_without_duplicates_or_orphans() {
+/// A throttled virtual node `node` in the middle of a 100-pod burst (labelled `app=<app>`,
+/// in a namespace of their own): at least 20 created below, most not yet.
+struct MidBurst {
+    vn: VirtualNode,
+    ns: TestNamespace,
+    upper: kube::Client,
+    lower: kube::Client,
+    upper_pods: Api<Pod>,
+    lower_pods: Api<Pod>,
+}
+
+async fn mid_burst(node: &str, app: &str) -> MidBurst {
     let pair = ClusterPair::shared().await.unwrap();
-    let node = "vk-burst";
-    // Throttled, so that the kill lands while pods are still being created.
-    let mut vn = start_node(pair, node, &["--client-qps", "20", "--client-burst", "5"]).await;
+    // Throttled, so that what the test does next lands while pods are still being created.
+    let vn = start_node(pair, node, &["--client-qps", "20", "--client-burst", "5"]).await;
     let (upper, lower) = (
         pair.upper.client().await.unwrap(),
         pair.lower.client().await.unwrap(),
     );
-    let ns = TestNamespace::create(&upper, "burst").await.unwrap();
+    let ns = TestNamespace::create(&upper, app).await.unwrap();
     let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
     let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), &ns.name);
     let creates = (0..100).map(|i| {
         let api = upper_pods.clone();
         async move {
             let mut p = bound_pod(&format!("p-{i:03}"), node);
-            p.metadata.labels = Some([("app".to_owned(), "burst".to_owned())].into());
+            p.metadata.labels = Some([("app".to_owned(), app.to_owned())].into());
             api.create(&PostParams::default(), &p).await.unwrap();
         }
     });
     futures::future::join_all(creates).await;
-
+    let selector = format!("app={app}");
     wait_for("some lower pods to exist", TIMEOUT, || async {
-        Ok((pods(&lower_pods, "app=burst").await.len() >= 20).then_some(()))
+        Ok((pods(&lower_pods, &selector).await.len() >= 20).then_some(()))
     })
     .await
     .unwrap();
+    MidBurst {
+        vn,
+        ns,
+        upper,
+        lower,
+        upper_pods,
+        lower_pods,
+    }
+}
+
+#[tokio::test]
+async fn killed_mid_burst_it_converges_without_duplicates_or_orphans() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let node = "vk-burst";
+    let MidBurst {
+        mut vn,
+        ns,
+        upper,
+        lower,
+        upper_pods,
+        lower_pods,
+    } = mid_burst(node, "burst").await;
     vn.kill().unwrap();
     let at_kill = pods(&lower_pods, "app=burst").await.len();
     assert!(at_kill < 100, "killed mid-way ({at_kill} of 100 created)");
@@ -385,29 +416,14 @@ async fn killed_mid_burst_it_converges_without_duplicates_or_orphans() {
 async fn sigterm_mid_burst_exits_within_5_s_and_loses_nothing() {
     let pair = ClusterPair::shared().await.unwrap();
     let node = "vk-term";
-    // Throttled, so that the signal lands while pods are still being created.
-    let mut vn = start_node(pair, node, &["--client-qps", "20", "--client-burst", "5"]).await;
-    let (upper, lower) = (
-        pair.upper.client().await.unwrap(),
-        pair.lower.client().await.unwrap(),
-    );
-    let ns = TestNamespace::create(&upper, "term").await.unwrap();
-    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
-    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), &ns.name);
-    let creates = (0..100).map(|i| {
-        let api = upper_pods.clone();
-        async move {
-            let mut p = bound_pod(&format!("p-{i:03}"), node);
-            p.metadata.labels = Some([("app".to_owned(), "term".to_owned())].into());
-            api.create(&PostParams::default(), &p).await.unwrap();
-        }
-    });
-    futures::future::join_all(creates).await;
-    wait_for("some lower pods to exist", TIMEOUT, || async {
-        Ok((pods(&lower_pods, "app=term").await.len() >= 20).then_some(()))
-    })
-    .await
-    .unwrap();
+    let MidBurst {
+        mut vn,
+        ns,
+        upper,
+        lower,
+        upper_pods,
+        lower_pods,
+    } = mid_burst(node, "term").await;
 
     let signalled = std::time::Instant::now();
     vn.signal(nix::sys::signal::Signal::SIGTERM).unwrap();

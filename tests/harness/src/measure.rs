@@ -109,6 +109,24 @@ pub fn cpu_profile(before: &BTreeMap<String, f64>, after: &BTreeMap<String, f64>
     format!("{total:.1} s: {}", parts.join(", "))
 }
 
+/// virtual-node's metrics, by series (`name{labels}` → value), from its endpoint on
+/// `127.0.0.1:port`.
+pub async fn scrape(port: u16) -> Result<BTreeMap<String, f64>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+    stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await?;
+    let mut body = String::new();
+    stream.read_to_string(&mut body).await?;
+    Ok(body
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.rsplit_once(' '))
+        .filter_map(|(k, v)| Some((k.to_owned(), v.parse().ok()?)))
+        .collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -24,7 +24,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::{Value, json};
 use tensile_harness::fixtures::{bound_pod, pinned_spec, pod};
 use tensile_harness::measure::{
-    cpu_by_component, cpu_profile, footprint, percentile, resident_split, slope,
+    cpu_by_component, cpu_profile, footprint, percentile, resident_split, scrape, slope,
 };
 use tensile_harness::{
     ClusterPair, NodeShape, PairOptions, TestNamespace, VirtualNode, VirtualNodeOptions,
@@ -577,23 +577,6 @@ fn p50_p99_max(sorted: &[Duration]) -> String {
         ms(percentile(sorted, 99.0)),
         ms(sorted.last().copied().unwrap_or_default())
     )
-}
-
-/// virtual-node's own counters, from its metrics endpoint.
-async fn scrape(port: u16) -> Result<BTreeMap<String, f64>> {
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    stream
-        .write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
-        .await?;
-    let mut body = String::new();
-    stream.read_to_string(&mut body).await?;
-    Ok(body
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| l.rsplit_once(' '))
-        .filter_map(|(k, v)| Some((k.to_owned(), v.parse().ok()?)))
-        .collect())
 }
 
 /// p50 / p99 of the upper API server's answers to virtual-node's status writes between

@@ -22,6 +22,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use nix::sys::signal::Signal;
 use tensile_harness::fixtures::bound_pod;
 use tensile_harness::invariant::{self, Report};
+use tensile_harness::measure::scrape;
 use tensile_harness::{
     ClusterPair, Component, PairOptions, TestNamespace, VirtualNode, VirtualNodeOptions,
     node_is_ready, wait_for,
@@ -424,21 +425,4 @@ fn print_table(args: &Args, rows: &[Row]) {
             r.requests
         );
     }
-}
-
-/// virtual-node's metrics, by series.
-async fn scrape(port: u16) -> Result<BTreeMap<String, f64>> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
-    stream
-        .write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
-        .await?;
-    let mut body = String::new();
-    stream.read_to_string(&mut body).await?;
-    Ok(body
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| l.rsplit_once(' '))
-        .filter_map(|(k, v)| Some((k.to_owned(), v.parse().ok()?)))
-        .collect())
 }
