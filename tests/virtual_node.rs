@@ -312,6 +312,15 @@ async fn two_virtual_nodes_on_one_lower_cluster_keep_their_own_pods_through_rest
     ns.delete().await.unwrap();
 }
 
+/// Waits until the invariant holds over `node`'s pods, failing with the report.
+async fn assert_converges(upper: &kube::Client, lower: &kube::Client, node: &str, after: &str) {
+    let (report, took) = invariant::converge(upper, lower, node, None, TIMEOUT)
+        .await
+        .unwrap();
+    println!("after {after}: {report} (converged in {took:?})");
+    assert!(report.holds(), "after {after}: {report}");
+}
+
 /// A throttled virtual node `node` in the middle of a 100-pod burst (labelled `app=<app>`,
 /// in a namespace of their own): at least 20 created below, most not yet.
 struct MidBurst {
@@ -401,11 +410,7 @@ async fn killed_mid_burst_it_converges_without_duplicates_or_orphans() {
         100,
         "no stray pods of this node elsewhere"
     );
-    let (report, took) = invariant::converge(&upper, &lower, node, None, TIMEOUT)
-        .await
-        .unwrap();
-    println!("after the kill mid-burst: {report} (converged in {took:?})");
-    assert!(report.holds(), "{report}");
+    assert_converges(&upper, &lower, node, "the kill mid-burst").await;
     ns.delete().await.unwrap();
 }
 
@@ -448,11 +453,7 @@ async fn sigterm_mid_burst_exits_within_5_s_and_loses_nothing() {
 
     let _vn = start_node(pair, node, &[]).await;
     wait_running(&upper_pods, "app=term", 100).await;
-    let (report, converged) = invariant::converge(&upper, &lower, node, None, TIMEOUT)
-        .await
-        .unwrap();
-    println!("after SIGTERM mid-burst: {report} (converged in {converged:?})");
-    assert!(report.holds(), "{report}");
+    assert_converges(&upper, &lower, node, "SIGTERM mid-burst").await;
     ns.delete().await.unwrap();
 }
 
@@ -507,11 +508,8 @@ async fn killed_mid_deletion_it_leaves_no_orphans() {
     wait_gone(&lower_pods, "group=doomed").await;
     let kept = wait_running(&lower_pods, "group=kept", 20).await;
     assert_eq!(kept.len(), 20);
-    let (report, took) = invariant::converge(&upper, &lower, node, None, TIMEOUT)
-        .await
-        .unwrap();
-    println!("after the kill mid-deletion ({left} left below): {report} (converged in {took:?})");
-    assert!(report.holds(), "{report}");
+    let what = format!("the kill mid-deletion ({left} left below)");
+    assert_converges(&upper, &lower, node, &what).await;
     ns.delete().await.unwrap();
 }
 

@@ -152,6 +152,24 @@ impl Soak {
     async fn converge(&self) -> Result<(Report, Duration)> {
         invariant::converge(&self.upper, &self.lower, NODE, None, WAIT).await
     }
+
+    /// SIGKILLs virtual-node and starts it again; returns when it was killed and the
+    /// new process's request count.
+    async fn kill_and_restart(&mut self) -> Result<(Instant, f64)> {
+        self.kill()?;
+        let killed = Instant::now();
+        self.start_node().await?;
+        Ok((killed, self.requests().await))
+    }
+
+    /// Waits for the invariant, then adds the round to `row`: `report` (from
+    /// [`Soak::converge`], plus anything the case found) as of `since` (the fault), with
+    /// the requests made since the count `before`.
+    async fn record(&self, row: &mut Row, what: &str, report: Report, since: Instant, before: f64) {
+        let took = since.elapsed();
+        row.add(&report, took, self.requests().await - before);
+        eprintln!("  {what}: {report} in {took:.1?}");
+    }
 }
 
 /// A pseudo-random delay in `[from, to)` (the clock's nanoseconds: no seed to keep).
@@ -258,15 +276,11 @@ async fn kill_during_burst(soak: &mut Soak, args: &Args) -> Result<Row> {
             Duration::from_secs(4),
         ))
         .await;
-        soak.kill()?;
-        let killed = Instant::now();
-        soak.start_node().await?;
-        let before = soak.requests().await;
+        let (killed, before) = soak.kill_and_restart().await?;
         creating.await.context("creating pods")??;
         let (report, _) = soak.converge().await?;
-        let took = killed.elapsed();
-        row.add(&report, took, soak.requests().await - before);
-        eprintln!("  burst round {round}: {report} in {took:.1?}");
+        let what = format!("burst round {round}");
+        soak.record(&mut row, &what, report, killed, before).await;
         ns.delete().await?;
     }
     Ok(row)
@@ -293,55 +307,82 @@ async fn kill_during_deletion(soak: &mut Soak, args: &Args) -> Result<Row> {
             Duration::from_secs(2),
         ))
         .await;
-        soak.kill()?;
-        let killed = Instant::now();
-        soak.start_node().await?;
-        let before = soak.requests().await;
+        let (killed, before) = soak.kill_and_restart().await?;
         wait_for("every pod gone above and below", WAIT, || async {
             Ok((count(&api).await? == 0 && count(&below).await? == 0).then_some(()))
         })
         .await?;
         let (report, _) = soak.converge().await?;
-        let took = killed.elapsed();
-        row.add(&report, took, soak.requests().await - before);
-        eprintln!("  deletion round {round}: {report} in {took:.1?}");
+        let what = format!("deletion round {round}");
+        soak.record(&mut row, &what, report, killed, before).await;
         ns.delete().await?;
     }
     Ok(row)
+}
+
+/// A namespace of its own with 20 pods running below, and their lower UIDs.
+struct Running {
+    ns: TestNamespace,
+    api: Api<Pod>,
+    below: Api<Pod>,
+    uids: BTreeMap<String, String>,
+}
+
+impl Running {
+    async fn start(soak: &Soak, prefix: &str) -> Result<Self> {
+        let ns = TestNamespace::create(&soak.upper, prefix).await?;
+        let api: Api<Pod> = Api::namespaced(soak.upper.clone(), &ns.name);
+        let below: Api<Pod> = Api::namespaced(soak.lower.clone(), &ns.name);
+        create_pods(&api, "before", 20).await?;
+        soak.converge().await?;
+        let uids = lower_uids(&below).await?;
+        Ok(Self {
+            ns,
+            api,
+            below,
+            uids,
+        })
+    }
+
+    /// Adds to `report` every pod that ran before, is not `deleted`, and was re-created
+    /// below (another UID) or is gone.
+    async fn check_undisturbed(&self, deleted: Option<&str>, report: &mut Report) -> Result<()> {
+        let after = lower_uids(&self.below).await?;
+        for (name, uid) in &self.uids {
+            if Some(name.as_str()) != deleted && after.get(name) != Some(uid) {
+                report.stale.push(format!("{name} re-created below"));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The lower API server frozen (SIGSTOP) for `--outage` seconds while pods come and go
 /// above; the pods running below must not be disturbed (same UIDs afterwards).
 async fn silent_lower(soak: &mut Soak, args: &Args) -> Result<Row> {
     let mut row = Row::new(format!("lower kube-apiserver silent {} s", args.outage));
-    let ns = TestNamespace::create(&soak.upper, "soak-silent").await?;
-    let api: Api<Pod> = Api::namespaced(soak.upper.clone(), &ns.name);
-    let below: Api<Pod> = Api::namespaced(soak.lower.clone(), &ns.name);
-    create_pods(&api, "before", 20).await?;
-    soak.converge().await?;
-    let uids = lower_uids(&below).await?;
+    let running = Running::start(soak, "soak-silent").await?;
     let before = soak.requests().await;
     soak.pair
         .lower
         .signal(Component::ApiServer, Signal::SIGSTOP)?;
-    create_pods(&api, "during", 20).await?;
-    api.delete("before-0000", &DeleteParams::default()).await?;
+    create_pods(&running.api, "during", 20).await?;
+    running
+        .api
+        .delete("before-0000", &DeleteParams::default())
+        .await?;
     tokio::time::sleep(Duration::from_secs(args.outage)).await;
     soak.pair
         .lower
         .signal(Component::ApiServer, Signal::SIGCONT)?;
     let resumed = Instant::now();
     let (mut report, _) = soak.converge().await?;
-    let after = lower_uids(&below).await?;
-    for (name, uid) in &uids {
-        if name != "before-0000" && after.get(name) != Some(uid) {
-            report.stale.push(format!("{name} re-created below"));
-        }
-    }
-    let took = resumed.elapsed();
-    row.add(&report, took, soak.requests().await - before);
-    eprintln!("  silent lower: {report} in {took:.1?}");
-    ns.delete().await?;
+    running
+        .check_undisturbed(Some("before-0000"), &mut report)
+        .await?;
+    soak.record(&mut row, "silent lower", report, resumed, before)
+        .await;
+    running.ns.delete().await?;
     Ok(row)
 }
 
@@ -353,12 +394,7 @@ async fn restart(
     upper: bool,
 ) -> Result<Row> {
     let mut row = Row::new(what.to_owned());
-    let ns = TestNamespace::create(&soak.upper, "soak-restart").await?;
-    let api: Api<Pod> = Api::namespaced(soak.upper.clone(), &ns.name);
-    let below: Api<Pod> = Api::namespaced(soak.lower.clone(), &ns.name);
-    create_pods(&api, "before", 20).await?;
-    soak.converge().await?;
-    let uids = lower_uids(&below).await?;
+    let running = Running::start(soak, "soak-restart").await?;
     let before = soak.requests().await;
     let cluster = if upper {
         &soak.pair.upper
@@ -367,18 +403,11 @@ async fn restart(
     };
     soak.pair.restart(cluster, component)?;
     let restarted = Instant::now();
-    create_pods(&api, "during", args.pods.min(50)).await?;
+    create_pods(&running.api, "during", args.pods.min(50)).await?;
     let (mut report, _) = soak.converge().await?;
-    let after = lower_uids(&below).await?;
-    for (name, uid) in &uids {
-        if after.get(name) != Some(uid) {
-            report.stale.push(format!("{name} re-created below"));
-        }
-    }
-    let took = restarted.elapsed();
-    row.add(&report, took, soak.requests().await - before);
-    eprintln!("  {what}: {report} in {took:.1?}");
-    ns.delete().await?;
+    running.check_undisturbed(None, &mut report).await?;
+    soak.record(&mut row, what, report, restarted, before).await;
+    running.ns.delete().await?;
     Ok(row)
 }
 
