@@ -17,7 +17,8 @@ use kube::api::{Api, ListParams, PostParams};
 use nix::sys::signal::Signal;
 use tensile_harness::fixtures::bound_pod;
 use tensile_harness::{
-    ClusterPair, Component, PairOptions, TestNamespace, VirtualNode, VirtualNodeOptions, wait_for,
+    ClusterPair, Component, PairOptions, TestNamespace, VirtualNode, VirtualNodeOptions, invariant,
+    wait_for,
 };
 
 /// Where the Lease is when neither POD_NAMESPACE nor a service account says otherwise.
@@ -152,17 +153,6 @@ async fn create_pods(pods: &Api<Pod>, node: &str, names: impl Iterator<Item = St
         .unwrap();
 }
 
-/// UIDs of the lower pods of `pods`, by name.
-async fn uids(pods: &Api<Pod>) -> BTreeMap<String, String> {
-    pods.list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter_map(|p| Some((p.metadata.name?, p.metadata.uid?)))
-        .collect()
-}
-
 /// SIGKILL of the leader in the middle of a 100-pod burst: the standby, which wrote
 /// nothing below, takes the Lease once it expires and finishes the burst; every upper pod
 /// has exactly one lower pod, those that existed before the kill were never re-created, and
@@ -185,7 +175,7 @@ async fn a_killed_leader_is_replaced_and_no_pod_is_lost_or_duplicated() {
     create_pods(&upper_pods, node, (0..50).map(name)).await;
     // Killed mid-burst: some lower pods made, more on their way.
     wait_for("25 lower pods", TIMEOUT, || async {
-        Ok((uids(&lower_pods).await.len() >= 25).then_some(()))
+        Ok((invariant::uids_by_name(&lower_pods).await?.len() >= 25).then_some(()))
     })
     .await
     .unwrap();
@@ -194,7 +184,7 @@ async fn a_killed_leader_is_replaced_and_no_pod_is_lost_or_duplicated() {
         standby_writes,
         "the standby wrote below"
     );
-    let before = uids(&lower_pods).await;
+    let before = invariant::uids_by_name(&lower_pods).await.unwrap();
     let killed = Instant::now();
     leader.kill().unwrap();
     let burst = create_pods(&upper_pods, node, (50..100).map(name));

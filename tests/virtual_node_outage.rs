@@ -7,12 +7,11 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use common::{TIMEOUT, start_node, wait_running};
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, PostParams};
 use nix::sys::signal::Signal;
 use tensile_harness::fixtures::bound_pod;
 use tensile_harness::{ClusterPair, Component, PairOptions, TestNamespace, invariant, wait_for};
@@ -69,17 +68,6 @@ async fn node_goes_not_ready_while_the_lower_cluster_is_silent_and_recovers() {
     .unwrap();
 }
 
-/// The lower pods' UIDs by name.
-async fn uids(api: &Api<Pod>) -> BTreeMap<String, String> {
-    api.list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter_map(|p| Some((p.metadata.name?, p.metadata.uid?)))
-        .collect()
-}
-
 /// The upper API server, the lower etcd and the lower API server each crash (SIGKILL) and
 /// restart while pods come and go: afterwards the invariant holds, and the lower pods that
 /// ran before each crash still run with the same UIDs (not re-created).
@@ -124,7 +112,7 @@ async fn crashed_and_restarted_api_servers_and_etcd_lose_nothing() {
         ("lower kube-apiserver", &pair.lower, Component::ApiServer),
     ];
     for (round, (what, cluster, component)) in faults.into_iter().enumerate() {
-        let before = uids(&lower_pods).await;
+        let before = invariant::uids_by_name(&lower_pods).await.unwrap();
         let started = Instant::now();
         pair.restart(cluster, component).unwrap();
         // Activity across the restart: new pods, and one deleted.
@@ -152,7 +140,7 @@ async fn crashed_and_restarted_api_servers_and_etcd_lose_nothing() {
             started.elapsed().as_secs_f64()
         );
         assert!(report.holds(), "after the {what} restart: {report}");
-        let after = uids(&lower_pods).await;
+        let after = invariant::uids_by_name(&lower_pods).await.unwrap();
         for (name, uid) in &before {
             if *name != doomed {
                 assert_eq!(after.get(name), Some(uid), "{name} not re-created ({what})");

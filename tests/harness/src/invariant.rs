@@ -110,6 +110,18 @@ pub async fn check(
     Ok(report)
 }
 
+/// The UIDs of the pods of `api`, by name: taken before and after a fault, they show
+/// which pods were re-created.
+pub async fn uids_by_name(api: &Api<Pod>) -> Result<BTreeMap<String, String>> {
+    Ok(api
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter_map(|p| Some((p.metadata.name?, p.metadata.uid?)))
+        .collect())
+}
+
 /// Polls [`check`] until the invariant holds or `timeout` passes; returns the last
 /// report and how long it took.
 pub async fn converge(

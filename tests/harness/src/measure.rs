@@ -17,17 +17,22 @@ pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
-/// Resident and peak memory (bytes) and CPU seconds of a process.
-pub fn footprint(pid: u32) -> Result<(u64, u64, f64)> {
+/// A reader of the `kB` fields of `/proc/<pid>/status` (0 for a field it lacks).
+fn status_kib(pid: u32) -> Result<impl Fn(&str) -> u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kib = |key: &str| -> u64 {
+    Ok(move |key: &str| -> u64 {
         status
             .lines()
             .find(|l| l.starts_with(key))
             .and_then(|l| l.split_whitespace().nth(1))
             .and_then(|v| v.parse().ok())
             .unwrap_or(0)
-    };
+    })
+}
+
+/// Resident and peak memory (bytes) and CPU seconds of a process.
+pub fn footprint(pid: u32) -> Result<(u64, u64, f64)> {
+    let kib = status_kib(pid)?;
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // Fields after the parenthesised command name; utime and stime are the 14th and 15th.
     let after = stat
@@ -49,15 +54,7 @@ pub fn footprint(pid: u32) -> Result<(u64, u64, f64)> {
 /// Resident memory (bytes) of a process split by what backs it: anonymous (heap, stacks)
 /// and file-backed (the binary's code and other mapped files).
 pub fn resident_split(pid: u32) -> Result<(u64, u64)> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kib = |key: &str| -> u64 {
-        status
-            .lines()
-            .find(|l| l.starts_with(key))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
+    let kib = status_kib(pid)?;
     Ok((kib("RssAnon:") * 1024, kib("RssFile:") * 1024))
 }
 

@@ -335,7 +335,7 @@ impl Running {
         let below: Api<Pod> = Api::namespaced(soak.lower.clone(), &ns.name);
         create_pods(&api, "before", 20).await?;
         soak.converge().await?;
-        let uids = lower_uids(&below).await?;
+        let uids = invariant::uids_by_name(&below).await?;
         Ok(Self {
             ns,
             api,
@@ -347,7 +347,7 @@ impl Running {
     /// Adds to `report` every pod that ran before, is not `deleted`, and was re-created
     /// below (another UID) or is gone.
     async fn check_undisturbed(&self, deleted: Option<&str>, report: &mut Report) -> Result<()> {
-        let after = lower_uids(&self.below).await?;
+        let after = invariant::uids_by_name(&self.below).await?;
         for (name, uid) in &self.uids {
             if Some(name.as_str()) != deleted && after.get(name) != Some(uid) {
                 report.stale.push(format!("{name} re-created below"));
@@ -409,16 +409,6 @@ async fn restart(
     soak.record(&mut row, what, report, restarted, before).await;
     running.ns.delete().await?;
     Ok(row)
-}
-
-async fn lower_uids(api: &Api<Pod>) -> Result<BTreeMap<String, String>> {
-    Ok(api
-        .list(&ListParams::default())
-        .await?
-        .items
-        .into_iter()
-        .filter_map(|p| Some((p.metadata.name?, p.metadata.uid?)))
-        .collect())
 }
 
 fn print_table(args: &Args, rows: &[Row]) {
