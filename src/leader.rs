@@ -54,7 +54,7 @@ impl LeaseConfig {
     /// (as client-go requires): otherwise a leader could lose the Lease while still acting,
     /// or give up before its first retry.
     pub fn check_timings(&self) -> Result<(), String> {
-        use crate::cli::format_duration;
+        use crate::duration::format_duration;
         if self.lease_duration <= self.renew_deadline {
             return Err(format!(
                 "--leader-elect-lease-duration ({}) must be longer than --leader-elect-renew-deadline ({})",

@@ -9,6 +9,7 @@ pub mod cli;
 pub mod clusters;
 pub mod controllers;
 pub mod descheduler;
+pub mod duration;
 pub mod kubelet_api;
 pub mod leader;
 pub mod logging;

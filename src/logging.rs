@@ -1,5 +1,7 @@
 //! Logging setup shared by the binaries: a tracing filter, and text or JSON lines.
 
+use std::io::IsTerminal;
+
 use clap::ValueEnum;
 use tracing::info;
 use tracing_subscriber::EnvFilter;
@@ -15,10 +17,13 @@ pub enum LogFormat {
 }
 
 /// Installs the global subscriber. A `filter` that is not a valid tracing directive falls
-/// back to `info`, so a Go-style level (`--log-level=warning`) never stops a start.
+/// back to `info`, so a Go-style level (`--log-level=warning`) never stops a start. Text
+/// lines are coloured only on a terminal: a file or a log collector gets them plain.
 pub fn init(filter: &str, format: LogFormat) {
     let filter = EnvFilter::try_new(filter).unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::stdout().is_terminal());
     match format {
         LogFormat::Text => builder.init(),
         LogFormat::Json => builder

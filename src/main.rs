@@ -79,7 +79,7 @@ async fn main() -> ExitCode {
         outcome = run(args, started.clone()) => outcome,
         () = startup_deadline(startup_timeout, &started) => Err(format!(
             "not registered and serving within --startup-timeout={}",
-            cli::format_duration(startup_timeout)
+            tensile::duration::format_duration(startup_timeout)
         )),
     };
     match outcome {

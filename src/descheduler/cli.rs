@@ -8,10 +8,9 @@ use clap::error::ErrorKind;
 use clap::{ArgAction, CommandFactory, Parser};
 
 pub use crate::cli::strip_klog_flags;
-use crate::cli::{
-    MAX_DURATION, MIN_PERIOD, duration_in, format_duration, parse_addr, parse_duration,
-    parse_period,
-};
+use crate::cli::{MAX_DURATION, MIN_PERIOD, duration_in, parse_addr, parse_period};
+use crate::duration::{format_duration, parse_duration};
+use crate::leader::LeaseConfig;
 use crate::logging::LogFormat;
 
 /// The shortest leader-election timing accepted: client-go's are seconds, and tests run
@@ -126,23 +125,15 @@ impl Args {
     /// requires (lease duration > renew deadline > retry period), or a leader would lose
     /// the Lease while still acting, or give up before its first retry.
     pub fn check(&self) -> Result<(), clap::Error> {
-        let refuse =
-            |message: String| Err(Args::command().error(ErrorKind::ValueValidation, message));
-        if self.leader_elect_lease_duration <= self.leader_elect_renew_deadline {
-            return refuse(format!(
-                "--leader-elect-lease-duration ({}) must be longer than --leader-elect-renew-deadline ({})",
-                format_duration(self.leader_elect_lease_duration),
-                format_duration(self.leader_elect_renew_deadline)
-            ));
-        }
-        if self.leader_elect_renew_deadline <= self.leader_elect_retry_period {
-            return refuse(format!(
-                "--leader-elect-renew-deadline ({}) must be longer than --leader-elect-retry-period ({})",
-                format_duration(self.leader_elect_renew_deadline),
-                format_duration(self.leader_elect_retry_period)
-            ));
-        }
-        Ok(())
+        let timings = LeaseConfig {
+            lease_duration: self.leader_elect_lease_duration,
+            renew_deadline: self.leader_elect_renew_deadline,
+            retry_period: self.leader_elect_retry_period,
+            ..LeaseConfig::new("", "", "")
+        };
+        timings
+            .check_timings()
+            .map_err(|message| Args::command().error(ErrorKind::ValueValidation, message))
     }
 }
 

@@ -188,12 +188,27 @@ impl TestNamespace {
         })
     }
 
-    /// Deletes the namespace (without waiting for its finalization).
+    /// Deletes the namespace (without waiting for its finalization). A busy API server's
+    /// transient error (a 5xx, a 429, a connection closed under the request) is retried
+    /// for up to 30 s; a namespace already gone or already terminating counts as deleted.
     pub async fn delete(self) -> Result<()> {
-        Api::<Namespace>::all(self.client)
-            .delete(&self.name, &DeleteParams::default())
-            .await
-            .with_context(|| format!("deleting namespace {}", self.name))?;
-        Ok(())
+        let namespaces = Api::<Namespace>::all(self.client);
+        wait_for(
+            &format!("namespace {} deleted", self.name),
+            Duration::from_secs(30),
+            || async {
+                match namespaces
+                    .delete(&self.name, &DeleteParams::default())
+                    .await
+                {
+                    Ok(_) => Ok(Some(())),
+                    Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => {
+                        Ok(Some(()))
+                    }
+                    Err(error) => Err(error).context("deleting it"),
+                }
+            },
+        )
+        .await
     }
 }

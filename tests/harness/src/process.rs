@@ -188,7 +188,7 @@ impl Drop for Process {
                 "--- last lines of {} ({}):\n{}\n---",
                 self.name,
                 self.log.display(),
-                tail(&self.log, 80)
+                tail(&self.log, 40)
             );
         }
         let _ = self.kill();
