@@ -2,6 +2,7 @@
 //! module's non-test code is an edge to the module it names, and the graph must be acyclic
 //! (a module naming its own ancestor, as `super::Context`, is not counted: the ancestor
 //! declares it). A cycle is named, module by module.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
