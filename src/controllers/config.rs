@@ -87,6 +87,7 @@ pub struct ConfigWatches {
 fn kind_watches<K: Kept>(ctx: &Context) -> (KindWatches<K>, Ready) {
     let lower = reflected(
         Api::<K>::all(ctx.lower.clone()),
+        Side::Lower,
         watcher::Config::default().labels(&ctx.owner.selector()),
         None,
     );
@@ -96,7 +97,12 @@ fn kind_watches<K: Kept>(ctx: &Context) -> (KindWatches<K>, Ready) {
     } else {
         Api::namespaced(ctx.upper.clone(), &ctx.namespace)
     };
-    let (upper, upper_ready) = indexed(upper_api, watcher::Config::default(), index.clone());
+    let (upper, upper_ready) = indexed(
+        upper_api,
+        Side::Upper,
+        watcher::Config::default(),
+        index.clone(),
+    );
     let copies = lower.store.clone();
     let kind = match K::DEPENDENCY {
         DependencyKind::Secret => "secrets",

@@ -80,25 +80,28 @@ pub fn watches(ctx: &Context) -> ServiceWatches {
     }
     let upper_services = reflected(
         upper_api(ctx),
+        Side::Upper,
         watcher::Config::default(),
         Some(deleted.clone()),
     );
     let upper_slices = reflected(
         upper_api(ctx),
+        Side::Upper,
         watcher::Config::default(),
         Some(deleted.clone()),
     );
     let upper_endpoints = reflected(
         upper_api(ctx),
+        Side::Upper,
         watcher::Config::default(),
         Some(deleted.clone()),
     );
-    let lower_services = reflected(Api::all(ctx.lower.clone()), ours(), None);
+    let lower_services = reflected(Api::all(ctx.lower.clone()), Side::Lower, ours(), None);
     let mirrored = lower_services.store.clone();
     ctx.metrics
         .count_mirrored("services", move || mirrored.state().len());
-    let lower_slices = reflected(Api::all(ctx.lower.clone()), ours(), None);
-    let lower_endpoints = reflected(Api::all(ctx.lower.clone()), ours(), None);
+    let lower_slices = reflected(Api::all(ctx.lower.clone()), Side::Lower, ours(), None);
+    let lower_endpoints = reflected(Api::all(ctx.lower.clone()), Side::Lower, ours(), None);
     let ready = upper_services
         .ready
         .clone()

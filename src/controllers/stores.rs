@@ -8,7 +8,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::{Stream, TryStreamExt};
+use futures::{Stream, StreamExt, TryStreamExt};
 use kube::Resource;
 use kube::api::Api;
 use kube::core::PartialObjectMeta;
@@ -19,6 +19,7 @@ use serde::de::DeserializeOwned;
 use tokio::sync::{Notify, watch};
 
 use super::Error;
+use crate::side::Side;
 use crate::translate::config::UpperVersion;
 
 /// A stream of touched objects (applied or deleted), as a controller consumes it.
@@ -35,11 +36,12 @@ pub struct Reflected<K: Resource<DynamicType = ()> + 'static> {
     pub ready: Ready,
 }
 
-/// A reflector over `api`. `deleted`, if given, is notified on every deletion the watch
-/// reports (after the store has dropped the object), for clean-up loops that act at once
-/// rather than at their next tick.
+/// A reflector over `api` (of cluster `side`). `deleted`, if given, is notified on every
+/// deletion the watch reports (after the store has dropped the object), for clean-up loops
+/// that act at once rather than at their next tick.
 pub fn reflected<K>(
     api: Api<K>,
+    side: Side,
     config: watcher::Config,
     deleted: Option<Arc<Notify>>,
 ) -> Reflected<K>
@@ -64,7 +66,7 @@ where
         .touched_objects();
     Reflected {
         store,
-        stream: Box::pin(stream),
+        stream: errors_logged(stream, side),
         ready: Ready::listed(ready_rx),
     }
 }
@@ -188,10 +190,11 @@ impl MetaIndex {
     }
 }
 
-/// A metadata-only watch of `api`'s kind feeding `index`, as a stream of touched objects
-/// (for a controller's triggers) and its readiness.
+/// A metadata-only watch of `api`'s kind (of cluster `side`) feeding `index`, as a stream
+/// of touched objects (for a controller's triggers) and its readiness.
 pub fn indexed<K>(
     api: Api<PartialObjectMeta<K>>,
+    side: Side,
     config: watcher::Config,
     index: Arc<MetaIndex>,
 ) -> (ObjectStream<PartialObjectMeta<K>>, Ready)
@@ -208,7 +211,31 @@ where
             }
         })
         .touched_objects();
-    (Box::pin(stream), Ready::listed(ready_rx))
+    (errors_logged(stream, side), Ready::listed(ready_rx))
+}
+
+/// `watch` (already retried with its own backoff) without its errors, each logged with the
+/// cluster and kind. A kube-runtime `Controller` backs off all its watches together, with a
+/// backoff that grows with every error of any of them: handed errors, a controller
+/// watching five kinds stopped reading every one of them for minutes after its watches
+/// expired (410 Gone) a few times, its stores stale meanwhile.
+fn errors_logged<K>(
+    watch: impl Stream<Item = Result<K, watcher::Error>> + Send + 'static,
+    side: Side,
+) -> ObjectStream<K>
+where
+    K: Resource<DynamicType = ()> + Send + 'static,
+{
+    let stream = watch.filter_map(move |result| {
+        futures::future::ready(match result {
+            Ok(object) => Some(Ok(object)),
+            Err(error) => {
+                tracing::warn!(cluster = %side, kind = %K::kind(&()), %error, "watching; retrying with backoff");
+                None
+            }
+        })
+    });
+    Box::pin(stream)
 }
 
 /// Ticks at `period`, and at once when `woken` is notified; for clean-up loops.
@@ -252,6 +279,37 @@ mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::Secret;
     use serde_json::json;
+
+    #[tokio::test]
+    async fn watch_errors_are_logged_and_left_out_of_a_controllers_triggers() {
+        let secret = |name: &str| {
+            let mut secret = Secret::default();
+            secret.metadata.name = Some(name.into());
+            secret
+        };
+        type Watch = Vec<Result<Secret, watcher::Error>>;
+        let cases: [(Watch, Vec<&str>); 3] = [
+            (vec![Ok(secret("a")), Ok(secret("b"))], vec!["a", "b"]),
+            (
+                vec![
+                    Ok(secret("a")),
+                    Err(watcher::Error::NoResourceVersion),
+                    Err(watcher::Error::NoResourceVersion),
+                    Ok(secret("b")),
+                ],
+                vec!["a", "b"],
+            ),
+            (vec![Err(watcher::Error::NoResourceVersion)], vec![]),
+        ];
+        for (watch, want) in cases {
+            let got: Vec<String> = errors_logged(futures::stream::iter(watch), Side::Lower)
+                .map(|result| result.map(|s| s.metadata.name.unwrap_or_default()))
+                .try_collect()
+                .await
+                .unwrap();
+            assert_eq!(got, want);
+        }
+    }
 
     fn meta(name: &str, uid: &str, rv: &str) -> PartialObjectMeta<Secret> {
         serde_json::from_value(json!({

@@ -59,16 +59,23 @@ pub fn watches(ctx: &Context) -> VolumeWatches {
     } else {
         Api::namespaced(ctx.upper.clone(), &ctx.namespace)
     };
-    let lower_claims = reflected(Api::all(ctx.lower.clone()), ours, None);
-    let upper_claims = reflected(upper_claims_api, watcher::Config::default(), None);
+    let lower_claims = reflected(Api::all(ctx.lower.clone()), Side::Lower, ours, None);
+    let upper_claims = reflected(
+        upper_claims_api,
+        Side::Upper,
+        watcher::Config::default(),
+        None,
+    );
     let lower_volumes = reflected(
         Api::all(ctx.lower.clone()),
+        Side::Lower,
         watcher::Config::default(),
         Some(lower_volume_deleted.clone()),
     );
-    let upper_volumes = reflected(Api::all(ctx.upper.clone()), reflections, None);
+    let upper_volumes = reflected(Api::all(ctx.upper.clone()), Side::Upper, reflections, None);
     let lower_classes = reflected(
         Api::all(ctx.lower.clone()),
+        Side::Lower,
         watcher::Config::default(),
         None,
     );
