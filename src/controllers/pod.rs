@@ -25,7 +25,8 @@ use crate::side::Side;
 use crate::translate::meta::Owner;
 use crate::translate::pod::{
     PodTranslation, is_copy_of, is_owned_by, lower_gone_status, lower_pod, lower_pod_update,
-    pending_reason_patch, upper_status_patch, upper_uid, was_mirrored, with_uid_precondition,
+    missing_ephemeral_containers, pending_reason_patch, upper_status_patch, upper_uid,
+    was_mirrored, with_uid_precondition,
 };
 use crate::translate::stored::StoredPod;
 use crate::translate::{TranslateError, object_ref};
@@ -248,6 +249,7 @@ async fn reconcile_pod(upper: &Pod, pc: &PodContext, key: &str) -> Result<Action
         Step::Sync => {
             if let Some(lower) = lower.as_ref() {
                 propagate_update(upper, lower, pc, &lower_api, key).await?;
+                add_ephemeral_containers(upper, lower, ctx, &lower_api, key).await?;
             }
         }
     }
@@ -448,6 +450,77 @@ async fn propagate_update(
             Ok(())
         }
         Err(e) => Err(api_error(Side::Lower, "updating", "Pod", key)(e)),
+    }
+}
+
+/// Adds to the lower pod the ephemeral containers added to the upper pod (`kubectl debug`
+/// on the virtual node), through the lower pod's ephemeralcontainers subresource. A patch
+/// of that subresource drops `metadata.uid`, so it is a replace of the pod as just read:
+/// its UID and resourceVersion make it land only on that pod, unchanged since; a conflict
+/// means it changed, and the watch event of that change brings the next try.
+async fn add_ephemeral_containers(
+    stored_upper: &Pod,
+    stored_lower: &Pod,
+    ctx: &Context,
+    lower_api: &Api<Pod>,
+    key: &str,
+) -> Result<(), Error> {
+    // The stores keep the names, enough to tell; the containers themselves are read whole.
+    if missing_ephemeral_containers(stored_upper, stored_lower).is_empty() {
+        return Ok(());
+    }
+    let name = stored_upper.name_any();
+    let upper_api: Api<Pod> = Api::namespaced(
+        ctx.upper.clone(),
+        &stored_upper.namespace().unwrap_or_default(),
+    );
+    let Some(upper) = upper_api
+        .get_opt(&name)
+        .await
+        .map_err(api_error(Side::Upper, "reading", "Pod", key))?
+        .filter(|p| p.metadata.uid == stored_upper.metadata.uid)
+    else {
+        return Ok(());
+    };
+    let Some(mut lower) = lower_api
+        .get_opt(&name)
+        .await
+        .map_err(api_error(Side::Lower, "reading", "Pod", key))?
+        .filter(|p| p.metadata.uid == stored_lower.metadata.uid)
+    else {
+        return Ok(());
+    };
+    let added = missing_ephemeral_containers(&upper, &lower);
+    if added.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<String> = added.iter().map(|c| c.name.clone()).collect();
+    lower
+        .spec
+        .get_or_insert_default()
+        .ephemeral_containers
+        .get_or_insert_default()
+        .extend(added);
+    lower.metadata.managed_fields = None;
+    match lower_api
+        .replace_ephemeral_containers(&name, &PostParams::default(), &lower)
+        .await
+    {
+        Ok(_) => {
+            ctx.metrics.lower_updates.inc();
+            info!(object = %key, kind = "Pod", cluster = "lower", containers = ?names, "added ephemeral containers");
+            Ok(())
+        }
+        Err(e) if is_replaced(&e) => {
+            debug!(object = %key, kind = "Pod", cluster = "lower", "the lower pod changed meanwhile");
+            Ok(())
+        }
+        Err(e) => Err(api_error(
+            Side::Lower,
+            "adding ephemeral containers to",
+            "Pod",
+            key,
+        )(e)),
     }
 }
 
