@@ -446,7 +446,7 @@ pub const LOWER_PERMISSIONS: &[Permission] = &[
     perm("patch", "pods"),
     perm("delete", "pods"),
     // ephemeral containers (`kubectl debug` on the virtual node) added to mirrored pods
-    sub("update", "pods", "ephemeralcontainers"),
+    sub("patch", "pods", "ephemeralcontainers"),
     // the kubelet API: logs, exec, attach, port-forward (WebSocket upgrades are GETs that
     // also need create), /stats/summary from the metrics API
     sub("get", "pods", "log"),
@@ -683,7 +683,7 @@ mod tests {
             ),
             (Side::Lower, none, "get namespaces", true),
             (Side::Lower, none, "create pods/exec", true),
-            (Side::Lower, none, "update pods/ephemeralcontainers", true),
+            (Side::Lower, none, "patch pods/ephemeralcontainers", true),
             (Side::Lower, none, "update services", false),
             (Side::Lower, all, "update services", true),
             (

@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::process::Command;
 use std::time::Instant;
 
@@ -13,8 +13,9 @@ use common::{TIMEOUT, gc_rounds, lower_writes, start_node, wait_running};
 use k8s_openapi::api::core::v1::{ConfigMap, EphemeralContainer, Pod};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::scheduling::v1::PriorityClass;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
+use tensile::translate::pod::ephemeral_containers_patch;
 use tensile_harness::fixtures::{bound_pod, config_map, merge, pinned_spec};
 use tensile_harness::{ClusterPair, TestNamespace, VirtualNode, wait_for};
 
@@ -290,7 +291,8 @@ async fn unusual_but_valid_pods_run_below_as_written() {
     ns.delete().await.unwrap();
 }
 
-/// The ephemeral containers of `pod`, as `name image target`.
+/// The ephemeral containers of `pod`, as `name image target`, sorted (a strategic merge
+/// patch puts the new ones first).
 fn ephemeral_containers(pod: &Pod) -> Vec<String> {
     let containers: Vec<EphemeralContainer> = pod
         .spec
@@ -307,6 +309,8 @@ fn ephemeral_containers(pod: &Pod) -> Vec<String> {
                 c.target_container_name.unwrap_or_default()
             )
         })
+        .collect::<BTreeSet<_>>()
+        .into_iter()
         .collect()
 }
 
@@ -323,8 +327,9 @@ async fn wait_ephemeral_below(lower_pods: &Api<Pod>, vn: &VirtualNode, want: &[&
     )
     .await;
     if let Err(error) = result {
+        let seen = ephemeral_containers(&lower_pods.get("target").await.unwrap());
         panic!(
-            "{error:#}\n{}",
+            "{error:#}; below: {seen:?}\n{}",
             tensile_harness::process::tail(vn.log(), 40)
         );
     }
@@ -374,6 +379,20 @@ async fn kubectl_debug_on_the_virtual_node_adds_the_ephemeral_container_below() 
     debug("second", "alpine:3");
     let both = ["debugger busybox:1.36 app", "second alpine:3 app"];
     wait_ephemeral_below(&lower_pods, &vn, &both).await;
+
+    // The UID precondition holds on this subresource: a patch meant for an earlier pod of
+    // this name is refused (422 on metadata.uid).
+    let stale: Vec<EphemeralContainer> =
+        serde_json::from_value(json!([{"name": "stale", "image": "busybox"}])).unwrap();
+    let patch = ephemeral_containers_patch("an-earlier-pod", &stale, "Pod target").unwrap();
+    let refused = lower_pods
+        .patch_ephemeral_containers("target", &PatchParams::default(), &Patch::Strategic(&patch))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, kube::Error::Api(s) if s.code == 422 && s.message.contains("metadata.uid")),
+        "{refused:?}"
+    );
 
     let writes = lower_writes(&vn).await;
     gc_rounds(&vn, 2).await;

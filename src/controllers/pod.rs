@@ -24,9 +24,9 @@ use crate::api::{Deleted, delete_exact, is_status};
 use crate::side::Side;
 use crate::translate::meta::Owner;
 use crate::translate::pod::{
-    PodTranslation, is_copy_of, is_owned_by, lower_gone_status, lower_pod, lower_pod_update,
-    missing_ephemeral_containers, pending_reason_patch, upper_status_patch, upper_uid,
-    was_mirrored, with_uid_precondition,
+    PodTranslation, ephemeral_containers_patch, is_copy_of, is_owned_by, lower_gone_status,
+    lower_pod, lower_pod_update, missing_ephemeral_containers, pending_reason_patch,
+    upper_status_patch, upper_uid, was_mirrored, with_uid_precondition,
 };
 use crate::translate::stored::StoredPod;
 use crate::translate::{TranslateError, object_ref};
@@ -454,19 +454,17 @@ async fn propagate_update(
 }
 
 /// Adds to the lower pod the ephemeral containers added to the upper pod (`kubectl debug`
-/// on the virtual node), through the lower pod's ephemeralcontainers subresource. A patch
-/// of that subresource drops `metadata.uid`, so it is a replace of the pod as just read:
-/// its UID and resourceVersion make it land only on that pod, unchanged since; a conflict
-/// means it changed, and the watch event of that change brings the next try.
+/// on the virtual node), through the lower pod's ephemeralcontainers subresource, only
+/// while the lower pod of that name is still `lower` (by UID). Which ones it lacks is
+/// known from the stores (by name); the containers themselves are read from the upper pod.
 async fn add_ephemeral_containers(
     stored_upper: &Pod,
-    stored_lower: &Pod,
+    lower: &Pod,
     ctx: &Context,
     lower_api: &Api<Pod>,
     key: &str,
 ) -> Result<(), Error> {
-    // The stores keep the names, enough to tell; the containers themselves are read whole.
-    if missing_ephemeral_containers(stored_upper, stored_lower).is_empty() {
+    if missing_ephemeral_containers(stored_upper, lower).is_empty() {
         return Ok(());
     }
     let name = stored_upper.name_any();
@@ -480,30 +478,15 @@ async fn add_ephemeral_containers(
         .map_err(api_error(Side::Upper, "reading", "Pod", key))?
         .filter(|p| p.metadata.uid == stored_upper.metadata.uid)
     else {
+        // Gone or replaced meanwhile: its own watch event brings the next step.
         return Ok(());
     };
-    let Some(mut lower) = lower_api
-        .get_opt(&name)
-        .await
-        .map_err(api_error(Side::Lower, "reading", "Pod", key))?
-        .filter(|p| p.metadata.uid == stored_lower.metadata.uid)
-    else {
-        return Ok(());
-    };
-    let added = missing_ephemeral_containers(&upper, &lower);
-    if added.is_empty() {
-        return Ok(());
-    }
-    let names: Vec<String> = added.iter().map(|c| c.name.clone()).collect();
-    lower
-        .spec
-        .get_or_insert_default()
-        .ephemeral_containers
-        .get_or_insert_default()
-        .extend(added);
-    lower.metadata.managed_fields = None;
+    let added = missing_ephemeral_containers(&upper, lower);
+    let names: Vec<&str> = added.iter().map(|c| c.name.as_str()).collect();
+    let uid = lower.metadata.uid.as_deref().unwrap_or_default();
+    let patch = ephemeral_containers_patch(uid, &added, &format!("Pod {key}"))?;
     match lower_api
-        .replace_ephemeral_containers(&name, &PostParams::default(), &lower)
+        .patch_ephemeral_containers(&name, &PatchParams::default(), &Patch::Strategic(&patch))
         .await
     {
         Ok(_) => {
@@ -512,7 +495,7 @@ async fn add_ephemeral_containers(
             Ok(())
         }
         Err(e) if is_replaced(&e) => {
-            debug!(object = %key, kind = "Pod", cluster = "lower", "the lower pod changed meanwhile");
+            debug!(object = %key, kind = "Pod", cluster = "lower", "the lower pod was replaced meanwhile");
             Ok(())
         }
         Err(e) => Err(api_error(

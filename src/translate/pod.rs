@@ -668,6 +668,21 @@ pub fn missing_ephemeral_containers(upper: &Pod, lower: &Pod) -> Vec<EphemeralCo
         .collect()
 }
 
+/// The strategic merge patch of the lower pod's ephemeralcontainers subresource that adds
+/// `added` (merged by name, so those already there stay), only to the pod whose UID is
+/// `lower_uid`.
+pub fn ephemeral_containers_patch(
+    lower_uid: &str,
+    added: &[EphemeralContainer],
+    object: &str,
+) -> Result<Value, TranslateError> {
+    let containers = encode(object, "ephemeralContainers", &added)?;
+    Ok(with_uid_precondition(
+        json!({"spec": {"ephemeralContainers": containers}}),
+        lower_uid,
+    ))
+}
+
 /// `value` as JSON, for a patch.
 fn encode<T: Serialize>(
     object: &str,
@@ -1118,6 +1133,17 @@ mod tests {
             let want: Vec<EphemeralContainer> = serde_json::from_value(want).unwrap();
             assert_eq!(missing_ephemeral_containers(&upper, &lower), want, "{name}");
         }
+    }
+
+    #[test]
+    fn ephemeral_containers_patch_carries_the_lower_uid() {
+        let added: Vec<EphemeralContainer> =
+            serde_json::from_value(json!([{"name": "debugger", "image": "busybox"}])).unwrap();
+        assert_eq!(
+            ephemeral_containers_patch("lower-uid", &added, "Pod ns/p").unwrap(),
+            json!({"metadata": {"uid": "lower-uid"},
+                   "spec": {"ephemeralContainers": [{"name": "debugger", "image": "busybox"}]}})
+        );
     }
 
     #[test]
