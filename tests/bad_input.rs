@@ -10,7 +10,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use common::{TIMEOUT, gc_rounds, lower_writes, start_node, wait_running};
-use k8s_openapi::api::core::v1::{ConfigMap, EphemeralContainer, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, EphemeralContainer, Namespace, Pod};
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -339,7 +339,8 @@ async fn wait_ephemeral_below(lower_pods: &Api<Pod>, vn: &VirtualNode, want: &[&
 /// upper pod's ephemeralcontainers subresource) adds the container to the lower pod
 /// through the lower pod's ephemeralcontainers subresource, so the debugger runs beside
 /// the pod where it runs; a second one is added beside the first; and then the node
-/// writes nothing more below (no write war over a container it cannot change).
+/// writes nothing more below (no write war over a container it cannot change). One that
+/// only the lower cluster refuses is named in a Warning and retried with backoff.
 #[tokio::test]
 async fn kubectl_debug_on_the_virtual_node_adds_the_ephemeral_container_below() {
     let pair = ClusterPair::shared().await.unwrap();
@@ -360,12 +361,13 @@ async fn kubectl_debug_on_the_virtual_node_adds_the_ephemeral_container_below() 
         .unwrap();
     wait_running(&upper_pods, "role=debugged", 1).await;
 
-    let debug = |container: &str, image: &str| {
+    let debug = |container: &str, image: &str, extra: &[&str]| {
         let output = Command::new(pair.bin("kubectl"))
             .arg("--kubeconfig")
             .arg(pair.upper_kubeconfig())
             .args(["debug", "-n", &ns.name, "target", "--image", image])
             .args(["--container", container, "--target", "app"])
+            .args(extra)
             .output()
             .unwrap();
         assert!(
@@ -374,9 +376,9 @@ async fn kubectl_debug_on_the_virtual_node_adds_the_ephemeral_container_below() 
             String::from_utf8_lossy(&output.stderr)
         );
     };
-    debug("debugger", "busybox:1.36");
+    debug("debugger", "busybox:1.36", &[]);
     wait_ephemeral_below(&lower_pods, &vn, &["debugger busybox:1.36 app"]).await;
-    debug("second", "alpine:3");
+    debug("second", "alpine:3", &[]);
     let both = ["debugger busybox:1.36 app", "second alpine:3 app"];
     wait_ephemeral_below(&lower_pods, &vn, &both).await;
 
@@ -397,17 +399,42 @@ async fn kubectl_debug_on_the_virtual_node_adds_the_ephemeral_container_below() 
     let writes = lower_writes(&vn).await;
     gc_rounds(&vn, 2).await;
     assert_eq!(lower_writes(&vn).await, writes, "no write below once added");
+    let events: Api<Event> = Api::namespaced(upper.clone(), &ns.name);
+    assert!(warnings(&events, "target").await.is_empty(), "no Warning");
+
+    // A debugger only the lower cluster refuses (its namespace enforces the baseline Pod
+    // Security level; the upper one does not): named in a Warning on the upper pod, retried
+    // with backoff, and the pod runs on.
+    let label = json!({"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "baseline"}}});
+    Api::<Namespace>::all(lower.clone())
+        .patch(&ns.name, &PatchParams::default(), &Patch::Merge(&label))
+        .await
+        .unwrap();
+    debug("privileged", "busybox:1.36", &["--profile", "sysadmin"]);
+    let warning = wait_for("a Warning naming the refused debugger", TIMEOUT, || async {
+        let found = warnings(&events, "target").await;
+        Ok(found.into_iter().find(|w| {
+            w.starts_with("LowerSyncFailed")
+                && w.contains("adding ephemeral containers")
+                && w.contains("PodSecurity")
+        }))
+    })
+    .await
+    .unwrap();
+    assert!(warning.contains("lower"), "names the cluster: {warning}");
+    let writes = lower_writes(&vn).await;
+    gc_rounds(&vn, 2).await;
+    let retries = lower_writes(&vn).await - writes;
+    println!("{retries} refused tries below in two orphan collection rounds; {warning}");
+    assert!(
+        retries <= 6,
+        "{retries} tries in two collection rounds: no backoff"
+    );
     let upper_pod = upper_pods.get("target").await.unwrap();
     assert!(
         common::running(&upper_pod),
         "still running: {:?}",
         upper_pod.status
-    );
-    assert!(
-        warnings(&Api::namespaced(upper.clone(), &ns.name), "target")
-            .await
-            .is_empty(),
-        "no Warning"
     );
     ns.delete().await.unwrap();
 }
