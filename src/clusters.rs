@@ -445,6 +445,8 @@ pub const LOWER_PERMISSIONS: &[Permission] = &[
     perm("create", "pods"),
     perm("patch", "pods"),
     perm("delete", "pods"),
+    // ephemeral containers (`kubectl debug` on the virtual node) added to mirrored pods
+    sub("patch", "pods", "ephemeralcontainers"),
     // the kubelet API: logs, exec, attach, port-forward (WebSocket upgrades are GETs that
     // also need create), /stats/summary from the metrics API
     sub("get", "pods", "log"),
@@ -681,6 +683,7 @@ mod tests {
             ),
             (Side::Lower, none, "get namespaces", true),
             (Side::Lower, none, "create pods/exec", true),
+            (Side::Lower, none, "patch pods/ephemeralcontainers", true),
             (Side::Lower, none, "update services", false),
             (Side::Lower, all, "update services", true),
             (

@@ -5,16 +5,19 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::Command;
 use std::time::Instant;
 
-use common::{TIMEOUT, start_node, wait_running};
-use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use common::{TIMEOUT, gc_rounds, lower_writes, start_node, wait_running};
+use k8s_openapi::api::core::v1::{ConfigMap, EphemeralContainer, Namespace, Pod};
 use k8s_openapi::api::events::v1::Event;
-use kube::api::{Api, ListParams, PostParams};
+use k8s_openapi::api::scheduling::v1::PriorityClass;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
+use tensile::translate::pod::ephemeral_containers_patch;
 use tensile_harness::fixtures::{bound_pod, config_map, merge, pinned_spec};
-use tensile_harness::{ClusterPair, TestNamespace, wait_for};
+use tensile_harness::{ClusterPair, TestNamespace, VirtualNode, wait_for};
 
 /// The most bytes the API server admits in one object's annotations (keys and values).
 const ANNOTATIONS_LIMIT: usize = 256 * 1024;
@@ -47,9 +50,11 @@ async fn warnings(events: &Api<Event>, name: &str) -> Vec<String> {
         .collect()
 }
 
-/// A pod whose annotations fill the upper limit: the upper cluster admits it, the lower
-/// one refuses its copy (tensile's own annotations push it over). It is refused with a
-/// Warning naming the reason, while 50 ordinary pods created after it all run.
+/// Two pods that only the lower cluster refuses, each with a Warning naming the reason,
+/// while 50 ordinary pods created after them all run: one whose annotations fill the
+/// upper limit (tensile's own annotations push its copy over), and one whose
+/// `priorityClassName` names a PriorityClass that exists in the upper cluster only (the
+/// lower Priority admission refuses it). Both stay Pending upstream.
 #[tokio::test]
 async fn a_pod_refused_below_stalls_none_of_fifty_others_and_is_named_in_a_warning() {
     let pair = ClusterPair::shared().await.unwrap();
@@ -59,6 +64,19 @@ async fn a_pod_refused_below_stalls_none_of_fifty_others_and_is_named_in_a_warni
     let ns = TestNamespace::create(&upper, "bad-one").await.unwrap();
     let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
     let pp = PostParams::default();
+
+    // Cluster-scoped, so named after the namespace, which is unique to this run.
+    let class_name = format!("upper-only-{}", ns.name);
+    let class: PriorityClass =
+        serde_json::from_value(json!({"metadata": {"name": class_name}, "value": 1000})).unwrap();
+    let classes: Api<PriorityClass> = Api::all(upper.clone());
+    classes.create(&pp, &class).await.unwrap();
+    let upper_only = pod_with(
+        json!({"name": "upper-only-priority", "labels": {"role": "bad"}}),
+        node,
+        json!({"priorityClassName": class_name}),
+    );
+    upper_pods.create(&pp, &upper_only).await.unwrap();
 
     let key = "example.com/bulk";
     let bulk = "x".repeat(ANNOTATIONS_LIMIT - key.len() - 64);
@@ -95,20 +113,46 @@ async fn a_pod_refused_below_stalls_none_of_fifty_others_and_is_named_in_a_warni
     .await
     .unwrap();
     assert!(warning.contains("lower"), "names the cluster: {warning}");
-    let status = upper_pods
-        .get("too-big")
-        .await
-        .unwrap()
-        .status
-        .unwrap_or_default();
-    assert_eq!(status.phase.as_deref(), Some("Pending"), "{status:?}");
+    let warning = wait_for(
+        "a Warning on upper-only-priority naming the missing PriorityClass",
+        TIMEOUT,
+        || async {
+            let found = warnings(&events, "upper-only-priority").await;
+            Ok(found
+                .into_iter()
+                .find(|w| w.starts_with("LowerSyncFailed") && w.contains(&class_name)))
+        },
+    )
+    .await
+    .unwrap();
+    assert!(warning.contains("lower"), "names the cluster: {warning}");
+    for name in ["too-big", "upper-only-priority"] {
+        let status = upper_pods
+            .get(name)
+            .await
+            .unwrap()
+            .status
+            .unwrap_or_default();
+        assert_eq!(
+            status.phase.as_deref(),
+            Some("Pending"),
+            "{name}: {status:?}"
+        );
+    }
     ns.delete().await.unwrap();
+    classes
+        .delete(&class_name, &DeleteParams::default())
+        .await
+        .unwrap();
 }
 
 /// Pods that are unusual but valid run below as written: a 253-character name, unicode
 /// in annotations and env, hostNetwork, init containers, projected volumes with every
-/// source, downward API, emptyDir and a ConfigMap; a reference to a ConfigMap that does
-/// not exist is named in a Warning and does not hold up the others.
+/// source, downward API, emptyDir and a ConfigMap, and a hostPath volume; a reference to a
+/// ConfigMap that does not exist is named in a Warning and does not hold up the others.
+/// A hostPath volume is mirrored as written, as tensile-kube does: whether a pod may
+/// mount a path of a lower node is the lower cluster's to decide (its Pod Security
+/// admission), and a refusal there is named in a Warning like any other.
 #[tokio::test]
 async fn unusual_but_valid_pods_run_below_as_written() {
     let pair = ClusterPair::shared().await.unwrap();
@@ -152,6 +196,16 @@ async fn unusual_but_valid_pods_run_below_as_written() {
             node,
             json!({"initContainers": [{"name": "setup", "image": "busybox",
                                        "command": ["true"]}]}),
+        ),
+        pod_with(
+            json!({"name": "host-path", "labels": {"role": "unusual"}}),
+            node,
+            json!({
+                "volumes": [{"name": "logs",
+                             "hostPath": {"path": "/var/log", "type": "Directory"}}],
+                "containers": [{"name": "app", "image": "nginx", "volumeMounts": [
+                    {"name": "logs", "mountPath": "/host/logs", "readOnly": true}]}],
+            }),
         ),
         pod_with(
             json!({"name": "volumes", "labels": {"role": "unusual"}}),
@@ -204,6 +258,12 @@ async fn unusual_but_valid_pods_run_below_as_written() {
     assert!(lower_pods.get_opt(&long_name).await.unwrap().is_some());
     let host = lower_pods.get("host-network").await.unwrap();
     assert_eq!(host.spec.unwrap().host_network, Some(true));
+    let host_path = lower_pods.get("host-path").await.unwrap().spec.unwrap();
+    assert_eq!(
+        serde_json::to_value(&host_path.volumes.unwrap()[0]).unwrap(),
+        json!({"name": "logs", "hostPath": {"path": "/var/log", "type": "Directory"}}),
+        "mirrored as written"
+    );
     let init = lower_pods.get("init").await.unwrap();
     assert_eq!(init.spec.unwrap().init_containers.unwrap()[0].name, "setup");
     let volumes = lower_pods.get("volumes").await.unwrap().spec.unwrap();
@@ -228,5 +288,153 @@ async fn unusual_but_valid_pods_run_below_as_written() {
     )
     .await
     .unwrap();
+    ns.delete().await.unwrap();
+}
+
+/// The ephemeral containers of `pod`, as `name image target`, sorted (a strategic merge
+/// patch puts the new ones first).
+fn ephemeral_containers(pod: &Pod) -> Vec<String> {
+    let containers: Vec<EphemeralContainer> = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.ephemeral_containers.clone())
+        .unwrap_or_default();
+    containers
+        .into_iter()
+        .map(|c| {
+            format!(
+                "{} {} {}",
+                c.name,
+                c.image.unwrap_or_default(),
+                c.target_container_name.unwrap_or_default()
+            )
+        })
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect()
+}
+
+/// Waits until the lower pod `target` has exactly the ephemeral containers `want`
+/// ([`ephemeral_containers`]); panics with the tail of the node's log if it does not.
+async fn wait_ephemeral_below(lower_pods: &Api<Pod>, vn: &VirtualNode, want: &[&str]) {
+    let result = wait_for(
+        &format!("ephemeral containers {want:?} below"),
+        TIMEOUT,
+        || async {
+            let pod = lower_pods.get("target").await?;
+            Ok((ephemeral_containers(&pod) == want).then_some(()))
+        },
+    )
+    .await;
+    if let Err(error) = result {
+        let seen = ephemeral_containers(&lower_pods.get("target").await.unwrap());
+        panic!(
+            "{error:#}; below: {seen:?}\n{}",
+            tensile_harness::process::tail(vn.log(), 40)
+        );
+    }
+}
+
+/// `kubectl debug` of a pod on the virtual node (an ephemeral container added through the
+/// upper pod's ephemeralcontainers subresource) adds the container to the lower pod
+/// through the lower pod's ephemeralcontainers subresource, so the debugger runs beside
+/// the pod where it runs; a second one is added beside the first; and then the node
+/// writes nothing more below (no write war over a container it cannot change). One that
+/// only the lower cluster refuses is named in a Warning and retried with backoff.
+#[tokio::test]
+async fn kubectl_debug_on_the_virtual_node_adds_the_ephemeral_container_below() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let node = "vk-debug";
+    let vn = start_node(pair, node, &[]).await;
+    let (upper, lower) = (
+        pair.upper.client().await.unwrap(),
+        pair.lower.client().await.unwrap(),
+    );
+    let ns = TestNamespace::create(&upper, "debug").await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), &ns.name);
+    let mut target = bound_pod("target", node);
+    target.metadata.labels = Some(BTreeMap::from([("role".into(), "debugged".into())]));
+    upper_pods
+        .create(&PostParams::default(), &target)
+        .await
+        .unwrap();
+    wait_running(&upper_pods, "role=debugged", 1).await;
+
+    let debug = |container: &str, image: &str, extra: &[&str]| {
+        let output = Command::new(pair.bin("kubectl"))
+            .arg("--kubeconfig")
+            .arg(pair.upper_kubeconfig())
+            .args(["debug", "-n", &ns.name, "target", "--image", image])
+            .args(["--container", container, "--target", "app"])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "kubectl debug: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    };
+    debug("debugger", "busybox:1.36", &[]);
+    wait_ephemeral_below(&lower_pods, &vn, &["debugger busybox:1.36 app"]).await;
+    debug("second", "alpine:3", &[]);
+    let both = ["debugger busybox:1.36 app", "second alpine:3 app"];
+    wait_ephemeral_below(&lower_pods, &vn, &both).await;
+
+    // The UID precondition holds on this subresource: a patch meant for an earlier pod of
+    // this name is refused (422 on metadata.uid).
+    let stale: Vec<EphemeralContainer> =
+        serde_json::from_value(json!([{"name": "stale", "image": "busybox"}])).unwrap();
+    let patch = ephemeral_containers_patch("an-earlier-pod", &stale, "Pod target").unwrap();
+    let refused = lower_pods
+        .patch_ephemeral_containers("target", &PatchParams::default(), &Patch::Strategic(&patch))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, kube::Error::Api(s) if s.code == 422 && s.message.contains("metadata.uid")),
+        "{refused:?}"
+    );
+
+    let writes = lower_writes(&vn).await;
+    gc_rounds(&vn, 2).await;
+    assert_eq!(lower_writes(&vn).await, writes, "no write below once added");
+    let events: Api<Event> = Api::namespaced(upper.clone(), &ns.name);
+    assert!(warnings(&events, "target").await.is_empty(), "no Warning");
+
+    // A debugger only the lower cluster refuses (its namespace enforces the baseline Pod
+    // Security level; the upper one does not): named in a Warning on the upper pod, retried
+    // with backoff, and the pod runs on.
+    let label = json!({"metadata": {"labels": {"pod-security.kubernetes.io/enforce": "baseline"}}});
+    Api::<Namespace>::all(lower.clone())
+        .patch(&ns.name, &PatchParams::default(), &Patch::Merge(&label))
+        .await
+        .unwrap();
+    debug("privileged", "busybox:1.36", &["--profile", "sysadmin"]);
+    let warning = wait_for("a Warning naming the refused debugger", TIMEOUT, || async {
+        let found = warnings(&events, "target").await;
+        Ok(found.into_iter().find(|w| {
+            w.starts_with("LowerSyncFailed")
+                && w.contains("adding ephemeral containers")
+                && w.contains("PodSecurity")
+        }))
+    })
+    .await
+    .unwrap();
+    assert!(warning.contains("lower"), "names the cluster: {warning}");
+    let writes = lower_writes(&vn).await;
+    gc_rounds(&vn, 2).await;
+    let retries = lower_writes(&vn).await - writes;
+    println!("{retries} refused tries below in two orphan collection rounds; {warning}");
+    assert!(
+        retries <= 6,
+        "{retries} tries in two collection rounds: no backoff"
+    );
+    let upper_pod = upper_pods.get("target").await.unwrap();
+    assert!(
+        common::running(&upper_pod),
+        "still running: {:?}",
+        upper_pod.status
+    );
     ns.delete().await.unwrap();
 }

@@ -17,6 +17,7 @@ use serde_json::{Value, json};
 use tensile::clusters::{Features, needed_permissions};
 use tensile::side::Side;
 use tensile_harness::fixtures::merge;
+use tensile_harness::rbac::rbac_list;
 use tensile_harness::{Binaries, ClusterPair, wait_for};
 
 /// The namespace every upper-cluster base installs into.
@@ -80,12 +81,7 @@ fn kubectl(kubectl: &Path, args: &[&str]) -> String {
 
 /// The objects `kubectl kustomize dir` renders.
 fn render(kubectl_bin: &Path, dir: &str) -> Vec<Value> {
-    let yaml = kubectl(kubectl_bin, &["kustomize", dir]);
-    serde_saphyr::from_multiple::<Value>(&yaml)
-        .unwrap_or_else(|e| panic!("{dir}: rendered YAML: {e}"))
-        .into_iter()
-        .filter(|o| !o.is_null())
-        .collect()
+    tensile_harness::rbac::render(kubectl_bin, repo(), dir).unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 /// What is wrong with one container of a pod template, by the rules every tensile
@@ -532,26 +528,6 @@ fn virtual_node_accesses(side: Side) -> Vec<Access> {
             name: None,
         })
         .collect()
-}
-
-/// Objects of RBAC kinds among `objects`, as a kubectl List.
-fn rbac_list(objects: &[Value]) -> Value {
-    let items: Vec<&Value> = objects
-        .iter()
-        .filter(|o| {
-            matches!(
-                o["kind"].as_str(),
-                Some(
-                    "ServiceAccount"
-                        | "ClusterRole"
-                        | "ClusterRoleBinding"
-                        | "Role"
-                        | "RoleBinding"
-                )
-            )
-        })
-        .collect();
-    json!({"apiVersion": "v1", "kind": "List", "items": items})
 }
 
 /// The RBAC of `deploy/all`, applied for real to the upper cluster, and that of

@@ -24,8 +24,9 @@ use crate::api::{Deleted, delete_exact, is_status};
 use crate::side::Side;
 use crate::translate::meta::Owner;
 use crate::translate::pod::{
-    PodTranslation, is_copy_of, is_owned_by, lower_gone_status, lower_pod, lower_pod_update,
-    pending_reason_patch, upper_status_patch, upper_uid, was_mirrored, with_uid_precondition,
+    PodTranslation, ephemeral_containers_patch, is_copy_of, is_owned_by, lower_gone_status,
+    lower_pod, lower_pod_update, missing_ephemeral_containers, pending_reason_patch,
+    upper_status_patch, upper_uid, was_mirrored, with_uid_precondition,
 };
 use crate::translate::stored::StoredPod;
 use crate::translate::{TranslateError, object_ref};
@@ -248,6 +249,7 @@ async fn reconcile_pod(upper: &Pod, pc: &PodContext, key: &str) -> Result<Action
         Step::Sync => {
             if let Some(lower) = lower.as_ref() {
                 propagate_update(upper, lower, pc, &lower_api, key).await?;
+                add_ephemeral_containers(upper, lower, ctx, &lower_api, key).await?;
             }
         }
     }
@@ -448,6 +450,60 @@ async fn propagate_update(
             Ok(())
         }
         Err(e) => Err(api_error(Side::Lower, "updating", "Pod", key)(e)),
+    }
+}
+
+/// Adds to the lower pod the ephemeral containers added to the upper pod (`kubectl debug`
+/// on the virtual node), through the lower pod's ephemeralcontainers subresource, only
+/// while the lower pod of that name is still `lower` (by UID). Which ones it lacks is
+/// known from the stores (by name); the containers themselves are read from the upper pod.
+async fn add_ephemeral_containers(
+    stored_upper: &Pod,
+    lower: &Pod,
+    ctx: &Context,
+    lower_api: &Api<Pod>,
+    key: &str,
+) -> Result<(), Error> {
+    if missing_ephemeral_containers(stored_upper, lower).is_empty() {
+        return Ok(());
+    }
+    let name = stored_upper.name_any();
+    let upper_api: Api<Pod> = Api::namespaced(
+        ctx.upper.clone(),
+        &stored_upper.namespace().unwrap_or_default(),
+    );
+    let Some(upper) = upper_api
+        .get_opt(&name)
+        .await
+        .map_err(api_error(Side::Upper, "reading", "Pod", key))?
+        .filter(|p| p.metadata.uid == stored_upper.metadata.uid)
+    else {
+        // Gone or replaced meanwhile: its own watch event brings the next step.
+        return Ok(());
+    };
+    let added = missing_ephemeral_containers(&upper, lower);
+    let names: Vec<&str> = added.iter().map(|c| c.name.as_str()).collect();
+    let uid = lower.metadata.uid.as_deref().unwrap_or_default();
+    let patch = ephemeral_containers_patch(uid, &added, &format!("Pod {key}"))?;
+    match lower_api
+        .patch_ephemeral_containers(&name, &PatchParams::default(), &Patch::Strategic(&patch))
+        .await
+    {
+        Ok(_) => {
+            ctx.metrics.lower_updates.inc();
+            info!(object = %key, kind = "Pod", cluster = "lower", containers = ?names, "added ephemeral containers");
+            Ok(())
+        }
+        Err(e) if is_replaced(&e) => {
+            debug!(object = %key, kind = "Pod", cluster = "lower", "the lower pod was replaced meanwhile");
+            Ok(())
+        }
+        Err(e) => Err(api_error(
+            Side::Lower,
+            "adding ephemeral containers to",
+            "Pod",
+            key,
+        )(e)),
     }
 }
 

@@ -4,8 +4,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::{
-    Container, ContainerState, ContainerStateTerminated, ContainerStatus, Pod, PodCondition,
-    PodSpec, PodStatus, Toleration,
+    Container, ContainerState, ContainerStateTerminated, ContainerStatus, EphemeralContainer, Pod,
+    PodCondition, PodSpec, PodStatus, Toleration,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::{Deserialize, Serialize};
@@ -108,7 +108,8 @@ pub fn lower_pod(upper: &Pod, t: &PodTranslation) -> Result<Pod, TranslateError>
     spec.priority = None;
     spec.preemption_policy = None;
     spec.overhead = None;
-    // Added through the upper pod's ephemeralcontainers subresource; not creatable below.
+    // A pod cannot be created with ephemeral containers: they follow through the lower
+    // pod's ephemeralcontainers subresource ([`missing_ephemeral_containers`]).
     spec.ephemeral_containers = None;
     let stash = parse_cluster_selector(upper.metadata.annotations.as_ref())
         .map_err(|e| e.for_object(object.clone()))?;
@@ -638,6 +639,56 @@ pub fn lower_pod_update(
     Ok((!patch.is_empty()).then_some(Value::Object(patch)))
 }
 
+/// The ephemeral containers of `upper` (added by `kubectl debug` through its
+/// ephemeralcontainers subresource) that `lower` lacks, as they go below: without mounts
+/// of the upper cluster's service-account token volume, which the lower pod does not have.
+/// Matched by name: an ephemeral container can be neither changed nor removed once added,
+/// so one of that name below is this one. Those added below only are left alone.
+pub fn missing_ephemeral_containers(upper: &Pod, lower: &Pod) -> Vec<EphemeralContainer> {
+    let Some(spec) = upper.spec.as_ref() else {
+        return Vec::new();
+    };
+    let present: BTreeSet<&str> = lower
+        .spec
+        .as_ref()
+        .and_then(|s| s.ephemeral_containers.as_ref())
+        .into_iter()
+        .flatten()
+        .map(|c| c.name.as_str())
+        .collect();
+    let token_volumes = injected_token_volumes(spec);
+    spec.ephemeral_containers
+        .iter()
+        .flatten()
+        .filter(|c| !present.contains(c.name.as_str()))
+        .map(|c| {
+            let mut container = c.clone();
+            if let Some(mounts) = container.volume_mounts.as_mut() {
+                mounts.retain(|m| !token_volumes.contains(m.name.as_str()));
+            }
+            if container.volume_mounts.as_ref().is_some_and(Vec::is_empty) {
+                container.volume_mounts = None;
+            }
+            container
+        })
+        .collect()
+}
+
+/// The strategic merge patch of the lower pod's ephemeralcontainers subresource that adds
+/// `added` (merged by name, so those already there stay), only to the pod whose UID is
+/// `lower_uid`.
+pub fn ephemeral_containers_patch(
+    lower_uid: &str,
+    added: &[EphemeralContainer],
+    object: &str,
+) -> Result<Value, TranslateError> {
+    let containers = encode(object, "ephemeralContainers", &added)?;
+    Ok(with_uid_precondition(
+        json!({"spec": {"ephemeralContainers": containers}}),
+        lower_uid,
+    ))
+}
+
 /// `value` as JSON, for a patch.
 fn encode<T: Serialize>(
     object: &str,
@@ -1020,6 +1071,85 @@ mod tests {
             let want = pod(patched(lower_json(), lower_change));
             assert_eq!(without_record(got), want, "{name}");
         }
+    }
+
+    #[test]
+    fn ephemeral_containers_the_lower_pod_lacks() {
+        let debugger =
+            json!({"name": "debugger", "image": "busybox", "targetContainerName": "app"});
+        let with_token_mount = json!({"name": "shell", "image": "busybox", "volumeMounts": [
+            {"name": "default-token-mvzcf", "mountPath": SERVICE_ACCOUNT_MOUNT_PATH},
+            {"name": "data", "mountPath": "/data"}]});
+        let only_token_mount = json!({"name": "tokens", "image": "busybox", "volumeMounts": [
+            {"name": "default-token-mvzcf", "mountPath": SERVICE_ACCOUNT_MOUNT_PATH}]});
+        let cases: Vec<(&str, Value, Value, Value)> = vec![
+            (
+                "none upstream: nothing",
+                json!(null),
+                json!(null),
+                json!([]),
+            ),
+            (
+                "added upstream: added below as written",
+                json!([debugger]),
+                json!(null),
+                json!([debugger]),
+            ),
+            (
+                "already below (by name): nothing, whatever the lower cluster made of it",
+                json!([debugger]),
+                json!([{"name": "debugger", "image": "mirror.example/busybox"}]),
+                json!([]),
+            ),
+            (
+                "only the new one of two",
+                json!([debugger, {"name": "second", "image": "alpine"}]),
+                json!([debugger]),
+                json!([{"name": "second", "image": "alpine"}]),
+            ),
+            (
+                "one added below only: left alone",
+                json!(null),
+                json!([{"name": "below", "image": "busybox"}]),
+                json!([]),
+            ),
+            (
+                "the upper token volume is not mounted below",
+                json!([with_token_mount]),
+                json!(null),
+                json!([{"name": "shell", "image": "busybox",
+                        "volumeMounts": [{"name": "data", "mountPath": "/data"}]}]),
+            ),
+            (
+                "a mount of the token volume alone leaves no mount list",
+                json!([only_token_mount]),
+                json!(null),
+                json!([{"name": "tokens", "image": "busybox"}]),
+            ),
+        ];
+        for (name, upper_ephemeral, lower_ephemeral, want) in cases {
+            let upper = pod(patched(
+                upper_json(),
+                json!({"spec": {"ephemeralContainers": upper_ephemeral}}),
+            ));
+            let lower = pod(patched(
+                lower_json(),
+                json!({"spec": {"ephemeralContainers": lower_ephemeral}}),
+            ));
+            let want: Vec<EphemeralContainer> = serde_json::from_value(want).unwrap();
+            assert_eq!(missing_ephemeral_containers(&upper, &lower), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn ephemeral_containers_patch_carries_the_lower_uid() {
+        let added: Vec<EphemeralContainer> =
+            serde_json::from_value(json!([{"name": "debugger", "image": "busybox"}])).unwrap();
+        assert_eq!(
+            ephemeral_containers_patch("lower-uid", &added, "Pod ns/p").unwrap(),
+            json!({"metadata": {"uid": "lower-uid"},
+                   "spec": {"ephemeralContainers": [{"name": "debugger", "image": "busybox"}]}})
+        );
     }
 
     #[test]

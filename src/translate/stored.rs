@@ -1,7 +1,7 @@
 //! The pod as the controllers' stores keep it. A k8s-openapi `Pod` costs kilobytes even
 //! when pruned (its structs hold every optional field inline); between reconciles the
-//! controllers compare only identity, marks, container names and images, tolerations,
-//! activeDeadlineSeconds, nodeName and status. Watch events are converted on arrival, so
+//! controllers compare only identity, marks, container names and images, ephemeral
+//! container names, tolerations, activeDeadlineSeconds, nodeName and status. Watch events are converted on arrival, so
 //! ten thousand mirrored pods fit in a small footprint; a reconcile rebuilds a `Pod` view.
 //! The status is kept as its JSON, a third of the size of its struct graph, and parsed
 //! back when a reconcile needs it; so is the compared part of the spec, which pods of one
@@ -13,7 +13,7 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Container, Pod, PodSpec, PodStatus};
+use k8s_openapi::api::core::v1::{Container, EphemeralContainer, Pod, PodSpec, PodStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::Resource;
 use kube::core::NamespaceResourceScope;
@@ -93,7 +93,7 @@ pub struct StoredPod {
     /// `metadata.annotations`.
     annotations: Pairs,
     /// The spec fields a reconcile compares (nodeName, container names and images,
-    /// tolerations, activeDeadlineSeconds), as the JSON of a `PodSpec` with only those
+    /// ephemeral container names, tolerations, activeDeadlineSeconds), as the JSON of a `PodSpec` with only those
     /// set. The pods of one workload on one node have equal ones, which a [`SharedSpecs`]
     /// keeps once: three tolerations alone are 300 bytes a pod.
     spec: Option<Arc<[u8]>>,
@@ -127,6 +127,19 @@ fn compared_spec(spec: PodSpec) -> PodSpec {
             .init_containers
             .filter(|c| !c.is_empty())
             .map(names_and_images),
+        // Names only: an ephemeral container is never changed once added, so its name
+        // tells whether the lower pod has it.
+        ephemeral_containers: spec.ephemeral_containers.filter(|c| !c.is_empty()).map(
+            |containers| {
+                containers
+                    .into_iter()
+                    .map(|c| EphemeralContainer {
+                        name: c.name,
+                        ..EphemeralContainer::default()
+                    })
+                    .collect()
+            },
+        ),
         tolerations: spec.tolerations,
         active_deadline_seconds: spec.active_deadline_seconds,
         ..PodSpec::default()
@@ -362,6 +375,8 @@ mod tests {
                 "activeDeadlineSeconds": 60,
                 "tolerations": [{"key": "k", "operator": "Exists"}],
                 "initContainers": [{"name": "init", "image": "busybox"}],
+                "ephemeralContainers": [{"name": "debugger", "image": "busybox",
+                                         "targetContainerName": "app"}],
                 "containers": [{
                     "name": "app", "image": "nginx:1",
                     "env": [{"name": "A", "value": "b"}],
@@ -392,6 +407,9 @@ mod tests {
             spec.init_containers.unwrap()[0].image.as_deref(),
             Some("busybox")
         );
+        let ephemeral = spec.ephemeral_containers.unwrap();
+        assert_eq!(ephemeral[0].name, "debugger");
+        assert!(ephemeral[0].image.is_none() && ephemeral[0].target_container_name.is_none());
         assert!(spec.volumes.is_none());
         assert_eq!(StoredPod::kind(&()), "Pod");
         assert_eq!(StoredPod::plural(&()), "pods");

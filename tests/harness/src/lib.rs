@@ -23,6 +23,7 @@ pub mod pair;
 pub mod pki;
 pub mod ports;
 pub mod process;
+pub mod rbac;
 pub mod virtual_node;
 pub mod wait;
 

@@ -12,7 +12,7 @@ use tokio::sync::OnceCell;
 
 use crate::binaries::Binaries;
 use crate::cluster::{Cluster, ClusterOptions, Component};
-use crate::process::Reaper;
+use crate::process::{Process, Reaper};
 use crate::wait::wait_for;
 
 /// How to start a pair.
@@ -119,6 +119,13 @@ impl ClusterPair {
     /// not wait for it to serve.
     pub fn restart(&self, cluster: &Cluster, component: Component) -> Result<()> {
         cluster.restart(component, &self.reaper)
+    }
+
+    /// Starts `program args` beside the pair (a component under test, e.g. the webhook),
+    /// its output in `<dir>/<name>.log`; it ends when dropped, or with the test process.
+    pub fn spawn(&self, name: &str, program: &Path, args: &[String]) -> Result<Process> {
+        let log = self.dir.join(format!("{name}.log"));
+        Process::spawn(name, program, args, &[], &log, &self.reaper)
     }
 
     pub(crate) fn reaper(&self) -> &Reaper {
