@@ -1,10 +1,11 @@
 //! The pod as the controllers' stores keep it. A k8s-openapi `Pod` costs kilobytes even
 //! when pruned (its structs hold every optional field inline); between reconciles the
 //! controllers compare only identity, marks, container names and images, ephemeral
-//! container names, tolerations, activeDeadlineSeconds, nodeName and status. Watch events are converted on arrival, so
-//! ten thousand mirrored pods fit in a small footprint; a reconcile rebuilds a `Pod` view.
-//! The status is kept as its JSON, a third of the size of its struct graph, and parsed
-//! back when a reconcile needs it; so is the compared part of the spec, which pods of one
+//! container names, tolerations, activeDeadlineSeconds, nodeName and status. Watch events
+//! are converted on arrival, so ten thousand mirrored pods fit in a small footprint; a
+//! reconcile rebuilds a `Pod` view. The pod stores keep a status as a short summary and a
+//! digest of what status reflection compares; a step that needs it whole reads the pod
+//! from the API. The compared part of the spec is kept as its JSON, which pods of one
 //! workload share ([`SharedSpecs`]). Labels and annotations are kept as [`Pairs`], one
 //! buffer each instead of a `BTreeMap` (whose smallest node reserves room for eleven
 //! entries: half a kilobyte for the two to five a pod has).
@@ -93,9 +94,10 @@ pub struct StoredPod {
     /// `metadata.annotations`.
     annotations: Pairs,
     /// The spec fields a reconcile compares (nodeName, container names and images,
-    /// ephemeral container names, tolerations, activeDeadlineSeconds), as the JSON of a `PodSpec` with only those
-    /// set. The pods of one workload on one node have equal ones, which a [`SharedSpecs`]
-    /// keeps once: three tolerations alone are 300 bytes a pod.
+    /// ephemeral container names, tolerations, activeDeadlineSeconds), as the JSON of a
+    /// `PodSpec` with only those set. The pods of one workload on one node have equal
+    /// ones, which a [`SharedSpecs`] keeps once: three tolerations alone are 300 bytes a
+    /// pod.
     spec: Option<Arc<[u8]>>,
     /// `status`, as JSON; only its [`status_summary`] for a pod stored
     /// [`StoredPod::summarized`].
