@@ -154,14 +154,14 @@ pub fn watches(ctx: &Context) -> PodWatches {
     let (upper_store, upper_stream, upper_ready) = pod_reflector(
         upper_api,
         watcher::Config::default().fields(&format!("spec.nodeName={}", ctx.owner.node)),
-        // Statuses are compared only as digests between reconciles (an upper pod's with
-        // its lower pod's); a status write reads the lower pod whole.
+        // An upper status is only compared with the lower one (as a digest) between
+        // reconciles; the lower status is what gets written up, so it is kept whole.
         StoredPod::summarized,
     );
     let (lower_store, lower_stream, lower_ready) = pod_reflector(
         Api::all(ctx.lower.clone()),
         watcher::Config::default().labels(&ctx.owner.selector()),
-        StoredPod::summarized,
+        StoredPod::new,
     );
     let mirrored = lower_store.clone();
     ctx.metrics

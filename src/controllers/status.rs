@@ -19,8 +19,7 @@ use tracing::{Instrument, debug, info_span, warn};
 use super::pod::{StatusWrite, Step, decide, write_upper_status};
 use super::pod_watch::{PodStores, Triggers, same_name};
 use super::stores::{every, log_outcome};
-use super::{Context, Error, api_error};
-use crate::side::Side;
+use super::{Context, Error};
 use crate::translate::object_ref;
 use crate::translate::pod::{status_is_informative, upper_status};
 use crate::translate::stored::StoredPod;
@@ -83,33 +82,18 @@ async fn reflect_status(
     let Some(stored_upper) = same_name(lower).and_then(|r| sc.pods.upper.get(&r)) else {
         return Ok(Action::await_change());
     };
-    let upper = stored_upper.to_pod();
+    let (upper, lower) = (stored_upper.to_pod(), lower.to_pod());
     // Only for a pod mirrored by this node and not being deleted: the pod controller
     // owns every other step.
-    if decide(&upper, Some(&lower.to_pod()), &ctx.owner) != Step::Sync {
+    if decide(&upper, Some(&lower), &ctx.owner) != Step::Sync {
         return Ok(Action::await_change());
     }
-    if !lower.status_informative() || stored_upper.status_shows(lower) {
-        return Ok(Action::await_change());
-    }
-    let namespace = upper.namespace().unwrap_or_default();
-    // The stores keep statuses as digests; the write needs the lower one whole.
-    let lower_api: Api<Pod> = Api::namespaced(ctx.lower.clone(), &namespace);
-    let Some(lower) = lower_api
-        .get_opt(&upper.name_any())
-        .await
-        .map_err(api_error(Side::Lower, "reading", "Pod", key))?
-        .filter(|l| l.metadata.uid == lower.metadata.uid)
-    else {
-        // Gone or replaced meanwhile: its own watch event brings the next step.
-        return Ok(Action::await_change());
-    };
     let desired = upper_status(&lower, &upper);
     let informative = lower.status.as_ref().is_some_and(status_is_informative);
     if !informative || stored_upper.status_in_sync(&desired) {
         return Ok(Action::await_change());
     }
-    let api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &namespace);
+    let api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &upper.namespace().unwrap_or_default());
     let write_started = Instant::now();
     // The UID precondition keeps a store that lags a same-name re-create from writing
     // the old pod's status onto the new one.

@@ -20,10 +20,7 @@ use kube::Resource;
 use kube::core::NamespaceResourceScope;
 
 use super::meta::{Claim, Owner, UPPER_UID_ANNOTATION};
-use super::pod::{
-    StatusDigest, digest_in_sync, digests_in_sync, status_digest, status_in_sync,
-    status_is_informative, status_summary,
-};
+use super::pod::{StatusDigest, digest_in_sync, status_digest, status_in_sync, status_summary};
 
 /// A string map of a few entries in one buffer: `text` holds the keys and values one
 /// after the other, `ends[i]` where the i-th of them ends. Entries keep the map's (sorted)
@@ -105,9 +102,6 @@ pub struct StoredPod {
     /// What [`status_in_sync`] compares of the status, for a pod stored
     /// [`StoredPod::summarized`].
     status_digest: Option<StatusDigest>,
-    /// Whether the status says more than "accepted, not yet placed"
-    /// ([`status_is_informative`]), for a pod stored [`StoredPod::summarized`].
-    status_informative: bool,
 }
 
 /// `spec` reduced to what [`StoredPod`] keeps.
@@ -224,20 +218,17 @@ impl StoredPod {
                 .as_ref()
                 .and_then(json)
                 .map(|json| shared.share(json.into_vec())),
-            status_informative: status.as_ref().is_some_and(status_is_informative),
             status: status.as_ref().and_then(json),
             status_digest: None,
         }
     }
 
     /// Like [`StoredPod::new`], keeping of the status only its [`status_summary`] and
-    /// [`StatusDigest`]. Between reconciles the controllers compare statuses only as
-    /// digests (an upper pod's with its lower pod's); the steps that need one whole (a
-    /// status write up, marking a pod Failed) read the pod from the API.
+    /// [`StatusDigest`]: for upper pods, whose status only the status reflector compares
+    /// (with the lower pod's) and a failing pod's step reads whole, from the API.
     pub fn summarized(mut pod: Pod, shared: &mut SharedSpecs) -> Self {
         let status = pod.status.take();
         let mut stored = Self::new(pod, shared);
-        stored.status_informative = status.as_ref().is_some_and(status_is_informative);
         stored.status_digest = Some(status_digest(status.as_ref()));
         stored.status = status.as_ref().map(status_summary).as_ref().and_then(json);
         stored
@@ -292,26 +283,6 @@ impl StoredPod {
         match &self.status_digest {
             Some(digest) => digest_in_sync(digest, desired),
             None => status_in_sync(self.status().as_ref(), desired),
-        }
-    }
-
-    /// Whether its status already shows what `lower`'s status reflects up
-    /// ([`digests_in_sync`]).
-    pub fn status_shows(&self, lower: &StoredPod) -> bool {
-        digests_in_sync(&self.digest(), &lower.digest())
-    }
-
-    /// Whether its status says more than "accepted, not yet placed"
-    /// ([`status_is_informative`]).
-    pub fn status_informative(&self) -> bool {
-        self.status_informative
-    }
-
-    /// Its status's [`StatusDigest`], kept or computed.
-    fn digest(&self) -> Cow<'_, StatusDigest> {
-        match &self.status_digest {
-            Some(digest) => Cow::Borrowed(digest),
-            None => Cow::Owned(status_digest(self.status().as_ref())),
         }
     }
 
@@ -482,26 +453,7 @@ mod tests {
         for (desired, want) in [(&status, true), (&moved, false), (&reported, true)] {
             assert_eq!(whole.status_in_sync(desired), want, "{desired:?}");
             assert_eq!(summarized.status_in_sync(desired), want, "{desired:?}");
-            // The same, with the lower pod that reports it stored summarized too.
-            let lower = StoredPod::summarized(
-                Pod {
-                    status: Some(desired.clone()),
-                    ..pod.clone()
-                },
-                &mut SharedSpecs::default(),
-            );
-            assert_eq!(whole.status_shows(&lower), want, "{desired:?}");
-            assert_eq!(summarized.status_shows(&lower), want, "{desired:?}");
-            assert!(lower.status_informative(), "{desired:?}");
         }
-        let pending = StoredPod::summarized(
-            Pod {
-                status: serde_json::from_value(json!({"phase": "Pending"})).unwrap(),
-                ..pod.clone()
-            },
-            &mut SharedSpecs::default(),
-        );
-        assert!(!pending.status_informative());
         let summary = summarized.status().unwrap();
         assert_eq!(summary.phase.as_deref(), Some("Running"));
         assert_eq!(summary.qos_class.as_deref(), Some("BestEffort"));
