@@ -3,10 +3,10 @@
 //! controllers compare only identity, marks, container names and images, ephemeral
 //! container names, tolerations, activeDeadlineSeconds, nodeName and status. Watch events
 //! are converted on arrival, so ten thousand mirrored pods fit in a small footprint; a
-//! reconcile rebuilds a `Pod` view. The pod stores keep a status as a short summary and a
-//! digest of what status reflection compares; a step that needs it whole reads the pod
-//! from the API. The compared part of the spec is kept as its JSON, which pods of one
-//! workload share ([`SharedSpecs`]). Labels and annotations are kept as [`Pairs`], one
+//! reconcile rebuilds a `Pod` view. A lower pod's status is kept as its JSON (status
+//! reflection writes it up), an upper pod's as a short summary and a digest of what status
+//! reflection compares. The compared part of the spec is kept as its JSON, which pods of
+//! one workload share ([`SharedSpecs`]). Labels and annotations are kept as [`Pairs`], one
 //! buffer each instead of a `BTreeMap` (whose smallest node reserves room for eleven
 //! entries: half a kilobyte for the two to five a pod has).
 
