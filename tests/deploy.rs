@@ -9,7 +9,6 @@ use std::process::Command;
 use std::time::Duration;
 
 use k8s_openapi::api::authorization::v1::SubjectAccessReview;
-use k8s_openapi::api::core::v1::Namespace;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Client;
 use kube::api::{Api, PostParams};
@@ -326,20 +325,6 @@ fn the_all_in_one_overlay_installs_everything_at_one_tag() {
     assert!(lower_secrets.iter().all(|s| *s == "lower-kubeconfig"));
 }
 
-/// Creates `tensile-system` unless it exists. Never deleted: the pair belongs to this test
-/// process and ends with it, and the tests here share the namespace the manifests name.
-async fn ensure_namespace(client: &Client) {
-    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": NAMESPACE}})).unwrap();
-    match Api::<Namespace>::all(client.clone())
-        .create(&PostParams::default(), &ns)
-        .await
-    {
-        Ok(_) => {}
-        Err(kube::Error::Api(e)) if e.code == 409 => {}
-        Err(e) => panic!("creating namespace {NAMESPACE}: {e}"),
-    }
-}
-
 /// Installs the reduced CRDs of `tests/deploy-crds` (cert-manager, Prometheus Operator)
 /// and waits until the API server serves them.
 async fn install_test_crds(pair: &ClusterPair, client: &Client) {
@@ -386,7 +371,9 @@ async fn install_test_crds(pair: &ClusterPair, client: &Client) {
 async fn every_kustomization_passes_a_server_side_dry_run() {
     let pair = ClusterPair::shared().await.unwrap();
     let upper = pair.upper.client().await.unwrap();
-    ensure_namespace(&upper).await;
+    tensile_harness::pair::ensure_namespace(&upper, NAMESPACE)
+        .await
+        .unwrap();
     install_test_crds(pair, &upper).await;
     let dirs = kustomizations();
     for wanted in [
@@ -543,7 +530,9 @@ async fn each_identity_may_do_what_its_binary_does() {
     let upper = pair.upper.client().await.unwrap();
     let lower = pair.lower.client().await.unwrap();
     let kubectl_bin = pair.bin("kubectl");
-    ensure_namespace(&upper).await;
+    tensile_harness::pair::ensure_namespace(&upper, NAMESPACE)
+        .await
+        .unwrap();
 
     let dir = tempfile::tempdir().unwrap();
     let upper_rbac = dir.path().join("upper-rbac.json");

@@ -27,16 +27,6 @@ use tensile_harness::{
 const REGULAR: &str = "upper-node-0";
 const INTERVAL_SECS: u64 = 2;
 
-fn sibling_binary(name: &str) -> PathBuf {
-    let path = Path::new(env!("CARGO_BIN_EXE_virtual-node")).with_file_name(name);
-    assert!(
-        path.exists(),
-        "{} is missing: build it with `cargo build -p tensile-webhook --bin tensile-webhook`",
-        path.display()
-    );
-    path
-}
-
 /// A child process killed on drop, its output in `log`.
 struct Child {
     child: tokio::process::Child,
@@ -93,19 +83,9 @@ impl Child {
 }
 
 async fn start_webhook(pair: &ClusterPair) -> Child {
-    let bin = sibling_binary("tensile-webhook");
+    let bin = common::workspace_binary("tensile-webhook");
     let certs = pair.dir.join("webhook-certs");
-    std::fs::create_dir_all(&certs).unwrap();
-    let generated = std::process::Command::new(&bin)
-        .args(["gen-certs", "--host", "127.0.0.1", "--days", "2", "--out"])
-        .arg(&certs)
-        .output()
-        .unwrap();
-    assert!(generated.status.success(), "{generated:?}");
-    let ca_bundle = String::from_utf8(generated.stdout)
-        .unwrap()
-        .trim()
-        .to_owned();
+    let ca_bundle = tensile_harness::pki::webhook_serving_certs(&bin, &certs).unwrap();
     let port = tensile_harness::ports::free_port().unwrap();
     let p = |path: PathBuf| path.display().to_string();
     let webhook = Child::spawn(
@@ -204,7 +184,7 @@ fn start_descheduler(pair: &ClusterPair, kubeconfig: &Path, name: &str, extra: &
     ];
     args.extend(extra.iter().map(ToString::to_string));
     Child::spawn(
-        &sibling_binary("tensile-descheduler"),
+        &common::workspace_binary("tensile-descheduler"),
         &args,
         pair.dir.join(format!("{name}.log")),
         port,
@@ -702,7 +682,7 @@ async fn descheduler_moves_what_the_lower_cluster_cannot_place() {
 
 #[test]
 fn bad_flags_and_policy_files_exit_2_with_one_line() {
-    let bin = sibling_binary("tensile-descheduler");
+    let bin = common::workspace_binary("tensile-descheduler");
     let dir = tempfile::tempdir().unwrap();
     let bad_policy = dir.path().join("policy.yaml");
     std::fs::write(&bad_policy, "kind: ConfigMap\n").unwrap();

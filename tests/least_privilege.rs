@@ -12,8 +12,7 @@ use std::path::{Path, PathBuf};
 
 use common::TIMEOUT;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
-use k8s_openapi::api::core::v1::{Namespace, PersistentVolumeClaim, Pod};
-use kube::Client;
+use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::{Value, json};
 use tensile::translate::meta::{CLUSTER_SELECTOR_ANNOTATION, SELECTED_NODE_ANNOTATION};
@@ -22,21 +21,9 @@ use tensile_harness::ports::free_port;
 use tensile_harness::process::{Process, tail};
 use tensile_harness::rbac::ShippedRbac;
 use tensile_harness::{ClusterPair, TestNamespace, wait_for};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// The namespace the upper-cluster kustomizations install into.
 const NAMESPACE: &str = "tensile-system";
-
-/// A binary of this workspace beside `virtual-node` (`cargo build --workspace --bins`).
-fn workspace_binary(name: &str) -> PathBuf {
-    let path = Path::new(env!("CARGO_BIN_EXE_virtual-node")).with_file_name(name);
-    assert!(
-        path.exists(),
-        "{} is missing: build it with `cargo build --workspace --bins`",
-        path.display()
-    );
-    path
-}
 
 /// Renders and applies the RBAC of `kustomization` to the cluster of `kubeconfig`.
 fn apply_rbac(pair: &ClusterPair, kubeconfig: &Path, kustomization: &str) -> ShippedRbac {
@@ -48,20 +35,6 @@ fn apply_rbac(pair: &ClusterPair, kubeconfig: &Path, kustomization: &str) -> Shi
         &pair.dir,
     )
     .unwrap()
-}
-
-/// Creates `tensile-system` unless it exists (tests of this file share it; the pair, and
-/// the namespace with it, ends with the test process).
-async fn ensure_namespace(client: &Client) {
-    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": NAMESPACE}})).unwrap();
-    match Api::<Namespace>::all(client.clone())
-        .create(&PostParams::default(), &ns)
-        .await
-    {
-        Ok(_) => {}
-        Err(kube::Error::Api(e)) if e.code == 409 => {}
-        Err(e) => panic!("creating namespace {NAMESPACE}: {e}"),
-    }
 }
 
 /// The lines of a component's log that tell of a refusal by RBAC.
@@ -77,28 +50,11 @@ fn refusals(log: &Path) -> Vec<String> {
         .collect()
 }
 
-/// One HTTP/1.1 request to `127.0.0.1:port`: (status, body).
+/// One HTTP/1.1 request over a fresh connection: (status, body).
 async fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+    tensile_harness::http::request(port, method, path, body)
         .await
-        .unwrap();
-    let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.unwrap();
-    let status = response
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    (status, body)
+        .unwrap()
 }
 
 /// Fails if the component's log tells of a refusal by RBAC.
@@ -119,7 +75,9 @@ fn assert_no_refusal(process: &Process) {
 async fn the_webhook_binds_a_pod_to_its_volume_node_with_the_shipped_rbac() {
     let pair = ClusterPair::shared().await.unwrap();
     let upper = pair.upper.client().await.unwrap();
-    ensure_namespace(&upper).await;
+    tensile_harness::pair::ensure_namespace(&upper, NAMESPACE)
+        .await
+        .unwrap();
     let rbac = apply_rbac(pair, pair.upper_kubeconfig(), "deploy/webhook");
     let identity = format!("system:serviceaccount:{NAMESPACE}:tensile-webhook");
     let groups = [
@@ -129,19 +87,9 @@ async fn the_webhook_binds_a_pod_to_its_volume_node_with_the_shipped_rbac() {
     let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
     let kubeconfig = pair.upper.kubeconfig_for(&identity, &groups).unwrap();
 
-    let bin = workspace_binary("tensile-webhook");
+    let bin = common::workspace_binary("tensile-webhook");
     let certs = pair.dir.join("least-webhook-certs");
-    std::fs::create_dir_all(&certs).unwrap();
-    let generated = std::process::Command::new(&bin)
-        .args(["gen-certs", "--host", "127.0.0.1", "--days", "2", "--out"])
-        .arg(&certs)
-        .output()
-        .unwrap();
-    assert!(generated.status.success(), "{generated:?}");
-    let ca_bundle = String::from_utf8(generated.stdout)
-        .unwrap()
-        .trim()
-        .to_owned();
+    let ca_bundle = tensile_harness::pki::webhook_serving_certs(&bin, &certs).unwrap();
     let port = free_port().unwrap();
     let path = |p: PathBuf| p.display().to_string();
     let webhook = pair
@@ -260,7 +208,7 @@ async fn the_extender_filters_through_its_lower_watch_with_the_shipped_rbac() {
     let extender = pair
         .spawn(
             "least-extender",
-            &workspace_binary("tensile-scheduler-extender"),
+            &common::workspace_binary("tensile-scheduler-extender"),
             &[
                 format!("--cluster={node}={}", kubeconfig.display()),
                 format!("--listen=127.0.0.1:{port}"),

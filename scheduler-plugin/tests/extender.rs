@@ -22,7 +22,6 @@ use tensile_scheduler_extender::metrics::Metrics;
 use tensile_scheduler_extender::server::{self, App};
 use tensile_scheduler_extender::watch;
 use tensile_scheduler_extender::wire::ExtenderArgs;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
 /// Generous: two clusters, a virtual node and the build share 2 cores.
@@ -57,26 +56,9 @@ fn args(pod: &Pod, nodes: &[&str]) -> ExtenderArgs {
 
 /// One HTTP/1.1 request over a fresh connection: (status, body).
 async fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
-    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+    tensile_harness::http::request(port, method, path, body)
         .await
-        .unwrap();
-    let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).await.unwrap();
-    let status = response
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    (status, body)
+        .unwrap()
 }
 
 fn cpu_pod(name: &str, cpu: &str, extra: serde_json::Value) -> Pod {

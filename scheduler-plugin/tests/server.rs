@@ -5,44 +5,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::json;
+use tensile_harness::http::exchange;
 use tensile_scheduler_extender::extender::{Extender, SharedCluster};
 use tensile_scheduler_extender::metrics::Metrics;
 use tensile_scheduler_extender::server::{self, App};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
-
-async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(
-    mut stream: S,
-    method: &str,
-    path: &str,
-    body: &str,
-) -> (u16, String) {
-    let request = format!(
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await.unwrap();
-    let mut response = Vec::new();
-    let _ = stream.read_to_end(&mut response).await;
-    let response = String::from_utf8_lossy(&response).into_owned();
-    let status = response
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    (status, body)
-}
-
-async fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
-    let stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .unwrap();
-    exchange(stream, method, path, body).await
-}
 
 async fn start(
     extender: Extender,
@@ -169,7 +137,7 @@ async fn serves_tls() {
         .unwrap();
     let name = rustls_pki_types::ServerName::try_from("localhost").unwrap();
     let tls = connector.connect(name, tcp).await.unwrap();
-    let (status, body) = exchange(tls, "GET", "/healthz", "").await;
+    let (status, body) = exchange(tls, "GET", "/healthz", "").await.unwrap();
     assert_eq!((status, body.as_str()), (200, "ok"));
 
     assert!(
@@ -178,4 +146,10 @@ async fn serves_tls() {
     );
     shutdown.cancel();
     served.await.unwrap();
+}
+
+async fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
+    tensile_harness::http::request(port, method, path, body)
+        .await
+        .unwrap()
 }

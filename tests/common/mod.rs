@@ -12,6 +12,17 @@ use tensile_harness::{ClusterPair, VirtualNode, VirtualNodeOptions, node_is_read
 /// Generous: two clusters and several virtual nodes share 2 cores.
 pub const TIMEOUT: Duration = Duration::from_secs(120);
 
+/// A binary of this workspace beside `virtual-node` (`cargo build --workspace --bins`).
+pub fn workspace_binary(name: &str) -> std::path::PathBuf {
+    let path = std::path::Path::new(env!("CARGO_BIN_EXE_virtual-node")).with_file_name(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build it with `cargo build --workspace --bins`",
+        path.display()
+    );
+    path
+}
+
 /// Starts `virtual-node --nodename <name>` on `pair` and waits until its Node is Ready.
 pub async fn start_node(pair: &ClusterPair, name: &str, args: &[&str]) -> VirtualNode {
     let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), name);

@@ -56,16 +56,7 @@ impl Webhook {
 async fn start_webhook(pair: &ClusterPair, dir: &Path) -> (Webhook, Client, String, u16) {
     let bin = env!("CARGO_BIN_EXE_tensile-webhook");
     // The certificate comes from the generator the project ships.
-    let generated = std::process::Command::new(bin)
-        .args(["gen-certs", "--host", "127.0.0.1", "--days", "2", "--out"])
-        .arg(dir)
-        .output()
-        .unwrap();
-    assert!(generated.status.success(), "{generated:?}");
-    let ca_bundle = String::from_utf8(generated.stdout)
-        .unwrap()
-        .trim()
-        .to_owned();
+    let ca_bundle = tensile_harness::pki::webhook_serving_certs(Path::new(bin), dir).unwrap();
     let ca = std::fs::read(dir.join("ca.crt")).unwrap();
     assert_eq!(
         base64::engine::general_purpose::STANDARD

@@ -17,6 +17,7 @@ pub mod cluster;
 pub mod dashboard;
 pub mod fault_proxy;
 pub mod fixtures;
+pub mod http;
 pub mod invariant;
 pub mod measure;
 pub mod pair;

@@ -160,6 +160,21 @@ impl Drop for ClusterPair {
     }
 }
 
+/// Creates namespace `name` unless it exists: for a fixed namespace that the shipped
+/// manifests name and several tests share (it ends with the pair).
+pub async fn ensure_namespace(client: &Client, name: &str) -> Result<()> {
+    let mut namespace = Namespace::default();
+    namespace.metadata.name = Some(name.to_owned());
+    match Api::<Namespace>::all(client.clone())
+        .create(&PostParams::default(), &namespace)
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(status)) if status.code == 409 => Ok(()),
+        Err(error) => Err(error).with_context(|| format!("creating namespace {name}")),
+    }
+}
+
 /// A namespace of one test, with a generated unique name.
 pub struct TestNamespace {
     /// Its name.

@@ -304,3 +304,25 @@ pub fn write_kubeconfig(
     });
     write(path, &serde_json::to_string_pretty(&config)?)
 }
+
+/// Has `tensile-webhook` (`bin`) generate its serving certificate for 127.0.0.1 into `dir`
+/// with the generator the project ships (`gen-certs`), and returns the CA bundle it
+/// prints (base64 PEM, for a webhook configuration's `caBundle`).
+pub fn webhook_serving_certs(bin: &Path, dir: &Path) -> Result<String> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let generated = std::process::Command::new(bin)
+        .args(["gen-certs", "--host", "127.0.0.1", "--days", "2", "--out"])
+        .arg(dir)
+        .output()
+        .with_context(|| format!("running {} gen-certs", bin.display()))?;
+    anyhow::ensure!(
+        generated.status.success(),
+        "{} gen-certs failed: {}",
+        bin.display(),
+        String::from_utf8_lossy(&generated.stderr)
+    );
+    Ok(String::from_utf8(generated.stdout)
+        .context("gen-certs printed no UTF-8")?
+        .trim()
+        .to_owned())
+}
