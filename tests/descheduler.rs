@@ -115,23 +115,12 @@ async fn start_webhook(pair: &ClusterPair) -> Child {
     })
     .await
     .unwrap();
-    let config: MutatingWebhookConfiguration = serde_json::from_value(json!({
-        "metadata": {"name": "tensile-webhook"},
-        "webhooks": [{
-            "name": "tensile-webhook.tensile.dev",
-            "admissionReviewVersions": ["v1"],
-            "sideEffects": "None",
-            "timeoutSeconds": 5,
-            "failurePolicy": "Fail",
-            "clientConfig": {"url": format!("https://127.0.0.1:{port}/mutate"), "caBundle": ca_bundle},
-            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
-                       "resources": ["pods"], "scope": "Namespaced"}],
-            "objectSelector": {"matchLabels": {"virtual-pod": "true"}},
-            "namespaceSelector": {"matchExpressions": [
-                {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["kube-system"]}]},
-        }],
-    }))
-    .unwrap();
+    let config = tensile_harness::fixtures::webhook_configuration(
+        "tensile-webhook",
+        &format!("https://127.0.0.1:{port}/mutate"),
+        &ca_bundle,
+        tensile_harness::fixtures::all_but_kube_system(),
+    );
     let upper = pair.upper.client().await.unwrap();
     Api::<MutatingWebhookConfiguration>::all(upper)
         .create(&PostParams::default(), &config)

@@ -122,22 +122,12 @@ async fn the_webhook_binds_a_pod_to_its_volume_node_with_the_shipped_rbac() {
         .unwrap();
     // Only this test's namespace: other tests of this process share the upper cluster.
     let config_name = format!("tensile-webhook-{}", ns.name);
-    let config: MutatingWebhookConfiguration = serde_json::from_value(json!({
-        "metadata": {"name": config_name},
-        "webhooks": [{
-            "name": "tensile-webhook.tensile.dev",
-            "admissionReviewVersions": ["v1"],
-            "sideEffects": "None",
-            "timeoutSeconds": 5,
-            "failurePolicy": "Fail",
-            "clientConfig": {"url": format!("https://127.0.0.1:{port}/mutate"), "caBundle": ca_bundle},
-            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"],
-                       "resources": ["pods"], "scope": "Namespaced"}],
-            "objectSelector": {"matchLabels": {"virtual-pod": "true"}},
-            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns.name}},
-        }],
-    }))
-    .unwrap();
+    let config = tensile_harness::fixtures::webhook_configuration(
+        &config_name,
+        &format!("https://127.0.0.1:{port}/mutate"),
+        &ca_bundle,
+        json!({"matchLabels": {"kubernetes.io/metadata.name": ns.name}}),
+    );
     let configs: Api<MutatingWebhookConfiguration> = Api::all(upper.clone());
     configs
         .create(&PostParams::default(), &config)

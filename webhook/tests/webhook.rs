@@ -112,24 +112,12 @@ async fn start_webhook(pair: &ClusterPair, dir: &Path) -> (Webhook, Client, Stri
 
 /// The configuration deploy/webhook ships, pointed at the process by URL.
 fn webhook_configuration(url: &str, ca_bundle: &str) -> MutatingWebhookConfiguration {
-    serde_json::from_value(json!({
-        "metadata": {"name": WEBHOOK_CONFIG},
-        "webhooks": [{
-            "name": "tensile-webhook.tensile.dev",
-            "admissionReviewVersions": ["v1"],
-            "sideEffects": "None",
-            "timeoutSeconds": 5,
-            // Fail, as shipped: a pod that skipped the webhook must not look untouched here.
-            "failurePolicy": "Fail",
-            "clientConfig": {"url": url, "caBundle": ca_bundle},
-            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
-                       "resources": ["pods"], "scope": "Namespaced"}],
-            "objectSelector": {"matchLabels": {"virtual-pod": "true"}},
-            "namespaceSelector": {"matchExpressions": [
-                {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["kube-system"]}]},
-        }],
-    }))
-    .unwrap()
+    tensile_harness::fixtures::webhook_configuration(
+        WEBHOOK_CONFIG,
+        url,
+        ca_bundle,
+        tensile_harness::fixtures::all_but_kube_system(),
+    )
 }
 
 fn stash(pod: &Pod) -> Option<Value> {

@@ -1,5 +1,6 @@
 //! Objects tests and benchmarks create, built fluently from JSON.
 
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Secret};
 use serde_json::{Value, json};
@@ -88,4 +89,38 @@ fn from<T: serde::de::DeserializeOwned>(value: Value) -> T {
         Ok(object) => object,
         Err(error) => panic!("invalid fixture: {error}"),
     }
+}
+
+/// The MutatingWebhookConfiguration `deploy/webhook` ships (pods labelled
+/// `virtual-pod=true`, on create and update, failing closed), named `name`, pointed at `url`
+/// with `ca_bundle`, for the namespaces `namespace_selector` selects.
+pub fn webhook_configuration(
+    name: &str,
+    url: &str,
+    ca_bundle: &str,
+    namespace_selector: Value,
+) -> MutatingWebhookConfiguration {
+    serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "webhooks": [{
+            "name": "tensile-webhook.tensile.dev",
+            "admissionReviewVersions": ["v1"],
+            "sideEffects": "None",
+            "timeoutSeconds": 5,
+            // Fail, as shipped: a pod that skipped the webhook must not look untouched.
+            "failurePolicy": "Fail",
+            "clientConfig": {"url": url, "caBundle": ca_bundle},
+            "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+                       "resources": ["pods"], "scope": "Namespaced"}],
+            "objectSelector": {"matchLabels": {"virtual-pod": "true"}},
+            "namespaceSelector": namespace_selector,
+        }],
+    }))
+    .unwrap_or_default()
+}
+
+/// Every namespace but kube-system, as `deploy/webhook` selects them.
+pub fn all_but_kube_system() -> Value {
+    json!({"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["kube-system"]}]})
 }
