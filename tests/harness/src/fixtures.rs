@@ -100,7 +100,7 @@ pub fn webhook_configuration(
     ca_bundle: &str,
     namespace_selector: Value,
 ) -> MutatingWebhookConfiguration {
-    serde_json::from_value(json!({
+    from(json!({
         "metadata": {"name": name},
         "webhooks": [{
             "name": "tensile-webhook.tensile.dev",
@@ -116,7 +116,6 @@ pub fn webhook_configuration(
             "namespaceSelector": namespace_selector,
         }],
     }))
-    .unwrap_or_default()
 }
 
 /// Every namespace but kube-system, as `deploy/webhook` selects them.
