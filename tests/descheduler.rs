@@ -48,18 +48,11 @@ impl Child {
         Self { child, log, port }
     }
 
-    /// GET `path` from its HTTP port: (status line, body).
-    async fn get(&self, path: &str) -> (String, String) {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", self.port))
+    /// GET `path` from its HTTP port: (status, body).
+    async fn get(&self, path: &str) -> (u16, String) {
+        tensile_harness::http::request(self.port, "GET", path, "")
             .await
-            .unwrap();
-        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-        stream.write_all(request.as_bytes()).await.unwrap();
-        let mut reply = String::new();
-        stream.read_to_string(&mut reply).await.unwrap();
-        let (head, body) = reply.split_once("\r\n\r\n").unwrap();
-        (head.lines().next().unwrap().to_owned(), body.to_owned())
+            .unwrap()
     }
 
     fn log_text(&self) -> String {
@@ -609,7 +602,7 @@ async fn descheduler_moves_what_the_lower_cluster_cannot_place() {
         (&b, &a)
     };
     let (status, _) = leader.get("/healthz").await;
-    assert!(status.contains("200"), "{status}");
+    assert_eq!(status, 200);
     let (_, metrics) = leader.get("/metrics").await;
     for line in [
         "tensile_descheduler_pods_moved_total 8",

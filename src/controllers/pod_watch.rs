@@ -13,10 +13,9 @@ use kube::api::Api;
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::watch;
-use tracing::warn;
 
 use super::Context;
-use super::stores::Ready;
+use super::stores::{Ready, errors_logged};
 use crate::side::Side;
 use crate::translate::stored::{SharedSpecs, StoredPod};
 
@@ -128,17 +127,14 @@ fn pod_reflector(
 /// Polls `stream` (which keeps its store current) and hands every changed pod, deletions
 /// included, to each of `to`. A controller that has stopped is skipped; the store is kept
 /// current for the others.
-async fn fan_out(mut stream: PodStream, side: Side, mut to: [mpsc::Sender<Arc<StoredPod>>; 2]) {
-    while let Some(changed) = stream.next().await {
-        match changed {
-            Ok(pod) => {
-                let pod = Arc::new(pod);
-                for tx in &mut to {
-                    // Fails only once that controller has stopped.
-                    let _ = tx.send(pod.clone()).await;
-                }
-            }
-            Err(error) => warn!(cluster = %side, %error, "watching pods; retrying with backoff"),
+async fn fan_out(stream: PodStream, side: Side, mut to: [mpsc::Sender<Arc<StoredPod>>; 2]) {
+    // Its errors are logged and left out: every item is a pod.
+    let mut pods = errors_logged(stream, side);
+    while let Some(Ok(pod)) = pods.next().await {
+        let pod = Arc::new(pod);
+        for tx in &mut to {
+            // Fails only once that controller has stopped.
+            let _ = tx.send(pod.clone()).await;
         }
     }
 }

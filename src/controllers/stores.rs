@@ -219,7 +219,7 @@ where
 /// backoff that grows with every error of any of them: handed errors, a controller
 /// watching five kinds stopped reading every one of them for minutes after its watches
 /// expired (410 Gone) a few times, its stores stale meanwhile.
-fn errors_logged<K>(
+pub(crate) fn errors_logged<K>(
     watch: impl Stream<Item = Result<K, watcher::Error>> + Send + 'static,
     side: Side,
 ) -> ObjectStream<K>
