@@ -99,8 +99,15 @@ pub struct LeaseLabels {
     pub lease: String,
 }
 
-/// Counts how many objects of one kind are mirrored now, read at scrape time.
-type MirroredCount = Box<dyn Fn() -> usize + Send + Sync>;
+/// Label of the memory gauge.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OwnerLabels {
+    /// e.g. `upper pods` (a store), `pod queue`.
+    pub owner: &'static str,
+}
+
+/// A gauge's value, read at scrape time (a store's size, its memory).
+type ReadAtScrape = Box<dyn Fn() -> usize + Send + Sync>;
 
 /// API requests sent, by cluster and verb (to tell what each mirrored pod costs), and
 /// their answers by status code.
@@ -157,16 +164,29 @@ fn request_labels(side: Side, verb: &'static str) -> RequestLabels {
     }
 }
 
-/// The mirrored-object counts read at scrape time, by kind.
+/// Gauges set at scrape time, each from what it reads.
 #[derive(Default)]
-struct MirroredSources(Mutex<Vec<(&'static str, MirroredCount)>>);
+struct ScrapeSources(Mutex<Vec<(Gauge, ReadAtScrape)>>);
 
-impl std::fmt::Debug for MirroredSources {
+impl ScrapeSources {
+    fn add(&self, gauge: Gauge, read: ReadAtScrape) {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((gauge, read));
+    }
+
+    fn set_all(&self) {
+        for (gauge, read) in self.0.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            gauge.set(i64::try_from(read()).unwrap_or(i64::MAX));
+        }
+    }
+}
+
+impl std::fmt::Debug for ScrapeSources {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let sources = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        f.debug_list()
-            .entries(sources.iter().map(|(kind, _)| kind))
-            .finish()
+        write!(f, "{} gauges read at scrape", sources.len())
     }
 }
 
@@ -201,9 +221,12 @@ pub struct Metrics {
     /// From the status reflector's reconcile start (the lower change taken from its
     /// queue) to the upper status write answered.
     pub status_reflection_seconds: Histogram,
-    /// Objects mirrored now, by kind (set from `mirrored_sources` at scrape time).
+    /// Objects mirrored now, by kind (set at scrape time).
     mirrored: Family<KindLabels, Gauge>,
-    mirrored_sources: MirroredSources,
+    /// Heap bytes held, by owner (set at scrape time).
+    memory: Family<OwnerLabels, Gauge>,
+    /// What the gauges set at scrape time read.
+    read_at_scrape: ScrapeSources,
     /// Lower pods created.
     pub lower_creates: Counter,
     /// Lower pods updated.
@@ -233,6 +256,7 @@ impl Default for Metrics {
                 latency_histogram,
             );
         let mirrored = Family::<KindLabels, Gauge>::default();
+        let memory = Family::<OwnerLabels, Gauge>::default();
         let status_write_seconds = latency_histogram();
         let status_reflection_seconds = latency_histogram();
         let counters: [(&str, &str, Counter); 8] = [
@@ -297,6 +321,11 @@ impl Default for Metrics {
             reconcile_seconds.clone(),
         );
         registry.register(
+            "memory_bytes",
+            "Heap bytes held, by owner (pod stores, work queues), estimated from their sizes at scrape",
+            memory.clone(),
+        );
+        registry.register(
             "mirrored_objects",
             "Objects mirrored into the lower cluster now, by kind",
             mirrored.clone(),
@@ -351,7 +380,8 @@ impl Default for Metrics {
             status_write_seconds,
             status_reflection_seconds,
             mirrored,
-            mirrored_sources: MirroredSources::default(),
+            memory,
+            read_at_scrape: ScrapeSources::default(),
             lower_creates,
             lower_updates,
             orphans_deleted,
@@ -388,13 +418,20 @@ impl Metrics {
         kind: &'static str,
         count: impl Fn() -> usize + Send + Sync + 'static,
     ) {
-        self.mirrored.get_or_create(&KindLabels { kind }).get();
-        let mut sources = self
-            .mirrored_sources
-            .0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        sources.push((kind, Box::new(count)));
+        let gauge = self.mirrored.get_or_create(&KindLabels { kind }).clone();
+        self.read_at_scrape.add(gauge, Box::new(count));
+    }
+
+    /// Reports `bytes()` as the heap bytes `owner` holds, read at each scrape: an
+    /// estimate from its sizes (the allocator's rounding apart), so that the owner of a
+    /// process's memory can be told from outside it.
+    pub fn measure_memory(
+        &self,
+        owner: &'static str,
+        bytes: impl Fn() -> usize + Send + Sync + 'static,
+    ) {
+        let gauge = self.memory.get_or_create(&OwnerLabels { owner }).clone();
+        self.read_at_scrape.add(gauge, Box::new(bytes));
     }
 
     /// Sets whether this process leads through `lease` (`namespace/name`; empty without
@@ -408,17 +445,7 @@ impl Metrics {
 
     /// OpenMetrics text exposition.
     pub fn render(&self) -> String {
-        {
-            let sources = self
-                .mirrored_sources
-                .0
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
-            for (kind, count) in sources.iter() {
-                let n = i64::try_from(count()).unwrap_or(i64::MAX);
-                self.mirrored.get_or_create(&KindLabels { kind }).set(n);
-            }
-        }
+        self.read_at_scrape.set_all();
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
             out.clear();
@@ -670,7 +697,7 @@ mod tests {
     }
 
     #[test]
-    fn mirrored_objects_are_read_at_scrape_time() {
+    fn mirrored_objects_and_memory_are_read_at_scrape_time() {
         let metrics = Metrics::default();
         let pods = Arc::new(std::sync::atomic::AtomicUsize::new(3));
         let seen = pods.clone();
@@ -684,6 +711,14 @@ mod tests {
         assert_eq!(
             value(&out, "tensile_mirrored_objects{kind=\"secrets\"}"),
             Some("0")
+        );
+        metrics.measure_memory("pod queue", || 4096);
+        assert_eq!(
+            value(
+                &metrics.render(),
+                "tensile_memory_bytes{owner=\"pod queue\"}"
+            ),
+            Some("4096")
         );
     }
 }

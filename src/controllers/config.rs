@@ -357,15 +357,12 @@ fn error_policy<K: Kept>(copy: Arc<K>, _error: &Error, kc: Arc<KindContext>) -> 
 /// [`References::resolve`] over the pods in the two stores.
 fn resolve(references: &References, pods: &PodStores) -> (BTreeSet<Reference>, BTreeSet<String>) {
     let (upper, lower) = (pods.upper.state(), pods.lower.state());
-    let listed = upper.iter().chain(lower.iter()).filter_map(|p| {
-        Some((
-            p.metadata.namespace.as_deref()?,
-            p.metadata.name.as_deref()?,
-        ))
-    });
+    let listed = upper
+        .iter()
+        .chain(lower.iter())
+        .map(|p| (&*p.meta.namespace, &*p.meta.name));
     let is_present = |namespace: &str, name: &str| {
-        let pod = ObjectRef::new(name).within(namespace);
-        pods.upper.get(&pod).is_some() || pods.lower.get(&pod).is_some()
+        pods.upper.get(namespace, name).is_some() || pods.lower.get(namespace, name).is_some()
     };
     references.resolve(listed, is_present)
 }

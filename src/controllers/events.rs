@@ -16,10 +16,8 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Event as LowerEvent, ObjectReference};
 use k8s_openapi::jiff::Timestamp;
-use kube::Resource;
 use kube::api::Api;
 use kube::runtime::events::{Event, EventType};
-use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
@@ -170,15 +168,15 @@ fn reflect(
 ) -> Option<Outgoing> {
     let about = &event.involved_object;
     let (namespace, name) = (about.namespace.as_deref()?, about.name.as_deref()?);
-    let lower = pods.lower.get(&ObjectRef::new(name).within(namespace))?;
-    if about.uid.is_some() && about.uid != lower.metadata.uid {
+    let lower = pods.lower.get(namespace, name)?;
+    if about.uid.is_some() && about.uid.as_deref() != lower.meta.uid.as_deref() {
         return None; // about an earlier pod of this name
     }
     let origin = lower.upper_uid()?;
     let upper = pods
         .upper
-        .get(&ObjectRef::new(name).within(namespace))
-        .filter(|u| u.metadata.uid.as_deref() == Some(origin))?;
+        .get(namespace, name)
+        .filter(|u| u.meta.uid.as_deref() == Some(origin))?;
     let reflected = reflection(event)?;
     let id = event
         .metadata
@@ -201,7 +199,7 @@ fn reflect(
             return None;
         }
     }
-    let mut reference = upper.object_ref(&());
+    let mut reference = upper.object_reference();
     reference.field_path = reflected.field_path.clone();
     let event = Event {
         type_: if reflected.warning {

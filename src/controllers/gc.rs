@@ -9,9 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Pod;
-use kube::ResourceExt;
 use kube::api::Api;
-use kube::runtime::reflector::ObjectRef;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -37,17 +35,15 @@ pub fn orphans<'a, U: AsRef<str>>(
         .iter()
         .map(AsRef::as_ref)
         .filter(|p| p.is_owned_by(owner))
-        .filter(|p| p.metadata.deletion_timestamp.is_none())
-        .filter(|p| namespace.is_empty() || p.metadata.namespace.as_deref() == Some(namespace))
-        .filter(|p| {
-            let ns = p.metadata.namespace.as_deref().unwrap_or_default();
-            let name = p.metadata.name.as_deref().unwrap_or_default();
-            match (p.upper_uid(), upper_uid(ns, name)) {
+        .filter(|p| p.meta.deletion_timestamp.is_none())
+        .filter(|p| namespace.is_empty() || *p.meta.namespace == *namespace)
+        .filter(
+            |p| match (p.upper_uid(), upper_uid(&p.meta.namespace, &p.meta.name)) {
                 (_, None) => true,
                 (Some(mark), Some(uid)) => mark != uid.as_ref(),
                 (None, Some(_)) => false,
-            }
-        })
+            },
+        )
         .collect()
 }
 
@@ -69,20 +65,13 @@ pub async fn run(ctx: Arc<Context>, pods: PodStores, shutdown: CancellationToken
             _ = tick.tick() => {}
         }
         let snapshot = lower_pods.state();
-        let upper_uid = |ns: &str, name: &str| {
-            upper_pods
-                .get(&ObjectRef::new(name).within(ns))
-                .and_then(|p| p.metadata.uid.clone())
-        };
+        let upper_uid =
+            |ns: &str, name: &str| upper_pods.get(ns, name).and_then(|p| p.meta.uid.clone());
         for orphan in orphans(&snapshot, upper_uid, &ctx.owner, &ctx.namespace) {
-            let key = format!(
-                "{}/{}",
-                orphan.namespace().unwrap_or_default(),
-                orphan.name_any()
-            );
-            let api: Api<Pod> =
-                Api::namespaced(ctx.lower.clone(), &orphan.namespace().unwrap_or_default());
-            match delete_exact(&api, &orphan.name_any(), orphan.metadata.uid.clone(), None).await {
+            let key = orphan.meta.key();
+            let api: Api<Pod> = Api::namespaced(ctx.lower.clone(), &orphan.meta.namespace);
+            let uid = orphan.meta.uid.as_deref().map(str::to_owned);
+            match delete_exact(&api, &orphan.meta.name, uid, None).await {
                 Ok(Deleted::Now) => {
                     ctx.metrics.orphans_deleted.inc();
                     info!(object = %key, kind = "Pod", cluster = "lower", "deleted an orphaned lower pod (its upper pod is gone)");

@@ -8,17 +8,15 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
-use kube::runtime::reflector::{ObjectRef, Store};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
-use super::pod_watch::{PodStores, Triggers, same_name};
-use super::stores::{Ready, every, log_outcome};
+use super::pod_store::PodStore;
+use super::pod_watch::{PodQueue, PodStores, Triggers, run_controller};
+use super::stores::Ready;
 use super::{Context, Error, api_error, dependencies};
 use crate::api::{Deleted, delete_exact, is_status};
 use crate::side::Side;
@@ -157,7 +155,7 @@ pub async fn write_upper_status(
 
 struct PodContext {
     ctx: Arc<Context>,
-    lower_pods: Store<StoredPod>,
+    lower_pods: PodStore,
     synced: Ready,
 }
 
@@ -170,24 +168,35 @@ pub async fn run(
     resync: Duration,
     shutdown: CancellationToken,
 ) {
-    let controller = Controller::for_shared_stream(triggers.upper, stores.upper)
-        .with_config(ControllerConfig::default().concurrency(workers))
-        .watches_shared_stream(triggers.lower, |lower: Arc<StoredPod>| same_name(&lower))
-        .reconcile_all_on(every(resync))
-        .graceful_shutdown_on(shutdown.cancelled_owned());
     let pod_ctx = Arc::new(PodContext {
         ctx,
         lower_pods: stores.lower,
         synced: stores.synced,
     });
-    controller
-        .run(reconcile, error_policy, pod_ctx)
-        .for_each(|result| log_outcome("pod reconcile", result))
-        .await;
+    let queue = PodQueue::measured(&pod_ctx.ctx.metrics, "pod queue");
+    run_controller(
+        triggers,
+        stores.upper,
+        queue,
+        workers,
+        resync,
+        shutdown,
+        |upper| {
+            let pc = pod_ctx.clone();
+            async move {
+                reconcile(&upper, &pc)
+                    .await
+                    .err()
+                    .map(|_| pc.ctx.backoff(&upper.meta.key()))
+            }
+        },
+    )
+    .await;
 }
 
-async fn reconcile(stored: Arc<StoredPod>, pc: Arc<PodContext>) -> Result<Action, Error> {
-    let key = object_ref(&stored.metadata);
+/// Reconciles one upper pod; a failure is reported (Event, metric) and retried with backoff.
+async fn reconcile(stored: &StoredPod, pc: &PodContext) -> Result<(), Error> {
+    let key = stored.meta.key();
     let upper = stored.to_pod();
     let span = info_span!("pod", pod = %key);
     async {
@@ -195,7 +204,7 @@ async fn reconcile(stored: Arc<StoredPod>, pc: Arc<PodContext>) -> Result<Action
         let ctx = &pc.ctx;
         ctx.metrics.reconciles.inc();
         let started = Instant::now();
-        let result = reconcile_pod(&upper, &pc, &key).await;
+        let result = reconcile_pod(&upper, pc, &key).await;
         ctx.metrics.reconciled("pod", started.elapsed());
         match &result {
             Ok(_) => ctx.succeeded(&key),
@@ -210,12 +219,11 @@ async fn reconcile(stored: Arc<StoredPod>, pc: Arc<PodContext>) -> Result<Action
     .await
 }
 
-async fn reconcile_pod(upper: &Pod, pc: &PodContext, key: &str) -> Result<Action, Error> {
+async fn reconcile_pod(upper: &Pod, pc: &PodContext, key: &str) -> Result<(), Error> {
     let ctx = &pc.ctx;
     let name = upper.name_any();
     let namespace = upper.namespace().unwrap_or_default();
-    let lower_ref = ObjectRef::new(&name).within(&namespace);
-    let lower = pc.lower_pods.get(&lower_ref).map(|l| l.to_pod());
+    let lower = pc.lower_pods.get(&namespace, &name).map(|l| l.to_pod());
     let lower_api: Api<Pod> = Api::namespaced(ctx.lower.clone(), &namespace);
     let upper_api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &namespace);
     let step = decide(upper, lower.as_ref(), &ctx.owner);
@@ -253,7 +261,7 @@ async fn reconcile_pod(upper: &Pod, pc: &PodContext, key: &str) -> Result<Action
             }
         }
     }
-    Ok(Action::await_change())
+    Ok(())
 }
 
 /// Ends the upper pod whose lower pod is gone, so that its controller replaces it.
@@ -544,10 +552,6 @@ async fn explain_failure(ctx: &Context, upper: &Pod, error: &Error) {
             }
         }
     }
-}
-
-fn error_policy(upper: Arc<StoredPod>, _error: &Error, pc: Arc<PodContext>) -> Action {
-    Action::requeue(pc.ctx.backoff(&object_ref(&upper.metadata)))
 }
 
 #[cfg(test)]

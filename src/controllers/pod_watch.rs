@@ -4,24 +4,28 @@
 //! ([`super::status`]) on queues of their own.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::channel::mpsc;
 use futures::stream::BoxStream;
 use futures::{FutureExt, SinkExt, StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
-use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 
 use super::Context;
-use super::stores::{Ready, errors_logged};
+use super::pod_store::{PodStore, Writer};
+use super::queue::{self, WorkQueue};
+use super::stores::{Ready, errors_logged_as, every};
 use crate::side::Side;
 use crate::translate::stored::{SharedSpecs, StoredPod};
 
-/// A watch stream feeding a reflector store.
+/// The pods a watch touched, after their store took them in.
 type PodStream =
-    std::pin::Pin<Box<dyn futures::Stream<Item = Result<StoredPod, watcher::Error>> + Send>>;
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<Arc<StoredPod>, watcher::Error>> + Send>>;
 
 /// How many changed pods may wait for a controller to take them before the watch waits.
 const TRIGGER_BUFFER: usize = 1024;
@@ -40,11 +44,7 @@ impl Triggers {
     /// waiting on a full queue; the replay makes the new leader act on whatever changed
     /// meanwhile (both controllers map an upper pod to its lower one; a lower pod whose
     /// upper pod is gone is the orphan collector's).
-    pub async fn drop_until(
-        mut self,
-        upper: &Store<StoredPod>,
-        until: impl Future<Output = ()>,
-    ) -> Self {
+    pub async fn drop_until(mut self, upper: &PodStore, until: impl Future<Output = ()>) -> Self {
         let mut until = std::pin::pin!(until);
         loop {
             tokio::select! {
@@ -83,55 +83,61 @@ pub struct PodWatches {
 #[derive(Clone)]
 pub struct PodStores {
     /// Upper pods bound to this node.
-    pub upper: Store<StoredPod>,
+    pub upper: PodStore,
     /// Lower pods this node owns.
-    pub lower: Store<StoredPod>,
-    /// Whether both have listed once. (A reflector `Store::wait_until_ready` wakes only its
-    /// most recent waiter, so it is awaited nowhere but inside kube-runtime's runner.)
+    pub lower: PodStore,
+    /// Whether both have listed once.
     pub synced: Ready,
 }
+
+/// A pod controller's queue: pods by namespace and name.
+pub type PodQueue = WorkQueue<ObjectRef<Pod>>;
 
 /// How a pod store keeps each pod ([`StoredPod::new`] or [`StoredPod::summarized`]).
 type Keep = fn(Pod, &mut SharedSpecs) -> StoredPod;
 
-/// A reflector of pods over `api`, stored as [`StoredPod`]s made by `keep`, with its
-/// readiness.
+/// A watch of pods over `api` filling a [`PodStore`] with [`StoredPod`]s made by `keep`;
+/// the pods it touched, and whether it has listed once.
 fn pod_reflector(
     api: Api<Pod>,
     config: watcher::Config,
     keep: Keep,
-) -> (Store<StoredPod>, PodStream, Ready) {
-    let (store, writer) = reflector::store();
+    side: Side,
+) -> (PodStore, PodStream, Ready) {
+    let store = PodStore::default();
+    let mut writer = Writer::new(store.clone());
     let (listed_tx, listed_rx) = watch::channel(false);
     // Pods are stored compactly: a full pod's spec detail is read only when its lower pod
     // is created, and is most of its memory.
     let mut shared = SharedSpecs::default();
-    let events = watcher::watcher(api, config).map_ok(move |event| match event {
-        watcher::Event::Apply(pod) => watcher::Event::Apply(keep(pod, &mut shared)),
-        watcher::Event::Delete(pod) => watcher::Event::Delete(keep(pod, &mut shared)),
-        watcher::Event::InitApply(pod) => watcher::Event::InitApply(keep(pod, &mut shared)),
-        watcher::Event::Init => watcher::Event::Init,
-        watcher::Event::InitDone => watcher::Event::InitDone,
-    });
-    let stream = reflector::reflector(writer, events)
+    let touched = watcher::watcher(api, config)
         .default_backoff()
-        .inspect_ok(move |event| {
-            if matches!(event, watcher::Event::InitDone) {
+        .map_ok(move |event| {
+            let event = match event {
+                watcher::Event::Apply(pod) => watcher::Event::Apply(keep(pod, &mut shared)),
+                watcher::Event::Delete(pod) => watcher::Event::Delete(keep(pod, &mut shared)),
+                watcher::Event::InitApply(pod) => watcher::Event::InitApply(keep(pod, &mut shared)),
+                watcher::Event::Init => watcher::Event::Init,
+                watcher::Event::InitDone => watcher::Event::InitDone,
+            };
+            let listed = matches!(event, watcher::Event::InitDone);
+            let touched = writer.apply(event);
+            if listed {
                 listed_tx.send_replace(true);
             }
+            touched
         })
-        .touched_objects();
-    (store, Box::pin(stream), Ready::listed(listed_rx))
+        .try_filter_map(|touched| futures::future::ready(Ok(touched)));
+    let touched = errors_logged_as(touched, side, "Pod".into());
+    (store, touched, Ready::listed(listed_rx))
 }
 
-/// Polls `stream` (which keeps its store current) and hands every changed pod, deletions
+/// Polls `touched` (which keeps its store current) and hands every changed pod, deletions
 /// included, to each of `to`. A controller that has stopped is skipped; the store is kept
 /// current for the others.
-async fn fan_out(stream: PodStream, side: Side, mut to: [mpsc::Sender<Arc<StoredPod>>; 2]) {
-    // Its errors are logged and left out: every item is a pod.
-    let mut pods = errors_logged(stream, side);
-    while let Some(Ok(pod)) = pods.next().await {
-        let pod = Arc::new(pod);
+async fn fan_out(mut touched: PodStream, mut to: [mpsc::Sender<Arc<StoredPod>>; 2]) {
+    // Its errors were logged and left out: every item is a pod.
+    while let Some(Ok(pod)) = touched.next().await {
         for tx in &mut to {
             // Fails only once that controller has stopped.
             let _ = tx.send(pod.clone()).await;
@@ -153,22 +159,28 @@ pub fn watches(ctx: &Context) -> PodWatches {
         // An upper status is only compared with the lower one (as a digest) between
         // reconciles; the lower status is what gets written up, so it is kept whole.
         StoredPod::summarized,
+        Side::Upper,
     );
     let (lower_store, lower_stream, lower_ready) = pod_reflector(
         Api::all(ctx.lower.clone()),
         watcher::Config::default().labels(&ctx.owner.selector()),
         StoredPod::new,
+        Side::Lower,
     );
     let mirrored = lower_store.clone();
-    ctx.metrics
-        .count_mirrored("pods", move || mirrored.state().len());
+    ctx.metrics.count_mirrored("pods", move || mirrored.len());
+    for (owner, store) in [("upper pods", &upper_store), ("lower pods", &lower_store)] {
+        let store = store.clone();
+        ctx.metrics
+            .measure_memory(owner, move || store.heap_bytes());
+    }
     let (pods_upper, pods_upper_rx) = mpsc::channel(TRIGGER_BUFFER);
     let (pods_lower, pods_lower_rx) = mpsc::channel(TRIGGER_BUFFER);
     let (status_upper, status_upper_rx) = mpsc::channel(TRIGGER_BUFFER);
     let (status_lower, status_lower_rx) = mpsc::channel(TRIGGER_BUFFER);
     let pump = futures::future::join(
-        fan_out(upper_stream, Side::Upper, [pods_upper, status_upper]),
-        fan_out(lower_stream, Side::Lower, [pods_lower, status_lower]),
+        fan_out(upper_stream, [pods_upper, status_upper]),
+        fan_out(lower_stream, [pods_lower, status_lower]),
     )
     .map(|((), ())| ())
     .boxed();
@@ -190,11 +202,54 @@ pub fn watches(ctx: &Context) -> PodWatches {
     }
 }
 
+/// Runs a pod controller until `shutdown`: every pod either watch of `triggers` hands over
+/// (and, every `resync`, every pod of `store`) queues its namespace/name, and `reconcile`
+/// runs on the pod of `store` under it, at most `workers` at once and never twice at once
+/// for one pod; a pod gone from `store` meanwhile is skipped. `reconcile` answers when to
+/// retry, if it must.
+pub async fn run_controller<F, Fut>(
+    triggers: Triggers,
+    store: PodStore,
+    queue: Arc<PodQueue>,
+    workers: u16,
+    resync: Duration,
+    shutdown: CancellationToken,
+    reconcile: F,
+) where
+    F: Fn(Arc<StoredPod>) -> Fut,
+    Fut: Future<Output = Option<Duration>>,
+{
+    let feed = async {
+        let mut changed = futures::stream::select(triggers.upper, triggers.lower);
+        let mut resync = std::pin::pin!(every(resync));
+        loop {
+            tokio::select! {
+                () = shutdown.cancelled() => break,
+                Some(pod) = changed.next() => queue.add(same_name(&pod)),
+                Some(()) = resync.next() => {
+                    for pod in store.state() {
+                        queue.add(same_name(&pod));
+                    }
+                }
+            }
+        }
+    };
+    let work = queue::work(&queue, workers, &shutdown, |key| {
+        let pod = store.get(key.namespace.as_deref().unwrap_or_default(), &key.name);
+        let reconciled = pod.map(&reconcile);
+        async move {
+            match reconciled {
+                Some(reconciled) => reconciled.await,
+                None => None,
+            }
+        }
+    });
+    futures::future::join(feed, work).await;
+}
+
 /// The `ObjectRef` of the pod of the same namespace and name in the other cluster.
-pub(crate) fn same_name(pod: &Arc<StoredPod>) -> Option<ObjectRef<StoredPod>> {
-    let name = pod.metadata.name.as_deref()?;
-    let namespace = pod.metadata.namespace.as_deref()?;
-    Some(ObjectRef::new(name).within(namespace))
+pub(crate) fn same_name(pod: &StoredPod) -> ObjectRef<Pod> {
+    ObjectRef::new(&pod.meta.name).within(&pod.meta.namespace)
 }
 
 #[cfg(test)]
@@ -212,14 +267,15 @@ mod tests {
     }
 
     fn name(pod: &StoredPod) -> String {
-        pod.metadata.name.clone().unwrap_or_default()
+        pod.meta.name.to_string()
     }
 
     /// A standby's triggers never make its watch wait (queues of one, ten changes), and
     /// the new leader is handed every stored pod, then the live changes.
     #[tokio::test]
     async fn a_standby_drops_changes_then_replays_its_store() {
-        let (store, mut writer) = reflector::store::<StoredPod>();
+        let store = PodStore::default();
+        let mut writer = Writer::new(store.clone());
         let (mut upper_tx, upper_rx) = mpsc::channel(1);
         let (mut lower_tx, lower_rx) = mpsc::channel(1);
         let triggers = Triggers {
@@ -236,7 +292,7 @@ mod tests {
         let test = async {
             let stored: BTreeSet<String> = (0..10).map(|i| format!("pod-{i}")).collect();
             for name in &stored {
-                writer.apply_watcher_event(&watcher::Event::Apply(pod(name)));
+                writer.apply(watcher::Event::Apply(pod(name)));
                 upper_tx.send(Arc::new(pod(name))).await.unwrap();
                 lower_tx.send(Arc::new(pod(name))).await.unwrap();
             }

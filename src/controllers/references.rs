@@ -13,9 +13,13 @@ use crate::translate::config::{Reference, referenced};
 /// What each pod references, by pod `namespace/name`: recorded from the full pod when its
 /// dependencies are ensured (and from lower pods listed when unknown, e.g. after a
 /// restart), because the pod stores may keep only what the pod controller needs.
-/// A pod's references cannot change (volumes and env are immutable).
+/// A pod's references cannot change (volumes and env are immutable). Each pod's are kept
+/// as a slice of their exact size (a `BTreeSet` node reserves room for eleven).
 #[derive(Default)]
-pub struct References(Mutex<HashMap<(String, String), BTreeSet<Reference>>>);
+pub struct References(Mutex<ByPod>);
+
+/// Each pod's references, by pod `(namespace, name)`.
+type ByPod = HashMap<(String, String), Box<[Reference]>>;
 
 impl References {
     /// Records what `pod` (a full pod) references.
@@ -24,10 +28,11 @@ impl References {
             return;
         };
         let found = referenced(std::iter::once(pod), with_service_account);
-        self.lock().insert((namespace, name), found);
+        self.lock()
+            .insert((namespace, name), found.into_iter().collect());
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(String, String), BTreeSet<Reference>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ByPod> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -42,6 +47,11 @@ impl References {
     ) -> (BTreeSet<Reference>, BTreeSet<String>) {
         let mut map = self.lock();
         map.retain(|(namespace, name), _| is_present(namespace, name));
+        let present = map.len();
+        if map.capacity() > 1024 && map.capacity() > 4 * present {
+            // Hand back what pods gone since left.
+            map.shrink_to(2 * present);
+        }
         let known = map.values().flatten().cloned().collect();
         let mut unknown = BTreeSet::new();
         for (namespace, name) in pods {

@@ -8,19 +8,15 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::Api;
-use kube::runtime::controller::{Action, Config as ControllerConfig, Controller};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
 
 use super::pod::{StatusWrite, Step, decide, write_upper_status};
-use super::pod_watch::{PodStores, Triggers, same_name};
-use super::stores::{every, log_outcome};
+use super::pod_watch::{PodQueue, PodStores, Triggers, run_controller};
 use super::{Context, Error};
-use crate::translate::object_ref;
 use crate::translate::pod::{status_is_informative, upper_status};
 use crate::translate::stored::StoredPod;
 
@@ -38,16 +34,19 @@ pub async fn run(
     resync: Duration,
     shutdown: CancellationToken,
 ) {
-    let controller = Controller::for_shared_stream(triggers.lower, stores.lower.clone())
-        .with_config(ControllerConfig::default().concurrency(workers))
-        .watches_shared_stream(triggers.upper, |upper: Arc<StoredPod>| same_name(&upper))
-        .reconcile_all_on(every(resync))
-        .graceful_shutdown_on(shutdown.cancelled_owned());
-    let status_ctx = Arc::new(StatusContext { ctx, pods: stores });
-    controller
-        .run(reconcile, error_policy, status_ctx)
-        .for_each(|result| log_outcome("status reconcile", result))
-        .await;
+    let sc = Arc::new(StatusContext { ctx, pods: stores });
+    let lower = sc.pods.lower.clone();
+    let queue = PodQueue::measured(&sc.ctx.metrics, "status queue");
+    run_controller(triggers, lower, queue, workers, resync, shutdown, |lower| {
+        let sc = sc.clone();
+        async move {
+            reconcile(&lower, &sc)
+                .await
+                .err()
+                .map(|_| sc.ctx.backoff(&backoff_key(&lower.meta.key())))
+        }
+    })
+    .await;
 }
 
 /// The key under which failures back off, apart from the pod controller's.
@@ -55,13 +54,14 @@ fn backoff_key(key: &str) -> String {
     format!("status:{key}")
 }
 
-async fn reconcile(lower: Arc<StoredPod>, sc: Arc<StatusContext>) -> Result<Action, Error> {
-    let key = object_ref(&lower.metadata);
+/// Reflects one lower pod's status; a failure is retried with backoff.
+async fn reconcile(lower: &StoredPod, sc: &StatusContext) -> Result<(), Error> {
+    let key = lower.meta.key();
     let span = info_span!("pod status", pod = %key);
     async {
         sc.pods.synced.wait().await?;
         let started = Instant::now();
-        let result = reflect_status(&lower, &sc, &key, started).await;
+        let result = reflect_status(lower, sc, &key, started).await;
         sc.ctx.metrics.reconciled("status", started.elapsed());
         result
     }
@@ -73,25 +73,25 @@ async fn reconcile(lower: Arc<StoredPod>, sc: Arc<StatusContext>) -> Result<Acti
 /// one. `started` (the reconcile's start) stands for when the watch saw the lower change:
 /// the time it waited in the controller's queue is not counted.
 async fn reflect_status(
-    lower: &Arc<StoredPod>,
+    lower: &StoredPod,
     sc: &StatusContext,
     key: &str,
     started: Instant,
-) -> Result<Action, Error> {
+) -> Result<(), Error> {
     let ctx = &sc.ctx;
-    let Some(stored_upper) = same_name(lower).and_then(|r| sc.pods.upper.get(&r)) else {
-        return Ok(Action::await_change());
+    let Some(stored_upper) = sc.pods.upper.get(&lower.meta.namespace, &lower.meta.name) else {
+        return Ok(());
     };
     let (upper, lower) = (stored_upper.to_pod(), lower.to_pod());
     // Only for a pod mirrored by this node and not being deleted: the pod controller
     // owns every other step.
     if decide(&upper, Some(&lower), &ctx.owner) != Step::Sync {
-        return Ok(Action::await_change());
+        return Ok(());
     }
     let desired = upper_status(&lower, &upper);
     let informative = lower.status.as_ref().is_some_and(status_is_informative);
     if !informative || stored_upper.status_in_sync(&desired) {
-        return Ok(Action::await_change());
+        return Ok(());
     }
     let api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &upper.namespace().unwrap_or_default());
     let write_started = Instant::now();
@@ -109,7 +109,7 @@ async fn reflect_status(
                 .observe(started.elapsed().as_secs_f64());
             ctx.succeeded(&backoff_key(key));
             debug!(object = %key, kind = "Pod", cluster = "upper", phase = ?desired.phase, "reflected status");
-            Ok(Action::await_change())
+            Ok(())
         }
         Ok(StatusWrite::PodReplaced) => {
             ctx.succeeded(&backoff_key(key));
@@ -117,7 +117,7 @@ async fn reflect_status(
                 object = %key, kind = "Pod", cluster = "upper",
                 "the upper pod was replaced meanwhile; its own events bring the next step"
             );
-            Ok(Action::await_change())
+            Ok(())
         }
         Err(error) => {
             ctx.metrics.reconcile_failed(error.metric_label());
@@ -125,8 +125,4 @@ async fn reflect_status(
             Err(error)
         }
     }
-}
-
-fn error_policy(lower: Arc<StoredPod>, _error: &Error, sc: Arc<StatusContext>) -> Action {
-    Action::requeue(sc.ctx.backoff(&backoff_key(&object_ref(&lower.metadata))))
 }

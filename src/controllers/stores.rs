@@ -226,11 +226,23 @@ pub(crate) fn errors_logged<K>(
 where
     K: Resource<DynamicType = ()> + Send + 'static,
 {
+    errors_logged_as(watch, side, K::kind(&()).into_owned())
+}
+
+/// [`errors_logged`] for a watch of `kind` whose items are not objects (e.g. shared ones).
+pub(crate) fn errors_logged_as<T>(
+    watch: impl Stream<Item = Result<T, watcher::Error>> + Send + 'static,
+    side: Side,
+    kind: String,
+) -> Pin<Box<dyn Stream<Item = Result<T, watcher::Error>> + Send>>
+where
+    T: Send + 'static,
+{
     let stream = watch.filter_map(move |result| {
         futures::future::ready(match result {
             Ok(object) => Some(Ok(object)),
             Err(error) => {
-                tracing::warn!(cluster = %side, kind = %K::kind(&()), %error, "watching; retrying with backoff");
+                tracing::warn!(cluster = %side, %kind, %error, "watching; retrying with backoff");
                 None
             }
         })

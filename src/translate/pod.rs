@@ -341,6 +341,13 @@ pub struct StatusDigest {
     conditions: Box<[(u64, u64)]>,
 }
 
+impl StatusDigest {
+    /// The heap bytes it holds.
+    pub fn heap_bytes(&self) -> usize {
+        std::mem::size_of_val(&*self.conditions)
+    }
+}
+
 fn hash_of<T: std::hash::Hash + ?Sized>(value: &T) -> u64 {
     use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
     BuildHasherDefault::<DefaultHasher>::default().hash_one(value)

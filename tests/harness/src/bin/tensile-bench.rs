@@ -629,6 +629,32 @@ fn pod_writes(metrics: &BTreeMap<String, f64>) -> f64 {
     .sum()
 }
 
+/// `tensile_memory_bytes` by owner, in MiB, and what of the anonymous resident memory
+/// none of them holds (HTTP connections, the runtime, the allocator's free lists). An
+/// error if virtual-node exports no such series.
+fn heap_by_owner(metrics: &BTreeMap<String, f64>, anonymous: f64) -> Result<String> {
+    let prefix = "tensile_memory_bytes{owner=\"";
+    let owners: Vec<(&str, f64)> = metrics
+        .iter()
+        .filter_map(|(series, bytes)| {
+            let owner = series.strip_prefix(prefix)?.strip_suffix("\"}")?;
+            Some((owner, *bytes))
+        })
+        .collect();
+    anyhow::ensure!(
+        !owners.is_empty(),
+        "virtual-node exports no tensile_memory_bytes"
+    );
+    let mib = |bytes: f64| bytes / 1048576.0;
+    let held: f64 = owners.iter().map(|(_, bytes)| bytes).sum();
+    let mut parts: Vec<String> = owners
+        .iter()
+        .map(|(owner, bytes)| format!("{owner} {:.1}", mib(*bytes)))
+        .collect();
+    parts.push(format!("/ rest {:.1} MiB", mib(anonymous - held)));
+    Ok(parts.join(", "))
+}
+
 fn requests_by_verb(
     metrics: &BTreeMap<String, f64>,
     base: &BTreeMap<String, f64>,
@@ -987,6 +1013,11 @@ async fn run(args: Args) -> Result<()> {
                     anonymous as f64 / 1048576.0,
                     file_backed as f64 / 1048576.0
                 ),
+            );
+            report.row(
+                &label,
+                "heap by owner (tensile_memory_bytes) / rest of anonymous",
+                heap_by_owner(&metrics, anonymous as f64)?,
             );
             report.row(
                 &label,
