@@ -17,12 +17,12 @@ COPY . .
 # of the cached target because it is not part of the image layer.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked \
+    cargo build --profile dist --locked \
       --bin virtual-node --bin tensile-descheduler \
       --bin tensile-webhook --bin tensile-scheduler-extender \
  && mkdir /out \
- && cp target/release/virtual-node target/release/tensile-descheduler \
-       target/release/tensile-webhook target/release/tensile-scheduler-extender /out/
+ && cp target/dist/virtual-node target/dist/tensile-descheduler \
+       target/dist/tensile-webhook target/dist/tensile-scheduler-extender /out/
 
 FROM gcr.io/distroless/cc-debian12:nonroot AS virtual-node
 COPY --from=build /out/virtual-node /usr/local/bin/virtual-node

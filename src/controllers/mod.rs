@@ -1,5 +1,7 @@
-//! Controllers: one file per kind. They read from reflector stores and call the API only
-//! to change something; translation is delegated to the pure `translate` module.
+//! Controllers: one file per kind. They read from stores (kube-runtime's reflector
+//! stores; for pods, tensile's own, [`pod_store`], on a work queue of its own, [`queue`])
+//! and call the API only to change something; translation is delegated to the pure
+//! `translate` module.
 
 pub mod adopt;
 pub mod config;

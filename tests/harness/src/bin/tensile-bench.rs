@@ -998,7 +998,7 @@ async fn run(args: Args) -> Result<()> {
             let label = format!("footprint at {size} pods");
             report.row(
                 &label,
-                "resident / peak memory (target < 100 MiB at 10000)",
+                "resident / peak memory (target < 64 MiB at 10000)",
                 format!(
                     "{:.1} MiB / {:.1} MiB",
                     rss as f64 / 1048576.0,
