@@ -133,13 +133,15 @@ impl<K: Clone + Eq + Hash> WorkQueue<K> {
     }
 
     /// Keys waiting or being reconciled.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         let state = self.state();
         state.waiting.len() + state.running.len()
     }
 
     /// Whether no key is waiting or being reconciled.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.len() == 0
     }
 

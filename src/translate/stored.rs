@@ -92,8 +92,6 @@ pub struct StoredMeta {
     pub name: Box<str>,
     /// `metadata.uid`.
     pub uid: Option<Box<str>>,
-    /// `metadata.generation`.
-    pub generation: Option<i64>,
     /// `metadata.deletionTimestamp`.
     pub deletion_timestamp: Option<Time>,
     /// `metadata.deletionGracePeriodSeconds`.
@@ -107,7 +105,6 @@ impl StoredMeta {
             namespace: metadata.namespace.unwrap_or_default().into_boxed_str(),
             name: metadata.name.unwrap_or_default().into_boxed_str(),
             uid: metadata.uid.map(String::into_boxed_str),
-            generation: metadata.generation,
             deletion_timestamp: metadata.deletion_timestamp,
             deletion_grace_period_seconds: metadata.deletion_grace_period_seconds,
         }
@@ -358,7 +355,6 @@ impl StoredPod {
                 namespace: Some(meta.namespace.to_string()),
                 name: Some(meta.name.to_string()),
                 uid: meta.uid.as_deref().map(str::to_owned),
-                generation: meta.generation,
                 deletion_timestamp: meta.deletion_timestamp.clone(),
                 deletion_grace_period_seconds: meta.deletion_grace_period_seconds,
                 labels: self.labels.to_map(),
