@@ -27,6 +27,13 @@ use tracing::{error, info, warn};
 /// The lower capacity as last computed; `None` until the lower watches have listed.
 type Capacity = Option<BTreeMap<String, Quantity>>;
 
+/// jemalloc, not glibc's malloc: glibc gives each busy thread its own arena and keeps
+/// what a burst freed in each. With 16 tokio workers (a 16-core box's default) virtual-node
+/// held 100 MiB at 10 000 pods under glibc and 63 MiB under jemalloc (`tensile-bench`,
+/// docs/benchmarks.md); mimalloc held 86 MiB with 2 workers.
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[tokio::main]
 async fn main() -> ExitCode {
     let argv: Vec<_> = std::env::args_os().collect();

@@ -2,8 +2,8 @@
 //! pod stores, which may keep only what the pod controller needs. Imports nothing from the
 //! controllers: the shared `Context` holds it.
 
-use std::collections::{BTreeSet, HashMap};
-use std::sync::Mutex;
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
@@ -13,26 +13,46 @@ use crate::translate::config::{Reference, referenced};
 /// What each pod references, by pod `namespace/name`: recorded from the full pod when its
 /// dependencies are ensured (and from lower pods listed when unknown, e.g. after a
 /// restart), because the pod stores may keep only what the pod controller needs.
-/// A pod's references cannot change (volumes and env are immutable). Each pod's are kept
-/// as a slice of their exact size (a `BTreeSet` node reserves room for eleven).
+/// A pod's references cannot change (volumes and env are immutable). The pods of a
+/// namespace mostly reference the same few objects, so equal lists are kept once.
 #[derive(Default)]
-pub struct References(Mutex<ByPod>);
+pub struct References(Mutex<ByNamespace>);
 
-/// Each pod's references, by pod `(namespace, name)`.
-type ByPod = HashMap<(String, String), Box<[Reference]>>;
+/// Each namespace's pods and their references.
+type ByNamespace = HashMap<String, Namespace>;
+
+/// The pods of one namespace and their references.
+#[derive(Default)]
+struct Namespace {
+    /// Each pod's references, by pod name.
+    pods: HashMap<Box<str>, Arc<[Reference]>>,
+    /// The distinct lists `pods` holds, each once.
+    lists: HashSet<Arc<[Reference]>>,
+}
 
 impl References {
     /// Records what `pod` (a full pod) references.
     pub(crate) fn record(&self, pod: &Pod, with_service_account: bool) {
-        let (Some(namespace), Some(name)) = (pod.namespace(), pod.metadata.name.clone()) else {
+        let (Some(namespace), Some(name)) = (pod.namespace(), pod.metadata.name.as_deref()) else {
             return;
         };
-        let found = referenced(std::iter::once(pod), with_service_account);
-        self.lock()
-            .insert((namespace, name), found.into_iter().collect());
+        let found: Vec<Reference> = referenced(std::iter::once(pod), with_service_account)
+            .into_iter()
+            .collect();
+        let mut map = self.lock();
+        let pods = map.entry(namespace).or_default();
+        let list = match pods.lists.get(found.as_slice()) {
+            Some(list) => list.clone(),
+            None => {
+                let list: Arc<[Reference]> = found.into();
+                pods.lists.insert(list.clone());
+                list
+            }
+        };
+        pods.pods.insert(name.into(), list);
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, ByPod> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, ByNamespace> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -46,17 +66,29 @@ impl References {
         is_present: impl Fn(&str, &str) -> bool,
     ) -> (BTreeSet<Reference>, BTreeSet<String>) {
         let mut map = self.lock();
-        map.retain(|(namespace, name), _| is_present(namespace, name));
-        let present = map.len();
-        if map.capacity() > 1024 && map.capacity() > 4 * present {
-            // Hand back what pods gone since left.
-            map.shrink_to(2 * present);
-        }
-        let known = map.values().flatten().cloned().collect();
+        map.retain(|namespace, known| {
+            known.pods.retain(|name, _| is_present(namespace, name));
+            // Held only by the set: no present pod has this list any more.
+            known.lists.retain(|list| Arc::strong_count(list) > 1);
+            let present = known.pods.len();
+            if known.pods.capacity() > 1024 && known.pods.capacity() > 4 * present {
+                // Hand back what pods gone since left.
+                known.pods.shrink_to(2 * present);
+            }
+            present > 0
+        });
+        let known = map
+            .values()
+            .flat_map(|known| known.lists.iter())
+            .flat_map(|list| list.iter())
+            .cloned()
+            .collect();
         let mut unknown = BTreeSet::new();
         for (namespace, name) in pods {
             if !unknown.contains(namespace)
-                && !map.contains_key(&(namespace.to_owned(), name.to_owned()))
+                && !map
+                    .get(namespace)
+                    .is_some_and(|known| known.pods.contains_key(name))
             {
                 unknown.insert(namespace.to_owned());
             }
@@ -110,5 +142,39 @@ mod tests {
         );
         assert_eq!(known.len(), 1);
         assert!(known.iter().all(|(_, _, name)| name == "settings"));
+    }
+
+    #[test]
+    fn equal_lists_are_kept_once_and_dropped_with_their_pods() {
+        let references = References::default();
+        for name in ["p1", "p2", "p3"] {
+            references.record(&pod("a", name, "settings"), true);
+        }
+        references.record(&pod("a", "p4", "other"), true);
+        let lists = |references: &References| -> Vec<usize> {
+            let map = references.lock();
+            let known = &map["a"];
+            let mut counts: Vec<usize> = known.lists.iter().map(Arc::strong_count).collect();
+            counts.sort_unstable();
+            counts
+        };
+        assert_eq!(
+            lists(&references),
+            [2, 4],
+            "one list for p1..p3, one for p4"
+        );
+        let present = [("a", "p1"), ("a", "p2")];
+        let (known, unknown) = references.resolve(present.iter().copied(), |ns, name| {
+            present.contains(&(ns, name))
+        });
+        assert_eq!(lists(&references), [3], "p4's list went with p4");
+        assert!(unknown.is_empty());
+        assert!(known.iter().all(|(_, _, name)| name == "settings"));
+        let (known, _) = references.resolve(std::iter::empty(), |_, _| false);
+        assert!(known.is_empty());
+        assert!(
+            references.lock().is_empty(),
+            "no pods left, no namespace kept"
+        );
     }
 }

@@ -4,6 +4,7 @@ pub mod config;
 pub mod deps;
 pub mod events;
 pub mod meta;
+pub mod packed_status;
 pub mod pod;
 pub mod scheduling;
 pub mod service;

@@ -3,8 +3,8 @@
 //! controllers compare only identity, marks, container names and images, ephemeral
 //! container names, tolerations, activeDeadlineSeconds, nodeName and status. Watch events
 //! are converted on arrival, so ten thousand mirrored pods fit in a small footprint; a
-//! reconcile rebuilds a `Pod` view. A lower pod's status is kept as its JSON (status
-//! reflection writes it up), an upper pod's as a short summary and a digest of what status
+//! reconcile rebuilds a `Pod` view. A lower pod's status is kept whole, packed
+//! ([`PackedStatus`]: status reflection writes it up), an upper pod's as a short summary and a digest of what status
 //! reflection compares. The compared part of the spec is kept as its JSON, which pods of
 //! one workload share ([`SharedSpecs`]). Labels and annotations are kept as [`Pairs`], one
 //! buffer each instead of a `BTreeMap` (whose smallest node reserves room for eleven
@@ -19,6 +19,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time};
 
 use super::meta::{Claim, Owner, UPPER_UID_ANNOTATION};
+use super::packed_status::PackedStatus;
 use super::pod::{StatusDigest, digest_in_sync, status_digest, status_in_sync, status_summary};
 
 /// A string map of a few entries in one allocation: each key and value as its length in
@@ -133,9 +134,9 @@ pub struct StoredPod {
     /// ones, which a [`SharedSpecs`] keeps once: three tolerations alone are 300 bytes a
     /// pod.
     spec: Option<Arc<[u8]>>,
-    /// `status`, as JSON; only its [`status_summary`] for a pod stored
+    /// `status`, packed; only its [`status_summary`] for a pod stored
     /// [`StoredPod::summarized`].
-    status: Option<Box<[u8]>>,
+    status: Option<PackedStatus>,
     /// What [`status_in_sync`] compares of the status, for a pod stored
     /// [`StoredPod::summarized`].
     status_digest: Option<StatusDigest>,
@@ -249,7 +250,7 @@ impl StoredPod {
                 .as_ref()
                 .and_then(json)
                 .map(|json| shared.share(json.into_vec())),
-            status: status.as_ref().and_then(json),
+            status: status.as_ref().and_then(PackedStatus::new),
             status_digest: None,
         }
     }
@@ -261,7 +262,11 @@ impl StoredPod {
         let status = pod.status.take();
         let mut stored = Self::new(pod, shared);
         stored.status_digest = Some(status_digest(status.as_ref()));
-        stored.status = status.as_ref().map(status_summary).as_ref().and_then(json);
+        stored.status = status
+            .as_ref()
+            .map(status_summary)
+            .as_ref()
+            .and_then(PackedStatus::new);
         stored
     }
 }
@@ -305,7 +310,7 @@ impl StoredPod {
 
     /// The status (only its [`status_summary`] for a pod stored [`StoredPod::summarized`]).
     pub fn status(&self) -> Option<PodStatus> {
-        parsed(self.status.as_deref())
+        self.status.as_ref().and_then(PackedStatus::status)
     }
 
     /// Whether its status already shows `desired` ([`status_in_sync`]).
@@ -327,7 +332,7 @@ impl StoredPod {
             + meta.uid.as_ref().map_or(0, |uid| uid.len())
             + self.labels.heap_bytes()
             + self.annotations.heap_bytes()
-            + self.status.as_ref().map_or(0, |status| status.len())
+            + self.status.as_ref().map_or(0, PackedStatus::heap_bytes)
             + self
                 .status_digest
                 .as_ref()
@@ -514,7 +519,7 @@ mod tests {
             ["tensile.dev/Mirrored"],
             "only whether it was mirrored; the rest through the digest"
         );
-        let kept = |p: &StoredPod| p.status.as_ref().map_or(0, |s| s.len());
+        let kept = |p: &StoredPod| p.status.as_ref().map_or(0, PackedStatus::heap_bytes);
         assert!(
             kept(&summarized) < kept(&whole),
             "{} bytes of status kept, {} whole",
