@@ -16,6 +16,7 @@ pub mod presence;
 pub mod queue;
 pub mod references;
 pub mod service;
+pub mod shrink;
 pub mod status;
 pub mod stores;
 pub mod volume;

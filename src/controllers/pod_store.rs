@@ -12,7 +12,11 @@ use std::sync::{Arc, PoisonError, RwLock};
 use hashbrown::HashTable;
 use kube::runtime::watcher;
 
+use super::shrink::shrunk_capacity;
 use crate::translate::stored::StoredPod;
+
+/// Below this many slots a table is never shrunk: not worth rebuilding.
+const KEEP: usize = 1024;
 
 /// Pods by namespace and name; clones share the table.
 #[derive(Clone, Default)]
@@ -36,6 +40,11 @@ impl Table {
         self.hasher.hash_one((namespace, name))
     }
 
+    /// How the table rehashes a pod it holds (when it grows or shrinks).
+    fn rehash(hasher: &RandomState) -> impl Fn(&Arc<StoredPod>) -> u64 + '_ {
+        |pod| hasher.hash_one(key(pod))
+    }
+
     fn get(&self, namespace: &str, name: &str) -> Option<&Arc<StoredPod>> {
         let hash = self.hash(namespace, name);
         self.pods.find(hash, |p| key(p) == (namespace, name))
@@ -44,14 +53,10 @@ impl Table {
     fn insert(&mut self, pod: Arc<StoredPod>) {
         let (namespace, name) = key(&pod);
         let hash = self.hash(namespace, name);
-        let hasher = &self.hasher;
         match self.pods.entry(
             hash,
             |p| key(p) == (namespace, name),
-            |p| {
-                let (namespace, name) = key(p);
-                hasher.hash_one((namespace, name))
-            },
+            Self::rehash(&self.hasher),
         ) {
             hashbrown::hash_table::Entry::Occupied(mut entry) => *entry.get_mut() = pod,
             hashbrown::hash_table::Entry::Vacant(entry) => {
@@ -65,13 +70,9 @@ impl Table {
         if let Ok(entry) = self.pods.find_entry(hash, |p| key(p) == (namespace, name)) {
             entry.remove();
         }
-        // Hand back what a mass deletion left: a table four times larger than its pods.
-        if self.pods.capacity() > 1024 && self.pods.capacity() > 4 * self.pods.len() {
-            let hasher = &self.hasher;
-            self.pods.shrink_to(2 * self.pods.len(), |p| {
-                let (namespace, name) = key(p);
-                hasher.hash_one((namespace, name))
-            });
+        // Hand back what a mass deletion left.
+        if let Some(to) = shrunk_capacity(self.pods.capacity(), self.pods.len(), KEEP) {
+            self.pods.shrink_to(to, Self::rehash(&self.hasher));
         }
     }
 }

@@ -14,6 +14,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
+use super::shrink::shrunk_capacity;
 use crate::metrics::Metrics;
 
 /// Below this many slots a drained queue keeps its tables: not worth handing back.
@@ -184,17 +185,14 @@ impl<K: Clone + Eq + Hash> WorkQueue<K> {
 impl<K: Eq + Hash> State<K> {
     /// Hands back what a drained burst left: a table four times larger than what it holds.
     fn shrink(&mut self) {
-        fn oversized(capacity: usize, len: usize) -> bool {
-            capacity > KEEP && capacity > 4 * len
+        if let Some(to) = shrunk_capacity(self.order.capacity(), self.order.len(), KEEP) {
+            self.order.shrink_to(to);
         }
-        if oversized(self.order.capacity(), self.order.len()) {
-            self.order.shrink_to(2 * self.order.len());
+        if let Some(to) = shrunk_capacity(self.waiting.capacity(), self.waiting.len(), KEEP) {
+            self.waiting.shrink_to(to);
         }
-        if oversized(self.waiting.capacity(), self.waiting.len()) {
-            self.waiting.shrink_to(2 * self.waiting.len());
-        }
-        if oversized(self.running.capacity(), self.running.len()) {
-            self.running.shrink_to(2 * self.running.len());
+        if let Some(to) = shrunk_capacity(self.running.capacity(), self.running.len(), KEEP) {
+            self.running.shrink_to(to);
         }
     }
 }

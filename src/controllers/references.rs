@@ -1,6 +1,6 @@
 //! What each pod of this node references (ConfigMaps, Secrets, …), kept apart from the
 //! pod stores, which may keep only what the pod controller needs. Imports nothing from the
-//! controllers: the shared `Context` holds it.
+//! controllers but the [`super::shrink`] rule: the shared `Context` holds it.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -8,7 +8,11 @@ use std::sync::{Arc, Mutex};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 
+use super::shrink::shrunk_capacity;
 use crate::translate::config::{Reference, referenced};
+
+/// Below this many slots a namespace's table is never shrunk: not worth rebuilding.
+const KEEP: usize = 1024;
 
 /// What each pod references, by pod `namespace/name`: recorded from the full pod when its
 /// dependencies are ensured (and from lower pods listed when unknown, e.g. after a
@@ -70,12 +74,11 @@ impl References {
             known.pods.retain(|name, _| is_present(namespace, name));
             // Held only by the set: no present pod has this list any more.
             known.lists.retain(|list| Arc::strong_count(list) > 1);
-            let present = known.pods.len();
-            if known.pods.capacity() > 1024 && known.pods.capacity() > 4 * present {
-                // Hand back what pods gone since left.
-                known.pods.shrink_to(2 * present);
+            // Hand back what pods gone since left.
+            if let Some(to) = shrunk_capacity(known.pods.capacity(), known.pods.len(), KEEP) {
+                known.pods.shrink_to(to);
             }
-            present > 0
+            !known.pods.is_empty()
         });
         let known = map
             .values()
