@@ -6,15 +6,18 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 
 use common::{TIMEOUT, gc_rounds, metric, start_node, start_node_with, wait_running};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
-use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
-use tensile::translate::meta::{OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL, UPPER_UID_ANNOTATION};
+use tensile::node::capacity::PodFeed;
+use tensile::translate::meta::{
+    OWNER_NODE_LABEL, Owner, UPPER_CLUSTER_LABEL, UPPER_UID_ANNOTATION,
+};
 use tensile_harness::fixtures::bound_pod;
 use tensile_harness::{ClusterOptions, ClusterPair, TestNamespace, VirtualNodeOptions, wait_for};
 
@@ -222,5 +225,77 @@ async fn an_upgrade_adopts_node_marked_objects_and_leaves_another_clusters_alone
         .await
         .unwrap();
     drop(vn);
+    ns.delete().await.unwrap();
+}
+
+/// The capacity's two pod watches, as the lower API server evaluates their selectors:
+/// together every pod that is not the owner's, each pod in exactly the feed that
+/// `PodFeed::of` names. No virtual node of this name runs, so nothing collects the pods.
+#[tokio::test]
+async fn the_capacity_pod_feeds_select_every_pod_not_ours_once() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let lower = pair.lower.client().await.unwrap();
+    let ns = TestNamespace::create(&lower, "feeds").await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(lower.clone(), &ns.name);
+    let owner = Owner::new("vk-feeds", "cluster-a");
+    let marks: [(&str, &[(&str, &str)]); 6] = [
+        ("nobodys", &[]),
+        ("unrelated", &[("app", "x")]),
+        (
+            "other-node",
+            &[
+                (OWNER_NODE_LABEL, "vk-other"),
+                (UPPER_CLUSTER_LABEL, "cluster-a"),
+            ],
+        ),
+        ("unclaimed", &[(OWNER_NODE_LABEL, "vk-feeds")]),
+        (
+            "foreign",
+            &[
+                (OWNER_NODE_LABEL, "vk-feeds"),
+                (UPPER_CLUSTER_LABEL, "cluster-b"),
+            ],
+        ),
+        (
+            "ours",
+            &[
+                (OWNER_NODE_LABEL, "vk-feeds"),
+                (UPPER_CLUSTER_LABEL, "cluster-a"),
+            ],
+        ),
+    ];
+    let mut want: BTreeMap<Option<usize>, BTreeSet<String>> = BTreeMap::new();
+    for (name, labels) in marks {
+        let mut p = bound_pod(name, "lower-node-0");
+        let labels: BTreeMap<String, String> = labels
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        let feed = PodFeed::of(&owner, Some(&labels)).map(PodFeed::index);
+        want.entry(feed).or_default().insert(name.to_owned());
+        p.metadata.labels = Some(labels);
+        pods.create(&PostParams::default(), &p).await.unwrap();
+    }
+    assert_eq!(
+        want.get(&None).map(BTreeSet::len),
+        Some(1),
+        "only one pod is ours"
+    );
+    for feed in PodFeed::ALL {
+        let selector = feed.selector(&owner);
+        let listed: BTreeSet<String> = pods
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter_map(|p| p.metadata.name)
+            .collect();
+        assert_eq!(
+            Some(&listed),
+            want.get(&Some(feed.index())),
+            "{feed:?} selects {selector}"
+        );
+    }
     ns.delete().await.unwrap();
 }

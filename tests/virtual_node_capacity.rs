@@ -10,6 +10,9 @@ use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::json;
+use std::collections::BTreeMap;
+
+use tensile::translate::meta::{OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL};
 use tensile_harness::fixtures::pod;
 use tensile_harness::{ClusterPair, TestNamespace, wait_for};
 
@@ -119,6 +122,24 @@ async fn node_is_ready_with_tensile_kube_labels_taint_and_the_lower_capacity() {
             .await
             .unwrap();
     }
+    wait_capacity(&nodes, "vk-cap", full).await;
+
+    // A pod of another upper cluster's node of the same name takes room too (it comes
+    // through the capacity's second pod watch); the orphan collection leaves it alone.
+    let mut foreign = lower_pod("foreign", "2");
+    foreign.metadata.labels = Some(BTreeMap::from([
+        (OWNER_NODE_LABEL.to_owned(), "vk-cap".to_owned()),
+        (UPPER_CLUSTER_LABEL.to_owned(), "another-cluster".to_owned()),
+    ]));
+    lower_pods
+        .create(&PostParams::default(), &foreign)
+        .await
+        .unwrap();
+    wait_capacity(&nodes, "vk-cap", ("22", "102005473280", "329")).await;
+    lower_pods
+        .delete("foreign", &DeleteParams::default())
+        .await
+        .unwrap();
     wait_capacity(&nodes, "vk-cap", full).await;
 
     // A lower node joins, is cordoned, leaves: the offer follows.

@@ -17,7 +17,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use super::quantity::format_milli;
 pub use super::resources::{Resources, node_usable, pod_requests};
 use super::resources::{add, phase_is_terminal, pod_footprint, subtract, to_resources};
-use crate::translate::meta::Owner;
+use crate::translate::meta::{Claim, OWNER_NODE_LABEL, Owner, UPPER_CLUSTER_LABEL};
 
 /// What a lower node offers, as last seen.
 #[derive(Clone, Debug, PartialEq)]
@@ -79,20 +79,64 @@ impl Relist {
     }
 }
 
+/// One of the two label-selected watches whose union is every lower pod that is not
+/// ours: the capacity never lists or decodes this node's own pods, which at scale are
+/// nearly all of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PodFeed {
+    /// Pods without this node's mark: other nodes', and nobody's.
+    OtherNodes,
+    /// Pods with this node's mark and not this upper cluster's (another upper cluster's
+    /// node of the same name, or made before cluster marks).
+    OtherClusters,
+}
+
+impl PodFeed {
+    pub const ALL: [PodFeed; 2] = [PodFeed::OtherNodes, PodFeed::OtherClusters];
+
+    /// The label selector of this feed's pods, to `owner`.
+    pub fn selector(self, owner: &Owner) -> String {
+        match self {
+            PodFeed::OtherNodes => format!("{OWNER_NODE_LABEL}!={}", owner.node),
+            PodFeed::OtherClusters => format!(
+                "{OWNER_NODE_LABEL}={},{UPPER_CLUSTER_LABEL}!={}",
+                owner.node, owner.cluster
+            ),
+        }
+    }
+
+    /// The feed that sees a pod with these labels, `None` for `owner`'s own: what
+    /// [`PodFeed::selector`] selects, evaluated here.
+    pub fn of(owner: &Owner, labels: Option<&BTreeMap<String, String>>) -> Option<PodFeed> {
+        match owner.claim_labels(labels) {
+            Claim::NotOurs => Some(PodFeed::OtherNodes),
+            Claim::Unclaimed | Claim::Foreign => Some(PodFeed::OtherClusters),
+            Claim::Ours => None,
+        }
+    }
+
+    /// Its place in [`PodFeed::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
 /// The lower cluster's nodes and the pods that take their room.
 #[derive(Clone, Debug)]
 pub struct LowerCapacity {
     owner: Owner,
     nodes: HashMap<String, NodeRoom>,
-    /// Only pods that take room: bound, not terminal, not ours. Key `namespace/name`;
-    /// beside each, the relist generation in which it was last seen.
-    pods: HashMap<String, (PodUsage, u64)>,
+    /// Per feed, only pods that take room: bound, not terminal, not ours. Key
+    /// `namespace/name`; beside each, its feed's relist generation in which it was last
+    /// seen. Each feed's map is what its watch holds, so a pod whose labels move it from
+    /// one feed to the other is dropped by the one and added by the other, in either order.
+    pods: [HashMap<String, (PodUsage, u64)>; PodFeed::ALL.len()],
     /// Allocatable summed over usable nodes.
     allocatable: BTreeMap<String, Listed>,
     /// Footprints summed over the pods bound to usable nodes.
     requested: Resources,
     node_relist: Relist,
-    pod_relist: Relist,
+    pod_relists: [Relist; PodFeed::ALL.len()],
     /// The sums changed since [`LowerCapacity::capacity_if_changed`] last answered.
     changed: bool,
 }
@@ -103,11 +147,11 @@ impl LowerCapacity {
         Self {
             owner: owner.clone(),
             nodes: HashMap::new(),
-            pods: HashMap::new(),
+            pods: Default::default(),
             allocatable: BTreeMap::new(),
             requested: Resources::new(),
             node_relist: Relist::default(),
-            pod_relist: Relist::default(),
+            pod_relists: Default::default(),
             // Even an empty lower cluster has a capacity to publish once.
             changed: true,
         }
@@ -173,57 +217,57 @@ impl LowerCapacity {
         self.relist_nodes_done();
     }
 
-    /// A pod was added or changed.
-    pub fn apply_pod(&mut self, pod: &Pod) {
+    /// A pod was added or changed, as `feed` saw it.
+    pub fn apply_pod(&mut self, feed: PodFeed, pod: &Pod) {
         let key = pod_key(pod);
         let Some(usage) = self.usage(pod) else {
-            self.remove_pod(&key);
+            self.remove_pod(feed, &key);
             return;
         };
-        let generation = self.pod_relist.generation;
-        if let Some((known, seen)) = self.pods.get_mut(&key) {
+        let generation = self.pod_relists[feed.index()].generation;
+        if let Some((known, seen)) = self.pods[feed.index()].get_mut(&key) {
             *seen = generation;
             if *known == usage {
                 return;
             }
         }
-        self.remove_pod(&key);
-        self.insert_pod(key, usage, generation);
+        self.remove_pod(feed, &key);
+        self.insert_pod(feed, key, usage, generation);
     }
 
-    /// A pod was deleted.
-    pub fn delete_pod(&mut self, pod: &Pod) {
-        self.remove_pod(&pod_key(pod));
+    /// A pod was deleted, or left `feed` (its labels changed).
+    pub fn delete_pod(&mut self, feed: PodFeed, pod: &Pod) {
+        self.remove_pod(feed, &pod_key(pod));
     }
 
-    /// A relist of pods begins.
-    pub fn relist_pods_start(&mut self) {
-        self.pod_relist.start();
+    /// A relist of `feed`'s pods begins.
+    pub fn relist_pods_start(&mut self, feed: PodFeed) {
+        self.pod_relists[feed.index()].start();
     }
 
-    /// A relist of pods is complete: pods it did not contain are gone.
-    pub fn relist_pods_done(&mut self) {
-        let Some(generation) = self.pod_relist.finish() else {
+    /// A relist of `feed`'s pods is complete: its pods that the relist did not contain
+    /// are gone.
+    pub fn relist_pods_done(&mut self, feed: PodFeed) {
+        let Some(generation) = self.pod_relists[feed.index()].finish() else {
             return;
         };
-        let gone: Vec<String> = self
-            .pods
+        let gone: Vec<String> = self.pods[feed.index()]
             .iter()
             .filter(|(_, (_, seen))| *seen < generation)
             .map(|(key, _)| key.clone())
             .collect();
         for key in gone {
-            self.remove_pod(&key);
+            self.remove_pod(feed, &key);
         }
     }
 
-    /// The full list of pods at once.
-    pub fn reset_pods<'a>(&mut self, pods: impl IntoIterator<Item = &'a Pod>) {
-        self.relist_pods_start();
+    /// The full list of `feed`'s pods at once.
+    pub fn reset_pods<'a>(&mut self, feed: PodFeed, pods: impl IntoIterator<Item = &'a Pod>) {
+        self.relist_pods_start(feed);
         for pod in pods {
-            self.apply_pod(pod);
+            self.apply_pod(feed, pod);
         }
-        self.relist_pods_done();
+        self.relist_pods_done(feed);
     }
 
     /// What the virtual node offers: per resource, the sum over usable nodes of their
@@ -255,7 +299,7 @@ impl LowerCapacity {
                 add(&mut total, &offer.allocatable);
             }
         }
-        for (pod, _) in self.pods.values() {
+        for (pod, _) in self.pods.iter().flat_map(HashMap::values) {
             if !self.nodes.get(&pod.node).is_some_and(NodeRoom::usable) {
                 continue;
             }
@@ -287,7 +331,7 @@ impl LowerCapacity {
         })
     }
 
-    fn insert_pod(&mut self, key: String, usage: PodUsage, generation: u64) {
+    fn insert_pod(&mut self, feed: PodFeed, key: String, usage: PodUsage, generation: u64) {
         let room = self.nodes.entry(usage.node.clone()).or_default();
         add(&mut room.requested, &usage.requests);
         room.pods += 1;
@@ -295,11 +339,11 @@ impl LowerCapacity {
             add(&mut self.requested, &usage.requests);
             self.changed = true;
         }
-        self.pods.insert(key, (usage, generation));
+        self.pods[feed.index()].insert(key, (usage, generation));
     }
 
-    fn remove_pod(&mut self, key: &str) {
-        let Some((usage, _)) = self.pods.remove(key) else {
+    fn remove_pod(&mut self, feed: PodFeed, key: &str) {
+        let Some((usage, _)) = self.pods[feed.index()].remove(key) else {
             return;
         };
         let Some(room) = self.nodes.get_mut(&usage.node) else {
@@ -383,7 +427,6 @@ fn pod_key(pod: &Pod) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL};
     use k8s_openapi::api::core::v1::PodSpec;
     use proptest::prelude::*;
     use serde_json::json;
@@ -565,7 +608,7 @@ mod tests {
         for case in cases {
             let mut capacity = LowerCapacity::new(&owner("vk"));
             capacity.reset_nodes(&case.nodes);
-            capacity.reset_pods(&case.pods);
+            capacity.reset_pods(PodFeed::OtherNodes, &case.pods);
             assert_eq!(cpu(&capacity), case.cpu, "{}", case.name);
             let oracle = from_scratch("vk", &case.nodes, &case.pods);
             assert_eq!(capacity.capacity(), oracle, "{}", case.name);
@@ -576,8 +619,12 @@ mod tests {
     fn pods_resource_counts_pods_not_ours() {
         let mut capacity = LowerCapacity::new(&owner("vk"));
         capacity.apply_node(&node("n1", "10", true));
-        capacity.apply_pod(&pod("a", "n1", "1", None, "Running"));
-        capacity.apply_pod(&pod("b", "n1", "1", Some("vk"), "Running"));
+        capacity.apply_pod(PodFeed::OtherNodes, &pod("a", "n1", "1", None, "Running"));
+        // Not in either feed's selection; were one to pass it on, it is still not counted.
+        capacity.apply_pod(
+            PodFeed::OtherNodes,
+            &pod("b", "n1", "1", Some("vk"), "Running"),
+        );
         assert_eq!(capacity.capacity()["pods"].0, "109");
         assert_eq!(capacity.capacity()["memory"].0, "34359738368");
     }
@@ -587,12 +634,13 @@ mod tests {
         let mut capacity = LowerCapacity::new(&owner("vk"));
         capacity.apply_node(&node("n1", "10", true));
         let p = pod("p", "n1", "4", None, "Running");
-        capacity.apply_pod(&p);
+        let feed = PodFeed::OtherNodes;
+        capacity.apply_pod(feed, &p);
         assert_eq!(cpu(&capacity), "6");
-        capacity.apply_pod(&pod("p", "n1", "4", None, "Succeeded"));
+        capacity.apply_pod(feed, &pod("p", "n1", "4", None, "Succeeded"));
         assert_eq!(cpu(&capacity), "10");
-        capacity.apply_pod(&p);
-        capacity.delete_pod(&p);
+        capacity.apply_pod(feed, &p);
+        capacity.delete_pod(feed, &p);
         assert_eq!(cpu(&capacity), "10");
         capacity.apply_node(&node("n2", "6", true));
         assert_eq!(cpu(&capacity), "16");
@@ -604,17 +652,20 @@ mod tests {
     fn a_relist_drops_what_it_did_not_contain() {
         let mut capacity = LowerCapacity::new(&owner("vk"));
         capacity.reset_nodes(&[node("n1", "10", true), node("n2", "10", true)]);
-        capacity.reset_pods(&[
-            pod("a", "n1", "1", None, "Running"),
-            pod("b", "n1", "2", None, "Running"),
-        ]);
+        capacity.reset_pods(
+            PodFeed::OtherNodes,
+            &[
+                pod("a", "n1", "1", None, "Running"),
+                pod("b", "n1", "2", None, "Running"),
+            ],
+        );
         assert_eq!(cpu(&capacity), "17");
         capacity.relist_nodes_start();
         capacity.apply_node(&node("n1", "10", true));
         capacity.relist_nodes_done();
-        capacity.relist_pods_start();
-        capacity.apply_pod(&pod("a", "n1", "1", None, "Running"));
-        capacity.relist_pods_done();
+        capacity.relist_pods_start(PodFeed::OtherNodes);
+        capacity.apply_pod(PodFeed::OtherNodes, &pod("a", "n1", "1", None, "Running"));
+        capacity.relist_pods_done(PodFeed::OtherNodes);
         assert_eq!(cpu(&capacity), "9");
     }
 
@@ -686,11 +737,17 @@ mod tests {
         capacity.apply_node(&node("n1", "10", true));
         assert!(capacity.capacity_if_changed().is_some());
         capacity.apply_node(&node("n1", "10", true));
-        capacity.apply_pod(&pod("ours", "n1", "3", Some("vk"), "Running"));
+        capacity.apply_pod(
+            PodFeed::OtherNodes,
+            &pod("ours", "n1", "3", Some("vk"), "Running"),
+        );
         capacity.apply_node(&node("n2", "10", false));
-        capacity.apply_pod(&pod("elsewhere", "n2", "3", None, "Running"));
+        capacity.apply_pod(
+            PodFeed::OtherNodes,
+            &pod("elsewhere", "n2", "3", None, "Running"),
+        );
         assert_eq!(capacity.capacity_if_changed(), None, "nothing usable moved");
-        capacity.apply_pod(&pod("p", "n1", "3", None, "Running"));
+        capacity.apply_pod(PodFeed::OtherNodes, &pod("p", "n1", "3", None, "Running"));
         assert_eq!(
             capacity.capacity_if_changed().map(|c| c["cpu"].0.clone()),
             Some("7".into())
@@ -732,14 +789,21 @@ mod tests {
             node: Option<usize>,
             cpu_milli: u32,
             gpu: bool,
-            owner: Option<&'static str>,
+            owner: Owned,
             phase: &'static str,
+            /// A pod whose labels move it to the other feed: the new feed's event comes
+            /// before the old feed's delete.
+            late_delete: bool,
         },
         DeletePod(usize),
         RelistNodesStart,
         RelistNodesDone,
-        RelistPodsStart,
-        RelistPodsDone,
+        RelistPodsStart(PodFeed),
+        RelistPodsDone(PodFeed),
+    }
+
+    fn feed() -> impl Strategy<Value = PodFeed> {
+        prop_oneof![Just(PodFeed::OtherNodes), Just(PodFeed::OtherClusters)]
     }
 
     fn step() -> impl Strategy<Value = Step> {
@@ -759,27 +823,37 @@ mod tests {
                 proptest::option::weighted(0.9, 0..5usize),
                 0..1500u32,
                 any::<bool>(),
-                prop_oneof![Just(None), Just(Some("vk")), Just(Some("vk-other"))],
+                prop_oneof![
+                    Just(Owned::Nobody),
+                    Just(Owned::By("vk", CLUSTER)),
+                    Just(Owned::By("vk", "another-cluster")),
+                    Just(Owned::Unclaimed("vk")),
+                    Just(Owned::By("vk-other", CLUSTER)),
+                ],
                 prop_oneof![
                     Just("Pending"),
                     Just("Running"),
                     Just("Succeeded"),
                     Just("Failed")
                 ],
+                any::<bool>(),
             )
-                .prop_map(|(pod, node, cpu_milli, gpu, owner, phase)| Step::ApplyPod {
-                    pod,
-                    node,
-                    cpu_milli,
-                    gpu,
-                    owner,
-                    phase,
+                .prop_map(|(pod, node, cpu_milli, gpu, owner, phase, late_delete)| {
+                    Step::ApplyPod {
+                        pod,
+                        node,
+                        cpu_milli,
+                        gpu,
+                        owner,
+                        phase,
+                        late_delete,
+                    }
                 }),
             2 => (0..8usize).prop_map(Step::DeletePod),
             1 => Just(Step::RelistNodesStart),
             1 => Just(Step::RelistNodesDone),
-            1 => Just(Step::RelistPodsStart),
-            1 => Just(Step::RelistPodsDone),
+            1 => feed().prop_map(Step::RelistPodsStart),
+            1 => feed().prop_map(Step::RelistPodsDone),
         ]
     }
 
@@ -805,12 +879,21 @@ mod tests {
         .unwrap()
     }
 
+    /// A lower pod's ownership marks.
+    #[derive(Clone, Copy, Debug)]
+    enum Owned {
+        Nobody,
+        By(&'static str, &'static str),
+        /// A node mark and no cluster mark.
+        Unclaimed(&'static str),
+    }
+
     fn step_pod(
         pod: usize,
         node: Option<usize>,
         cpu_milli: u32,
         gpu: bool,
-        owner: Option<&str>,
+        owner: Owned,
         phase: &str,
     ) -> Pod {
         let mut requests = json!({"cpu": format!("{cpu_milli}m"), "memory": "100Mi"});
@@ -818,10 +901,13 @@ mod tests {
             // Listed by no node: it must not appear in the capacity.
             requests["example.com/gpu"] = json!("1");
         }
-        let labels = owner.map_or(
-            json!({}),
-            |o| json!({OWNER_NODE_LABEL: o, UPPER_CLUSTER_LABEL: CLUSTER}),
-        );
+        let labels = match owner {
+            Owned::Nobody => json!({}),
+            Owned::By(node, cluster) => {
+                json!({OWNER_NODE_LABEL: node, UPPER_CLUSTER_LABEL: cluster})
+            }
+            Owned::Unclaimed(node) => json!({OWNER_NODE_LABEL: node}),
+        };
         serde_json::from_value(json!({
             "metadata": {
                 "name": format!("p{}", pod / 2),
@@ -840,14 +926,14 @@ mod tests {
         .unwrap()
     }
 
-    /// What exists in the lower cluster after the steps so far, as a reflector would
-    /// hold it, with the relists in progress.
+    /// What exists in the lower cluster after the steps so far, as the watches would
+    /// hold it, with the relists in progress: each pod beside the feed that sees it.
     #[derive(Default)]
     struct World {
         nodes: BTreeMap<String, Node>,
-        pods: BTreeMap<String, Pod>,
+        pods: BTreeMap<String, (Option<PodFeed>, Pod)>,
         relisted_nodes: Option<BTreeSet<String>>,
-        relisted_pods: Option<BTreeSet<String>>,
+        relisted_pods: [Option<BTreeSet<String>>; PodFeed::ALL.len()],
     }
 
     impl World {
@@ -880,19 +966,40 @@ mod tests {
                     gpu,
                     owner,
                     phase,
+                    late_delete,
                 } => {
                     let pod = step_pod(pod, node, cpu_milli, gpu, owner, phase);
                     let key = pod_key(&pod);
-                    if let Some(seen) = &mut self.relisted_pods {
-                        seen.insert(key.clone());
+                    let feed = PodFeed::of(&self::owner("vk"), pod.metadata.labels.as_ref());
+                    let left = self
+                        .pods
+                        .get(&key)
+                        .and_then(|(was, _)| *was)
+                        .filter(|was| Some(*was) != feed);
+                    if let Some(was) = left {
+                        if let Some(seen) = &mut self.relisted_pods[was.index()] {
+                            seen.remove(&key);
+                        }
+                        if !late_delete {
+                            capacity.delete_pod(was, &pod);
+                        }
                     }
-                    capacity.apply_pod(&pod);
-                    self.pods.insert(key, pod);
+                    if let Some(feed) = feed {
+                        if let Some(seen) = &mut self.relisted_pods[feed.index()] {
+                            seen.insert(key.clone());
+                        }
+                        capacity.apply_pod(feed, &pod);
+                    }
+                    if let Some(was) = left.filter(|_| late_delete) {
+                        capacity.delete_pod(was, &pod);
+                    }
+                    self.pods.insert(key, (feed, pod));
                 }
                 Step::DeletePod(pod) => {
-                    let pod = step_pod(pod, None, 0, false, None, "Running");
-                    capacity.delete_pod(&pod);
-                    self.pods.remove(&pod_key(&pod));
+                    let key = pod_key(&step_pod(pod, None, 0, false, Owned::Nobody, "Running"));
+                    if let Some((Some(feed), pod)) = self.pods.remove(&key) {
+                        capacity.delete_pod(feed, &pod);
+                    }
                 }
                 Step::RelistNodesStart => {
                     capacity.relist_nodes_start();
@@ -904,14 +1011,15 @@ mod tests {
                         self.nodes.retain(|name, _| seen.contains(name));
                     }
                 }
-                Step::RelistPodsStart => {
-                    capacity.relist_pods_start();
-                    self.relisted_pods = Some(BTreeSet::new());
+                Step::RelistPodsStart(feed) => {
+                    capacity.relist_pods_start(feed);
+                    self.relisted_pods[feed.index()] = Some(BTreeSet::new());
                 }
-                Step::RelistPodsDone => {
-                    capacity.relist_pods_done();
-                    if let Some(seen) = self.relisted_pods.take() {
-                        self.pods.retain(|key, _| seen.contains(key));
+                Step::RelistPodsDone(feed) => {
+                    capacity.relist_pods_done(feed);
+                    if let Some(seen) = self.relisted_pods[feed.index()].take() {
+                        self.pods
+                            .retain(|key, (was, _)| *was != Some(feed) || seen.contains(key));
                     }
                 }
             }
@@ -932,7 +1040,8 @@ mod tests {
             let mut published = capacity.capacity_if_changed();
             for (i, step) in steps.iter().enumerate() {
                 world.apply(step, &mut capacity);
-                let oracle = from_scratch("vk", world.nodes.values(), world.pods.values());
+                let pods = world.pods.values().map(|(_, pod)| pod);
+                let oracle = from_scratch("vk", world.nodes.values(), pods);
                 prop_assert_eq!(&capacity.capacity(), &oracle, "after step {}: {:?}", i, step);
                 prop_assert_eq!(&capacity.capacity_by_walk(), &oracle, "walk, after step {}", i);
                 if let Some(now) = capacity.capacity_if_changed() {

@@ -24,7 +24,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use self::capacity::LowerCapacity;
+use self::capacity::{LowerCapacity, PodFeed};
 use self::spec::{NodeConfig, merge_taints, new_node, node_labels, node_status};
 use crate::translate::meta::Owner;
 
@@ -126,8 +126,9 @@ async fn write_status(
         .map_err(upper_error("writing the status of", &config.name))
 }
 
-/// Folds the lower cluster's node and pod watches into [`LowerCapacity`] and publishes
-/// each new capacity. Returns when `shutdown` fires.
+/// Folds the lower cluster's node watch and its two pod watches (the pods that are not
+/// ours, [`PodFeed`]) into [`LowerCapacity`] and publishes each new capacity. Returns when
+/// `shutdown` fires.
 pub async fn watch_capacity(
     lower: Client,
     owner: Owner,
@@ -135,10 +136,18 @@ pub async fn watch_capacity(
     shutdown: CancellationToken,
 ) {
     let mut capacity = LowerCapacity::new(&owner);
-    let nodes = watcher(Api::<Node>::all(lower.clone())).map_ok(|e| Change::Node(Box::new(e)));
-    let pods = watcher(Api::<Pod>::all(lower)).map_ok(|e| Change::Pod(Box::new(e)));
-    let mut events = std::pin::pin!(futures::stream::select(nodes, pods));
-    let (mut nodes_synced, mut pods_synced) = (false, false);
+    let nodes = watcher(Api::<Node>::all(lower.clone()), watcher::Config::default())
+        .map_ok(|e| Change::Node(Box::new(e)))
+        .boxed();
+    let pods = PodFeed::ALL.map(|feed| {
+        let config = watcher::Config::default().labels(&feed.selector(&owner));
+        watcher(Api::<Pod>::all(lower.clone()), config)
+            .map_ok(move |e| Change::Pod(feed, Box::new(e)))
+            .boxed()
+    });
+    let mut events = futures::stream::select_all(std::iter::once(nodes).chain(pods));
+    let mut nodes_synced = false;
+    let mut pods_synced = [false; PodFeed::ALL.len()];
     loop {
         let event = tokio::select! {
             () = shutdown.cancelled() => return,
@@ -161,19 +170,19 @@ pub async fn watch_capacity(
                     Event::InitDone => capacity.relist_nodes_done(),
                 }
             }
-            Some(Ok(Change::Pod(event))) => {
-                pods_synced |= matches!(*event, Event::InitDone);
+            Some(Ok(Change::Pod(feed, event))) => {
+                pods_synced[feed.index()] |= matches!(*event, Event::InitDone);
                 match *event {
-                    Event::Init => capacity.relist_pods_start(),
-                    Event::InitApply(p) | Event::Apply(p) => capacity.apply_pod(&p),
-                    Event::Delete(p) => capacity.delete_pod(&p),
-                    Event::InitDone => capacity.relist_pods_done(),
+                    Event::Init => capacity.relist_pods_start(feed),
+                    Event::InitApply(p) | Event::Apply(p) => capacity.apply_pod(feed, &p),
+                    Event::Delete(p) => capacity.delete_pod(feed, &p),
+                    Event::InitDone => capacity.relist_pods_done(feed),
                 }
             }
         }
         // Only events that moved the sums produce an output to compare and publish.
         if nodes_synced
-            && pods_synced
+            && pods_synced.iter().all(|synced| *synced)
             && let Some(now) = capacity.capacity_if_changed()
         {
             tx.send_if_modified(|current| {
@@ -189,14 +198,17 @@ pub async fn watch_capacity(
 
 enum Change {
     Node(Box<Event<Node>>),
-    Pod(Box<Event<Pod>>),
+    Pod(PodFeed, Box<Event<Pod>>),
 }
 
-fn watcher<K>(api: Api<K>) -> impl futures::Stream<Item = Result<Event<K>, watcher::Error>> + Send
+fn watcher<K>(
+    api: Api<K>,
+    config: watcher::Config,
+) -> impl futures::Stream<Item = Result<Event<K>, watcher::Error>> + Send
 where
     K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
 {
-    watcher::watcher(api, watcher::Config::default()).default_backoff()
+    watcher::watcher(api, config).default_backoff()
 }
 
 /// Keeps the node alive: renews the Lease every [`LEASE_RENEW`] while the lower API server
