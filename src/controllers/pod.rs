@@ -195,35 +195,55 @@ pub async fn run(
 }
 
 /// Reconciles one upper pod; a failure is reported (Event, metric) and retried with backoff.
+/// A pod last found in step with its lower copy, neither changed since, is passed over.
 async fn reconcile(stored: &StoredPod, pc: &PodContext) -> Result<(), Error> {
     let key = stored.meta.key();
-    let upper = stored.to_pod();
     let span = info_span!("pod", pod = %key);
     async {
         pc.synced.wait().await?;
         let ctx = &pc.ctx;
         ctx.metrics.reconciles.inc();
+        let lower = pc.lower_pods.get(&stored.meta.namespace, &stored.meta.name);
+        if lower
+            .as_deref()
+            .is_some_and(|lower| stored.in_step_with(lower))
+        {
+            return Ok(());
+        }
+        let upper = stored.to_pod();
         let started = Instant::now();
-        let result = reconcile_pod(&upper, pc, &key).await;
+        let result = reconcile_pod(&upper, lower.as_deref(), pc, &key).await;
         ctx.metrics.reconciled("pod", started.elapsed());
         match &result {
-            Ok(_) => ctx.succeeded(&key),
+            Ok(in_step) => {
+                if let Some(lower) = lower.as_deref().filter(|_| *in_step) {
+                    stored.mark_in_step_with(lower);
+                }
+                ctx.succeeded(&key);
+            }
             Err(error) => {
                 ctx.metrics.reconcile_failed(error.metric_label());
                 explain_failure(ctx, &upper, error).await;
             }
         }
-        result
+        result.map(drop)
     }
     .instrument(span)
     .await
 }
 
-async fn reconcile_pod(upper: &Pod, pc: &PodContext, key: &str) -> Result<(), Error> {
+/// Takes the step [`decide`] names for `upper` and its lower copy as stored; whether the
+/// two were in step (a copy to sync, and nothing to write).
+async fn reconcile_pod(
+    upper: &Pod,
+    stored_lower: Option<&StoredPod>,
+    pc: &PodContext,
+    key: &str,
+) -> Result<bool, Error> {
     let ctx = &pc.ctx;
     let name = upper.name_any();
     let namespace = upper.namespace().unwrap_or_default();
-    let lower = pc.lower_pods.get(&namespace, &name).map(|l| l.to_pod());
+    let lower = stored_lower.map(StoredPod::to_pod);
     let lower_api: Api<Pod> = Api::namespaced(ctx.lower.clone(), &namespace);
     let upper_api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &namespace);
     let step = decide(upper, lower.as_ref(), &ctx.owner);
@@ -256,12 +276,13 @@ async fn reconcile_pod(upper: &Pod, pc: &PodContext, key: &str) -> Result<(), Er
         },
         Step::Sync => {
             if let Some(lower) = lower.as_ref() {
-                propagate_update(upper, lower, pc, &lower_api, key).await?;
-                add_ephemeral_containers(upper, lower, ctx, &lower_api, key).await?;
+                let updated = propagate_update(upper, lower, pc, &lower_api, key).await?;
+                let added = add_ephemeral_containers(upper, lower, ctx, &lower_api, key).await?;
+                return Ok(!updated && !added);
             }
         }
     }
-    Ok(())
+    Ok(false)
 }
 
 /// Ends the upper pod whose lower pod is gone, so that its controller replaces it.
@@ -422,21 +443,22 @@ async fn create(
 
 /// Carries an upper pod's changed labels, annotations, images, tolerations or deadline
 /// down to its lower pod (and tensile's marks, should an edit below have removed them),
-/// only while the lower pod of that name is still `lower` (by UID).
+/// only while the lower pod of that name is still `lower` (by UID). Whether there was
+/// anything to carry.
 async fn propagate_update(
     upper: &Pod,
     lower: &Pod,
     pc: &PodContext,
     lower_api: &Api<Pod>,
     key: &str,
-) -> Result<(), Error> {
+) -> Result<bool, Error> {
     let ctx = &pc.ctx;
     let translation = PodTranslation {
         owner: &ctx.owner,
         ignore_labels: &ctx.ignore_labels,
     };
     let Some(patch) = lower_pod_update(upper, lower, &translation)? else {
-        return Ok(());
+        return Ok(false);
     };
     let uid = lower.metadata.uid.as_deref().unwrap_or_default();
     let patch = with_uid_precondition(patch, uid);
@@ -451,11 +473,11 @@ async fn propagate_update(
         Ok(_) => {
             ctx.metrics.lower_updates.inc();
             info!(object = %key, kind = "Pod", cluster = "lower", "propagated an update");
-            Ok(())
+            Ok(true)
         }
         Err(e) if is_replaced(&e) => {
             debug!(object = %key, kind = "Pod", cluster = "lower", "the lower pod was replaced meanwhile");
-            Ok(())
+            Ok(true)
         }
         Err(e) => Err(api_error(Side::Lower, "updating", "Pod", key)(e)),
     }
@@ -465,15 +487,16 @@ async fn propagate_update(
 /// on the virtual node), through the lower pod's ephemeralcontainers subresource, only
 /// while the lower pod of that name is still `lower` (by UID). Which ones it lacks is
 /// known from the stores (by name); the containers themselves are read from the upper pod.
+/// Whether any were missing.
 async fn add_ephemeral_containers(
     stored_upper: &Pod,
     lower: &Pod,
     ctx: &Context,
     lower_api: &Api<Pod>,
     key: &str,
-) -> Result<(), Error> {
+) -> Result<bool, Error> {
     if missing_ephemeral_containers(stored_upper, lower).is_empty() {
-        return Ok(());
+        return Ok(false);
     }
     let name = stored_upper.name_any();
     let upper_api: Api<Pod> = Api::namespaced(
@@ -487,7 +510,7 @@ async fn add_ephemeral_containers(
         .filter(|p| p.metadata.uid == stored_upper.metadata.uid)
     else {
         // Gone or replaced meanwhile: its own watch event brings the next step.
-        return Ok(());
+        return Ok(true);
     };
     let added = missing_ephemeral_containers(&upper, lower);
     let names: Vec<&str> = added.iter().map(|c| c.name.as_str()).collect();
@@ -500,11 +523,11 @@ async fn add_ephemeral_containers(
         Ok(_) => {
             ctx.metrics.lower_updates.inc();
             info!(object = %key, kind = "Pod", cluster = "lower", containers = ?names, "added ephemeral containers");
-            Ok(())
+            Ok(true)
         }
         Err(e) if is_replaced(&e) => {
             debug!(object = %key, kind = "Pod", cluster = "lower", "the lower pod was replaced meanwhile");
-            Ok(())
+            Ok(true)
         }
         Err(e) => Err(api_error(
             Side::Lower,

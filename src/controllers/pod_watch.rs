@@ -25,7 +25,28 @@ use crate::translate::stored::{SharedSpecs, StoredPod};
 
 /// The pods a watch touched, after their store took them in.
 type PodStream =
-    std::pin::Pin<Box<dyn futures::Stream<Item = Result<Arc<StoredPod>, watcher::Error>> + Send>>;
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<Touched, watcher::Error>> + Send>>;
+
+/// A pod a watch touched.
+struct Touched {
+    pod: Arc<StoredPod>,
+    /// It replaced a stored version that differs from it in its status at most
+    /// ([`StoredPod::same_but_status`]).
+    status_only: bool,
+}
+
+/// Whether a touched pod wakes the pod controller. A change of status alone says nothing
+/// to it about a lower pod, and nothing about an upper pod whose lower copy exists: its
+/// [`super::pod::decide`] reads the upper status only without one. Most watch events are
+/// such changes (a lower pod going Running, Ready; their reflection up), and the periodic
+/// resync still visits every pod.
+fn wakes_pod_controller(side: Side, status_only: bool, lower_copy: impl FnOnce() -> bool) -> bool {
+    !status_only
+        || match side {
+            Side::Lower => false,
+            Side::Upper => !lower_copy(),
+        }
+}
 
 /// How many changed pods may wait for a controller to take them before the watch waits.
 const TRIGGER_BUFFER: usize = 1024;
@@ -110,11 +131,19 @@ fn pod_reflector(
     // Pods are stored compactly: a full pod's spec detail is read only when its lower pod
     // is created, and is most of its memory.
     let mut shared = SharedSpecs::default();
+    let previous = store.clone();
     let touched = watcher::watcher(api, config)
         .default_backoff()
         .map_ok(move |event| {
+            let mut status_only = false;
             let event = match event {
-                watcher::Event::Apply(pod) => watcher::Event::Apply(keep(pod, &mut shared)),
+                watcher::Event::Apply(pod) => {
+                    let pod = keep(pod, &mut shared);
+                    status_only = previous
+                        .get(&pod.meta.namespace, &pod.meta.name)
+                        .is_some_and(|stored| stored.same_but_status(&pod));
+                    watcher::Event::Apply(pod)
+                }
                 watcher::Event::Delete(pod) => watcher::Event::Delete(keep(pod, &mut shared)),
                 watcher::Event::InitApply(pod) => watcher::Event::InitApply(keep(pod, &mut shared)),
                 watcher::Event::Init => watcher::Event::Init,
@@ -125,23 +154,32 @@ fn pod_reflector(
             if listed {
                 listed_tx.send_replace(true);
             }
-            touched
+            touched.map(|pod| Touched { pod, status_only })
         })
         .try_filter_map(|touched| futures::future::ready(Ok(touched)));
     let touched = errors_logged_as(touched, side, "Pod".into());
     (store, touched, Ready::listed(listed_rx))
 }
 
-/// Polls `touched` (which keeps its store current) and hands every changed pod, deletions
-/// included, to each of `to`. A controller that has stopped is skipped; the store is kept
-/// current for the others.
-async fn fan_out(mut touched: PodStream, mut to: [mpsc::Sender<Arc<StoredPod>>; 2]) {
+/// Polls `touched` (which keeps its store current, on `side`) and hands every changed
+/// pod, deletions included, to the status reflector, and to the pod controller those that
+/// [`wakes_pod_controller`] (`lower` is the lower store). A controller that has stopped is
+/// skipped; the store is kept current for the other.
+async fn fan_out(
+    mut touched: PodStream,
+    side: Side,
+    lower: PodStore,
+    mut pods: mpsc::Sender<Arc<StoredPod>>,
+    mut status: mpsc::Sender<Arc<StoredPod>>,
+) {
     // Its errors were logged and left out: every item is a pod.
-    while let Some(Ok(pod)) = touched.next().await {
-        for tx in &mut to {
-            // Fails only once that controller has stopped.
-            let _ = tx.send(pod.clone()).await;
+    while let Some(Ok(Touched { pod, status_only })) = touched.next().await {
+        let lower_copy = || lower.get(&pod.meta.namespace, &pod.meta.name).is_some();
+        // Each send fails only once that controller has stopped.
+        if wakes_pod_controller(side, status_only, lower_copy) {
+            let _ = pods.send(pod.clone()).await;
         }
+        let _ = status.send(pod).await;
     }
 }
 
@@ -179,8 +217,20 @@ pub fn watches(ctx: &Context) -> PodWatches {
     let (status_upper, status_upper_rx) = mpsc::channel(TRIGGER_BUFFER);
     let (status_lower, status_lower_rx) = mpsc::channel(TRIGGER_BUFFER);
     let pump = futures::future::join(
-        fan_out(upper_stream, [pods_upper, status_upper]),
-        fan_out(lower_stream, [pods_lower, status_lower]),
+        fan_out(
+            upper_stream,
+            Side::Upper,
+            lower_store.clone(),
+            pods_upper,
+            status_upper,
+        ),
+        fan_out(
+            lower_stream,
+            Side::Lower,
+            lower_store.clone(),
+            pods_lower,
+            status_lower,
+        ),
     )
     .map(|((), ())| ())
     .boxed();
@@ -272,6 +322,28 @@ mod tests {
 
     /// A standby's triggers never make its watch wait (queues of one, ten changes), and
     /// the new leader is handed every stored pod, then the live changes.
+    #[test]
+    fn a_change_of_status_alone_wakes_the_pod_controller_only_for_an_upper_pod_without_a_lower_copy()
+     {
+        // (side, status only, lower copy exists, wakes)
+        let cases = [
+            (Side::Lower, false, true, true),
+            (Side::Lower, true, true, false),
+            (Side::Lower, true, false, false),
+            (Side::Upper, false, true, true),
+            (Side::Upper, false, false, true),
+            (Side::Upper, true, true, false),
+            (Side::Upper, true, false, true),
+        ];
+        for (side, status_only, lower_copy, want) in cases {
+            assert_eq!(
+                wakes_pod_controller(side, status_only, || lower_copy),
+                want,
+                "{side:?}, status only {status_only}, lower copy {lower_copy}"
+            );
+        }
+    }
+
     #[tokio::test]
     async fn a_standby_drops_changes_then_replays_its_store() {
         let store = PodStore::default();

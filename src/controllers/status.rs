@@ -70,7 +70,7 @@ async fn reconcile(lower: &StoredPod, sc: &StatusContext) -> Result<(), Error> {
 }
 
 /// Writes the status of `lower` onto its upper pod when it says more than the upper
-/// one. `started` (the reconcile's start) stands for when the watch saw the lower change:
+/// one; a pair found in step before, neither changed since, is passed over. `started` (the reconcile's start) stands for when the watch saw the lower change:
 /// the time it waited in the controller's queue is not counted.
 async fn reflect_status(
     lower: &StoredPod,
@@ -82,7 +82,12 @@ async fn reflect_status(
     let Some(stored_upper) = sc.pods.upper.get(&lower.meta.namespace, &lower.meta.name) else {
         return Ok(());
     };
-    let (upper, lower) = (stored_upper.to_pod(), lower.to_pod());
+    // Found in step before, neither copy changed since.
+    if lower.in_step_with(&stored_upper) {
+        return Ok(());
+    }
+    let stored_lower = lower;
+    let (upper, lower) = (stored_upper.to_pod(), stored_lower.to_pod());
     // Only for a pod mirrored by this node and not being deleted: the pod controller
     // owns every other step.
     if decide(&upper, Some(&lower), &ctx.owner) != Step::Sync {
@@ -91,6 +96,7 @@ async fn reflect_status(
     let desired = upper_status(&lower, &upper);
     let informative = lower.status.as_ref().is_some_and(status_is_informative);
     if !informative || stored_upper.status_in_sync(&desired) {
+        stored_lower.mark_in_step_with(&stored_upper);
         return Ok(());
     }
     let api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &upper.namespace().unwrap_or_default());

@@ -12,6 +12,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use k8s_openapi::api::core::v1::{
     Container, EphemeralContainer, ObjectReference, Pod, PodSpec, PodStatus,
@@ -140,6 +141,43 @@ pub struct StoredPod {
     /// What [`status_in_sync`] compares of the status, for a pod stored
     /// [`StoredPod::summarized`].
     status_digest: Option<StatusDigest>,
+    /// Which version it is, and what it was last found in step with.
+    version: Version,
+}
+
+/// Which stored version of a pod a [`StoredPod`] is (unique in the process, never
+/// reused: a clone is a version of its own), and the version of its copy in the other
+/// cluster that a controller last found it in step with. While neither changes,
+/// reconciling the two again finds the same, so a resync passes over them.
+#[derive(Debug)]
+struct Version {
+    id: u64,
+    /// The other copy's `id`; 0, which no version has, for none.
+    in_step_with: AtomicU64,
+}
+
+static NEXT_VERSION: AtomicU64 = AtomicU64::new(1);
+
+impl Default for Version {
+    fn default() -> Self {
+        Self {
+            id: NEXT_VERSION.fetch_add(1, Ordering::Relaxed),
+            in_step_with: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Clone for Version {
+    fn clone(&self) -> Self {
+        Self::default()
+    }
+}
+
+/// Stored pods compare by what they hold, whichever versions they are.
+impl PartialEq for Version {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 /// `spec` reduced to what [`StoredPod`] keeps.
@@ -252,6 +290,7 @@ impl StoredPod {
                 .map(|json| shared.share(json.into_vec())),
             status: status.as_ref().and_then(PackedStatus::new),
             status_digest: None,
+            version: Version::default(),
         }
     }
 
@@ -288,6 +327,29 @@ fn packed(map: Option<BTreeMap<String, String>>) -> Pairs {
 }
 
 impl StoredPod {
+    /// Whether `other` differs from it in its status at most: in nothing else a
+    /// reconcile reads.
+    pub fn same_but_status(&self, other: &StoredPod) -> bool {
+        self.meta == other.meta
+            && self.labels == other.labels
+            && self.annotations == other.annotations
+            && self.spec == other.spec
+    }
+
+    /// Whether a controller found it in step with `other`, its copy in the other cluster,
+    /// as they are: neither has changed since ([`StoredPod::mark_in_step_with`]).
+    pub fn in_step_with(&self, other: &StoredPod) -> bool {
+        self.version.in_step_with.load(Ordering::Relaxed) == other.version.id
+    }
+
+    /// Records that a reconcile of it and `other` found nothing to do, and would find
+    /// nothing again until either changes.
+    pub fn mark_in_step_with(&self, other: &StoredPod) {
+        self.version
+            .in_step_with
+            .store(other.version.id, Ordering::Relaxed);
+    }
+
     /// The value of label `key`.
     pub fn label(&self, key: &str) -> Option<&str> {
         self.labels.get(key)
@@ -436,6 +498,112 @@ mod tests {
             (Some("ns"), Some("web"), Some("u"))
         );
         assert!(stored.heap_bytes() > size_of::<StoredPod>());
+    }
+
+    #[test]
+    fn a_change_of_status_alone_is_told_from_any_other() {
+        let base: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "web", "namespace": "ns", "uid": "u", "labels": {"app": "web"},
+                         "annotations": {"a": "1"}, "resourceVersion": "1"},
+            "spec": {"nodeName": "vk", "containers": [{"name": "app", "image": "nginx:1"}]},
+            "status": {"phase": "Pending"},
+        }))
+        .unwrap();
+        type Change = fn(&mut Pod);
+        let cases: [(&str, Change, bool); 10] = [
+            ("nothing", |_| {}, true),
+            (
+                "the status",
+                |p| {
+                    p.status = Some(PodStatus {
+                        phase: Some("Running".into()),
+                        pod_ip: Some("10.0.0.1".into()),
+                        ..PodStatus::default()
+                    })
+                },
+                true,
+            ),
+            (
+                "the resource version",
+                |p| p.metadata.resource_version = Some("2".into()),
+                true,
+            ),
+            (
+                "managed fields",
+                |p| p.metadata.managed_fields = Some(vec![Default::default()]),
+                true,
+            ),
+            (
+                "a label",
+                |p| p.metadata.labels = Some([("app".into(), "api".into())].into()),
+                false,
+            ),
+            (
+                "an annotation",
+                |p| p.metadata.annotations = Some([("a".into(), "2".into())].into()),
+                false,
+            ),
+            (
+                "an image",
+                |p| p.spec.as_mut().unwrap().containers[0].image = Some("nginx:2".into()),
+                false,
+            ),
+            (
+                "the deadline",
+                |p| p.spec.as_mut().unwrap().active_deadline_seconds = Some(5),
+                false,
+            ),
+            ("the UID", |p| p.metadata.uid = Some("v".into()), false),
+            (
+                "deletion",
+                |p| p.metadata.deletion_grace_period_seconds = Some(30),
+                false,
+            ),
+        ];
+        let stored = StoredPod::from(base.clone());
+        for (what, change, want) in cases {
+            let mut pod = base.clone();
+            change(&mut pod);
+            assert_eq!(
+                stored.same_but_status(&StoredPod::from(pod)),
+                want,
+                "{what}"
+            );
+        }
+    }
+
+    #[test]
+    fn in_step_holds_for_the_versions_marked_only() {
+        let pod = |name: &str| {
+            StoredPod::from(Pod {
+                metadata: ObjectMeta {
+                    name: Some(name.into()),
+                    namespace: Some("ns".into()),
+                    ..ObjectMeta::default()
+                },
+                ..Pod::default()
+            })
+        };
+        let (upper, lower) = (pod("web"), pod("web"));
+        assert!(!upper.in_step_with(&lower), "nothing marked");
+        upper.mark_in_step_with(&lower);
+        assert!(upper.in_step_with(&lower));
+        assert!(!lower.in_step_with(&upper), "marked one way");
+        let next_lower = pod("web");
+        assert_eq!(next_lower, lower, "equal content");
+        assert!(
+            !upper.in_step_with(&next_lower),
+            "another version of the same pod"
+        );
+        assert!(
+            !upper.in_step_with(&lower.clone()),
+            "a clone is a version of its own"
+        );
+        assert!(
+            !upper.clone().in_step_with(&lower),
+            "a clone's record starts empty"
+        );
+        assert!(!StoredPod::default().in_step_with(&StoredPod::default()));
     }
 
     #[test]

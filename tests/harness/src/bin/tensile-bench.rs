@@ -61,6 +61,11 @@ struct Args {
     /// by default, and the allocator arenas its threads bring.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     runtime_workers: Option<u16>,
+    /// Leave the footprint's pods in place after the restart instead of deleting them
+    /// from both clusters and timing that (the pair is torn down either way): the
+    /// deletion of 50 000 pods takes longer than creating them on a small machine.
+    #[arg(long)]
+    skip_deletion: bool,
 }
 
 const NODE: &str = "vk-bench";
@@ -1093,9 +1098,11 @@ async fn run(args: Args) -> Result<()> {
             "all requests of the restarted process",
             requests_by_verb(&m, &BTreeMap::new(), 1),
         );
-        let deletion = delete_and_wait(&upper, &lower, &ns.name, made).await?;
-        report.row(&label, "then deleted from both clusters", secs(deletion));
-        ns.delete().await?;
+        if !args.skip_deletion {
+            let deletion = delete_and_wait(&upper, &lower, &ns.name, made).await?;
+            report.row(&label, "then deleted from both clusters", secs(deletion));
+            ns.delete().await?;
+        }
     }
     vn.stop()?;
     println!("\n{} figures.", report.rows.len());
