@@ -1060,6 +1060,14 @@ async fn run(args: Args) -> Result<()> {
         }
 
         // Restart: caught up = every mirrored pod reconciled once; writes should be zero.
+        // First let what the last pods set off finish (kwok's stages below, the
+        // controllers' work), so that the restart's figures are its own.
+        let label = format!("restart with {made} pods");
+        report.row(
+            &label,
+            "cluster pair quiet before it (< 0.2 core over 5 s, 120 s at most)",
+            quiet(&pair, &vn).await,
+        );
         vn.stop()?;
         // The stopped process is left out of this sample: the restarted one counts whole.
         let cpu = cpu_by_component(&pair, &vn, "tensile-bench");
@@ -1077,7 +1085,6 @@ async fn run(args: Args) -> Result<()> {
         let profile = cpu_profile(&cpu, &cpu_by_component(&pair, &vn, "tensile-bench"));
         tokio::time::sleep(Duration::from_secs(6)).await; // one orphan-collection round
         let m = scrape(vn.metrics_port).await?;
-        let label = format!("restart with {made} pods");
         report.row(
             &label,
             "caught up (target < 10 s at 10000, < 30 s at 100000)",
@@ -1107,4 +1114,34 @@ async fn run(args: Args) -> Result<()> {
     vn.stop()?;
     println!("\n{} figures.", report.rows.len());
     Ok(())
+}
+
+/// Waits, 120 s at most, until the cluster pair's components (virtual-node and the bench
+/// apart) use under a fifth of a core over 5 s; answers how long that took, and what they
+/// used in the last 5 s.
+async fn quiet(pair: &ClusterPair, vn: &VirtualNode) -> String {
+    const WINDOW: Duration = Duration::from_secs(5);
+    const AT_MOST: Duration = Duration::from_secs(120);
+    let started = Instant::now();
+    loop {
+        let before = cpu_by_component(pair, vn, "tensile-bench");
+        tokio::time::sleep(WINDOW).await;
+        let mut after = cpu_by_component(pair, vn, "tensile-bench");
+        after.retain(|name, _| name != "virtual-node" && name != "tensile-bench");
+        let busy: f64 = after
+            .iter()
+            .map(|(name, s)| s - before.get(name).copied().unwrap_or(*s))
+            .sum();
+        let waited = started.elapsed();
+        if busy < 0.2 * WINDOW.as_secs_f64() {
+            return format!("after {} ({})", secs(waited), cpu_profile(&before, &after));
+        }
+        if waited >= AT_MOST {
+            return format!(
+                "not after {} ({})",
+                secs(waited),
+                cpu_profile(&before, &after)
+            );
+        }
+    }
 }
