@@ -320,11 +320,8 @@ mod tests {
         pod.meta.name.to_string()
     }
 
-    /// A standby's triggers never make its watch wait (queues of one, ten changes), and
-    /// the new leader is handed every stored pod, then the live changes.
     #[test]
-    fn a_change_of_status_alone_wakes_the_pod_controller_only_for_an_upper_pod_without_a_lower_copy()
-     {
+    fn status_alone_wakes_the_pod_controller_for_an_upper_pod_without_a_lower_copy() {
         // (side, status only, lower copy exists, wakes)
         let cases = [
             (Side::Lower, false, true, true),
@@ -344,6 +341,8 @@ mod tests {
         }
     }
 
+    /// A standby's triggers never make its watch wait (queues of one, ten changes), and
+    /// the new leader is handed every stored pod, then the live changes.
     #[tokio::test]
     async fn a_standby_drops_changes_then_replays_its_store() {
         let store = PodStore::default();

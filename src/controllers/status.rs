@@ -70,8 +70,9 @@ async fn reconcile(lower: &StoredPod, sc: &StatusContext) -> Result<(), Error> {
 }
 
 /// Writes the status of `lower` onto its upper pod when it says more than the upper
-/// one; a pair found in step before, neither changed since, is passed over. `started` (the reconcile's start) stands for when the watch saw the lower change:
-/// the time it waited in the controller's queue is not counted.
+/// one; a pair found in step before, neither changed since, is passed over. `started`
+/// (the reconcile's start) stands for when the watch saw the lower change: the time it
+/// waited in the controller's queue is not counted.
 async fn reflect_status(
     lower: &StoredPod,
     sc: &StatusContext,
