@@ -50,7 +50,8 @@ impl Table {
         self.pods.find(hash, |p| key(p) == (namespace, name))
     }
 
-    fn insert(&mut self, pod: Arc<StoredPod>) {
+    /// Stores `pod`; the one of its namespace and name it replaced, if any.
+    fn insert(&mut self, pod: Arc<StoredPod>) -> Option<Arc<StoredPod>> {
         let (namespace, name) = key(&pod);
         let hash = self.hash(namespace, name);
         match self.pods.entry(
@@ -58,9 +59,12 @@ impl Table {
             |p| key(p) == (namespace, name),
             Self::rehash(&self.hasher),
         ) {
-            hashbrown::hash_table::Entry::Occupied(mut entry) => *entry.get_mut() = pod,
+            hashbrown::hash_table::Entry::Occupied(mut entry) => {
+                Some(std::mem::replace(entry.get_mut(), pod))
+            }
             hashbrown::hash_table::Entry::Vacant(entry) => {
                 entry.insert(pod);
+                None
             }
         }
     }
@@ -114,9 +118,10 @@ impl PodStore {
         self.len() == 0
     }
 
-    /// Stores `pod` (in place of an earlier one of its namespace and name).
-    pub fn apply(&self, pod: Arc<StoredPod>) {
-        self.write().insert(pod);
+    /// Stores `pod` in place of an earlier one of its namespace and name, which it
+    /// answers.
+    pub fn apply(&self, pod: Arc<StoredPod>) -> Option<Arc<StoredPod>> {
+        self.write().insert(pod)
     }
 
     /// Forgets `pod`'s namespace and name.
@@ -138,6 +143,14 @@ impl PodStore {
     }
 }
 
+/// A pod a watch event touched, as stored.
+pub struct Touched {
+    pub pod: Arc<StoredPod>,
+    /// It replaced a stored version that differs from it in its status at most
+    /// ([`StoredPod::same_but_status`]).
+    pub status_only: bool,
+}
+
 /// Applies one watch event to a [`PodStore`]; answers the pod the event touched.
 #[derive(Default)]
 pub struct Writer {
@@ -156,16 +169,21 @@ impl Writer {
     }
 
     /// Applies `event`; the pod it touched, if any (a relisted pod is touched when listed).
-    pub fn apply(&mut self, event: watcher::Event<StoredPod>) -> Option<Arc<StoredPod>> {
+    pub fn apply(&mut self, event: watcher::Event<StoredPod>) -> Option<Touched> {
+        let touched = |pod| Touched {
+            pod,
+            status_only: false,
+        };
         match event {
             watcher::Event::Apply(pod) => {
                 let pod = Arc::new(pod);
-                self.store.apply(pod.clone());
-                Some(pod)
+                let replaced = self.store.apply(pod.clone());
+                let status_only = replaced.is_some_and(|old| old.same_but_status(&pod));
+                Some(Touched { pod, status_only })
             }
             watcher::Event::Delete(pod) => {
                 self.store.delete(&pod);
-                Some(Arc::new(pod))
+                Some(touched(Arc::new(pod)))
             }
             watcher::Event::Init => {
                 self.relist = Some(Vec::new());
@@ -175,7 +193,7 @@ impl Writer {
                 let pod = Arc::new(pod);
                 self.store.apply(pod.clone());
                 self.relist.get_or_insert_default().push(pod.clone());
-                Some(pod)
+                Some(touched(pod))
             }
             watcher::Event::InitDone => {
                 self.store.replace(self.relist.take().unwrap_or_default());
@@ -279,7 +297,7 @@ mod tests {
         let stored = store
             .get("a", "new")
             .expect("found while the relist goes on");
-        assert!(Arc::ptr_eq(&stored, &touched.unwrap()));
+        assert!(Arc::ptr_eq(&stored, &touched.unwrap().pod));
         assert!(store.get("a", "old").is_some());
         writer.apply(watcher::Event::InitDone);
         assert!(store.get("a", "old").is_none());
@@ -292,7 +310,16 @@ mod tests {
         let touched = writer
             .apply(watcher::Event::Apply(pod("a", "p", "1")))
             .unwrap();
-        assert!(Arc::ptr_eq(&touched, &store.get("a", "p").unwrap()));
+        assert!(Arc::ptr_eq(&touched.pod, &store.get("a", "p").unwrap()));
+    }
+
+    #[test]
+    fn a_replacement_says_whether_only_the_status_changed() {
+        let mut writer = Writer::new(PodStore::default());
+        let mut apply = |pod: StoredPod| writer.apply(watcher::Event::Apply(pod)).unwrap();
+        assert!(!apply(pod("a", "p", "1")).status_only, "nothing replaced");
+        assert!(apply(pod("a", "p", "1")).status_only, "the same again");
+        assert!(!apply(pod("a", "p", "2")).status_only, "another UID");
     }
 
     #[test]

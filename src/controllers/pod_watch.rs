@@ -17,7 +17,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::Context;
-use super::pod_store::{PodStore, Writer};
+use super::pod_store::{PodStore, Touched, Writer};
 use super::queue::{self, WorkQueue};
 use super::stores::{Ready, errors_logged_as, every};
 use crate::side::Side;
@@ -26,14 +26,6 @@ use crate::translate::stored::{SharedSpecs, StoredPod};
 /// The pods a watch touched, after their store took them in.
 type PodStream =
     std::pin::Pin<Box<dyn futures::Stream<Item = Result<Touched, watcher::Error>> + Send>>;
-
-/// A pod a watch touched.
-struct Touched {
-    pod: Arc<StoredPod>,
-    /// It replaced a stored version that differs from it in its status at most
-    /// ([`StoredPod::same_but_status`]).
-    status_only: bool,
-}
 
 /// Whether a touched pod wakes the pod controller. A change of status alone says nothing
 /// to it about a lower pod, and nothing about an upper pod whose lower copy exists: its
@@ -131,19 +123,11 @@ fn pod_reflector(
     // Pods are stored compactly: a full pod's spec detail is read only when its lower pod
     // is created, and is most of its memory.
     let mut shared = SharedSpecs::default();
-    let previous = store.clone();
     let touched = watcher::watcher(api, config)
         .default_backoff()
         .map_ok(move |event| {
-            let mut status_only = false;
             let event = match event {
-                watcher::Event::Apply(pod) => {
-                    let pod = keep(pod, &mut shared);
-                    status_only = previous
-                        .get(&pod.meta.namespace, &pod.meta.name)
-                        .is_some_and(|stored| stored.same_but_status(&pod));
-                    watcher::Event::Apply(pod)
-                }
+                watcher::Event::Apply(pod) => watcher::Event::Apply(keep(pod, &mut shared)),
                 watcher::Event::Delete(pod) => watcher::Event::Delete(keep(pod, &mut shared)),
                 watcher::Event::InitApply(pod) => watcher::Event::InitApply(keep(pod, &mut shared)),
                 watcher::Event::Init => watcher::Event::Init,
@@ -154,7 +138,7 @@ fn pod_reflector(
             if listed {
                 listed_tx.send_replace(true);
             }
-            touched.map(|pod| Touched { pod, status_only })
+            touched
         })
         .try_filter_map(|touched| futures::future::ready(Ok(touched)));
     let touched = errors_logged_as(touched, side, "Pod".into());
