@@ -14,7 +14,7 @@ use futures::StreamExt;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -230,6 +230,20 @@ async fn events(api: &Api<Event>, reason: &str) -> Vec<Event> {
         .into_iter()
         .filter(|e| e.reason.as_deref() == Some(reason))
         .collect()
+}
+
+/// The value of one series in OpenMetrics text (0 when absent).
+fn counter(metrics: &str, series: &str) -> u64 {
+    metrics
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix(series)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0)
 }
 
 fn big_spec(cpu: &str) -> Value {
@@ -566,7 +580,130 @@ async fn descheduler_moves_what_the_lower_cluster_cannot_place() {
     .await
     .unwrap();
 
-    // Left alone, many rounds later.
+    // A pod whose claim was provisioned behind vk-node: the webhook binds every pod of its
+    // Deployment straight back there, so moving it would only loop. It stays, with one
+    // Event saying why.
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(upper.clone(), &ns.name);
+    let claim: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": {"name": "pinned-data",
+                     "annotations": {"volume.kubernetes.io/selected-node": "vk-node"}},
+        "spec": {"storageClassName": "", "accessModes": ["ReadWriteOnce"],
+                 "resources": {"requests": {"storage": "1Gi"}}},
+    }))
+    .unwrap();
+    claims.create(&PostParams::default(), &claim).await.unwrap();
+    let mut pinned_spec = big_spec("6");
+    pinned_spec["volumes"] =
+        json!([{"name": "data", "persistentVolumeClaim": {"claimName": "pinned-data"}}]);
+    let pinned = with_template_label(deployment("pinned", 1, pinned_spec), "virtual-pod", "true");
+    deployments
+        .create(&PostParams::default(), &pinned)
+        .await
+        .unwrap();
+    let pinned = wait_for("pinned refused below", TIMEOUT, || async {
+        let list = pods
+            .list(&ListParams::default().labels("app=pinned"))
+            .await?
+            .items;
+        Ok(list
+            .into_iter()
+            .find(|p| node_of(p) == Some("vk-node") && refused_below(p)))
+    })
+    .await
+    .unwrap();
+    let pinned_name = pinned.metadata.name.clone().unwrap();
+    let left_alone = wait_for("pinned left alone, or moved", TIMEOUT, || async {
+        let now = pods.get_opt(&pinned_name).await?;
+        let moved = now.as_ref().is_none_or(|p| {
+            p.metadata.uid != pinned.metadata.uid || annotation(p, "unschedulable-node").is_some()
+        });
+        let noticed = events(&event_api, "PinnedByVolume")
+            .await
+            .into_iter()
+            .any(|e| {
+                e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(pinned_name.as_str())
+                    && e.note.as_deref().is_some_and(|n| n.contains("pinned-data"))
+            });
+        Ok((moved || noticed).then_some(!moved))
+    })
+    .await
+    .unwrap();
+    assert!(
+        left_alone,
+        "the pinned pod was moved: it would come back to vk-node"
+    );
+
+    // A bare pod whose replacement's name is held by a pod the descheduler did not make for
+    // it (labelled as a replacement, of an earlier pod of the same name): the original stays.
+    let mut imposter = pod(
+        "imposter-1",
+        json!({"containers": [{"name": "app", "image": "nginx"}]}),
+    );
+    imposter
+        .metadata
+        .labels
+        .get_or_insert_default()
+        .insert("create-by-descheduler".into(), "true".into());
+    pods.create(&PostParams::default(), &imposter)
+        .await
+        .unwrap();
+    let mut original = pod("imposter", big_spec("6"));
+    original.spec.as_mut().unwrap().node_name = Some("vk-node".into());
+    original.spec.as_mut().unwrap().tolerations = Some(vec![
+        serde_json::from_value(tensile_harness::fixtures::virtual_node_toleration()).unwrap(),
+    ]);
+    let original_uid = pods
+        .create(&PostParams::default(), &original)
+        .await
+        .unwrap()
+        .metadata
+        .uid;
+    let kept = wait_for("imposter left alone, or deleted", TIMEOUT, || async {
+        let now = pods.get_opt("imposter").await?;
+        let deleted = now.is_none_or(|p| p.metadata.uid != original_uid);
+        let noticed = events(&event_api, "ReplacementNameTaken")
+            .await
+            .into_iter()
+            .any(|e| {
+                e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("imposter")
+                    && e.note.as_deref().is_some_and(|n| n.contains("imposter-1"))
+            });
+        Ok((deleted || noticed).then_some(!deleted))
+    })
+    .await
+    .unwrap();
+    assert!(
+        kept,
+        "imposter was deleted though imposter-1 is not its replacement"
+    );
+
+    // Left alone, many rounds later; one Event each, not one a round.
+    wait_for("three rounds past both", TIMEOUT, || async {
+        let mut rounds = 0;
+        for replica in [&a, &b] {
+            let (_, metrics) = replica.get("/metrics").await;
+            let skipped = |reason: &str| {
+                counter(
+                    &metrics,
+                    &format!("tensile_descheduler_pods_skipped_total{{reason=\"{reason}\"}}"),
+                )
+            };
+            rounds += skipped("pinned_by_claim").min(skipped("replacement_name_taken"));
+        }
+        Ok((rounds >= 3).then_some(()))
+    })
+    .await
+    .unwrap();
+    for reason in ["PinnedByVolume", "ReplacementNameTaken"] {
+        let noticed = events(&event_api, reason).await;
+        assert_eq!(noticed.len(), 1, "{reason}: {noticed:?}");
+        assert_eq!(noticed[0].series, None, "{reason} repeated: {noticed:?}");
+    }
+    let p = pods.get(&pinned_name).await.unwrap();
+    assert_eq!(p.metadata.uid, pinned.metadata.uid);
+    assert_eq!(annotation(&p, "sigs.k8s.io/deschedule-count"), None);
+    let p = pods.get("imposter").await.unwrap();
+    assert_eq!(p.metadata.uid, original_uid);
     for name in ["quiet", "waiting"] {
         let p = pods.get(name).await.unwrap();
         assert_eq!(
@@ -608,6 +745,8 @@ async fn descheduler_moves_what_the_lower_cluster_cannot_place() {
         "tensile_descheduler_pods_moved_total 8",
         "tensile_descheduler_leader 1",
         "tensile_descheduler_pods_skipped_total{reason=\"not_pending\"}",
+        "tensile_descheduler_pods_skipped_total{reason=\"pinned_by_claim\"}",
+        "tensile_descheduler_pods_skipped_total{reason=\"replacement_name_taken\"}",
     ] {
         assert!(metrics.contains(line), "{line} missing:\n{metrics}");
     }

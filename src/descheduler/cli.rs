@@ -55,12 +55,13 @@ pub struct Args {
     #[arg(long, default_value_t = 0)]
     pub max_pods_to_evict_per_node: usize,
 
-    /// Also move pods with local storage (emptyDir with medium or sizeLimit, hostPath).
+    /// Also move pods with local storage (hostPath, or any emptyDir, as the upstream
+    /// descheduler counts it).
     #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true")]
     pub evict_local_storage_pods: bool,
 
-    /// A pod Pending on a virtual node longer than this is moved (the policy file wins;
-    /// 1s to a year).
+    /// A pod still Pending this long after it was bound to a virtual node, and not placed
+    /// by the lower cluster, is moved (the policy file wins; 1s to a year).
     #[arg(long, value_parser = parse_period, default_value = "180s")]
     pub max_pod_lifetime: Duration,
 

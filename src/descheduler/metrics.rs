@@ -73,10 +73,14 @@ impl Default for Metrics {
         registry.register("errors", "Failed rounds and moves", errors.clone());
         registry.register("leader", "1 while this replica leads", leader.clone());
         // Every reason shows from the start, at zero.
-        for skip in Skip::ALL {
+        for reason in Skip::ALL
+            .iter()
+            .map(|s| s.label())
+            .chain(super::Acted::SKIP_LABELS)
+        {
             skipped
                 .get_or_create(&SkipLabels {
-                    reason: skip.label().into(),
+                    reason: reason.into(),
                 })
                 .get();
         }
@@ -165,6 +169,8 @@ mod tests {
             "tensile_descheduler_pods_moved_total 1",
             "tensile_descheduler_pods_skipped_total{reason=\"too_young\"} 1",
             "tensile_descheduler_pods_skipped_total{reason=\"node_limit\"} 0",
+            "tensile_descheduler_pods_skipped_total{reason=\"placed_below\"} 0",
+            "tensile_descheduler_pods_skipped_total{reason=\"pinned_by_claim\"} 0",
             "tensile_descheduler_errors_total 0",
         ] {
             assert!(text.contains(line), "{line} missing in\n{text}");

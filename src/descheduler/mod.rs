@@ -7,11 +7,11 @@ pub mod cli;
 pub mod metrics;
 pub mod select;
 
-use std::collections::BTreeSet;
-use std::sync::Arc;
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Node, PersistentVolumeClaim, Pod};
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, DeleteParams, EvictParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder};
@@ -23,6 +23,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use self::metrics::Metrics;
 use self::select::{Method, MoveReason, Policy, Verdict};
 use crate::api::{delete_exact, is_status};
+use crate::translate::meta::SELECTED_NODE_ANNOTATION;
 
 /// What a round does.
 #[derive(Clone, Debug)]
@@ -49,6 +50,16 @@ pub enum Error {
         /// The error.
         source: kube::Error,
     },
+    /// Reading a claim a pod mounts failed.
+    #[error("reading claim {claim} of pod {pod} (upper): {source}")]
+    Claim {
+        /// `namespace/name` of the claim.
+        claim: String,
+        /// `namespace/name` of the pod.
+        pod: String,
+        /// The error.
+        source: kube::Error,
+    },
     /// A call about one pod failed.
     #[error("{action} pod {pod} (upper): {source}")]
     Pod {
@@ -70,6 +81,30 @@ enum Acted {
     Changed,
     /// A PodDisruptionBudget refused the eviction (429): next round.
     Disruption,
+    /// A claim it mounts was provisioned on the node: it cannot go anywhere else.
+    Pinned,
+    /// Its replacement's name is held by a pod not made for it.
+    NameTaken,
+}
+
+impl Acted {
+    /// The skipped counter's reason for an outcome that moved nothing.
+    pub(crate) const SKIP_LABELS: [&'static str; 4] = [
+        "changed",
+        "disruption_budget",
+        "pinned_by_claim",
+        "replacement_name_taken",
+    ];
+
+    fn skip_label(&self) -> Option<&'static str> {
+        match self {
+            Self::Moved | Self::WouldMove => None,
+            Self::Changed => Some(Self::SKIP_LABELS[0]),
+            Self::Disruption => Some(Self::SKIP_LABELS[1]),
+            Self::Pinned => Some(Self::SKIP_LABELS[2]),
+            Self::NameTaken => Some(Self::SKIP_LABELS[3]),
+        }
+    }
 }
 
 /// The descheduler: one upper client, the recorder, the counters.
@@ -78,6 +113,9 @@ pub struct Descheduler {
     recorder: Recorder,
     config: Config,
     metrics: Arc<Metrics>,
+    /// (pod UID, reason) of the Warnings already published: a pod left alone round after
+    /// round gets one, not one a round. Forgotten once the pod is no longer a candidate.
+    warned: Mutex<HashSet<(String, &'static str)>>,
 }
 
 impl Descheduler {
@@ -88,6 +126,7 @@ impl Descheduler {
             recorder,
             config,
             metrics,
+            warned: Mutex::default(),
         }
     }
 
@@ -168,6 +207,14 @@ impl Descheduler {
                 })?;
             candidates.extend(list.items);
         }
+        let candidate_uids: HashSet<&str> = candidates
+            .iter()
+            .filter_map(|p| p.metadata.uid.as_deref())
+            .collect();
+        self.warned
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|(uid, _)| candidate_uids.contains(uid.as_str()));
         let selected = select::select(
             &candidates,
             &virtual_nodes,
@@ -197,8 +244,11 @@ impl Descheduler {
                 Ok(Acted::WouldMove) => {
                     self.metrics.would_move.inc();
                 }
-                Ok(Acted::Changed) => self.metrics.skip("changed"),
-                Ok(Acted::Disruption) => self.metrics.skip("disruption_budget"),
+                Ok(acted) => {
+                    if let Some(label) = acted.skip_label() {
+                        self.metrics.skip(label);
+                    }
+                }
                 Err(error) => {
                     let _ = self.metrics.errors.inc();
                     span.in_scope(|| warn!(%error, "not moved; retrying next round"));
@@ -235,6 +285,19 @@ impl Descheduler {
         if !same {
             debug!("changed since listed; skipped");
             return Ok(Acted::Changed);
+        }
+        if let Some(claim) = self.pinning_claim(&pod, node).await? {
+            debug!(%claim, "its claim was provisioned on the node; left alone");
+            self.warn_once(
+                &pod,
+                "PinnedByVolume",
+                format!(
+                    "not moved off {node} ({reason}): its claim {claim} was provisioned there \
+                     ({SELECTED_NODE_ANNOTATION}), so any new pod mounting it is bound there again"
+                ),
+            )
+            .await;
+            return Ok(Acted::Pinned);
         }
         let method = select::method(&pod);
         if self.config.dry_run {
@@ -313,22 +376,32 @@ impl Descheduler {
         let new_name = new.metadata.name.clone().unwrap_or_default();
         match pods.create(&PostParams::default(), &new).await {
             Ok(_) => {}
-            // A previous round created it but could not delete the old pod.
+            // A previous round created it but could not delete the old pod, or the name
+            // holds a pod made for another (an earlier pod of the same name, say).
             Err(e) if is_status(&e, 409) => {
-                let existing = pods.get_opt(&new_name).await.ok().flatten();
-                let ours = existing.is_some_and(|p| {
-                    p.metadata
-                        .labels
-                        .as_ref()
-                        .and_then(|l| l.get(select::CREATED_BY_DESCHEDULER_LABEL))
-                        .is_some_and(|v| v == "true")
-                });
-                if !ours {
-                    return Err(Error::Pod {
-                        action: "re-creating",
-                        pod: key,
-                        source: e,
-                    });
+                let existing = pods.get_opt(&new_name).await.map_err(|source| Error::Pod {
+                    action: "reading the replacement of",
+                    pod: key.clone(),
+                    source,
+                })?;
+                match existing {
+                    Some(existing) if select::is_replacement_of(&existing, pod) => {}
+                    Some(_) => {
+                        warn!(replacement = %new_name, "the replacement's name is taken by a pod not made for this one; left alone");
+                        self.warn_once(
+                            pod,
+                            "ReplacementNameTaken",
+                            format!(
+                                "not moved off {node}: pod {new_name} exists and is not its \
+                                 replacement (no {} of this pod)",
+                                select::REPLACES_UID_ANNOTATION
+                            ),
+                        )
+                        .await;
+                        return Ok(Acted::NameTaken);
+                    }
+                    // Gone again since the create: next round.
+                    None => return Ok(Acted::Changed),
                 }
             }
             Err(source) => {
@@ -350,9 +423,52 @@ impl Descheduler {
         }
     }
 
+    /// The claim of `pod` provisioned on `node`, if any (reading each claim it mounts).
+    async fn pinning_claim(&self, pod: &Pod, node: &str) -> Result<Option<String>, Error> {
+        let namespace = pod.metadata.namespace.as_deref().unwrap_or_default();
+        let claims: Api<PersistentVolumeClaim> = Api::namespaced(self.client.clone(), namespace);
+        let mut selected = BTreeMap::new();
+        for name in select::claim_names(pod) {
+            let claim = claims
+                .get_metadata_opt(name)
+                .await
+                .map_err(|source| Error::Claim {
+                    claim: format!("{namespace}/{name}"),
+                    pod: pod_key(pod),
+                    source,
+                })?;
+            let node = claim
+                .and_then(|c| c.metadata.annotations)
+                .and_then(|mut a| a.remove(SELECTED_NODE_ANNOTATION));
+            if let Some(node) = node {
+                selected.insert(name.to_owned(), node);
+            }
+        }
+        Ok(select::pinning_claim(pod, node, |claim| {
+            selected.get(claim).cloned()
+        }))
+    }
+
+    /// A Warning about a pod left alone, published once while it stays a candidate.
+    async fn warn_once(&self, pod: &Pod, reason: &'static str, note: String) {
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        let first = self
+            .warned
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert((uid, reason));
+        if first {
+            self.publish(pod, EventType::Warning, reason, note).await;
+        }
+    }
+
     async fn event(&self, pod: &Pod, reason: &str, note: String) {
+        self.publish(pod, EventType::Normal, reason, note).await;
+    }
+
+    async fn publish(&self, pod: &Pod, type_: EventType, reason: &str, note: String) {
         let event = Event {
-            type_: EventType::Normal,
+            type_,
             reason: reason.into(),
             note: Some(note),
             action: "Reschedule".into(),

@@ -8,6 +8,7 @@ use k8s_openapi::api::core::v1::{Pod, PodCondition};
 use k8s_openapi::jiff::Timestamp;
 use serde::Deserialize;
 
+use crate::translate::pod::MIRRORED_CONDITION;
 use crate::translate::scheduling::avoid_nodes;
 
 /// Label of virtual nodes (tensile-kube's).
@@ -20,15 +21,27 @@ pub const DESCHEDULE_COUNT_ANNOTATION: &str = "sigs.k8s.io/deschedule-count";
 pub const CREATED_BY_DESCHEDULER_LABEL: &str = "create-by-descheduler";
 /// Annotation of mirror (static) pods.
 const MIRROR_ANNOTATION: &str = "kubernetes.io/config.mirror";
+/// Annotation naming where a kubelet got a pod from; anything but `api` is a static pod.
+const CONFIG_SOURCE_ANNOTATION: &str = "kubernetes.io/config.source";
+/// `scheduling.k8s.io`'s `SystemCriticalPriority`: `system-cluster-critical` has it,
+/// `system-node-critical` more.
+const SYSTEM_CRITICAL_PRIORITY: i32 = 2_000_000_000;
+/// The built-in system-critical classes, for a pod whose priority was not resolved (the
+/// Priority admission plugin off).
+const SYSTEM_CRITICAL_CLASSES: [&str; 2] = ["system-cluster-critical", "system-node-critical"];
+/// Annotation on a re-created pod: the UID of the pod it replaces, so that a pod of that
+/// name made for another predecessor is never taken for this one's replacement.
+pub const REPLACES_UID_ANNOTATION: &str = "tensile.dev/replaces-uid";
 
 /// What a round acts on.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Policy {
-    /// A pod Pending longer than this is moved even without a verdict from below.
+    /// A pod still Pending this long after it was bound to the virtual node, and not placed
+    /// below, is moved even without a verdict from below.
     pub max_pod_lifetime: Duration,
     /// At most this many pods per node per round (`None`: no limit).
     pub max_pods_per_node: Option<usize>,
-    /// Move pods with local storage (emptyDir with medium or sizeLimit, hostPath) too.
+    /// Move pods with local storage (hostPath, any emptyDir) too.
     pub evict_local_storage_pods: bool,
 }
 
@@ -52,7 +65,7 @@ pub enum MoveReason {
         /// The condition's message.
         message: String,
     },
-    /// Pending for longer than the lifetime.
+    /// Bound to the node longer than the lifetime ago, and neither placed nor refused below.
     PendingTooLong(Duration),
 }
 
@@ -65,7 +78,13 @@ impl std::fmt::Display for MoveReason {
             Self::Refused { reason, message } => {
                 write!(f, "the lower cluster reported {reason}: {message}")
             }
-            Self::PendingTooLong(age) => write!(f, "Pending for {}s", age.as_secs()),
+            Self::PendingTooLong(waited) => {
+                write!(
+                    f,
+                    "Pending for {}s since bound to the node",
+                    waited.as_secs()
+                )
+            }
         }
     }
 }
@@ -75,15 +94,20 @@ impl std::fmt::Display for MoveReason {
 pub enum Skip {
     /// Not Pending (Running, or finished).
     NotPending,
-    /// Pending, but neither refused below nor past the lifetime yet.
+    /// Pending, neither placed nor refused below, and bound less than the lifetime ago.
     TooYoung,
     /// In kube-system.
     KubeSystem,
-    /// A mirror (static) pod.
+    /// A mirror or static pod.
     Mirror,
+    /// Of a system-critical priority (`system-cluster-critical`, `system-node-critical`).
+    SystemCritical,
+    /// The lower cluster placed it: it is starting there (pulling images, running init
+    /// containers, attaching volumes).
+    PlacedBelow,
     /// Owned by a DaemonSet.
     DaemonSet,
-    /// Uses local storage and `--evict-local-storage-pods` is off.
+    /// Uses local storage (hostPath, emptyDir) and `--evict-local-storage-pods` is off.
     LocalStorage,
     /// Being deleted.
     Deleting,
@@ -99,6 +123,8 @@ impl Skip {
             Self::TooYoung => "too_young",
             Self::KubeSystem => "kube_system",
             Self::Mirror => "mirror",
+            Self::SystemCritical => "system_critical",
+            Self::PlacedBelow => "placed_below",
             Self::DaemonSet => "daemonset",
             Self::LocalStorage => "local_storage",
             Self::Deleting => "deleting",
@@ -107,11 +133,13 @@ impl Skip {
     }
 
     /// Every reason, for metrics.
-    pub const ALL: [Skip; 8] = [
+    pub const ALL: [Skip; 10] = [
         Self::NotPending,
         Self::TooYoung,
         Self::KubeSystem,
         Self::Mirror,
+        Self::SystemCritical,
+        Self::PlacedBelow,
         Self::DaemonSet,
         Self::LocalStorage,
         Self::Deleting,
@@ -128,7 +156,11 @@ pub enum Verdict {
     Skip(Skip),
 }
 
-/// Judges one pod bound to a virtual node at `now`, ignoring per-node limits.
+/// Judges one pod bound to a virtual node at `now`, ignoring per-node limits. The pods the
+/// upstream descheduler never evicts (mirror and static, system-critical, DaemonSet, local
+/// storage unless allowed, terminating) are left alone, and so is a pod the lower cluster
+/// placed: starting there (pulling images, running init containers, attaching volumes)
+/// takes what it takes, however long.
 pub fn judge(pod: &Pod, policy: &Policy, now: Timestamp) -> Verdict {
     let meta = &pod.metadata;
     if meta.deletion_timestamp.is_some() {
@@ -137,12 +169,11 @@ pub fn judge(pod: &Pod, policy: &Policy, now: Timestamp) -> Verdict {
     if meta.namespace.as_deref() == Some("kube-system") {
         return Verdict::Skip(Skip::KubeSystem);
     }
-    if meta
-        .annotations
-        .as_ref()
-        .is_some_and(|a| a.contains_key(MIRROR_ANNOTATION))
-    {
+    if is_static(pod) {
         return Verdict::Skip(Skip::Mirror);
+    }
+    if is_system_critical(pod) {
+        return Verdict::Skip(Skip::SystemCritical);
     }
     if meta
         .owner_references
@@ -162,23 +193,91 @@ pub fn judge(pod: &Pod, policy: &Policy, now: Timestamp) -> Verdict {
     if !policy.evict_local_storage_pods && has_local_storage(pod) {
         return Verdict::Skip(Skip::LocalStorage);
     }
+    if placed_below(pod) {
+        return Verdict::Skip(Skip::PlacedBelow);
+    }
     if let Some(condition) = refused(pod) {
         return Verdict::Move(MoveReason::Refused {
             reason: condition.reason.clone().unwrap_or_default(),
             message: condition.message.clone().unwrap_or_default(),
         });
     }
-    let age = meta
-        .creation_timestamp
-        .as_ref()
-        .map(|t| now.duration_since(t.0))
+    let waited = bound_at(pod)
+        .map(|t| now.duration_since(t))
         .and_then(|d| Duration::try_from(d).ok())
         .unwrap_or_default();
-    if age > policy.max_pod_lifetime {
-        Verdict::Move(MoveReason::PendingTooLong(age))
+    if waited > policy.max_pod_lifetime {
+        Verdict::Move(MoveReason::PendingTooLong(waited))
     } else {
         Verdict::Skip(Skip::TooYoung)
     }
+}
+
+/// When the pod was bound to its node, as its status tells: the PodScheduled condition's
+/// lastTransitionTime (the binding sets it; a condition reflected from below replaces it
+/// with a later one, so the time is never earlier than the binding), else its creation (a
+/// pod created with its nodeName is bound from the start). Not the creation alone: a pod
+/// may wait upstairs for a long time before it is bound.
+pub fn bound_at(pod: &Pod) -> Option<Timestamp> {
+    pod.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .into_iter()
+        .flatten()
+        .find(|c| c.type_ == "PodScheduled")
+        .and_then(|c| c.last_transition_time.as_ref())
+        .or(pod.metadata.creation_timestamp.as_ref())
+        .map(|t| t.0)
+}
+
+/// Whether the status reflected from below shows the lower cluster placed the pod: what
+/// a kubelet writes as it starts a pod (host, start time, container statuses), or the
+/// lower PodScheduled=True itself (a reflected condition replaces the upper one of its
+/// type, and tensile's Mirrored condition says it was reflected).
+pub fn placed_below(pod: &Pod) -> bool {
+    let Some(status) = &pod.status else {
+        return false;
+    };
+    let conditions = status.conditions.as_deref().unwrap_or_default();
+    let holds = |type_: &str| {
+        conditions
+            .iter()
+            .any(|c| c.type_ == type_ && c.status == "True")
+    };
+    status.host_ip.as_deref().is_some_and(|ip| !ip.is_empty())
+        || status.host_ips.as_ref().is_some_and(|ips| !ips.is_empty())
+        || status.start_time.is_some()
+        || status
+            .container_statuses
+            .as_ref()
+            .is_some_and(|c| !c.is_empty())
+        || status
+            .init_container_statuses
+            .as_ref()
+            .is_some_and(|c| !c.is_empty())
+        || (holds(MIRRORED_CONDITION) && holds("PodScheduled"))
+}
+
+/// A mirror pod, or a static one by its config source (as the upstream descheduler tells).
+fn is_static(pod: &Pod) -> bool {
+    pod.metadata.annotations.as_ref().is_some_and(|a| {
+        a.contains_key(MIRROR_ANNOTATION)
+            || a.get(CONFIG_SOURCE_ANNOTATION)
+                .is_some_and(|source| source != "api")
+    })
+}
+
+/// Of a system-critical priority, in whatever namespace: the upstream descheduler's
+/// `IsCriticalPriorityPod`, and the built-in class names for an unresolved priority.
+pub fn is_system_critical(pod: &Pod) -> bool {
+    let Some(spec) = &pod.spec else {
+        return false;
+    };
+    spec.priority.is_some_and(|p| p >= SYSTEM_CRITICAL_PRIORITY)
+        || spec
+            .priority_class_name
+            .as_deref()
+            .is_some_and(|class| SYSTEM_CRITICAL_CLASSES.contains(&class))
 }
 
 /// The reflected `PodScheduled=False` condition with reason `Unschedulable` or
@@ -194,24 +293,19 @@ pub fn refused(pod: &Pod) -> Option<&PodCondition> {
     })
 }
 
-/// Whether the pod uses storage that dies with its node (as the Kubernetes descheduler
-/// counts it: emptyDir with a medium or size limit, hostPath).
+/// Whether the pod uses storage that dies with its node, as the upstream descheduler (and
+/// so tensile-kube's) counts it: any hostPath or emptyDir volume.
 pub fn has_local_storage(pod: &Pod) -> bool {
     pod.spec
         .as_ref()
         .and_then(|s| s.volumes.as_ref())
         .into_iter()
         .flatten()
-        .any(|v| {
-            v.host_path.is_some()
-                || v.empty_dir.as_ref().is_some_and(|e| {
-                    e.medium.as_deref().is_some_and(|m| !m.is_empty()) || e.size_limit.is_some()
-                })
-        })
+        .any(|v| v.host_path.is_some() || v.empty_dir.is_some())
 }
 
 /// One round's verdicts over `pods` (those bound to a node in `virtual_nodes`; others are
-/// not returned), in a stable order, with the per-node limit applied.
+/// not returned), longest bound first, with the per-node limit applied.
 pub fn select<'a>(
     pods: impl IntoIterator<Item = &'a Pod>,
     virtual_nodes: &BTreeSet<String>,
@@ -229,7 +323,7 @@ pub fn select<'a>(
     bound.sort_by(|(a, _), (b, _)| {
         let key = |p: &Pod| {
             (
-                p.metadata.creation_timestamp.as_ref().map(|t| t.0),
+                bound_at(p),
                 p.metadata.namespace.clone(),
                 p.metadata.name.clone(),
             )
@@ -354,12 +448,61 @@ pub fn replacement(pod: &Pod, node: &str) -> Pod {
     let annotations = meta.annotations.get_or_insert_with(Default::default);
     annotations.insert(DESCHEDULE_COUNT_ANNOTATION.into(), count.to_string());
     annotations.insert(UNSCHEDULABLE_NODE_ANNOTATION.into(), avoid.join(","));
+    // A replacement's replacement inherits the mark naming the pod before: overwrite it.
+    match pod.metadata.uid.as_ref() {
+        Some(uid) => annotations.insert(REPLACES_UID_ANNOTATION.into(), uid.clone()),
+        None => annotations.remove(REPLACES_UID_ANNOTATION),
+    };
     new.status = None;
     if let Some(spec) = new.spec.as_mut() {
         spec.node_name = None;
         avoid_nodes(spec, &avoid);
     }
     new
+}
+
+/// Whether `existing` is the replacement the descheduler made for `predecessor`: labelled
+/// as re-created, and recording `predecessor`'s UID. The label alone is not enough: the
+/// name `<name>-<n>` may hold the replacement of an earlier pod of the same name.
+pub fn is_replacement_of(existing: &Pod, predecessor: &Pod) -> bool {
+    let labelled = existing
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(CREATED_BY_DESCHEDULER_LABEL))
+        .is_some_and(|v| v == "true");
+    let recorded = existing
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(REPLACES_UID_ANNOTATION));
+    let uid = predecessor.metadata.uid.as_ref().filter(|u| !u.is_empty());
+    labelled && uid.is_some() && recorded == uid
+}
+
+/// The claims the pod mounts (`persistentVolumeClaim` volumes), in volume order.
+pub fn claim_names(pod: &Pod) -> impl Iterator<Item = &str> {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.volumes.as_ref())
+        .into_iter()
+        .flatten()
+        .filter_map(|v| v.persistent_volume_claim.as_ref())
+        .map(|c| c.claim_name.as_str())
+}
+
+/// The first claim of the pod provisioned on `node`, by `selected_node` (claim name →
+/// its `volume.kubernetes.io/selected-node`). Such a pod cannot run anywhere else: the
+/// webhook binds every new pod mounting the claim straight back to `node`, so moving it
+/// would only go round refused → moved → bound back.
+pub fn pinning_claim(
+    pod: &Pod,
+    node: &str,
+    selected_node: impl Fn(&str) -> Option<String>,
+) -> Option<String> {
+    claim_names(pod)
+        .find(|claim| selected_node(claim).as_deref() == Some(node))
+        .map(str::to_owned)
 }
 
 /// `<name>-<count>`, the previous round's `-<count-1>` replaced rather than stacked. The
@@ -474,6 +617,7 @@ pub fn parse_policy(path: &str, text: &str) -> Result<PolicyFile, PolicyError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
     use serde_json::{Value, json};
 
     const NOW: i64 = 1_000_000;
@@ -504,6 +648,30 @@ mod tests {
             }
             (b, e) => *b = e,
         }
+    }
+
+    /// NOW minus `secs`, as the API server writes times.
+    fn ago(secs: i64) -> String {
+        Timestamp::from_second(NOW - secs).unwrap().to_string()
+    }
+
+    /// Bound to the node by the upper scheduler `secs` ago (its PodScheduled condition).
+    fn bound(secs: i64) -> Value {
+        json!({"status": {"conditions": [{"type": "PodScheduled", "status": "True",
+            "lastTransitionTime": ago(secs)}]}})
+    }
+
+    /// What the virtual node reflects of a pod the lower cluster placed, pulling its image.
+    fn pulling_below() -> Value {
+        json!({"status": {
+            "conditions": [
+                {"type": "PodScheduled", "status": "True", "lastTransitionTime": ago(5000)},
+                {"type": "Ready", "status": "False", "reason": "ContainersNotReady"},
+                {"type": "tensile.dev/Mirrored", "status": "True"}],
+            "hostIP": "10.0.0.1",
+            "startTime": ago(5000),
+            "containerStatuses": [{"name": "c", "image": "i", "imageID": "", "ready": false,
+                "restartCount": 0, "state": {"waiting": {"reason": "ContainerCreating"}}}]}})
     }
 
     fn unschedulable() -> Value {
@@ -552,14 +720,116 @@ mod tests {
                 Verdict::Skip(Skip::TooYoung),
             ),
             (
-                "scheduled below, still pulling",
+                "scheduled below, still pulling, however old",
+                pod("a", 100_000, pulling_below()),
+                policy.clone(),
+                Verdict::Skip(Skip::PlacedBelow),
+            ),
+            (
+                "scheduled below, init containers running",
                 pod(
                     "a",
-                    100,
-                    json!({"status": {"conditions": [{"type": "PodScheduled", "status": "True"}]}}),
+                    100_000,
+                    json!({"status": {"hostIP": "10.0.0.1", "startTime": ago(5000),
+                        "initContainerStatuses": [{"name": "init", "image": "i", "imageID": "",
+                            "ready": false, "restartCount": 0,
+                            "state": {"running": {"startedAt": ago(4000)}}}]}}),
                 ),
                 policy.clone(),
+                Verdict::Skip(Skip::PlacedBelow),
+            ),
+            (
+                "scheduled below, volumes attaching (no container status yet)",
+                pod(
+                    "a",
+                    100_000,
+                    json!({"status": {"hostIP": "10.0.0.1", "hostIPs": [{"ip": "10.0.0.1"}]}}),
+                ),
+                policy.clone(),
+                Verdict::Skip(Skip::PlacedBelow),
+            ),
+            (
+                "scheduled below, only the lower PodScheduled reflected",
+                pod(
+                    "a",
+                    100_000,
+                    json!({"status": {"conditions": [
+                        {"type": "PodScheduled", "status": "True", "lastTransitionTime": ago(5000)},
+                        {"type": "tensile.dev/Mirrored", "status": "True"}]}}),
+                ),
+                policy.clone(),
+                Verdict::Skip(Skip::PlacedBelow),
+            ),
+            (
+                "waited upstairs, bound to the node 10s ago",
+                pod("a", 100_000, bound(10)),
+                policy.clone(),
                 Verdict::Skip(Skip::TooYoung),
+            ),
+            (
+                "bound past the lifetime, nothing below: counted from binding",
+                pod("a", 100_000, bound(181)),
+                policy.clone(),
+                Verdict::Move(MoveReason::PendingTooLong(Duration::from_secs(181))),
+            ),
+            (
+                "bound within the lifetime, nothing reflected yet",
+                pod("a", 100, bound(100)),
+                policy.clone(),
+                Verdict::Skip(Skip::TooYoung),
+            ),
+            (
+                "system-cluster-critical outside kube-system",
+                pod(
+                    "a",
+                    1,
+                    json!({"spec": {"priorityClassName": "system-cluster-critical"},
+                           "status": unschedulable()["status"]}),
+                ),
+                policy.clone(),
+                Verdict::Skip(Skip::SystemCritical),
+            ),
+            (
+                "system-node-critical by its priority alone",
+                pod(
+                    "a",
+                    1,
+                    json!({"spec": {"priority": 2_000_001_000}, "status": unschedulable()["status"]}),
+                ),
+                policy.clone(),
+                Verdict::Skip(Skip::SystemCritical),
+            ),
+            (
+                "high priority, not system-critical",
+                pod(
+                    "a",
+                    1,
+                    json!({"spec": {"priority": 1_999_999_999, "priorityClassName": "high"},
+                           "status": unschedulable()["status"]}),
+                ),
+                policy.clone(),
+                refused.clone(),
+            ),
+            (
+                "static pod by its config source",
+                pod(
+                    "a",
+                    1000,
+                    json!({"metadata": {"annotations": {"kubernetes.io/config.source": "file"}}}),
+                ),
+                policy.clone(),
+                Verdict::Skip(Skip::Mirror),
+            ),
+            (
+                "config source api is not static",
+                pod(
+                    "a",
+                    1,
+                    json!({"metadata": {"annotations": {"kubernetes.io/config.source": "api"}},
+                           "status": unschedulable()["status"]}),
+                ),
+                policy.clone(),
+                refused.clone(),
             ),
             (
                 "running, however old",
@@ -645,11 +915,25 @@ mod tests {
                 Verdict::Skip(Skip::LocalStorage),
             ),
             (
-                "plain emptyDir is not local storage",
+                "plain emptyDir is local storage, as upstream counts it",
                 pod(
                     "a",
                     1,
                     json!({"spec": {"volumes": [{"name": "e", "emptyDir": {}}]}, "status": unschedulable()["status"]}),
+                ),
+                policy.clone(),
+                Verdict::Skip(Skip::LocalStorage),
+            ),
+            (
+                "a claim, a ConfigMap, a projected token: not local storage",
+                pod(
+                    "a",
+                    1,
+                    json!({"spec": {"volumes": [
+                        {"name": "d", "persistentVolumeClaim": {"claimName": "data"}},
+                        {"name": "c", "configMap": {"name": "cm"}},
+                        {"name": "t", "projected": {"sources": []}}]},
+                      "status": unschedulable()["status"]}),
                 ),
                 policy.clone(),
                 refused.clone(),
@@ -677,9 +961,14 @@ mod tests {
                 Verdict::Move(MoveReason::PendingTooLong(Duration::from_secs(11))),
             ),
         ];
-        for (name, pod, policy, want) in cases {
-            assert_eq!(judge(&pod, &policy, now()), want, "{name}");
-        }
+        let wrong: Vec<String> = cases
+            .into_iter()
+            .filter_map(|(name, pod, policy, want)| {
+                let got = judge(&pod, &policy, now());
+                (got != want).then(|| format!("{name}: got {got:?}, want {want:?}"))
+            })
+            .collect();
+        assert!(wrong.is_empty(), "\n{}", wrong.join("\n"));
     }
 
     #[test]
@@ -750,6 +1039,135 @@ mod tests {
                 want.into_iter().map(|(n, m)| (n.to_owned(), m)).collect();
             assert_eq!(got, want, "limit {limit:?}");
         }
+    }
+
+    #[test]
+    fn oldest_binding_first() {
+        // Created long ago but refused (bound) only now, and the other way round: the one
+        // that has waited longest on the node goes first.
+        let refused_at = |name: &str, created: i64, refused: i64| {
+            pod(
+                name,
+                created,
+                json!({"status": {"conditions": [{"type": "PodScheduled", "status": "False",
+                    "reason": "Unschedulable", "lastTransitionTime": ago(refused)}]}}),
+            )
+        };
+        let pods = [
+            refused_at("created-early-bound-late", 10_000, 5),
+            refused_at("created-late-bound-early", 60, 50),
+        ];
+        let policy = Policy {
+            max_pods_per_node: Some(1),
+            ..Policy::default()
+        };
+        let got: Vec<(String, bool)> = select(&pods, &["vk".to_owned()].into(), &policy, now())
+            .into_iter()
+            .map(|(p, _, v)| {
+                (
+                    p.metadata.name.clone().unwrap(),
+                    matches!(v, Verdict::Move(_)),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("created-late-bound-early".to_owned(), true),
+                ("created-early-bound-late".to_owned(), false)
+            ]
+        );
+    }
+
+    #[test]
+    fn replacements_are_recognised_by_their_predecessor() {
+        let old = pod("web", 1, json!({}));
+        let made = |labels: Value, annotations: Value| {
+            pod(
+                "web-1",
+                1,
+                json!({"metadata": {"labels": labels, "annotations": annotations}}),
+            )
+        };
+        let ours = json!({"create-by-descheduler": "true"});
+        let cases = [
+            ("made for this pod", replacement(&old, "vk"), true),
+            (
+                "made for an earlier pod of the same name",
+                made(
+                    ours.clone(),
+                    json!({"tensile.dev/replaces-uid": "uid-of-another"}),
+                ),
+                false,
+            ),
+            (
+                "labelled, no predecessor recorded",
+                made(ours.clone(), json!({})),
+                false,
+            ),
+            (
+                "the predecessor but not the label",
+                made(json!({}), json!({"tensile.dev/replaces-uid": "uid-web"})),
+                false,
+            ),
+            ("somebody else's pod", made(json!({}), json!({})), false),
+        ];
+        for (name, existing, want) in cases {
+            assert_eq!(is_replacement_of(&existing, &old), want, "{name}");
+        }
+        let no_uid = Pod {
+            metadata: ObjectMeta {
+                uid: None,
+                ..old.metadata.clone()
+            },
+            ..old.clone()
+        };
+        assert!(
+            !is_replacement_of(
+                &made(ours, json!({"tensile.dev/replaces-uid": ""})),
+                &no_uid
+            ),
+            "an empty UID matches nothing"
+        );
+    }
+
+    #[test]
+    fn claims_that_pin_a_pod_to_its_node() {
+        let with_claims = |claims: &[&str]| {
+            let volumes: Vec<Value> = claims
+                .iter()
+                .map(|c| json!({"name": c, "persistentVolumeClaim": {"claimName": c}}))
+                .chain([json!({"name": "scratch", "emptyDir": {}})])
+                .collect();
+            pod("a", 1, json!({"spec": {"volumes": volumes}}))
+        };
+        let selected: BTreeMap<&str, &str> = [
+            ("on-vk", "vk"),
+            ("on-vk2", "vk2"),
+            ("on-a-regular-node", "worker"),
+            ("not-yet", ""),
+        ]
+        .into();
+        let lookup = |claim: &str| selected.get(claim).map(|n| (*n).to_owned());
+        let cases: [(&[&str], Option<&str>); 6] = [
+            (&[], None),
+            (&["unknown"], None),
+            (&["not-yet"], None),
+            (&["on-vk2", "on-a-regular-node"], None),
+            (&["on-vk"], Some("on-vk")),
+            (&["unknown", "on-vk2", "on-vk"], Some("on-vk")),
+        ];
+        for (claims, want) in cases {
+            assert_eq!(
+                pinning_claim(&with_claims(claims), "vk", lookup).as_deref(),
+                want,
+                "{claims:?}"
+            );
+        }
+        assert_eq!(
+            claim_names(&with_claims(&["x", "y"])).collect::<Vec<_>>(),
+            ["x", "y"]
+        );
     }
 
     #[test]
@@ -827,7 +1245,7 @@ mod tests {
         assert_eq!(
             v["metadata"]["annotations"],
             json!({"keep": "me", "clusterSelector": "{}", "unschedulable-node": "vk",
-                   "sigs.k8s.io/deschedule-count": "1"})
+                   "sigs.k8s.io/deschedule-count": "1", "tensile.dev/replaces-uid": "uid-web"})
         );
         let not_in =
             json!({"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["vk"]});
@@ -842,6 +1260,12 @@ mod tests {
         let second = serde_json::to_value(replacement(&placed, "vk2")).unwrap();
         assert_eq!(second["metadata"]["name"], "web-2");
         assert_eq!(second["metadata"]["annotations"]["keep"], "me");
+        placed.metadata.uid = Some("uid-web-1".into());
+        let second = serde_json::to_value(replacement(&placed, "vk2")).unwrap();
+        assert_eq!(
+            second["metadata"]["annotations"]["tensile.dev/replaces-uid"],
+            "uid-web-1"
+        );
         assert_eq!(
             second["metadata"]["annotations"]["sigs.k8s.io/deschedule-count"],
             "2"
