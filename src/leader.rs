@@ -37,6 +37,10 @@ pub struct LeaseConfig {
     pub retry_period: Duration,
 }
 
+/// The shortest lease duration: the Lease holds whole seconds, and a duration written as 0
+/// lets every standby take a live Lease at once.
+pub const MIN_LEASE_DURATION: Duration = Duration::from_secs(1);
+
 impl LeaseConfig {
     /// client-go's defaults: 15 s lease, 10 s renew deadline, 2 s retry period.
     pub fn new(namespace: &str, name: &str, identity: &str) -> Self {
@@ -51,10 +55,18 @@ impl LeaseConfig {
     }
 
     /// Fails, naming the flags, unless lease duration > renew deadline > retry period
-    /// (as client-go requires): otherwise a leader could lose the Lease while still acting,
-    /// or give up before its first retry.
+    /// (as client-go requires) and the lease duration is at least [`MIN_LEASE_DURATION`]:
+    /// otherwise a leader could lose the Lease while still acting, or give up before its
+    /// first retry.
     pub fn check_timings(&self) -> Result<(), String> {
         use crate::duration::format_duration;
+        if self.lease_duration < MIN_LEASE_DURATION {
+            return Err(format!(
+                "--leader-elect-lease-duration ({}) must be at least {}: the Lease holds whole seconds",
+                format_duration(self.lease_duration),
+                format_duration(MIN_LEASE_DURATION)
+            ));
+        }
         if self.lease_duration <= self.renew_deadline {
             return Err(format!(
                 "--leader-elect-lease-duration ({}) must be longer than --leader-elect-renew-deadline ({})",
@@ -176,9 +188,11 @@ impl Elector {
                 now
             }
         };
-        // The holder's own duration counts, so replicas configured apart still agree.
+        // The holder's own duration counts, so replicas configured apart still agree; a
+        // zero one (written by older versions for a sub-second duration) is no duration.
         let duration = spec
             .lease_duration_seconds
+            .filter(|s| *s > 0)
             .and_then(|s| u64::try_from(s).ok())
             .map_or(self.lease_duration, Duration::from_secs);
         if now.saturating_duration_since(seen_at) >= duration {
@@ -313,7 +327,7 @@ async fn try_once(
         Instant::now(),
     );
     let now = MicroTime(Timestamp::now());
-    let duration = i32::try_from(config.lease_duration.as_secs()).unwrap_or(i32::MAX);
+    let duration = whole_seconds(config.lease_duration);
     match decision {
         Decision::Wait => Ok(false),
         Decision::Create => {
@@ -359,6 +373,15 @@ async fn try_once(
             Ok(true)
         }
     }
+}
+
+/// `duration` as the Lease's `leaseDurationSeconds`, rounded up: a standby then waits at
+/// least as long as the holder counts on, never less.
+fn whole_seconds(duration: Duration) -> i32 {
+    let seconds = duration
+        .as_secs()
+        .saturating_add(u64::from(duration.subsec_nanos() > 0));
+    i32::try_from(seconds).unwrap_or(i32::MAX)
 }
 
 /// Gives the Lease up (holder cleared), so another replica takes it at once.
@@ -448,6 +471,14 @@ mod tests {
                 ],
             ),
             (
+                "a holder's zero duration is ours",
+                vec![
+                    (Some(spec(Some("other"), 1, 0)), 0, Decision::Wait),
+                    (Some(spec(Some("other"), 1, 0)), 14, Decision::Wait),
+                    (Some(spec(Some("other"), 1, 0)), 15, Decision::Take),
+                ],
+            ),
+            (
                 "a stale clock on the holder does not matter",
                 vec![(Some(spec(Some("other"), -100_000, 15)), 0, Decision::Wait)],
             ),
@@ -474,6 +505,9 @@ mod tests {
             ((10_000, 12_000, 2_000), false),
             ((10_000, 2_000, 2_000), false),
             ((10_000, 1_000, 2_000), false),
+            // The Lease holds whole seconds: under one, nothing sensible can be written.
+            ((1_000, 600, 200), true),
+            ((900, 600, 200), false),
         ];
         for ((lease, renew, retry), ok) in cases {
             let config = LeaseConfig {
@@ -504,6 +538,22 @@ mod tests {
         }
         assert_eq!(identity(Some("pod-a")), "pod-a");
         assert_ne!(identity(None), identity(None), "two processes on one host");
+    }
+
+    #[test]
+    fn the_lease_duration_is_written_rounded_up_to_whole_seconds() {
+        let cases = [
+            (Duration::from_millis(500), 1),
+            (Duration::from_secs(1), 1),
+            (Duration::from_millis(2_900), 3),
+            (Duration::from_secs(15), 15),
+            (Duration::from_secs(15) + Duration::from_nanos(1), 16),
+            (Duration::from_secs(u64::from(u32::MAX)), i32::MAX),
+            (Duration::MAX, i32::MAX),
+        ];
+        for (duration, want) in cases {
+            assert_eq!(whole_seconds(duration), want, "{duration:?}");
+        }
     }
 
     #[test]

@@ -340,3 +340,28 @@ async fn a_leader_that_cannot_renew_exits_before_its_lease_expires() {
     assert!(exit.contains("leader election lost"), "{exit}");
     assert!(after < Duration::from_secs(8), "{after:?}");
 }
+
+/// A lease duration under a second is refused before anything starts (exit status 2, one
+/// line naming the flag): the Lease holds whole seconds, and one written as 0 lets every
+/// standby take a live Lease at once.
+#[test]
+fn a_sub_second_lease_duration_exits_2_with_one_line() {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_virtual-node"))
+        .args([
+            "--client-kubeconfig=/nonexistent",
+            "--leader-elect",
+            "--leader-elect-lease-duration=900ms",
+            "--leader-elect-renew-deadline=600ms",
+            "--leader-elect-retry-period=200ms",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "one line: {stderr}");
+    assert!(
+        lines[0].contains("--leader-elect-lease-duration"),
+        "{stderr}"
+    );
+}
