@@ -8,6 +8,20 @@
 //! `renew_deadline`. On shutdown the holder releases the Lease so another takes over
 //! without waiting for it to expire. Writes use the Lease's resourceVersion, so two
 //! replicas never both win.
+//!
+//! Why a leader that could not renew has stopped before another replica can hold the
+//! Lease: a renewal counts from the start `s` of its attempt, so the Lease was written no
+//! earlier than `s`. A standby takes it only once it has seen one record unchanged for the
+//! written `leaseDurationSeconds` (the lease duration, rounded up), and its write carries
+//! the resourceVersion it read: the record it waited on is the leader's last write, seen
+//! at `s` or later, so it takes over at `s + lease_duration` at the earliest. The leader
+//! stops at `s + renew_deadline`, sooner since renew deadline < lease duration; the margin
+//! between the two absorbs the replicas' clocks running at slightly different rates and
+//! the process's exit. Counted from the answer instead (`s + d`), an answer `d` late would
+//! let the leader act until `s + d + renew_deadline`, past the takeover once
+//! `d > lease_duration - renew_deadline`. (client-go takes its `observedTime` when the
+//! answer comes and counts its renew deadline from the next round's start: the same
+//! window.)
 
 use std::time::{Duration, Instant};
 
@@ -253,10 +267,14 @@ async fn run(
     let mut elector = Elector::new(&config.identity, config.lease_duration);
     let mut last_renew: Option<Instant> = None;
     loop {
+        // A renewal counts from here, before anything is sent (see the module's doc).
+        let started = Instant::now();
         // A leader's attempt may last only until its renew deadline: past it, it must
         // already have stopped acting, however long the API server takes to answer.
         let budget = match last_renew {
-            Some(at) => config.renew_deadline.saturating_sub(at.elapsed()),
+            Some(at) => config
+                .renew_deadline
+                .saturating_sub(started.saturating_duration_since(at)),
             None => config.renew_deadline,
         };
         let attempt = tokio::time::timeout(budget, try_once(&leases, &config, &mut elector));
@@ -269,7 +287,7 @@ async fn run(
         };
         let now = Instant::now();
         match outcome {
-            Ok(true) => last_renew = Some(now),
+            Ok(true) => last_renew = Some(started),
             Ok(false) => last_renew = None,
             Err(error) => debug!(%error, identity = %config.identity, "lease not renewed"),
         }
