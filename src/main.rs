@@ -177,7 +177,7 @@ async fn run(args: Args, started: CancellationToken) -> Result<(), String> {
             info!(lease = %lease_label, identity = %config.identity, cluster = "upper",
                 "standing by until this process holds the lease");
             let (leading, election) =
-                leader::elect(upper.client.clone(), config, election_stop.clone());
+                leader::elect(upper.unthrottled.clone(), config, election_stop.clone());
             let election = tokio::spawn(election);
             let guard = tokio::spawn(exit_on_lost_lease(
                 leading.clone(),

@@ -345,6 +345,61 @@ async fn a_leader_that_cannot_renew_exits_before_its_lease_expires() {
     assert!(after < Duration::from_secs(8), "{after:?}");
 }
 
+/// The Lease is renewed on a client of its own, never queued behind the controllers'
+/// upper traffic: held to one upper request a second (`--kube-api-qps=1 --kube-api-burst=1`),
+/// a leader that starts with 10 pods bound to its node has its start-up requests (watches,
+/// the Node, its status) and the pods' status writes queued there, a minute of them
+/// against its 3 s renew deadline, and still keeps its Lease until every pod is Running.
+/// (On the shared client it lost the Lease within seconds of starting.)
+#[tokio::test]
+async fn a_leader_held_to_one_upper_request_a_second_keeps_its_lease_under_load() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let node = "vk-ha-qps";
+    let upper = pair.upper.client().await.unwrap();
+    let leases: Api<Lease> = Api::namespaced(upper.clone(), LEASE_NAMESPACE);
+    let ns = TestNamespace::create(&upper, "ha-qps").await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    create_pods(&upper_pods, node, (0..10).map(|i| format!("load-{i:02}"))).await;
+
+    let mut args = FAST_LEASE.to_vec();
+    args.extend(["--kube-api-qps=1", "--kube-api-burst=1"]);
+    let started = Instant::now();
+    let mut leader = pair.start_virtual_node(&options(node, "a", &args)).unwrap();
+    let all_running = wait_for("10 upper pods Running", 3 * TIMEOUT, || async {
+        let pods = upper_pods.list(&ListParams::default()).await?.items;
+        Ok((pods.len() == 10 && pods.iter().all(running)).then_some(()))
+    });
+    let exited = async {
+        let mut every = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            every.tick().await;
+            if let Err(exit) = leader.check_running() {
+                return exit;
+            }
+        }
+    };
+    tokio::select! {
+        running = all_running => running.unwrap(),
+        exit = exited => panic!("the leader exited under load: {exit:#}"),
+    }
+    let upper_requests: u64 = common::metrics_text(&leader)
+        .await
+        .lines()
+        .filter(|l| l.starts_with("tensile_api_requests_total{cluster=\"upper\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum();
+    eprintln!(
+        "10 pods Running {} ms after the leader started, at 1 upper request a second; {upper_requests} upper requests",
+        started.elapsed().as_millis()
+    );
+    leader.check_running().unwrap();
+    assert_eq!(holder(&leases, node).await.as_deref(), Some("a"));
+    assert_eq!(metric(&leader, &leader_series(node)).await, 1);
+
+    ns.delete().await.unwrap();
+    leader.stop().unwrap();
+}
+
 /// A client of `upstream` for one elector, whose next Lease update is answered `delay`
 /// late (the API server applied it at once) and whose requests from then on get no
 /// answer: a leader's last renewal reaching it slowly, its API server then unreachable.
