@@ -245,6 +245,44 @@ pub enum LeaseError {
     },
 }
 
+/// Why a replica must stop writing at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Lapse {
+    /// It led, and could not renew the Lease within the renew deadline.
+    #[error("the lease was not renewed within the renew deadline")]
+    Lost,
+    /// The election itself ended (its task panicked, or was dropped): nothing renews the
+    /// Lease, and this replica would never know it lost it.
+    #[error("the election task ended: nothing renews the lease")]
+    Ended,
+}
+
+/// Follows `leading` (from [`elect`]) until `stop`, passing each change to `on_change`.
+/// `Err` the moment the Lease lapses before `stop`: leading turns from true to false, or
+/// the election ends.
+pub async fn follow(
+    mut leading: watch::Receiver<bool>,
+    stop: &CancellationToken,
+    mut on_change: impl FnMut(bool),
+) -> Result<(), Lapse> {
+    let mut was_leading = false;
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return Ok(()),
+            // The sender is dropped only when the election ends, which it does on `stop`.
+            changed = leading.changed() => if changed.is_err() {
+                return if stop.is_cancelled() { Ok(()) } else { Err(Lapse::Ended) };
+            },
+        }
+        let leads = *leading.borrow_and_update();
+        if was_leading && !leads && !stop.is_cancelled() {
+            return Err(Lapse::Lost);
+        }
+        was_leading = leads;
+        on_change(leads);
+    }
+}
+
 /// Runs the election until `shutdown`, publishing "we are the leader" on the returned
 /// receiver; the future must be polled (spawned) for the election to run. On shutdown it
 /// releases the Lease if held, then publishes `false`.
@@ -571,6 +609,85 @@ mod tests {
         ];
         for (duration, want) in cases {
             assert_eq!(whole_seconds(duration), want, "{duration:?}");
+        }
+    }
+
+    /// What happens to the election, in [`follow_outcomes`].
+    #[derive(Clone, Copy, Debug)]
+    enum Step {
+        /// It publishes whether this replica leads.
+        Leads(bool),
+        /// Its task panics, dropping the sender.
+        Panics,
+        /// Shutdown: `stop` is cancelled.
+        Stops,
+    }
+
+    #[tokio::test]
+    async fn follow_outcomes() {
+        use Step::{Leads, Panics, Stops};
+        // (what happens, how `follow` ends: `None` while it still runs)
+        type Case = (&'static str, &'static [Step], Option<Result<(), Lapse>>);
+        let cases: [Case; 7] = [
+            ("stopped while leading", &[Leads(true), Stops], Some(Ok(()))),
+            ("stopped standing by", &[Stops], Some(Ok(()))),
+            ("still leading", &[Leads(true)], None),
+            ("lost", &[Leads(true), Leads(false)], Some(Err(Lapse::Lost))),
+            (
+                "released after stop",
+                &[Leads(true), Stops, Leads(false), Panics],
+                Some(Ok(())),
+            ),
+            (
+                "the election panics while leading",
+                &[Leads(true), Panics],
+                Some(Err(Lapse::Ended)),
+            ),
+            (
+                "the election panics standing by",
+                &[Panics],
+                Some(Err(Lapse::Ended)),
+            ),
+        ];
+        for (name, steps, want) in cases {
+            let (tx, rx) = watch::channel(false);
+            let stop = CancellationToken::new();
+            let follower = tokio::spawn({
+                let stop = stop.clone();
+                async move { follow(rx, &stop, |_| {}).await }
+            });
+            let mut tx = Some(tx);
+            for step in steps {
+                match step {
+                    Leads(leads) => {
+                        if let Some(tx) = &tx {
+                            tx.send_replace(*leads);
+                        }
+                    }
+                    Panics => {
+                        let sender = tx.take();
+                        let task = tokio::spawn(async move {
+                            let _sender = sender;
+                            panic!("injected");
+                        });
+                        assert!(task.await.is_err(), "{name}");
+                    }
+                    Stops => stop.cancel(),
+                }
+                // The follower sees each step before the next (a watch keeps the last only).
+                for _ in 0..10 {
+                    tokio::task::yield_now().await;
+                }
+            }
+            let got = follower.is_finished().then_some(());
+            let got = match got {
+                Some(()) => Some(follower.await.unwrap()),
+                None => {
+                    follower.abort();
+                    None
+                }
+            };
+            assert_eq!(got, want, "{name}");
         }
     }
 
