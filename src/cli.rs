@@ -228,8 +228,9 @@ pub struct Args {
     pub leader_elect_identity: Option<String>,
 
     /// How long a leader that stopped renewing keeps the Lease; a dead leader is replaced
-    /// about this long after its last renewal (longer than the renew deadline).
-    #[arg(long, value_parser = duration_in(MIN_LEASE_TIMING, MAX_DURATION), default_value = "10s")]
+    /// about this long after its last renewal (longer than the renew deadline; whole
+    /// seconds in the Lease, so at least 1s).
+    #[arg(long, value_parser = duration_in(crate::leader::MIN_LEASE_DURATION, MAX_DURATION), default_value = "10s")]
     pub leader_elect_lease_duration: Duration,
 
     /// The leader stops writing, and exits, when it could not renew for this long (longer
@@ -574,7 +575,7 @@ mod tests {
         ];
         // (extra flags, Ok((lease name, lease/renew/retry in ms)) or Err(part of the message))
         type Want = Result<Option<(&'static str, [u128; 3])>, &'static str>;
-        let cases: [(&[&str], Want); 6] = [
+        let cases: [(&[&str], Want); 7] = [
             (&[], Ok(None)),
             (
                 &["--leader-elect"],
@@ -600,6 +601,15 @@ mod tests {
             (
                 &["--leader-elect", "--leader-elect-retry-period=7s"],
                 Err("--leader-elect-renew-deadline (7s) must be longer"),
+            ),
+            (
+                &[
+                    "--leader-elect",
+                    "--leader-elect-lease-duration=1s",
+                    "--leader-elect-renew-deadline=600ms",
+                    "--leader-elect-retry-period=200ms",
+                ],
+                Ok(Some(("tensile-virtual-node-vk-1", [1_000, 600, 200]))),
             ),
         ];
         for (extra, want) in cases {
@@ -687,6 +697,9 @@ mod tests {
             "--kube-api-burst=0",
             "--authorization-webhook-cache-authorized-ttl=-1s",
             "--authorization-webhook-cache-unauthorized-ttl=forever",
+            // Written to the Lease in whole seconds.
+            "--leader-elect-lease-duration=999ms",
+            "--leader-elect-lease-duration=0",
         ];
         for case in cases {
             let flag = case.split('=').next().unwrap();

@@ -98,6 +98,10 @@ pub struct Cluster {
     pub side: Side,
     /// Its client (rate limited).
     pub client: Client,
+    /// A client for the leader-election Lease only: not rate limited, and with a queue and
+    /// connections of its own, so a renewal never waits behind the controllers' requests
+    /// (under a low `--kube-api-qps`, long past the renew deadline).
+    pub unthrottled: Client,
     /// Its API server's URL, for messages.
     pub server: String,
     /// Its Kubernetes version (`v1.36.3`), which the virtual node reports as kubelet version.
@@ -157,9 +161,13 @@ pub async fn connect(
 ) -> Result<Cluster, StartupError> {
     let server = config.cluster_url.to_string();
     let count = CountRequests { side, metrics };
-    let client = client_builder(config)
+    let client = client_builder(config.clone())
         .map_err(|source| StartupError::Client { side, source })?
         .with_layer(&limit.layer())
+        .with_layer(&count)
+        .build();
+    let unthrottled = client_builder(config)
+        .map_err(|source| StartupError::Client { side, source })?
         .with_layer(&count)
         .build();
     let version = tokio::time::timeout(Duration::from_secs(15), client.apiserver_version())
@@ -186,6 +194,7 @@ pub async fn connect(
     Ok(Cluster {
         side,
         client,
+        unthrottled,
         server,
         version: version.git_version,
     })

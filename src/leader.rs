@@ -8,6 +8,20 @@
 //! `renew_deadline`. On shutdown the holder releases the Lease so another takes over
 //! without waiting for it to expire. Writes use the Lease's resourceVersion, so two
 //! replicas never both win.
+//!
+//! Why a leader that could not renew has stopped before another replica can hold the
+//! Lease: a renewal counts from the start `s` of its attempt, so the Lease was written no
+//! earlier than `s`. A standby takes it only once it has seen one record unchanged for the
+//! written `leaseDurationSeconds` (the lease duration, rounded up), and its write carries
+//! the resourceVersion it read: the record it waited on is the leader's last write, seen
+//! at `s` or later, so it takes over at `s + lease_duration` at the earliest. The leader
+//! stops at `s + renew_deadline`, sooner since renew deadline < lease duration; the margin
+//! between the two absorbs the replicas' clocks running at slightly different rates and
+//! the process's exit. Counted from the answer instead (`s + d`), an answer `d` late would
+//! let the leader act until `s + d + renew_deadline`, past the takeover once
+//! `d > lease_duration - renew_deadline`. (client-go takes its `observedTime` when the
+//! answer comes and counts its renew deadline from the next round's start: the same
+//! window.)
 
 use std::time::{Duration, Instant};
 
@@ -37,6 +51,10 @@ pub struct LeaseConfig {
     pub retry_period: Duration,
 }
 
+/// The shortest lease duration: the Lease holds whole seconds, and a duration written as 0
+/// lets every standby take a live Lease at once.
+pub const MIN_LEASE_DURATION: Duration = Duration::from_secs(1);
+
 impl LeaseConfig {
     /// client-go's defaults: 15 s lease, 10 s renew deadline, 2 s retry period.
     pub fn new(namespace: &str, name: &str, identity: &str) -> Self {
@@ -51,10 +69,18 @@ impl LeaseConfig {
     }
 
     /// Fails, naming the flags, unless lease duration > renew deadline > retry period
-    /// (as client-go requires): otherwise a leader could lose the Lease while still acting,
-    /// or give up before its first retry.
+    /// (as client-go requires) and the lease duration is at least [`MIN_LEASE_DURATION`]:
+    /// otherwise a leader could lose the Lease while still acting, or give up before its
+    /// first retry.
     pub fn check_timings(&self) -> Result<(), String> {
         use crate::duration::format_duration;
+        if self.lease_duration < MIN_LEASE_DURATION {
+            return Err(format!(
+                "--leader-elect-lease-duration ({}) must be at least {}: the Lease holds whole seconds",
+                format_duration(self.lease_duration),
+                format_duration(MIN_LEASE_DURATION)
+            ));
+        }
         if self.lease_duration <= self.renew_deadline {
             return Err(format!(
                 "--leader-elect-lease-duration ({}) must be longer than --leader-elect-renew-deadline ({})",
@@ -176,9 +202,11 @@ impl Elector {
                 now
             }
         };
-        // The holder's own duration counts, so replicas configured apart still agree.
+        // The holder's own duration counts, so replicas configured apart still agree; a
+        // zero one (written by older versions for a sub-second duration) is no duration.
         let duration = spec
             .lease_duration_seconds
+            .filter(|s| *s > 0)
             .and_then(|s| u64::try_from(s).ok())
             .map_or(self.lease_duration, Duration::from_secs);
         if now.saturating_duration_since(seen_at) >= duration {
@@ -217,6 +245,44 @@ pub enum LeaseError {
     },
 }
 
+/// Why a replica must stop writing at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Lapse {
+    /// It led, and could not renew the Lease within the renew deadline.
+    #[error("the lease was not renewed within the renew deadline")]
+    Lost,
+    /// The election itself ended (its task panicked, or was dropped): nothing renews the
+    /// Lease, and this replica would never know it lost it.
+    #[error("the election task ended: nothing renews the lease")]
+    Ended,
+}
+
+/// Follows `leading` (from [`elect`]) until `stop`, passing each change to `on_change`.
+/// `Err` the moment the Lease lapses before `stop`: leading turns from true to false, or
+/// the election ends.
+pub async fn follow(
+    mut leading: watch::Receiver<bool>,
+    stop: &CancellationToken,
+    mut on_change: impl FnMut(bool),
+) -> Result<(), Lapse> {
+    let mut was_leading = false;
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return Ok(()),
+            // The sender is dropped only when the election ends, which it does on `stop`.
+            changed = leading.changed() => if changed.is_err() {
+                return if stop.is_cancelled() { Ok(()) } else { Err(Lapse::Ended) };
+            },
+        }
+        let leads = *leading.borrow_and_update();
+        if was_leading && !leads && !stop.is_cancelled() {
+            return Err(Lapse::Lost);
+        }
+        was_leading = leads;
+        on_change(leads);
+    }
+}
+
 /// Runs the election until `shutdown`, publishing "we are the leader" on the returned
 /// receiver; the future must be polled (spawned) for the election to run. On shutdown it
 /// releases the Lease if held, then publishes `false`.
@@ -239,10 +305,14 @@ async fn run(
     let mut elector = Elector::new(&config.identity, config.lease_duration);
     let mut last_renew: Option<Instant> = None;
     loop {
+        // A renewal counts from here, before anything is sent (see the module's doc).
+        let started = Instant::now();
         // A leader's attempt may last only until its renew deadline: past it, it must
         // already have stopped acting, however long the API server takes to answer.
         let budget = match last_renew {
-            Some(at) => config.renew_deadline.saturating_sub(at.elapsed()),
+            Some(at) => config
+                .renew_deadline
+                .saturating_sub(started.saturating_duration_since(at)),
             None => config.renew_deadline,
         };
         let attempt = tokio::time::timeout(budget, try_once(&leases, &config, &mut elector));
@@ -255,7 +325,7 @@ async fn run(
         };
         let now = Instant::now();
         match outcome {
-            Ok(true) => last_renew = Some(now),
+            Ok(true) => last_renew = Some(started),
             Ok(false) => last_renew = None,
             Err(error) => debug!(%error, identity = %config.identity, "lease not renewed"),
         }
@@ -313,7 +383,7 @@ async fn try_once(
         Instant::now(),
     );
     let now = MicroTime(Timestamp::now());
-    let duration = i32::try_from(config.lease_duration.as_secs()).unwrap_or(i32::MAX);
+    let duration = whole_seconds(config.lease_duration);
     match decision {
         Decision::Wait => Ok(false),
         Decision::Create => {
@@ -359,6 +429,15 @@ async fn try_once(
             Ok(true)
         }
     }
+}
+
+/// `duration` as the Lease's `leaseDurationSeconds`, rounded up: a standby then waits at
+/// least as long as the holder counts on, never less.
+fn whole_seconds(duration: Duration) -> i32 {
+    let seconds = duration
+        .as_secs()
+        .saturating_add(u64::from(duration.subsec_nanos() > 0));
+    i32::try_from(seconds).unwrap_or(i32::MAX)
 }
 
 /// Gives the Lease up (holder cleared), so another replica takes it at once.
@@ -448,6 +527,14 @@ mod tests {
                 ],
             ),
             (
+                "a holder's zero duration is ours",
+                vec![
+                    (Some(spec(Some("other"), 1, 0)), 0, Decision::Wait),
+                    (Some(spec(Some("other"), 1, 0)), 14, Decision::Wait),
+                    (Some(spec(Some("other"), 1, 0)), 15, Decision::Take),
+                ],
+            ),
+            (
                 "a stale clock on the holder does not matter",
                 vec![(Some(spec(Some("other"), -100_000, 15)), 0, Decision::Wait)],
             ),
@@ -474,6 +561,9 @@ mod tests {
             ((10_000, 12_000, 2_000), false),
             ((10_000, 2_000, 2_000), false),
             ((10_000, 1_000, 2_000), false),
+            // The Lease holds whole seconds: under one, nothing sensible can be written.
+            ((1_000, 600, 200), true),
+            ((900, 600, 200), false),
         ];
         for ((lease, renew, retry), ok) in cases {
             let config = LeaseConfig {
@@ -504,6 +594,101 @@ mod tests {
         }
         assert_eq!(identity(Some("pod-a")), "pod-a");
         assert_ne!(identity(None), identity(None), "two processes on one host");
+    }
+
+    #[test]
+    fn the_lease_duration_is_written_rounded_up_to_whole_seconds() {
+        let cases = [
+            (Duration::from_millis(500), 1),
+            (Duration::from_secs(1), 1),
+            (Duration::from_millis(2_900), 3),
+            (Duration::from_secs(15), 15),
+            (Duration::from_secs(15) + Duration::from_nanos(1), 16),
+            (Duration::from_secs(u64::from(u32::MAX)), i32::MAX),
+            (Duration::MAX, i32::MAX),
+        ];
+        for (duration, want) in cases {
+            assert_eq!(whole_seconds(duration), want, "{duration:?}");
+        }
+    }
+
+    /// What happens to the election, in [`follow_outcomes`].
+    #[derive(Clone, Copy, Debug)]
+    enum Step {
+        /// It publishes whether this replica leads.
+        Leads(bool),
+        /// Its task panics, dropping the sender.
+        Panics,
+        /// Shutdown: `stop` is cancelled.
+        Stops,
+    }
+
+    #[tokio::test]
+    async fn follow_outcomes() {
+        use Step::{Leads, Panics, Stops};
+        // (what happens, how `follow` ends: `None` while it still runs)
+        type Case = (&'static str, &'static [Step], Option<Result<(), Lapse>>);
+        let cases: [Case; 7] = [
+            ("stopped while leading", &[Leads(true), Stops], Some(Ok(()))),
+            ("stopped standing by", &[Stops], Some(Ok(()))),
+            ("still leading", &[Leads(true)], None),
+            ("lost", &[Leads(true), Leads(false)], Some(Err(Lapse::Lost))),
+            (
+                "released after stop",
+                &[Leads(true), Stops, Leads(false), Panics],
+                Some(Ok(())),
+            ),
+            (
+                "the election panics while leading",
+                &[Leads(true), Panics],
+                Some(Err(Lapse::Ended)),
+            ),
+            (
+                "the election panics standing by",
+                &[Panics],
+                Some(Err(Lapse::Ended)),
+            ),
+        ];
+        for (name, steps, want) in cases {
+            let (tx, rx) = watch::channel(false);
+            let stop = CancellationToken::new();
+            let follower = tokio::spawn({
+                let stop = stop.clone();
+                async move { follow(rx, &stop, |_| {}).await }
+            });
+            let mut tx = Some(tx);
+            for step in steps {
+                match step {
+                    Leads(leads) => {
+                        if let Some(tx) = &tx {
+                            tx.send_replace(*leads);
+                        }
+                    }
+                    Panics => {
+                        let sender = tx.take();
+                        let task = tokio::spawn(async move {
+                            let _sender = sender;
+                            panic!("injected");
+                        });
+                        assert!(task.await.is_err(), "{name}");
+                    }
+                    Stops => stop.cancel(),
+                }
+                // The follower sees each step before the next (a watch keeps the last only).
+                for _ in 0..10 {
+                    tokio::task::yield_now().await;
+                }
+            }
+            let got = follower.is_finished().then_some(());
+            let got = match got {
+                Some(()) => Some(follower.await.unwrap()),
+                None => {
+                    follower.abort();
+                    None
+                }
+            };
+            assert_eq!(got, want, "{name}");
+        }
     }
 
     #[test]

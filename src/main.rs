@@ -177,7 +177,7 @@ async fn run(args: Args, started: CancellationToken) -> Result<(), String> {
             info!(lease = %lease_label, identity = %config.identity, cluster = "upper",
                 "standing by until this process holds the lease");
             let (leading, election) =
-                leader::elect(upper.client.clone(), config, election_stop.clone());
+                leader::elect(upper.unthrottled.clone(), config, election_stop.clone());
             let election = tokio::spawn(election);
             let guard = tokio::spawn(exit_on_lost_lease(
                 leading.clone(),
@@ -275,30 +275,24 @@ async fn run(args: Args, started: CancellationToken) -> Result<(), String> {
     outcome
 }
 
-/// Exits the process, status 1, the moment `leading` turns from true to false before
-/// `election_stop`: the Lease was lost (not renewed within the renew deadline), and every
-/// writer must stop before another replica takes over; the restarted pod stands by.
-/// Keeps the leader gauge current meanwhile.
+/// Exits the process, status 1, the moment the Lease lapses before `election_stop`: it was
+/// lost (not renewed within the renew deadline), or the election task ended. Every writer
+/// must stop before another replica takes over; the restarted pod stands by. Keeps the
+/// leader gauge current meanwhile.
 async fn exit_on_lost_lease(
-    mut leading: watch::Receiver<bool>,
+    leading: watch::Receiver<bool>,
     lease: String,
     metrics: Arc<Metrics>,
     election_stop: CancellationToken,
 ) {
-    let mut was_leading = false;
-    loop {
-        tokio::select! {
-            () = election_stop.cancelled() => break,
-            changed = leading.changed() => if changed.is_err() { break },
-        }
-        let leads = *leading.borrow_and_update();
-        if was_leading && !leads && !election_stop.is_cancelled() {
-            error!(%lease, cluster = "upper",
-                "leader election lost: the lease was not renewed within the renew deadline; exiting so that nothing is written while another replica may lead");
-            std::process::exit(1);
-        }
-        was_leading = leads;
+    let outcome = leader::follow(leading, &election_stop, |leads| {
         metrics.set_leader(&lease, leads);
+    })
+    .await;
+    if let Err(lapse) = outcome {
+        error!(%lease, cluster = "upper", %lapse,
+            "leader election lost: exiting so that nothing is written while another replica may lead");
+        std::process::exit(1);
     }
     metrics.set_leader(&lease, false);
 }

@@ -6,6 +6,8 @@
 mod common;
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{TIMEOUT, lower_writes, metric, running, start_node_with};
@@ -15,11 +17,13 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
 use kube::api::{Api, ListParams, PostParams};
 use nix::sys::signal::Signal;
+use tensile::leader::{self, LeaseConfig};
 use tensile_harness::fixtures::bound_pod;
 use tensile_harness::{
     ClusterPair, Component, PairOptions, TestNamespace, VirtualNode, VirtualNodeOptions, invariant,
     wait_for,
 };
+use tokio_util::sync::CancellationToken;
 
 /// Where the Lease is when neither POD_NAMESPACE nor a service account says otherwise.
 const LEASE_NAMESPACE: &str = "kube-system";
@@ -339,4 +343,193 @@ async fn a_leader_that_cannot_renew_exits_before_its_lease_expires() {
     assert!(exit.contains("exit status: 1"), "{exit}");
     assert!(exit.contains("leader election lost"), "{exit}");
     assert!(after < Duration::from_secs(8), "{after:?}");
+}
+
+/// The Lease is renewed on a client of its own, never queued behind the controllers'
+/// upper traffic: held to one upper request a second (`--kube-api-qps=1 --kube-api-burst=1`),
+/// a leader that starts with 10 pods bound to its node has its start-up requests (watches,
+/// the Node, its status) and the pods' status writes queued there, a minute of them
+/// against its 3 s renew deadline, and still keeps its Lease until every pod is Running.
+/// (On the shared client it lost the Lease within seconds of starting.)
+#[tokio::test]
+async fn a_leader_held_to_one_upper_request_a_second_keeps_its_lease_under_load() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let node = "vk-ha-qps";
+    let upper = pair.upper.client().await.unwrap();
+    let leases: Api<Lease> = Api::namespaced(upper.clone(), LEASE_NAMESPACE);
+    let ns = TestNamespace::create(&upper, "ha-qps").await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    create_pods(&upper_pods, node, (0..10).map(|i| format!("load-{i:02}"))).await;
+
+    let mut args = FAST_LEASE.to_vec();
+    args.extend(["--kube-api-qps=1", "--kube-api-burst=1"]);
+    let started = Instant::now();
+    let mut leader = pair.start_virtual_node(&options(node, "a", &args)).unwrap();
+    let all_running = wait_for("10 upper pods Running", 3 * TIMEOUT, || async {
+        let pods = upper_pods.list(&ListParams::default()).await?.items;
+        Ok((pods.len() == 10 && pods.iter().all(running)).then_some(()))
+    });
+    let exited = async {
+        let mut every = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            every.tick().await;
+            if let Err(exit) = leader.check_running() {
+                return exit;
+            }
+        }
+    };
+    tokio::select! {
+        running = all_running => running.unwrap(),
+        exit = exited => panic!("the leader exited under load: {exit:#}"),
+    }
+    let upper_requests: u64 = common::metrics_text(&leader)
+        .await
+        .lines()
+        .filter(|l| l.starts_with("tensile_api_requests_total{cluster=\"upper\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum();
+    eprintln!(
+        "10 pods Running {} ms after the leader started, at 1 upper request a second; {upper_requests} upper requests",
+        started.elapsed().as_millis()
+    );
+    leader.check_running().unwrap();
+    assert_eq!(holder(&leases, node).await.as_deref(), Some("a"));
+    assert_eq!(metric(&leader, &leader_series(node)).await, 1);
+
+    ns.delete().await.unwrap();
+    leader.stop().unwrap();
+}
+
+/// A client of `upstream` for one elector, whose next Lease update is answered `delay`
+/// late (the API server applied it at once) and whose requests from then on get no
+/// answer: a leader's last renewal reaching it slowly, its API server then unreachable.
+#[derive(Clone)]
+struct SlowLastRenewal {
+    upstream: Client,
+    delay: Arc<Mutex<Option<Duration>>>,
+    silent: Arc<AtomicBool>,
+}
+
+impl SlowLastRenewal {
+    fn new(upstream: Client) -> Self {
+        Self {
+            upstream,
+            delay: Arc::default(),
+            silent: Arc::default(),
+        }
+    }
+
+    /// From now on, the next update is answered `delay` late, and then nothing is.
+    fn arm(&self, delay: Duration) {
+        *self.delay.lock().unwrap() = Some(delay);
+    }
+
+    fn client(&self) -> Client {
+        let this = self.clone();
+        let service = tower::service_fn(move |request: http::Request<kube::client::Body>| {
+            let this = this.clone();
+            async move {
+                if this.silent.load(Ordering::SeqCst) {
+                    std::future::pending::<()>().await;
+                }
+                let delay = if request.method() == http::Method::PUT {
+                    this.delay.lock().unwrap().take()
+                } else {
+                    None
+                };
+                if delay.is_some() {
+                    this.silent.store(true, Ordering::SeqCst);
+                }
+                let answer = this.upstream.send(request).await?;
+                if let Some(delay) = delay {
+                    // The network is slow: this sleep is the fault, not a wait for a state.
+                    tokio::time::sleep(delay).await;
+                }
+                Ok::<_, kube::Error>(answer)
+            }
+        });
+        Client::new(service, "default")
+    }
+}
+
+/// A renewal counts from when it was sent, not from when its answer came: the leader's
+/// last renewal is answered 3.5 s late (applied at once), then its API server is gone. The
+/// leader must stop within its 5 s renew deadline of sending it, so before a standby,
+/// which saw the Lease change when it was applied, can take the 6 s Lease; counted from
+/// the answer, it would lead 8.5 s after sending, beside the new leader. Two electors of
+/// the library, on the real upper API server.
+#[tokio::test]
+async fn a_renewal_answered_late_counts_from_when_it_was_sent() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let upper = pair.upper.client().await.unwrap();
+    let ns = TestNamespace::create(&upper, "ha-slow").await.unwrap();
+    let config = |identity: &str| LeaseConfig {
+        lease_duration: Duration::from_secs(6),
+        renew_deadline: Duration::from_secs(5),
+        retry_period: Duration::from_millis(500),
+        ..LeaseConfig::new(&ns.name, "slow-renewal", identity)
+    };
+    let stop = CancellationToken::new();
+    let network = SlowLastRenewal::new(upper.clone());
+    let (mut a_leads, a) = leader::elect(network.client(), config("a"), stop.clone());
+    let a = tokio::spawn(a);
+    tokio::time::timeout(TIMEOUT, a_leads.wait_for(|l| *l))
+        .await
+        .expect("a leads")
+        .unwrap();
+    let (mut b_leads, b) = leader::elect(upper.clone(), config("b"), stop.clone());
+    let b = tokio::spawn(b);
+
+    network.arm(Duration::from_millis(3_500));
+    let armed = Instant::now();
+    let a_stopped = async {
+        a_leads.wait_for(|l| !*l).await.unwrap();
+        armed.elapsed()
+    };
+    let b_started = async {
+        b_leads.wait_for(|l| *l).await.unwrap();
+        armed.elapsed()
+    };
+    let (a_stopped, b_started) =
+        tokio::time::timeout(TIMEOUT, async { tokio::join!(a_stopped, b_started) })
+            .await
+            .expect("a stops and b leads");
+    eprintln!(
+        "after the slow renewal: a stopped at {} ms, b led at {} ms",
+        a_stopped.as_millis(),
+        b_started.as_millis()
+    );
+    assert!(
+        a_stopped < b_started,
+        "two leaders: a led until {a_stopped:?}, b from {b_started:?}"
+    );
+
+    stop.cancel();
+    let _ = tokio::join!(a, b);
+    ns.delete().await.unwrap();
+}
+
+/// A lease duration under a second is refused before anything starts (exit status 2, one
+/// line naming the flag): the Lease holds whole seconds, and one written as 0 lets every
+/// standby take a live Lease at once.
+#[test]
+fn a_sub_second_lease_duration_exits_2_with_one_line() {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_virtual-node"))
+        .args([
+            "--client-kubeconfig=/nonexistent",
+            "--leader-elect",
+            "--leader-elect-lease-duration=900ms",
+            "--leader-elect-renew-deadline=600ms",
+            "--leader-elect-retry-period=200ms",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(2), "{stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "one line: {stderr}");
+    assert!(
+        lines[0].contains("--leader-elect-lease-duration"),
+        "{stderr}"
+    );
 }
