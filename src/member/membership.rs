@@ -133,17 +133,19 @@ impl Membership {
             Api::namespaced(self.shared.upper.client.clone(), &self.namespace);
         let (store, writer) = reflector::store();
         let config = watcher::Config::default().labels(&format!("{MEMBER_LABEL}=true"));
-        let mut changes = std::pin::pin!(
-            reflector::reflector(writer, watcher::watcher(secrets, config).default_backoff())
-                .touched_objects()
-        );
+        let mut changes = std::pin::pin!(reflector::reflector(
+            writer,
+            watcher::watcher(secrets, config).default_backoff()
+        ));
         let mut recheck = tokio::time::interval(RECHECK);
         recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Members are started from a complete list only (the first one, then every change).
         let mut synced = false;
         loop {
             tokio::select! {
                 () = shutdown.cancelled() => break,
                 change = changes.next() => match change {
+                    Some(Ok(watcher::Event::InitDone)) => synced = true,
                     Some(Ok(_)) => {}
                     Some(Err(error)) => {
                         warn!(%error, cluster = "upper", "watching member Secrets");
@@ -154,10 +156,7 @@ impl Membership {
                 _ = recheck.tick() => {}
             }
             if !synced {
-                if store.wait_until_ready().await.is_err() {
-                    break;
-                }
-                synced = true;
+                continue;
             }
             // Waiting for the lease: a standby starts no member (each would write).
             if let Some(leading) = &self.shared.leading
