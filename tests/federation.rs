@@ -320,7 +320,7 @@ async fn three_lower_clusters_joined_from_member_secrets_share_a_deployment() {
     wait_for("the pods B ran are placed again", TIMEOUT, || async {
         let placed = placement(&pods, "spread").await;
         Ok(
-            (placed.get("vk-fed-b").is_none() && placed.values().sum::<usize>() == 10)
+            (!placed.contains_key("vk-fed-b") && placed.values().sum::<usize>() == 10)
                 .then_some(()),
         )
     })

@@ -231,11 +231,11 @@ impl Membership {
 
         for (name, (secret, member)) in wanted {
             let fingerprint = fingerprint(&member);
-            if let Some(running) = self.running.get(&name) {
-                if running.fingerprint == fingerprint && Some(&running.uid) == secret.uid().as_ref()
-                {
-                    continue;
-                }
+            if let Some(running) = self.running.get(&name)
+                && running.fingerprint == fingerprint
+                && Some(&running.uid) == secret.uid().as_ref()
+            {
+                continue;
             }
             let spec = match super::member_spec(&member).await {
                 Ok(spec) => spec,
