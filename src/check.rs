@@ -2,17 +2,21 @@
 //! these flags: both kubeconfigs load, both API servers answer (and their versions), every
 //! permission the enabled parts need is granted in each cluster (SelfSubjectAccessReviews
 //! from the same tables the start-up check uses), the upper cluster's identity can be read,
-//! and the kubelet and metrics ports are free. One line per check, ✓ or ✗.
+//! and the kubelet and metrics ports are free; with `--members-namespace`, every member
+//! Secret there is read and its lower cluster reached and checked the same way. One line
+//! per check, ✓ or ✗.
 
 use std::fmt::Write;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::Api;
+use kube::api::ListParams;
 
 use crate::cli::Args;
 use crate::clusters::{self, Cluster, RateLimit};
+use crate::member::spec::{self, MEMBER_LABEL};
 use crate::metrics::Metrics;
 use crate::side::Side;
 
@@ -87,23 +91,31 @@ pub async fn check(args: &Args) -> Report {
         &metrics,
     )
     .await;
-    let lower = reach(
-        &mut report,
-        Side::Lower,
-        Some(&args.client_kubeconfig),
-        RateLimit {
-            qps: args.client_qps,
-            burst: args.client_burst,
-        },
-        &metrics,
-    )
-    .await;
+    let lower = match &args.client_kubeconfig {
+        Some(kubeconfig) => {
+            reach(
+                &mut report,
+                Side::Lower,
+                Some(kubeconfig),
+                RateLimit {
+                    qps: args.client_qps,
+                    burst: args.client_burst,
+                },
+                &metrics,
+            )
+            .await
+        }
+        None => None,
+    };
     let features = args.features();
     for cluster in [&upper, &lower].into_iter().flatten() {
-        permissions(&mut report, cluster, features).await;
+        permissions(&mut report, cluster, features, &cluster.side.to_string()).await;
     }
     if let Some(upper) = &upper {
         identity(&mut report, args, upper).await;
+        if let Some(namespace) = &args.members_namespace {
+            members(&mut report, args, upper, namespace, &metrics).await;
+        }
     }
     port(
         &mut report,
@@ -144,20 +156,102 @@ async fn reach(
     }
 }
 
-async fn permissions(report: &mut Report, cluster: &Cluster, features: clusters::Features) {
+/// Every member Secret of `namespace`: readable, its lower cluster reachable with it, and
+/// every permission a member needs there granted.
+async fn members(
+    report: &mut Report,
+    args: &Args,
+    upper: &Cluster,
+    namespace: &str,
+    metrics: &Arc<Metrics>,
+) {
+    let secrets: Api<Secret> = Api::namespaced(upper.client.clone(), namespace);
+    let listed = secrets
+        .list(&ListParams::default().labels(&format!("{MEMBER_LABEL}=true")))
+        .await;
+    let found = match listed {
+        Ok(found) => found.items,
+        Err(error) => {
+            report.fail(format!(
+                "upper cluster: listing the member Secrets of {namespace}: {error}"
+            ));
+            return;
+        }
+    };
+    report.pass(format!(
+        "--members-namespace {namespace}: {} member Secrets",
+        found.len()
+    ));
+    let defaults = spec::Defaults {
+        taint: crate::member::flag_taint(args),
+        ignore_labels: args.ignore_labels.clone(),
+        qps: args.client_qps,
+        burst: args.client_burst,
+    };
+    for secret in &found {
+        let name = format!(
+            "{namespace}/{}",
+            secret.metadata.name.as_deref().unwrap_or_default()
+        );
+        let member = match spec::read(secret, &defaults) {
+            Ok(member) => member,
+            Err(error) => {
+                report.fail(format!("member Secret {name}: {error}"));
+                continue;
+            }
+        };
+        let member = match crate::member::member_spec(&member).await {
+            Ok(member) => member,
+            Err(error) => {
+                report.fail(format!("member Secret {name}: {error}"));
+                continue;
+            }
+        };
+        let node = member.node.clone();
+        match clusters::connect(
+            Side::Lower,
+            member.lower,
+            member.lower_limit,
+            metrics.clone(),
+        )
+        .await
+        {
+            Ok(lower) => {
+                report.pass(format!(
+                    "node {node} (member Secret {name}): lower cluster reachable at {} (Kubernetes {})",
+                    lower.server, lower.version
+                ));
+                permissions(
+                    report,
+                    &lower,
+                    args.features(),
+                    &format!("node {node}: lower"),
+                )
+                .await;
+            }
+            Err(error) => report.fail(format!("node {node} (member Secret {name}): {error}")),
+        }
+    }
+}
+
+async fn permissions(
+    report: &mut Report,
+    cluster: &Cluster,
+    features: clusters::Features,
+    which: &str,
+) {
     let needed = clusters::needed_permissions(cluster.side, features);
     match clusters::review_permissions(cluster, &needed).await {
         Ok(answers) => {
             let granted = answers.iter().filter(|(_, allowed)| *allowed).count();
             for (permission, allowed) in &answers {
                 if !allowed {
-                    report.fail(format!("{} cluster: may not {permission}", cluster.side));
+                    report.fail(format!("{which} cluster: may not {permission}"));
                 }
             }
             if granted == answers.len() {
                 report.pass(format!(
-                    "{} cluster: all {granted} permissions granted",
-                    cluster.side
+                    "{which} cluster: all {granted} permissions granted"
                 ));
             }
         }

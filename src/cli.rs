@@ -47,9 +47,17 @@ pub struct Args {
     #[arg(long, env = "KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
 
-    /// Kubeconfig of the lower cluster.
-    #[arg(long)]
-    pub client_kubeconfig: PathBuf,
+    /// Kubeconfig of the lower cluster: the member of the single-cluster flags, joined as
+    /// `--nodename`. Optional with `--members-namespace`.
+    #[arg(long, required_unless_present = "members_namespace")]
+    pub client_kubeconfig: Option<PathBuf>,
+
+    /// Join, besides or instead of `--client-kubeconfig`, every lower cluster whose member
+    /// Secret (label `tensile.dev/lower-cluster: "true"`, kubeconfig under `kubeconfig`)
+    /// is in this upper namespace, each as a virtual node of its own, joined and left at
+    /// run time (`virtual-node join` writes such Secrets).
+    #[arg(long, env = "TENSILE_MEMBERS_NAMESPACE", value_parser = parse_node_name)]
+    pub members_namespace: Option<String>,
 
     /// Requests per second to the lower cluster.
     #[arg(long, value_parser = parse_qps, default_value_t = 500.0)]
@@ -299,6 +307,10 @@ impl Args {
                 &*crate::leader::lease_namespace(self.leader_elect_resource_namespace.as_deref())
                     .leak()
             }),
+            members: self
+                .members_namespace
+                .as_ref()
+                .map(|ns| &*ns.clone().leak()),
         }
     }
 
@@ -983,7 +995,10 @@ mod tests {
         let args = args.unwrap();
         assert_eq!(args.nodename, "vk-node");
         assert!(args.disable_taint);
-        assert_eq!(args.client_kubeconfig, PathBuf::from("/root/kube.config"));
+        assert_eq!(
+            args.client_kubeconfig,
+            Some(PathBuf::from("/root/kube.config"))
+        );
         assert_eq!(args.metrics_addr.port(), 10455);
         assert_eq!(args.log_level, "debug");
         assert_eq!(args.ignored_flags(), ["--provider=k8s"]);

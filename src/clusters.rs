@@ -365,8 +365,11 @@ pub async fn review_permissions(
     needed: &[Permission],
 ) -> Result<Vec<(Permission, bool)>, StartupError> {
     let reviews: Api<SelfSubjectAccessReview> = Api::all(cluster.client.clone());
-    let answers: Vec<Result<bool, StartupError>> = futures::stream::iter(needed)
-        .map(|permission| is_allowed(cluster, &reviews, permission))
+    // Each permission is moved into its review (not borrowed from the stream), so the
+    // future stays `Send` for a member's task.
+    let reviews = &reviews;
+    let answers: Vec<Result<bool, StartupError>> = futures::stream::iter(needed.iter().copied())
+        .map(|permission| async move { is_allowed(cluster, reviews, &permission).await })
         .buffered(CONCURRENT_REVIEWS)
         .collect()
         .await;
@@ -609,6 +612,25 @@ pub const LOWER_PV_PERMISSIONS: &[Permission] = &[
     grouped("watch", "storage.k8s.io", "storageclasses"),
 ];
 
+/// What the membership controller (`--members-namespace`) needs in the upper cluster
+/// beyond the member Secrets of its namespace ([`MEMBER_SECRET_VERBS`]): a leaving member's
+/// node cordoned, its pods evicted, then the Node and its node Lease deleted.
+pub const UPPER_MEMBER_PERMISSIONS: &[Permission] = &[
+    sub("create", "pods", "eviction"),
+    perm("delete", "nodes"),
+    Permission {
+        namespace: Some("kube-node-lease"),
+        ..grouped("get", "coordination.k8s.io", "leases")
+    },
+    Permission {
+        namespace: Some("kube-node-lease"),
+        ..grouped("delete", "coordination.k8s.io", "leases")
+    },
+];
+
+/// The member Secrets: watched, and their finalizer added and removed.
+const MEMBER_SECRET_VERBS: [&str; 4] = ["list", "watch", "get", "patch"];
+
 /// Which optional parts run, and so which permissions they need.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Features {
@@ -624,6 +646,8 @@ pub struct Features {
     pub token_reviews: bool,
     /// `--leader-elect`: the namespace of the leader-election Lease.
     pub leader_election: Option<&'static str>,
+    /// `--members-namespace`: where the member Secrets are.
+    pub members: Option<&'static str>,
 }
 
 /// Leader election's calls (`crate::leader`): the Lease read, created once, then updated.
@@ -640,6 +664,7 @@ pub fn needed_permissions(side: Side, features: Features) -> Vec<Permission> {
             (features.token_reviews, UPPER_TOKEN_REVIEW_PERMISSIONS),
             (features.services, UPPER_SERVICE_PERMISSIONS),
             (features.volumes, UPPER_PV_PERMISSIONS),
+            (features.members.is_some(), UPPER_MEMBER_PERMISSIONS),
         ],
         Side::Lower => vec![
             (true, LOWER_PERMISSIONS),
@@ -656,6 +681,12 @@ pub fn needed_permissions(side: Side, features: Features) -> Vec<Permission> {
         needed.extend(LEADER_ELECTION_VERBS.map(|verb| Permission {
             namespace: Some(namespace),
             ..grouped(verb, "coordination.k8s.io", "leases")
+        }));
+    }
+    if let (Side::Upper, Some(namespace)) = (side, features.members) {
+        needed.extend(MEMBER_SECRET_VERBS.map(|verb| Permission {
+            namespace: Some(namespace),
+            ..perm(verb, "secrets")
         }));
     }
     needed
@@ -679,6 +710,7 @@ mod tests {
             access_reviews: true,
             token_reviews: true,
             leader_election: Some("tensile-system"),
+            members: Some("tensile-members"),
         };
         let none = Features::default();
         let cases = [
@@ -759,7 +791,15 @@ mod tests {
                 false,
             ),
         ];
-        for (side, features, wanted, want) in cases {
+        let members = [
+            (Side::Upper, none, "create pods/eviction", false),
+            (Side::Upper, all, "create pods/eviction", true),
+            (Side::Upper, all, "patch secrets in tensile-members", true),
+            (Side::Upper, all, "watch secrets in tensile-members", true),
+            (Side::Upper, all, "delete nodes", true),
+            (Side::Lower, all, "create pods/eviction", false),
+        ];
+        for (side, features, wanted, want) in cases.into_iter().chain(members) {
             assert_eq!(has(side, features, wanted), want, "{side}: {wanted}");
         }
     }
@@ -774,6 +814,7 @@ mod tests {
                 access_reviews: true,
                 token_reviews: true,
                 leader_election: Some("tensile-system"),
+                members: Some("tensile-members"),
             };
             let listed: Vec<String> = needed_permissions(side, all)
                 .iter()

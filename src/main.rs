@@ -1,31 +1,22 @@
-//! virtual-node: joins the lower cluster to the upper one as a virtual node. Wiring only.
+//! virtual-node: joins lower clusters to the upper one, each as a virtual node (a
+//! member, `tensile::member`). Wiring only.
 
-use std::collections::BTreeMap;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 use clap::CommandFactory;
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, Node, Taint};
-use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use kube::runtime::events::{Recorder, Reporter};
-use tensile::cli::{self, Args, CompatCommand, OptionalControllers};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use tensile::cli::{self, Args, CompatCommand};
 use tensile::clusters::{self, Cluster, RateLimit, StartupError};
-use tensile::controllers::{self, Context};
-use tensile::kubelet_api;
 use tensile::leader;
 use tensile::logging;
+use tensile::member::{self, MemberSpec, Shared};
 use tensile::metrics::{self, Metrics};
-use tensile::node::{self, spec::NodeConfig};
 use tensile::shutdown::Tasks;
 use tensile::side::Side;
-use tensile::translate::meta::Owner;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
-
-/// The lower capacity as last computed; `None` until the lower watches have listed.
-type Capacity = Option<BTreeMap<String, Quantity>>;
 
 /// jemalloc, not glibc's malloc: glibc gives each busy thread its own arena and keeps
 /// what a burst freed in each. With 16 tokio workers (a 16-core box's default) virtual-node
@@ -99,30 +90,27 @@ async fn main() -> ExitCode {
 }
 
 /// Checks everything that can be checked before starting, then runs every part on a task
-/// of its own until shutdown. `Err` is the one line to print: what stopped it, by name.
-/// With `--leader-elect` the parts that only read (watches, metrics, kubelet API) run at
-/// once, and those that write once this process holds the Lease.
+/// of its own until shutdown: the members (the lower cluster of the single-cluster flags,
+/// and those of the member Secrets of `--members-namespace`), each a lower cluster joined
+/// as a virtual node, and what they share. `Err` is the one line to print: what stopped
+/// it, by name. With `--leader-elect` the parts that only read (watches, metrics, kubelet
+/// API) run at once, and those that write once this process holds the Lease.
 async fn run(args: Args, started: CancellationToken) -> Result<(), String> {
     let lease = args.lease_config()?;
     let metrics = Arc::new(Metrics::default());
-    let (upper, lower) = connect(&args, &metrics).await?;
+    let (upper, lower_config) = connect(&args, &metrics).await?;
     let optional = args.optional_controllers();
     for unknown in &optional.unknown {
         warn!(controller = %unknown, "--enable-controllers: unknown controller skipped");
     }
-    check_permissions(&args, &upper, &lower).await?;
-    let owner = owner(&args, &upper).await?;
-    if lease.is_none() {
-        adopt(&upper, &lower, &owner, &optional).await?;
-    }
+    let upper_needs = clusters::needed_permissions(Side::Upper, args.features());
+    clusters::check_permissions(&upper, &upper_needs)
+        .await
+        .map_err(|e| e.to_string())?;
+    let cluster_id = cluster_id(&args, &upper).await?;
     let metrics_listener = metrics::bind(args.metrics_addr).await?;
-    let (kubelet_listener, kubelet_tls, kubelet_api) =
-        kubelet_api_setup(&args, &owner, &upper.client, &lower.client).await?;
-    info!(
-        node = %args.nodename, upper = %upper.server, lower = %lower.server,
-        lower_version = %lower.version, pv_controllers = optional.volumes,
-        service_controllers = optional.services, "starting"
-    );
+    let client_ca = kubelet_client_ca(&args, &upper.client).await?;
+    info!(upper = %upper.server, members_namespace = ?args.members_namespace, "starting");
 
     let shutdown = CancellationToken::new();
     tokio::spawn(tensile::shutdown::on_signals(shutdown.clone()));
@@ -131,48 +119,17 @@ async fn run(args: Args, started: CancellationToken) -> Result<(), String> {
         "metrics server",
         metrics::serve(metrics_listener, metrics.clone(), shutdown.clone()),
     );
-    // Standbys serve the kubelet API too: it only proxies reads and streams to lower pods,
-    // and the upper API server calls the address on the Node, which only the leader writes.
-    tasks.spawn(
-        "kubelet API server",
-        kubelet_api::serve(kubelet_listener, kubelet_tls, kubelet_api, shutdown.clone()),
-    );
-    let (capacity_tx, capacity_rx) = watch::channel(None);
-    tasks.spawn(
-        "capacity watch",
-        node::watch_capacity(
-            lower.client.clone(),
-            owner.clone(),
-            capacity_tx,
-            shutdown.clone(),
-        ),
-    );
-    let ctx = context(&args, owner.clone(), &upper, &lower, metrics.clone());
-    let controllers::pod_watch::PodWatches {
-        stores,
-        pump,
-        pods: pod_triggers,
-        status: status_triggers,
-    } = controllers::pod_watch::watches(&ctx);
-    // The watches run until shutdown; the controllers stop on it by themselves.
-    let stop = shutdown.clone();
-    tasks.spawn("pod watches", async move {
-        tokio::select! {
-            () = stop.cancelled() => {}
-            () = pump => {}
-        }
-    });
 
-    // The election outlives the controllers' draining: it stops on `election_stop`, once
-    // they have stopped, and then gives the Lease up so a standby takes over at once.
+    // The election outlives the members' draining: it stops on `election_stop`, once they
+    // have stopped, and then gives the Lease up so a standby takes over at once.
     let election_stop = CancellationToken::new();
     let lease_label = lease
         .as_ref()
         .map(|l| format!("{}/{}", l.namespace, l.name))
         .unwrap_or_default();
     metrics.set_leader(&lease_label, lease.is_none());
-    let (triggers, election) = match lease {
-        None => ((pod_triggers, status_triggers), None),
+    let (leading, election) = match lease {
+        None => (None, None),
         Some(config) => {
             info!(lease = %lease_label, identity = %config.identity, cluster = "upper",
                 "standing by until this process holds the lease");
@@ -185,86 +142,51 @@ async fn run(args: Args, started: CancellationToken) -> Result<(), String> {
                 metrics.clone(),
                 election_stop.clone(),
             ));
-            let (metrics, synced, stop) =
-                (metrics.clone(), stores.synced.clone(), shutdown.clone());
-            tasks.spawn("standby readiness", async move {
-                // A standby is ready to take over once its pod stores are current.
-                let ready = async {
-                    if synced.wait().await.is_ok() {
-                        metrics.ready.store(true, Ordering::Relaxed);
-                    }
-                    stop.cancelled().await;
-                };
-                tokio::select! {
-                    () = stop.cancelled() => {}
-                    () = ready => {}
-                }
-            });
-            started.cancel();
-            let took_lead = CancellationToken::new();
-            let (pods, status, leads) = tokio::join!(
-                pod_triggers.drop_until(&stores.upper, took_lead.cancelled()),
-                status_triggers.drop_until(&stores.upper, took_lead.cancelled()),
-                async {
-                    let mut leading = leading;
-                    let leads = tokio::select! {
-                        () = shutdown.cancelled() => false,
-                        leads = leading.wait_for(|l| *l) => leads.is_ok(),
-                    };
-                    took_lead.cancel();
-                    leads
-                },
-            );
-            if leads {
-                adopt(&upper, &lower, &owner, &optional).await?;
-            }
-            ((pods, status), Some((election, guard)))
+            (Some(leading), Some((election, guard)))
         }
     };
 
-    let node_config = node_config(&args, &lower);
-    let registered = if shutdown.is_cancelled() {
-        None
-    } else {
-        tokio::select! {
-            biased;
-            () = shutdown.cancelled() => None,
-            registered = register_node(&upper, &node_config, capacity_rx.clone()) => Some(registered),
-        }
+    let shared = Arc::new(Shared {
+        args: args.clone(),
+        upper,
+        cluster_id,
+        metrics,
+        client_ca,
+        leading,
+        optional,
+    });
+    if let Some(namespace) = args.members_namespace.clone() {
+        // Without a member of the flags, the process has started once the members of the
+        // Secrets have been started (each then joins at its own pace).
+        let listed = if lower_config.is_some() {
+            CancellationToken::new()
+        } else {
+            started.clone()
+        };
+        let static_node = lower_config.as_ref().map(|_| args.nodename.clone());
+        tasks.spawn(
+            "membership",
+            member::membership::run(
+                shared.clone(),
+                namespace,
+                static_node,
+                listed,
+                shutdown.clone(),
+            ),
+        );
+    }
+    // The member of the flags: its failure is the process's, as with one lower cluster.
+    let flags_member = async {
+        let Some(lower) = lower_config else {
+            return Ok(());
+        };
+        let spec = MemberSpec::from_flags(&args, lower);
+        let outcome = member::run(shared.clone(), spec, started.clone(), shutdown.clone()).await;
+        shutdown.cancel();
+        outcome
     };
-    let outcome = match registered {
-        None => tasks.supervise().await.map_err(|f| f.to_string()),
-        Some(Ok(node)) => {
-            let watched = PodWatched {
-                stores,
-                pods: triggers.0,
-                status: triggers.1,
-            };
-            spawn_controllers(&mut tasks, &ctx, &args, &optional, watched, &shutdown);
-            started.cancel();
-            tasks.spawn(
-                "node keep-alive",
-                node::keep_alive(
-                    upper.client.clone(),
-                    lower.client.clone(),
-                    node_config,
-                    args.enable_node_lease,
-                    capacity_rx,
-                    node,
-                    shutdown.clone(),
-                ),
-            );
-            tasks.supervise().await.map_err(|f| f.to_string())
-        }
-        Some(Err(error)) => {
-            shutdown.cancel();
-            // A task that failed meanwhile (the capacity watch) is the cause.
-            match tasks.supervise().await {
-                Err(failure) => Err(failure.to_string()),
-                Ok(()) => Err(error),
-            }
-        }
-    };
+    let (member_outcome, tasks_outcome) = tokio::join!(flags_member, tasks.supervise());
+    let outcome = member_outcome.and(tasks_outcome.map_err(|f| f.to_string()));
     if let Some((election, guard)) = election {
         // Every writer has stopped: only now may another replica take over.
         election_stop.cancel();
@@ -297,25 +219,6 @@ async fn exit_on_lost_lease(
     metrics.set_leader(&lease, false);
 }
 
-/// Adopts, at start, the lower objects this node created under older ownership marks.
-async fn adopt(
-    upper: &Cluster,
-    lower: &Cluster,
-    owner: &Owner,
-    optional: &OptionalControllers,
-) -> Result<(), String> {
-    controllers::adopt::adopt(
-        &upper.client,
-        &lower.client,
-        owner,
-        optional.services,
-        optional.volumes,
-    )
-    .await
-    .map(|_| ())
-    .map_err(|e| e.to_string())
-}
-
 /// Ends when `timeout` (unless zero) has passed before `started`; never otherwise.
 async fn startup_deadline(timeout: std::time::Duration, started: &CancellationToken) {
     if !timeout.is_zero() {
@@ -327,11 +230,11 @@ async fn startup_deadline(timeout: std::time::Duration, started: &CancellationTo
     std::future::pending::<()>().await;
 }
 
-/// This node of this upper cluster: `--cluster-id`, or the UID of the upper `kube-system`
-/// namespace, which lives as long as the cluster.
-async fn owner(args: &Args, upper: &Cluster) -> Result<Owner, String> {
-    let cluster = match &args.cluster_id {
-        Some(id) => id.clone(),
+/// The upper cluster's identity on every lower object: `--cluster-id`, or the UID of the
+/// upper `kube-system` namespace, which lives as long as the cluster.
+async fn cluster_id(args: &Args, upper: &Cluster) -> Result<String, String> {
+    match &args.cluster_id {
+        Some(id) => Ok(id.clone()),
         None => kube::Api::<Namespace>::all(upper.client.clone())
             .get("kube-system")
             .await
@@ -343,238 +246,44 @@ async fn owner(args: &Args, upper: &Cluster) -> Result<Owner, String> {
             })?
             .metadata
             .uid
-            .ok_or("upper cluster: namespace kube-system has no UID; set --cluster-id")?,
-    };
-    Ok(Owner::new(args.nodename.clone(), cluster))
+            .ok_or_else(|| {
+                "upper cluster: namespace kube-system has no UID; set --cluster-id".into()
+            }),
+    }
 }
 
-/// Reads both kubeconfigs, then connects to both API servers.
-async fn connect(args: &Args, metrics: &Arc<Metrics>) -> Result<(Cluster, Cluster), String> {
+/// Reads both kubeconfigs (the lower one if given), then connects to the upper API server.
+async fn connect(
+    args: &Args,
+    metrics: &Arc<Metrics>,
+) -> Result<(Cluster, Option<kube::Config>), String> {
     // Both kubeconfigs are read before either server is contacted, so a bad file is
     // reported as such, never raced by the other cluster's connection error.
     let upper_config = clusters::load_config(Side::Upper, args.kubeconfig.as_deref())
         .await
         .map_err(|e| e.to_string())?;
-    let lower_config = clusters::load_config(Side::Lower, Some(&args.client_kubeconfig))
-        .await
-        .map_err(|e| e.to_string())?;
+    let lower_config = match &args.client_kubeconfig {
+        Some(path) => Some(
+            clusters::load_config(Side::Lower, Some(path))
+                .await
+                .map_err(|e| e.to_string())?,
+        ),
+        None => None,
+    };
     let upper_limit = RateLimit {
         qps: args.kube_api_qps,
         burst: args.kube_api_burst,
     };
-    let lower_limit = RateLimit {
-        qps: args.client_qps,
-        burst: args.client_burst,
-    };
-    tokio::try_join!(
-        clusters::connect(Side::Upper, upper_config, upper_limit, metrics.clone()),
-        clusters::connect(Side::Lower, lower_config, lower_limit, metrics.clone()),
-    )
-    .map_err(|e: StartupError| e.to_string())
-}
-
-/// Fails, naming the cluster and every missing permission, unless virtual-node may do in
-/// both clusters everything the parts it runs will do.
-async fn check_permissions(args: &Args, upper: &Cluster, lower: &Cluster) -> Result<(), String> {
-    let features = args.features();
-    let upper_needs = clusters::needed_permissions(Side::Upper, features);
-    let lower_needs = clusters::needed_permissions(Side::Lower, features);
-    tokio::try_join!(
-        clusters::check_permissions(upper, &upper_needs),
-        clusters::check_permissions(lower, &lower_needs),
-    )
-    .map_err(|e| e.to_string())?;
-    Ok(())
-}
-
-/// What the Node says of itself.
-fn node_config(args: &Args, lower: &Cluster) -> NodeConfig {
-    NodeConfig {
-        name: args.nodename.clone(),
-        os: args.os.clone(),
-        cluster_id: args.nodename.clone(),
-        taint: (!args.disable_taint).then(|| Taint {
-            key: args.taint_key.clone(),
-            value: Some(args.taint_value.clone()),
-            effect: args.taint_effect.clone(),
-            time_added: None,
-        }),
-        address: args.node_ip.clone().unwrap_or_else(|| "127.0.0.1".into()),
-        kubelet_port: i32::from(args.kubelet_port),
-        lower_version: lower.version.clone(),
-    }
-}
-
-/// Registers the Node once the lower capacity is known, so it never offers room it lacks.
-async fn register_node(
-    upper: &Cluster,
-    config: &NodeConfig,
-    mut capacity: watch::Receiver<Capacity>,
-) -> Result<Node, String> {
-    let capacity = capacity
-        .wait_for(Option::is_some)
+    let upper = clusters::connect(Side::Upper, upper_config, upper_limit, metrics.clone())
         .await
-        .map_err(|_| "lower cluster: the capacity watch ended before capacity was known")?
-        .clone()
-        .unwrap_or_default();
-    let node = node::register(&upper.client, config, &capacity)
-        .await
-        .map_err(|e| e.to_string())?;
-    info!(node = %config.name, "node registered");
-    Ok(node)
+        .map_err(|e: StartupError| e.to_string())?;
+    Ok((upper, lower_config))
 }
 
-/// What every controller shares.
-fn context(
-    args: &Args,
-    owner: Owner,
-    upper: &Cluster,
-    lower: &Cluster,
-    metrics: Arc<Metrics>,
-) -> Arc<Context> {
-    let reporter = Reporter {
-        controller: "tensile-virtual-node".into(),
-        instance: Some(args.nodename.clone()),
-    };
-    Arc::new(Context::new(
-        upper.client.clone(),
-        lower.client.clone(),
-        owner,
-        args.ignore_labels
-            .iter()
-            .filter(|l| !l.is_empty())
-            .cloned()
-            .collect(),
-        args.enable_serviceaccount,
-        args.namespace.clone(),
-        Recorder::new(upper.client.clone(), reporter),
-        metrics,
-    ))
-}
-
-/// The pod watches' stores and the changes that wake the two pod controllers.
-struct PodWatched {
-    stores: controllers::pod_watch::PodStores,
-    pods: controllers::pod_watch::Triggers,
-    status: controllers::pod_watch::Triggers,
-}
-
-/// Spawns every controller, and the watches only they read, each as a task of its own.
-fn spawn_controllers(
-    tasks: &mut Tasks,
-    ctx: &Arc<Context>,
-    args: &Args,
-    optional: &OptionalControllers,
-    watched: PodWatched,
-    shutdown: &CancellationToken,
-) {
-    let resync = args.full_resync_period;
-    let PodWatched {
-        stores,
-        pods: pod_triggers,
-        status: status_triggers,
-    } = watched;
-    let config_watches = controllers::config::watches(ctx);
-    let service_watches = optional
-        .services
-        .then(|| controllers::service::watches(ctx));
-    let volume_watches = optional.volumes.then(|| controllers::volume::watches(ctx));
-    let mut watches_ready = config_watches.ready.clone();
-    for ready in [
-        service_watches.as_ref().map(|w| &w.ready),
-        volume_watches.as_ref().map(|w| &w.ready),
-    ]
-    .into_iter()
-    .flatten()
-    {
-        watches_ready = watches_ready.and(ready);
-    }
-
-    tasks.spawn(
-        "pod controller",
-        controllers::pod::run(
-            ctx.clone(),
-            pod_triggers,
-            stores.clone(),
-            args.pod_sync_workers,
-            resync,
-            shutdown.clone(),
-        ),
-    );
-    let status_workers = match args.status_sync_workers {
-        0 => args.pod_sync_workers.saturating_mul(3),
-        n => n,
-    };
-    tasks.spawn(
-        "status reflector",
-        controllers::status::run(
-            ctx.clone(),
-            status_triggers,
-            stores.clone(),
-            status_workers,
-            resync,
-            shutdown.clone(),
-        ),
-    );
-    tasks.spawn(
-        "config/secret controller",
-        controllers::config::run(
-            ctx.clone(),
-            config_watches,
-            stores.clone(),
-            resync,
-            shutdown.clone(),
-        ),
-    );
-    tasks.spawn(
-        "events reflector",
-        controllers::events::run(ctx.clone(), stores.clone(), shutdown.clone()),
-    );
-    if let Some(watches) = service_watches {
-        tasks.spawn(
-            "service controller",
-            controllers::service::run(ctx.clone(), watches, resync, shutdown.clone()),
-        );
-    }
-    if let Some(watches) = volume_watches {
-        tasks.spawn(
-            "volume controller",
-            controllers::volume::run(ctx.clone(), watches, resync, shutdown.clone()),
-        );
-    }
-    let (gc_ctx, stop) = (ctx.clone(), shutdown.clone());
-    tasks.spawn("orphan collector", async move {
-        // Ready once every watch has listed: the node is registered already.
-        let synced = stores.synced.clone();
-        let ready = async {
-            if synced.wait().await.is_ok() && watches_ready.wait().await.is_ok() {
-                gc_ctx.metrics.ready.store(true, Ordering::Relaxed);
-            }
-        };
-        tokio::select! {
-            () = stop.cancelled() => {}
-            () = ready => {}
-        }
-        controllers::gc::run(gc_ctx, stores, stop).await;
-    });
-}
-
-/// The kubelet API's port, TLS and authenticator. The client CA defaults to the upper
-/// cluster's (the `kube-root-ca.crt` ConfigMap), which signs kube-apiserver's kubelet
-/// client certificate in a standard cluster.
-async fn kubelet_api_setup(
-    args: &Args,
-    owner: &Owner,
-    upper: &kube::Client,
-    lower: &kube::Client,
-) -> Result<
-    (
-        tokio::net::TcpListener,
-        rustls::ServerConfig,
-        Arc<kubelet_api::KubeletApi>,
-    ),
-    String,
-> {
+/// The CA kubelet API client certificates must chain to: `--client-verify-ca`, else the
+/// upper cluster's (the `kube-root-ca.crt` ConfigMap), which signs kube-apiserver's kubelet
+/// client certificate in a standard cluster; `None` with `--no-verify-clients`.
+async fn kubelet_client_ca(args: &Args, upper: &kube::Client) -> Result<Option<Vec<u8>>, String> {
     let ca_pem = match &args.apiserver_ca_cert {
         Some(path) => Some(
             tokio::fs::read(path)
@@ -604,30 +313,5 @@ async fn kubelet_api_setup(
             args.kubelet_port
         );
     }
-    let auth = kubelet_api::auth::Authenticator::new(
-        ca_pem.as_deref(),
-        upper.clone(),
-        args.nodename.clone(),
-        kubelet_api::auth::AuthConfig {
-            token_webhook: args.authentication_token_webhook,
-            authorized_ttl: args.authorization_webhook_cache_authorized_ttl,
-            unauthorized_ttl: args.authorization_webhook_cache_unauthorized_ttl,
-            no_verify: args.no_verify_clients,
-        },
-    )?;
-    let address = args.node_ip.clone().unwrap_or_else(|| "127.0.0.1".into());
-    let cert = kubelet_api::ServingCert {
-        cert: args.apiserver_cert.clone(),
-        key: args.apiserver_key.clone(),
-        sans: vec![address, args.nodename.clone(), "localhost".into()],
-    };
-    let tls = kubelet_api::tls_config(&cert, &auth).map_err(|e| e.to_string())?;
-    let addr = std::net::SocketAddr::from(([0, 0, 0, 0], args.kubelet_port));
-    let listener = kubelet_api::bind(addr).await.map_err(|e| e.to_string())?;
-    let api = Arc::new(kubelet_api::KubeletApi {
-        lower: lower.clone(),
-        owner: owner.clone(),
-        auth,
-    });
-    Ok((listener, tls, api))
+    Ok(ca_pem)
 }

@@ -1,6 +1,7 @@
 //! What virtual-node did, on prometheus-client, served as text on `--metrics-addr`, with
 //! `/healthz` and `/readyz`.
 
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -106,6 +107,13 @@ pub struct OwnerLabels {
     pub owner: &'static str,
 }
 
+/// Label of the member gauge.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct NodeLabels {
+    /// The member's virtual node.
+    pub node: String,
+}
+
 /// A gauge's value, read at scrape time (a store's size, its memory).
 type ReadAtScrape = Box<dyn Fn() -> usize + Send + Sync>;
 
@@ -164,29 +172,57 @@ fn request_labels(side: Side, verb: &'static str) -> RequestLabels {
     }
 }
 
-/// Gauges set at scrape time, each from what it reads.
+/// Which gauge a scrape source sets.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+enum ScrapeTarget {
+    /// `tensile_mirrored_objects{kind}`.
+    Mirrored(&'static str),
+    /// `tensile_memory_bytes{owner}`.
+    Memory(&'static str),
+}
+
+/// Gauges set at scrape time, each to the sum of what its sources read: one source per
+/// member (its `scope`, the node's name), forgotten when the member leaves; a gauge whose
+/// sources are all gone reads 0.
 #[derive(Default)]
-struct ScrapeSources(Mutex<Vec<(Gauge, ReadAtScrape)>>);
+struct ScrapeSources(Mutex<SourcesInner>);
+
+#[derive(Default)]
+struct SourcesInner {
+    sources: Vec<(ScrapeTarget, String, ReadAtScrape)>,
+    targets: HashSet<ScrapeTarget>,
+}
 
 impl ScrapeSources {
-    fn add(&self, gauge: Gauge, read: ReadAtScrape) {
-        self.0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push((gauge, read));
+    fn add(&self, target: ScrapeTarget, scope: &str, read: ReadAtScrape) {
+        let mut inner = self.inner();
+        inner.targets.insert(target);
+        inner.sources.push((target, scope.to_owned(), read));
     }
 
-    fn set_all(&self) {
-        for (gauge, read) in self.0.lock().unwrap_or_else(|e| e.into_inner()).iter() {
-            gauge.set(i64::try_from(read()).unwrap_or(i64::MAX));
+    fn forget(&self, scope: &str) {
+        self.inner().sources.retain(|(_, s, _)| s != scope);
+    }
+
+    /// Every target's sum now.
+    fn sums(&self) -> HashMap<ScrapeTarget, usize> {
+        let inner = self.inner();
+        let mut sums: HashMap<ScrapeTarget, usize> =
+            inner.targets.iter().map(|t| (*t, 0)).collect();
+        for (target, _, read) in &inner.sources {
+            *sums.entry(*target).or_default() += read();
         }
+        sums
+    }
+
+    fn inner(&self) -> std::sync::MutexGuard<'_, SourcesInner> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
 impl std::fmt::Debug for ScrapeSources {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let sources = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        write!(f, "{} gauges read at scrape", sources.len())
+        write!(f, "{} gauges read at scrape", self.inner().sources.len())
     }
 }
 
@@ -244,6 +280,8 @@ pub struct Metrics {
     pub ready: AtomicBool,
     /// 1 while this process may write (leads), by Lease.
     leader: Family<LeaseLabels, Gauge>,
+    /// 1 while a member runs, 0 while it fails or restarts, by node.
+    member_up: Family<NodeLabels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -336,6 +374,12 @@ impl Default for Metrics {
             "1 while this process leads and may write, by leader-election Lease (empty: --leader-elect off)",
             leader.clone(),
         );
+        let member_up = Family::<NodeLabels, Gauge>::default();
+        registry.register(
+            "member_up",
+            "1 while the member (one lower cluster and its virtual node) runs, 0 while it fails or restarts, by node",
+            member_up.clone(),
+        );
         registry.register(
             "api_requests",
             "API requests sent",
@@ -390,6 +434,7 @@ impl Default for Metrics {
             gc_rounds,
             ready: AtomicBool::new(false),
             leader,
+            member_up,
         }
     }
 }
@@ -413,25 +458,60 @@ impl Metrics {
 
     /// Reports `count()` as the number of `kind` mirrored now, read at each scrape (from a
     /// reflector store's size).
+    /// Each member (`scope`, its node) adds its own; the gauge is their sum.
     pub fn count_mirrored(
         &self,
+        scope: &str,
         kind: &'static str,
         count: impl Fn() -> usize + Send + Sync + 'static,
     ) {
-        let gauge = self.mirrored.get_or_create(&KindLabels { kind }).clone();
-        self.read_at_scrape.add(gauge, Box::new(count));
+        // Exported (at 0) from the start, whether or not a member adds to it.
+        let _ = self.mirrored.get_or_create(&KindLabels { kind });
+        self.read_at_scrape
+            .add(ScrapeTarget::Mirrored(kind), scope, Box::new(count));
     }
 
     /// Reports `bytes()` as the heap bytes `owner` holds, read at each scrape: an
     /// estimate from its sizes (the allocator's rounding apart), so that the owner of a
     /// process's memory can be told from outside it.
+    /// Each member (`scope`, its node) adds its own; the gauge is their sum.
     pub fn measure_memory(
         &self,
+        scope: &str,
         owner: &'static str,
         bytes: impl Fn() -> usize + Send + Sync + 'static,
     ) {
-        let gauge = self.memory.get_or_create(&OwnerLabels { owner }).clone();
-        self.read_at_scrape.add(gauge, Box::new(bytes));
+        let _ = self.memory.get_or_create(&OwnerLabels { owner });
+        self.read_at_scrape
+            .add(ScrapeTarget::Memory(owner), scope, Box::new(bytes));
+    }
+
+    /// Sets `tensile_member_up{node}`: 1 while the member of `node` runs, 0 while it is
+    /// failing or restarting.
+    pub fn set_member_up(&self, node: &str, up: bool) {
+        let labels = NodeLabels {
+            node: node.to_owned(),
+        };
+        self.member_up.get_or_create(&labels).set(i64::from(up));
+    }
+
+    /// Forgets the member of `node` (it left): its series and what its gauges read.
+    pub fn forget_member(&self, node: &str) {
+        self.member_up.remove(&NodeLabels {
+            node: node.to_owned(),
+        });
+        self.read_at_scrape.forget(node);
+    }
+
+    /// Sets every gauge read at scrape to the sum of its sources.
+    fn set_read_at_scrape(&self) {
+        for (target, sum) in self.read_at_scrape.sums() {
+            let gauge = match target {
+                ScrapeTarget::Mirrored(kind) => self.mirrored.get_or_create(&KindLabels { kind }),
+                ScrapeTarget::Memory(owner) => self.memory.get_or_create(&OwnerLabels { owner }),
+            };
+            gauge.set(i64::try_from(sum).unwrap_or(i64::MAX));
+        }
     }
 
     /// Sets whether this process leads through `lease` (`namespace/name`; empty without
@@ -445,7 +525,7 @@ impl Metrics {
 
     /// OpenMetrics text exposition.
     pub fn render(&self) -> String {
-        self.read_at_scrape.set_all();
+        self.set_read_at_scrape();
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
             out.clear();
@@ -701,8 +781,8 @@ mod tests {
         let metrics = Metrics::default();
         let pods = Arc::new(std::sync::atomic::AtomicUsize::new(3));
         let seen = pods.clone();
-        metrics.count_mirrored("pods", move || seen.load(Ordering::Relaxed));
-        metrics.count_mirrored("secrets", || 0);
+        metrics.count_mirrored("vk", "pods", move || seen.load(Ordering::Relaxed));
+        metrics.count_mirrored("vk", "secrets", || 0);
         let series = "tensile_mirrored_objects{kind=\"pods\"}";
         assert_eq!(value(&metrics.render(), series), Some("3"));
         pods.store(7, Ordering::Relaxed);
@@ -712,7 +792,7 @@ mod tests {
             value(&out, "tensile_mirrored_objects{kind=\"secrets\"}"),
             Some("0")
         );
-        metrics.measure_memory("pod queue", || 4096);
+        metrics.measure_memory("vk", "pod queue", || 4096);
         assert_eq!(
             value(
                 &metrics.render(),
@@ -720,5 +800,37 @@ mod tests {
             ),
             Some("4096")
         );
+    }
+
+    #[test]
+    fn member_gauges_are_summed_and_forgotten_when_a_member_leaves() {
+        let metrics = Metrics::default();
+        metrics.count_mirrored("vk-a", "pods", || 3);
+        metrics.count_mirrored("vk-b", "pods", || 4);
+        metrics.set_member_up("vk-a", true);
+        metrics.set_member_up("vk-b", false);
+        let out = metrics.render();
+        let pods = "tensile_mirrored_objects{kind=\"pods\"}";
+        assert_eq!(value(&out, pods), Some("7"), "{out}");
+        assert_eq!(
+            value(&out, "tensile_member_up{node=\"vk-a\"}"),
+            Some("1"),
+            "{out}"
+        );
+        assert_eq!(
+            value(&out, "tensile_member_up{node=\"vk-b\"}"),
+            Some("0"),
+            "{out}"
+        );
+        metrics.forget_member("vk-b");
+        let out = metrics.render();
+        assert_eq!(value(&out, pods), Some("3"), "{out}");
+        assert_eq!(
+            value(&out, "tensile_member_up{node=\"vk-b\"}"),
+            None,
+            "{out}"
+        );
+        metrics.forget_member("vk-a");
+        assert_eq!(value(&metrics.render(), pods), Some("0"));
     }
 }

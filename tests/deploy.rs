@@ -30,6 +30,7 @@ const ALL_FEATURES: Features = Features {
     access_reviews: true,
     token_reviews: true,
     leader_election: Some(NAMESPACE),
+    members: Some(NAMESPACE),
 };
 
 /// The root of the repository.

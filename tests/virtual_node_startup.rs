@@ -334,6 +334,7 @@ const DEFAULT_FEATURES: Features = Features {
     access_reviews: true,
     token_reviews: false,
     leader_election: None,
+    members: None,
 };
 
 /// Lines of a virtual-node log that tell of a refusal by RBAC.

@@ -109,7 +109,7 @@ fn kind_watches<K: Kept>(ctx: &Context) -> (KindWatches<K>, Ready) {
         _ => "configmaps",
     };
     ctx.metrics
-        .count_mirrored(kind, move || copies.state().len());
+        .count_mirrored(&ctx.owner.node, kind, move || copies.state().len());
     let ready = lower.ready.clone().and(&upper_ready);
     (
         KindWatches {

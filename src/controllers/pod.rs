@@ -173,7 +173,7 @@ pub async fn run(
         lower_pods: stores.lower,
         synced: stores.synced,
     });
-    let queue = PodQueue::measured(&pod_ctx.ctx.metrics, "pod queue");
+    let queue = PodQueue::measured(&pod_ctx.ctx.metrics, &pod_ctx.ctx.owner.node, "pod queue");
     run_controller(
         triggers,
         stores.upper,

@@ -190,11 +190,12 @@ pub fn watches(ctx: &Context) -> PodWatches {
         Side::Lower,
     );
     let mirrored = lower_store.clone();
-    ctx.metrics.count_mirrored("pods", move || mirrored.len());
+    ctx.metrics
+        .count_mirrored(&ctx.owner.node, "pods", move || mirrored.len());
     for (owner, store) in [("upper pods", &upper_store), ("lower pods", &lower_store)] {
         let store = store.clone();
         ctx.metrics
-            .measure_memory(owner, move || store.heap_bytes());
+            .measure_memory(&ctx.owner.node, owner, move || store.heap_bytes());
     }
     let (pods_upper, pods_upper_rx) = mpsc::channel(TRIGGER_BUFFER);
     let (pods_lower, pods_lower_rx) = mpsc::channel(TRIGGER_BUFFER);

@@ -155,14 +155,14 @@ impl<K: Clone + Eq + Hash> WorkQueue<K> {
             + (state.waiting.capacity() + state.running.capacity()) * (slot + 1)
     }
 
-    /// A queue whose memory `metrics` reports as `owner`'s.
-    pub fn measured(metrics: &Metrics, owner: &'static str) -> Arc<Self>
+    /// A queue whose memory `metrics` reports as `owner`'s, for the member `scope`.
+    pub fn measured(metrics: &Metrics, scope: &str, owner: &'static str) -> Arc<Self>
     where
         K: Send + Sync + 'static,
     {
         let queue = Arc::new(Self::default());
         let measured = Arc::downgrade(&queue);
-        metrics.measure_memory(owner, move || {
+        metrics.measure_memory(scope, owner, move || {
             measured.upgrade().map_or(0, |queue| queue.heap_bytes())
         });
         queue

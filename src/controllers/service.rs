@@ -99,7 +99,7 @@ pub fn watches(ctx: &Context) -> ServiceWatches {
     let lower_services = reflected(Api::all(ctx.lower.clone()), Side::Lower, ours(), None);
     let mirrored = lower_services.store.clone();
     ctx.metrics
-        .count_mirrored("services", move || mirrored.state().len());
+        .count_mirrored(&ctx.owner.node, "services", move || mirrored.state().len());
     let lower_slices = reflected(Api::all(ctx.lower.clone()), Side::Lower, ours(), None);
     let lower_endpoints = reflected(Api::all(ctx.lower.clone()), Side::Lower, ours(), None);
     let ready = upper_services

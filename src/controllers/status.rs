@@ -36,7 +36,7 @@ pub async fn run(
 ) {
     let sc = Arc::new(StatusContext { ctx, pods: stores });
     let lower = sc.pods.lower.clone();
-    let queue = PodQueue::measured(&sc.ctx.metrics, "status queue");
+    let queue = PodQueue::measured(&sc.ctx.metrics, &sc.ctx.owner.node, "status queue");
     run_controller(triggers, lower, queue, workers, resync, shutdown, |lower| {
         let sc = sc.clone();
         async move {

@@ -35,7 +35,8 @@ pub const LEASE_DURATION_SECONDS: i32 = 40;
 /// Status is rewritten at least this often even without a change, like a kubelet's
 /// `nodeStatusReportFrequency`, so its heartbeat times stay meaningful.
 const STATUS_REFRESH: Duration = Duration::from_secs(300);
-const LEASE_NAMESPACE: &str = "kube-node-lease";
+/// Where node Leases live.
+pub const LEASE_NAMESPACE: &str = "kube-node-lease";
 const FIELD_MANAGER: &str = "tensile-virtual-node";
 
 /// Failures of the node's API calls; each names the node and the cluster.

@@ -25,6 +25,9 @@ pub struct VirtualNodeOptions {
     pub upper_kubeconfig: Option<PathBuf>,
     /// Lower kubeconfig (default: the pair's admin one).
     pub lower_kubeconfig: Option<PathBuf>,
+    /// Whether the flags join a lower cluster (`--client-kubeconfig`); off for a process
+    /// that runs only the members of `--members-namespace`.
+    pub flags_member: bool,
 }
 
 impl VirtualNodeOptions {
@@ -37,6 +40,7 @@ impl VirtualNodeOptions {
             envs: Vec::new(),
             upper_kubeconfig: None,
             lower_kubeconfig: None,
+            flags_member: true,
         }
     }
 }
@@ -69,14 +73,16 @@ impl ClusterPair {
                 .upper_kubeconfig
                 .as_ref()
                 .unwrap_or(&self.upper.kubeconfig)),
-            "--client-kubeconfig".into(),
-            p(options
-                .lower_kubeconfig
-                .as_ref()
-                .unwrap_or(&self.lower.kubeconfig)),
             "--metrics-addr".into(),
             format!("127.0.0.1:{metrics_port}"),
         ];
+        if options.flags_member {
+            args.push("--client-kubeconfig".into());
+            args.push(p(options
+                .lower_kubeconfig
+                .as_ref()
+                .unwrap_or(&self.lower.kubeconfig)));
+        }
         args.extend(options.args.iter().cloned());
         let mut envs = vec![
             ("KUBELET_PORT".to_owned(), kubelet_port.to_string()),

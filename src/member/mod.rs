@@ -1,0 +1,550 @@
+//! A member: one lower cluster joined to the upper one as one virtual node, with its lower
+//! client, watches, controllers, node keep-alive and kubelet API. [`run`] is its one entry
+//! point: `main` runs the member of the single-cluster flags (`--nodename`,
+//! `--client-kubeconfig`), and the [`membership`] controller those of member Secrets
+//! (`--members-namespace`), each as many times as it is (re)started. What every member
+//! shares — the upper client, the upper cluster's identity, the flags, the metrics and the
+//! leader election — is built once, in [`Shared`].
+
+pub mod leave;
+pub mod membership;
+pub mod spec;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use k8s_openapi::api::core::v1::{Node, Taint};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::runtime::events::{Recorder, Reporter};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, info, info_span};
+
+use crate::cli::{Args, OptionalControllers};
+use crate::clusters::{self, Cluster, RateLimit};
+use crate::controllers::{self, Context};
+use crate::kubelet_api;
+use crate::metrics::Metrics;
+use crate::node::{self, spec::NodeConfig};
+use crate::shutdown::Tasks;
+use crate::side::Side;
+use crate::translate::meta::Owner;
+
+/// The lower capacity as last computed; `None` until the lower watches have listed.
+type Capacity = Option<BTreeMap<String, Quantity>>;
+
+/// What every member of the process shares, built once.
+pub struct Shared {
+    /// The flags; a member reads those that are not its own (workers, resync, controllers,
+    /// kubelet API certificates and caches, ...).
+    pub args: Args,
+    /// The upper cluster.
+    pub upper: Cluster,
+    /// The upper cluster's identity, marked on every lower object with the node's name.
+    pub cluster_id: String,
+    /// Counters of the process (every member's together).
+    pub metrics: Arc<Metrics>,
+    /// The CA kubelet API client certificates must chain to (`None`: any, with
+    /// `--no-verify-clients`).
+    pub client_ca: Option<Vec<u8>>,
+    /// With `--leader-elect`, whether this process holds the Lease (every member writes
+    /// only while it does); `None` without: it always writes.
+    pub leading: Option<watch::Receiver<bool>>,
+    /// `--enable-controllers`.
+    pub optional: OptionalControllers,
+}
+
+/// What is a member's own: its lower cluster, its node, and the options that may differ
+/// between members.
+#[derive(Clone)]
+pub struct MemberSpec {
+    /// The virtual node's name in the upper cluster.
+    pub node: String,
+    /// How to reach the lower cluster.
+    pub lower: kube::Config,
+    /// Requests per second and burst to the lower cluster.
+    pub lower_limit: RateLimit,
+    /// The node's taint, if any.
+    pub taint: Option<Taint>,
+    /// Labels moved into `tripped-labels` before mirroring.
+    pub ignore_labels: Vec<String>,
+    /// The kubelet API's port; 0 for any free one (the Node says which).
+    pub kubelet_port: u16,
+}
+
+impl std::fmt::Debug for MemberSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The config holds credentials: only where it points is shown.
+        f.debug_struct("MemberSpec")
+            .field("node", &self.node)
+            .field("lower", &self.lower.cluster_url.to_string())
+            .field("taint", &self.taint)
+            .field("ignore_labels", &self.ignore_labels)
+            .field("kubelet_port", &self.kubelet_port)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemberSpec {
+    /// The member of the single-cluster flags, with the lower cluster's `config`.
+    pub fn from_flags(args: &Args, lower: kube::Config) -> Self {
+        Self {
+            node: args.nodename.clone(),
+            lower,
+            lower_limit: RateLimit {
+                qps: args.client_qps,
+                burst: args.client_burst,
+            },
+            taint: flag_taint(args),
+            ignore_labels: args
+                .ignore_labels
+                .iter()
+                .filter(|l| !l.is_empty())
+                .cloned()
+                .collect(),
+            kubelet_port: args.kubelet_port,
+        }
+    }
+}
+
+/// The member a Secret describes, its kubeconfig read (not yet contacted).
+pub async fn member_spec(member: &spec::MemberSecret) -> Result<MemberSpec, String> {
+    let kubeconfig = kube::config::Kubeconfig::from_yaml(&member.kubeconfig)
+        .map_err(|e| format!("its kubeconfig cannot be read: {e}"))?;
+    let config = kube::Config::from_custom_kubeconfig(
+        kubeconfig,
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await
+    .map_err(|e| format!("its kubeconfig cannot be used: {e}"))?;
+    Ok(MemberSpec {
+        node: member.node.clone(),
+        lower: config,
+        lower_limit: RateLimit {
+            qps: member.qps,
+            burst: member.burst,
+        },
+        taint: member.taint.clone(),
+        ignore_labels: member.ignore_labels.clone(),
+        kubelet_port: member.kubelet_port,
+    })
+}
+
+/// The taint the flags give every node (none with `--disable-taint`).
+pub fn flag_taint(args: &Args) -> Option<Taint> {
+    (!args.disable_taint).then(|| Taint {
+        key: args.taint_key.clone(),
+        value: Some(args.taint_value.clone()),
+        effect: args.taint_effect.clone(),
+        time_added: None,
+    })
+}
+
+/// Runs the member `spec` until `shutdown`, or until one of its parts fails: `Err` is the
+/// one line saying what stopped it, naming the node and the cluster. `started` is
+/// cancelled once its node is registered and its controllers run (a standby: once it
+/// stands by). Nothing here ends the process: the caller decides.
+pub async fn run(
+    shared: Arc<Shared>,
+    spec: MemberSpec,
+    started: CancellationToken,
+    shutdown: CancellationToken,
+) -> Result<(), String> {
+    let span = info_span!("member", node = %spec.node);
+    run_member(shared, spec, started, shutdown)
+        .instrument(span)
+        .await
+}
+
+async fn run_member(
+    shared: Arc<Shared>,
+    spec: MemberSpec,
+    started: CancellationToken,
+    shutdown: CancellationToken,
+) -> Result<(), String> {
+    let args = &shared.args;
+    let upper = &shared.upper;
+    let lower = clusters::connect(
+        Side::Lower,
+        spec.lower.clone(),
+        spec.lower_limit,
+        shared.metrics.clone(),
+    )
+    .await
+    .map_err(|e| format!("node {}: {e}", spec.node))?;
+    let lower_needs = clusters::needed_permissions(Side::Lower, args.features());
+    clusters::check_permissions(&lower, &lower_needs)
+        .await
+        .map_err(|e| format!("node {}: {e}", spec.node))?;
+    let owner = Owner::new(spec.node.clone(), shared.cluster_id.clone());
+    if shared.leading.is_none() {
+        adopt(upper, &lower, &owner, &shared.optional).await?;
+    }
+    let (kubelet_listener, kubelet_tls, kubelet_api) =
+        kubelet_api_setup(&shared, &spec, &owner, &lower.client).await?;
+    let kubelet_port = kubelet_listener
+        .local_addr()
+        .map(|a| a.port())
+        .unwrap_or(spec.kubelet_port);
+    info!(
+        node = %spec.node, lower = %lower.server, lower_version = %lower.version,
+        kubelet_port, pv_controllers = shared.optional.volumes,
+        service_controllers = shared.optional.services, "starting"
+    );
+
+    let mut tasks = Tasks::new(shutdown.clone());
+    // Standbys serve the kubelet API too: it only proxies reads and streams to lower pods,
+    // and the upper API server calls the address on the Node, which only the leader writes.
+    tasks.spawn(
+        "kubelet API server",
+        kubelet_api::serve(kubelet_listener, kubelet_tls, kubelet_api, shutdown.clone()),
+    );
+    let (capacity_tx, capacity_rx) = watch::channel(None);
+    tasks.spawn(
+        "capacity watch",
+        node::watch_capacity(
+            lower.client.clone(),
+            owner.clone(),
+            capacity_tx,
+            shutdown.clone(),
+        ),
+    );
+    let ctx = context(&shared, &spec, owner.clone(), &lower);
+    let controllers::pod_watch::PodWatches {
+        stores,
+        pump,
+        pods: pod_triggers,
+        status: status_triggers,
+    } = controllers::pod_watch::watches(&ctx);
+    // The watches run until shutdown; the controllers stop on it by themselves.
+    let stop = shutdown.clone();
+    tasks.spawn("pod watches", async move {
+        tokio::select! {
+            () = stop.cancelled() => {}
+            () = pump => {}
+        }
+    });
+
+    let triggers = match shared.leading.clone() {
+        None => (pod_triggers, status_triggers),
+        Some(mut leading) => {
+            let (metrics, synced, stop) = (
+                shared.metrics.clone(),
+                stores.synced.clone(),
+                shutdown.clone(),
+            );
+            tasks.spawn("standby readiness", async move {
+                // A standby is ready to take over once its pod stores are current.
+                let ready = async {
+                    if synced.wait().await.is_ok() {
+                        metrics.ready.store(true, Ordering::Relaxed);
+                    }
+                    stop.cancelled().await;
+                };
+                tokio::select! {
+                    () = stop.cancelled() => {}
+                    () = ready => {}
+                }
+            });
+            started.cancel();
+            let took_lead = CancellationToken::new();
+            let (pods, status, leads) = tokio::join!(
+                pod_triggers.drop_until(&stores.upper, took_lead.cancelled()),
+                status_triggers.drop_until(&stores.upper, took_lead.cancelled()),
+                async {
+                    let leads = tokio::select! {
+                        () = shutdown.cancelled() => false,
+                        leads = leading.wait_for(|l| *l) => leads.is_ok(),
+                    };
+                    took_lead.cancel();
+                    leads
+                },
+            );
+            if leads {
+                adopt(upper, &lower, &owner, &shared.optional).await?;
+            }
+            (pods, status)
+        }
+    };
+
+    let node_config = node_config(&shared, &spec, &lower, kubelet_port);
+    let registered = if shutdown.is_cancelled() {
+        None
+    } else {
+        tokio::select! {
+            biased;
+            () = shutdown.cancelled() => None,
+            registered = register_node(upper, &node_config, capacity_rx.clone()) => Some(registered),
+        }
+    };
+    match registered {
+        None => tasks.supervise().await.map_err(|f| f.to_string()),
+        Some(Ok(node)) => {
+            let watched = PodWatched {
+                stores,
+                pods: triggers.0,
+                status: triggers.1,
+            };
+            spawn_controllers(&mut tasks, &ctx, args, &shared.optional, watched, &shutdown);
+            started.cancel();
+            tasks.spawn(
+                "node keep-alive",
+                node::keep_alive(
+                    upper.client.clone(),
+                    lower.client.clone(),
+                    node_config,
+                    args.enable_node_lease,
+                    capacity_rx,
+                    node,
+                    shutdown.clone(),
+                ),
+            );
+            tasks.supervise().await.map_err(|f| f.to_string())
+        }
+        Some(Err(error)) => {
+            shutdown.cancel();
+            // A task that failed meanwhile (the capacity watch) is the cause.
+            match tasks.supervise().await {
+                Err(failure) => Err(failure.to_string()),
+                Ok(()) => Err(error),
+            }
+        }
+    }
+}
+
+/// Adopts, at start, the lower objects this node created under older ownership marks.
+async fn adopt(
+    upper: &Cluster,
+    lower: &Cluster,
+    owner: &Owner,
+    optional: &OptionalControllers,
+) -> Result<(), String> {
+    controllers::adopt::adopt(
+        &upper.client,
+        &lower.client,
+        owner,
+        optional.services,
+        optional.volumes,
+    )
+    .await
+    .map(|_| ())
+    .map_err(|e| e.to_string())
+}
+
+/// What the Node says of itself.
+fn node_config(
+    shared: &Shared,
+    spec: &MemberSpec,
+    lower: &Cluster,
+    kubelet_port: u16,
+) -> NodeConfig {
+    NodeConfig {
+        name: spec.node.clone(),
+        os: shared.args.os.clone(),
+        cluster_id: spec.node.clone(),
+        taint: spec.taint.clone(),
+        address: node_address(&shared.args),
+        kubelet_port: i32::from(kubelet_port),
+        lower_version: lower.version.clone(),
+    }
+}
+
+/// The address the Node advertises and the kubelet API certificate names.
+fn node_address(args: &Args) -> String {
+    args.node_ip.clone().unwrap_or_else(|| "127.0.0.1".into())
+}
+
+/// Registers the Node once the lower capacity is known, so it never offers room it lacks.
+async fn register_node(
+    upper: &Cluster,
+    config: &NodeConfig,
+    mut capacity: watch::Receiver<Capacity>,
+) -> Result<Node, String> {
+    let capacity = capacity
+        .wait_for(Option::is_some)
+        .await
+        .map_err(|_| {
+            format!(
+                "node {}: lower cluster: the capacity watch ended before capacity was known",
+                config.name
+            )
+        })?
+        .clone()
+        .unwrap_or_default();
+    let node = node::register(&upper.client, config, &capacity)
+        .await
+        .map_err(|e| e.to_string())?;
+    info!(node = %config.name, "node registered");
+    Ok(node)
+}
+
+/// What every controller of the member shares.
+fn context(shared: &Shared, spec: &MemberSpec, owner: Owner, lower: &Cluster) -> Arc<Context> {
+    let reporter = Reporter {
+        controller: "tensile-virtual-node".into(),
+        instance: Some(spec.node.clone()),
+    };
+    Arc::new(Context::new(
+        shared.upper.client.clone(),
+        lower.client.clone(),
+        owner,
+        spec.ignore_labels.clone(),
+        shared.args.enable_serviceaccount,
+        shared.args.namespace.clone(),
+        Recorder::new(shared.upper.client.clone(), reporter),
+        shared.metrics.clone(),
+    ))
+}
+
+/// The pod watches' stores and the changes that wake the two pod controllers.
+struct PodWatched {
+    stores: controllers::pod_watch::PodStores,
+    pods: controllers::pod_watch::Triggers,
+    status: controllers::pod_watch::Triggers,
+}
+
+/// Spawns every controller, and the watches only they read, each as a task of its own.
+fn spawn_controllers(
+    tasks: &mut Tasks,
+    ctx: &Arc<Context>,
+    args: &Args,
+    optional: &OptionalControllers,
+    watched: PodWatched,
+    shutdown: &CancellationToken,
+) {
+    let resync = args.full_resync_period;
+    let PodWatched {
+        stores,
+        pods: pod_triggers,
+        status: status_triggers,
+    } = watched;
+    let config_watches = controllers::config::watches(ctx);
+    let service_watches = optional
+        .services
+        .then(|| controllers::service::watches(ctx));
+    let volume_watches = optional.volumes.then(|| controllers::volume::watches(ctx));
+    let mut watches_ready = config_watches.ready.clone();
+    for ready in [
+        service_watches.as_ref().map(|w| &w.ready),
+        volume_watches.as_ref().map(|w| &w.ready),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        watches_ready = watches_ready.and(ready);
+    }
+
+    tasks.spawn(
+        "pod controller",
+        controllers::pod::run(
+            ctx.clone(),
+            pod_triggers,
+            stores.clone(),
+            args.pod_sync_workers,
+            resync,
+            shutdown.clone(),
+        ),
+    );
+    let status_workers = match args.status_sync_workers {
+        0 => args.pod_sync_workers.saturating_mul(3),
+        n => n,
+    };
+    tasks.spawn(
+        "status reflector",
+        controllers::status::run(
+            ctx.clone(),
+            status_triggers,
+            stores.clone(),
+            status_workers,
+            resync,
+            shutdown.clone(),
+        ),
+    );
+    tasks.spawn(
+        "config/secret controller",
+        controllers::config::run(
+            ctx.clone(),
+            config_watches,
+            stores.clone(),
+            resync,
+            shutdown.clone(),
+        ),
+    );
+    tasks.spawn(
+        "events reflector",
+        controllers::events::run(ctx.clone(), stores.clone(), shutdown.clone()),
+    );
+    if let Some(watches) = service_watches {
+        tasks.spawn(
+            "service controller",
+            controllers::service::run(ctx.clone(), watches, resync, shutdown.clone()),
+        );
+    }
+    if let Some(watches) = volume_watches {
+        tasks.spawn(
+            "volume controller",
+            controllers::volume::run(ctx.clone(), watches, resync, shutdown.clone()),
+        );
+    }
+    let (gc_ctx, stop) = (ctx.clone(), shutdown.clone());
+    tasks.spawn("orphan collector", async move {
+        // Ready once every watch has listed: the node is registered already.
+        let synced = stores.synced.clone();
+        let ready = async {
+            if synced.wait().await.is_ok() && watches_ready.wait().await.is_ok() {
+                gc_ctx.metrics.ready.store(true, Ordering::Relaxed);
+            }
+        };
+        tokio::select! {
+            () = stop.cancelled() => {}
+            () = ready => {}
+        }
+        controllers::gc::run(gc_ctx, stores, stop).await;
+    });
+}
+
+/// The member's kubelet API: its port, TLS and authenticator (the client CA is the
+/// process's).
+async fn kubelet_api_setup(
+    shared: &Shared,
+    spec: &MemberSpec,
+    owner: &Owner,
+    lower: &kube::Client,
+) -> Result<
+    (
+        tokio::net::TcpListener,
+        rustls::ServerConfig,
+        Arc<kubelet_api::KubeletApi>,
+    ),
+    String,
+> {
+    let args = &shared.args;
+    let auth = kubelet_api::auth::Authenticator::new(
+        shared.client_ca.as_deref(),
+        shared.upper.client.clone(),
+        spec.node.clone(),
+        kubelet_api::auth::AuthConfig {
+            token_webhook: args.authentication_token_webhook,
+            authorized_ttl: args.authorization_webhook_cache_authorized_ttl,
+            unauthorized_ttl: args.authorization_webhook_cache_unauthorized_ttl,
+            no_verify: args.no_verify_clients,
+        },
+    )?;
+    let cert = kubelet_api::ServingCert {
+        cert: args.apiserver_cert.clone(),
+        key: args.apiserver_key.clone(),
+        sans: vec![node_address(args), spec.node.clone(), "localhost".into()],
+    };
+    let tls = kubelet_api::tls_config(&cert, &auth).map_err(|e| e.to_string())?;
+    let addr = std::net::SocketAddr::from(([0, 0, 0, 0], spec.kubelet_port));
+    let listener = kubelet_api::bind(addr)
+        .await
+        .map_err(|e| format!("node {}: {e}", spec.node))?;
+    let api = Arc::new(kubelet_api::KubeletApi {
+        lower: lower.clone(),
+        owner: owner.clone(),
+        auth,
+    });
+    Ok((listener, tls, api))
+}

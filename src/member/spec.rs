@@ -1,0 +1,433 @@
+//! What a member Secret says (pure): the label that makes a Secret a member, the key
+//! holding its kubeconfig, and the annotations that set what may differ between members.
+//!
+//! ```yaml
+//! apiVersion: v1
+//! kind: Secret
+//! metadata:
+//!   name: lower-a                      # the node's name unless annotated
+//!   namespace: tensile-system          # --members-namespace
+//!   labels: { tensile.dev/lower-cluster: "true" }
+//!   annotations:
+//!     tensile.dev/node-name: vk-a              # optional
+//!     tensile.dev/taint: "virtual-kubelet.io/provider=k8s:NoSchedule"   # or "none"
+//!     tensile.dev/ignore-labels: "a,b"         # optional
+//!     tensile.dev/kubelet-port: "10251"        # optional; default any free port
+//!     tensile.dev/client-qps: "500"            # optional
+//!     tensile.dev/client-burst: "1000"         # optional
+//! data: { kubeconfig: <base64 kubeconfig of the lower cluster> }
+//! ```
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Secret, Taint};
+
+use crate::cli::parse_node_name;
+
+/// The label that makes a Secret of `--members-namespace` a member.
+pub const MEMBER_LABEL: &str = "tensile.dev/lower-cluster";
+/// The Secret key holding the lower cluster's kubeconfig.
+pub const KUBECONFIG_KEY: &str = "kubeconfig";
+/// The node's name (default: the Secret's name).
+pub const NODE_NAME_ANNOTATION: &str = "tensile.dev/node-name";
+/// The node's taint as `key[=value]:Effect`, or `none` (default: the flags').
+pub const TAINT_ANNOTATION: &str = "tensile.dev/taint";
+/// Comma-separated labels moved into `tripped-labels` (default: `--ignore-labels`).
+pub const IGNORE_LABELS_ANNOTATION: &str = "tensile.dev/ignore-labels";
+/// The member's kubelet API port (default: any free one; the Node says which).
+pub const KUBELET_PORT_ANNOTATION: &str = "tensile.dev/kubelet-port";
+/// Requests per second to the lower cluster (default: `--client-qps`).
+pub const CLIENT_QPS_ANNOTATION: &str = "tensile.dev/client-qps";
+/// Burst to the lower cluster (default: `--client-burst`).
+pub const CLIENT_BURST_ANNOTATION: &str = "tensile.dev/client-burst";
+/// Held on a member Secret while its member runs, so deleting the Secret makes the member
+/// leave (drain, clean up below, delete the Node) before the Secret goes, even across a
+/// restart of virtual-node.
+pub const MEMBER_FINALIZER: &str = "tensile.dev/member";
+
+/// What a member takes from the flags unless its Secret says otherwise.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Defaults {
+    /// The flags' taint (`None` with `--disable-taint`).
+    pub taint: Option<Taint>,
+    /// `--ignore-labels`.
+    pub ignore_labels: Vec<String>,
+    /// `--client-qps`.
+    pub qps: f64,
+    /// `--client-burst`.
+    pub burst: u32,
+}
+
+/// A member Secret, read.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MemberSecret {
+    /// The virtual node's name.
+    pub node: String,
+    /// The lower cluster's kubeconfig (YAML).
+    pub kubeconfig: String,
+    /// The node's taint.
+    pub taint: Option<Taint>,
+    /// Labels moved into `tripped-labels`.
+    pub ignore_labels: Vec<String>,
+    /// The kubelet API port (0: any).
+    pub kubelet_port: u16,
+    /// Requests per second to the lower cluster.
+    pub qps: f64,
+    /// Burst to the lower cluster.
+    pub burst: u32,
+}
+
+/// Why a member Secret cannot be used; said in an Event on it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BadMember {
+    /// No `kubeconfig` key.
+    #[error("has no data key {KUBECONFIG_KEY:?} holding the lower cluster's kubeconfig")]
+    NoKubeconfig,
+    /// The kubeconfig is not UTF-8 text.
+    #[error("its {KUBECONFIG_KEY:?} is not UTF-8 text")]
+    NotText,
+    /// An annotation's value is malformed.
+    #[error("annotation {annotation}={value:?}: {why}")]
+    Annotation {
+        /// Which.
+        annotation: &'static str,
+        /// Its value.
+        value: String,
+        /// What is wrong.
+        why: String,
+    },
+    /// The node name is not a valid one.
+    #[error("node name {name:?}: {why}")]
+    NodeName {
+        /// The name.
+        name: String,
+        /// What is wrong.
+        why: String,
+    },
+}
+
+/// Reads member Secret `secret` with `defaults` for what it does not say.
+pub fn read(secret: &Secret, defaults: &Defaults) -> Result<MemberSecret, BadMember> {
+    let empty = BTreeMap::new();
+    let annotations = secret.metadata.annotations.as_ref().unwrap_or(&empty);
+    let annotation = |key: &str| annotations.get(key).map(|v| v.trim());
+    let name = annotation(NODE_NAME_ANNOTATION)
+        .filter(|n| !n.is_empty())
+        .map(str::to_owned)
+        .or_else(|| secret.metadata.name.clone())
+        .unwrap_or_default();
+    let node = parse_node_name(&name).map_err(|why| BadMember::NodeName { name, why })?;
+    let kubeconfig = secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(KUBECONFIG_KEY))
+        .map(|b| String::from_utf8(b.0.clone()).map_err(|_| BadMember::NotText))
+        .or_else(|| {
+            secret
+                .string_data
+                .as_ref()
+                .and_then(|d| d.get(KUBECONFIG_KEY))
+                .cloned()
+                .map(Ok)
+        })
+        .ok_or(BadMember::NoKubeconfig)??;
+    if kubeconfig.trim().is_empty() {
+        return Err(BadMember::NoKubeconfig);
+    }
+    let bad = |annotation: &'static str, value: &str, why: String| BadMember::Annotation {
+        annotation,
+        value: value.to_owned(),
+        why,
+    };
+    let taint = match annotation(TAINT_ANNOTATION) {
+        None => defaults.taint.clone(),
+        Some(value) => parse_taint(value).map_err(|why| bad(TAINT_ANNOTATION, value, why))?,
+    };
+    let ignore_labels = match annotation(IGNORE_LABELS_ANNOTATION) {
+        None => defaults.ignore_labels.clone(),
+        Some(value) => value
+            .split(',')
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .map(str::to_owned)
+            .collect(),
+    };
+    let kubelet_port = match annotation(KUBELET_PORT_ANNOTATION) {
+        None => 0,
+        Some(value) => value
+            .parse::<u16>()
+            .map_err(|e| bad(KUBELET_PORT_ANNOTATION, value, e.to_string()))?,
+    };
+    let qps = match annotation(CLIENT_QPS_ANNOTATION) {
+        None => defaults.qps,
+        Some(value) => match value.parse::<f64>() {
+            Ok(qps) if qps.is_finite() && qps >= 0.0 => qps,
+            _ => {
+                return Err(bad(
+                    CLIENT_QPS_ANNOTATION,
+                    value,
+                    "must be a number, 0 or more (0: unlimited)".into(),
+                ));
+            }
+        },
+    };
+    let burst = match annotation(CLIENT_BURST_ANNOTATION) {
+        None => defaults.burst,
+        Some(value) => match value.parse::<u32>() {
+            Ok(burst) if burst > 0 => burst,
+            _ => {
+                return Err(bad(
+                    CLIENT_BURST_ANNOTATION,
+                    value,
+                    "must be a whole number, 1 or more".into(),
+                ));
+            }
+        },
+    };
+    Ok(MemberSecret {
+        node,
+        kubeconfig,
+        taint,
+        ignore_labels,
+        kubelet_port,
+        qps,
+        burst,
+    })
+}
+
+/// `key[=value]:Effect`, or `none` for no taint.
+pub fn parse_taint(value: &str) -> Result<Option<Taint>, String> {
+    if value.eq_ignore_ascii_case("none") {
+        return Ok(None);
+    }
+    let (key_value, effect) = value
+        .rsplit_once(':')
+        .ok_or("must be key[=value]:Effect, or none")?;
+    if !matches!(effect, "NoSchedule" | "PreferNoSchedule" | "NoExecute") {
+        return Err(format!(
+            "effect {effect:?} must be NoSchedule, PreferNoSchedule or NoExecute"
+        ));
+    }
+    let (key, taint_value) = match key_value.split_once('=') {
+        Some((key, value)) => (key, Some(value.to_owned())),
+        None => (key_value, None),
+    };
+    if key.is_empty() {
+        return Err("the key is empty".into());
+    }
+    Ok(Some(Taint {
+        key: key.to_owned(),
+        value: taint_value,
+        effect: effect.to_owned(),
+        time_added: None,
+    }))
+}
+
+/// Whether `secret` is a member Secret (carries the member label).
+pub fn is_member(secret: &Secret) -> bool {
+    secret
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(MEMBER_LABEL))
+        .is_some_and(|v| v == "true")
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::ByteString;
+
+    use super::*;
+
+    fn defaults() -> Defaults {
+        Defaults {
+            taint: Some(Taint {
+                key: "virtual-kubelet.io/provider".into(),
+                value: Some("k8s".into()),
+                effect: "NoSchedule".into(),
+                time_added: None,
+            }),
+            ignore_labels: vec!["pod-group.scheduling.sigs.k8s.io".into()],
+            qps: 500.0,
+            burst: 1000,
+        }
+    }
+
+    fn secret(name: &str, annotations: &[(&str, &str)], kubeconfig: Option<&[u8]>) -> Secret {
+        let mut secret = Secret::default();
+        secret.metadata.name = Some(name.into());
+        secret.metadata.annotations = Some(
+            annotations
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect(),
+        );
+        secret.data = kubeconfig.map(|k| {
+            [(KUBECONFIG_KEY.to_owned(), ByteString(k.to_vec()))]
+                .into_iter()
+                .collect()
+        });
+        secret
+    }
+
+    #[test]
+    fn a_member_secret_reads_as_its_annotations_say() {
+        let config: &[u8] = b"apiVersion: v1\nkind: Config\n";
+        let d = defaults();
+        // (case, secret, want node / taint key / ignore labels / port / qps / burst, or the error)
+        type Want = Result<
+            (
+                &'static str,
+                Option<&'static str>,
+                Vec<&'static str>,
+                u16,
+                f64,
+                u32,
+            ),
+            &'static str,
+        >;
+        let cases: Vec<(&str, Secret, Want)> = vec![
+            (
+                "defaults",
+                secret("lower-a", &[], Some(config)),
+                Ok((
+                    "lower-a",
+                    Some("virtual-kubelet.io/provider"),
+                    vec!["pod-group.scheduling.sigs.k8s.io"],
+                    0,
+                    500.0,
+                    1000,
+                )),
+            ),
+            (
+                "annotated",
+                secret(
+                    "lower-a",
+                    &[
+                        (NODE_NAME_ANNOTATION, "vk-a"),
+                        (TAINT_ANNOTATION, "burst=yes:NoExecute"),
+                        (IGNORE_LABELS_ANNOTATION, "a, b,,"),
+                        (KUBELET_PORT_ANNOTATION, "10251"),
+                        (CLIENT_QPS_ANNOTATION, "50"),
+                        (CLIENT_BURST_ANNOTATION, "100"),
+                    ],
+                    Some(config),
+                ),
+                Ok(("vk-a", Some("burst"), vec!["a", "b"], 10251, 50.0, 100)),
+            ),
+            (
+                "no taint",
+                secret("lower-a", &[(TAINT_ANNOTATION, "none")], Some(config)),
+                Ok((
+                    "lower-a",
+                    None,
+                    vec!["pod-group.scheduling.sigs.k8s.io"],
+                    0,
+                    500.0,
+                    1000,
+                )),
+            ),
+            (
+                "no kubeconfig",
+                secret("lower-a", &[], None),
+                Err("has no data key"),
+            ),
+            (
+                "empty kubeconfig",
+                secret("lower-a", &[], Some(b"  ")),
+                Err("has no data key"),
+            ),
+            (
+                "binary kubeconfig",
+                secret("lower-a", &[], Some(&[0xff, 0xfe])),
+                Err("not UTF-8"),
+            ),
+            (
+                "bad node name",
+                secret("Lower_A", &[], Some(config)),
+                Err("node name \"Lower_A\""),
+            ),
+            (
+                "bad annotated name",
+                secret("ok", &[(NODE_NAME_ANNOTATION, "-x")], Some(config)),
+                Err("node name \"-x\""),
+            ),
+            (
+                "bad taint",
+                secret("a", &[(TAINT_ANNOTATION, "k=v:Sometimes")], Some(config)),
+                Err("tensile.dev/taint"),
+            ),
+            (
+                "taint without effect",
+                secret("a", &[(TAINT_ANNOTATION, "k=v")], Some(config)),
+                Err("key[=value]:Effect"),
+            ),
+            (
+                "bad port",
+                secret("a", &[(KUBELET_PORT_ANNOTATION, "70000")], Some(config)),
+                Err("tensile.dev/kubelet-port"),
+            ),
+            (
+                "bad qps",
+                secret("a", &[(CLIENT_QPS_ANNOTATION, "-1")], Some(config)),
+                Err("tensile.dev/client-qps"),
+            ),
+            (
+                "bad burst",
+                secret("a", &[(CLIENT_BURST_ANNOTATION, "0")], Some(config)),
+                Err("tensile.dev/client-burst"),
+            ),
+        ];
+        for (case, secret, want) in cases {
+            let got = read(&secret, &d);
+            match (got, want) {
+                (Ok(got), Ok((node, taint, ignore, port, qps, burst))) => {
+                    assert_eq!(got.node, node, "{case}");
+                    assert_eq!(got.taint.as_ref().map(|t| t.key.as_str()), taint, "{case}");
+                    assert_eq!(got.ignore_labels, ignore, "{case}");
+                    assert_eq!(got.kubelet_port, port, "{case}");
+                    assert!((got.qps - qps).abs() < f64::EPSILON, "{case}");
+                    assert_eq!(got.burst, burst, "{case}");
+                    assert_eq!(got.kubeconfig.as_bytes(), config, "{case}");
+                }
+                (Err(error), Err(needle)) => {
+                    assert!(error.to_string().contains(needle), "{case}: {error}");
+                }
+                (got, want) => panic!("{case}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn taints_parse_with_or_without_a_value() {
+        let cases = [
+            ("k=v:NoSchedule", Ok(Some(("k", Some("v"), "NoSchedule")))),
+            (
+                "k:PreferNoSchedule",
+                Ok(Some(("k", None, "PreferNoSchedule"))),
+            ),
+            (
+                "example.com/k=a:b:NoExecute",
+                Ok(Some(("example.com/k", Some("a:b"), "NoExecute"))),
+            ),
+            ("NONE", Ok(None)),
+            ("=v:NoSchedule", Err("key is empty")),
+            ("k=v", Err("key[=value]:Effect")),
+        ];
+        for (input, want) in cases {
+            let got = parse_taint(input);
+            match (got, want) {
+                (Ok(Some(t)), Ok(Some((key, value, effect)))) => {
+                    assert_eq!(
+                        (t.key.as_str(), t.value.as_deref(), t.effect.as_str()),
+                        (key, value, effect),
+                        "{input}"
+                    );
+                }
+                (Ok(None), Ok(None)) => {}
+                (Err(e), Err(needle)) => assert!(e.contains(needle), "{input}: {e}"),
+                (got, want) => panic!("{input}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
+}
