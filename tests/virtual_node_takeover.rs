@@ -10,10 +10,12 @@ mod common;
 use common::{TIMEOUT, gc_rounds, metric, start_node_with, wait_running};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, PostParams};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, PostParams};
 use nix::sys::signal::Signal;
 use tensile_harness::fault_proxy::FaultProxy;
 use tensile_harness::fixtures::bound_pod;
+use tensile_harness::invariant::UPPER_UID_ANNOTATION;
 use tensile_harness::{ClusterPair, TestNamespace, VirtualNodeOptions, invariant, wait_for};
 
 /// Where the Lease is when neither POD_NAMESPACE nor a service account says otherwise.
@@ -53,8 +55,8 @@ async fn ready(port: u16) -> bool {
 /// The old leader mirrors pods while the standby's upper pod watch is held back (the fault
 /// proxy), then hands over. The new leader's orphan collector finds lower pods whose upper
 /// pods its store lacks: it reads them live, keeps every one, and once the watch catches
-/// up every pod is still Running on its first lower pod. A pod force-deleted afterwards
-/// is an orphan, and is collected.
+/// up every pod is still Running on its first lower pod. A lower pod whose upper pod is
+/// gone is still collected.
 #[tokio::test]
 async fn a_standby_with_a_lagging_upper_watch_takes_over_and_kills_nothing() {
     let pair = ClusterPair::shared().await.unwrap();
@@ -143,25 +145,33 @@ async fn a_standby_with_a_lagging_upper_watch_takes_over_and_kills_nothing() {
         "lower pods deleted or re-created once the watch caught up"
     );
 
-    // A real orphan is still collected: its upper pod gone without a graceful deletion.
-    upper_pods
-        .delete("lagged-0", &DeleteParams::default().grace_period(0))
+    // A real orphan is still collected: a lower pod with this node's marks whose upper
+    // pod never existed (as one force-deleted while the node was down).
+    let mut orphan = lower_pods.get("lagged-1").await.unwrap();
+    orphan.metadata = ObjectMeta {
+        name: Some("orphan".into()),
+        labels: orphan.metadata.labels.take(),
+        annotations: Some([(UPPER_UID_ANNOTATION.to_owned(), "no-such-pod".to_owned())].into()),
+        ..ObjectMeta::default()
+    };
+    orphan.status = None;
+    lower_pods
+        .create(&PostParams::default(), &orphan)
         .await
         .unwrap();
     wait_for("the orphan collected", TIMEOUT, || async {
         let going = lower_pods
-            .get_opt("lagged-0")
+            .get_opt("orphan")
             .await?
             .is_none_or(|p| p.metadata.deletion_timestamp.is_some());
-        Ok(going.then_some(()))
+        let collected = metric(&standby, "tensile_orphans_deleted_total").await;
+        Ok((going && collected == 1).then_some(()))
     })
     .await
     .unwrap();
-    assert_eq!(
-        metric(&standby, "tensile_orphans_deleted_total").await,
-        1,
-        "the orphan was the collector's"
-    );
+    let mut after = invariant::uids_by_name(&lower_pods).await.unwrap();
+    after.remove("orphan");
+    assert_eq!(after, before, "only the orphan was collected");
 
     ns.delete().await.unwrap();
     leader.stop().unwrap();
