@@ -112,6 +112,26 @@ pub(crate) fn is_replaced(error: &kube::Error) -> bool {
     uid_refused || is_status(error, 404) || is_status(error, 409)
 }
 
+/// The upper pod of `name` as the API server has it now, not as the store holds it (the
+/// store may lag: a standby's watch, a relist after a 410): what a step that destroys
+/// something below decides on. `None`: there is no pod of that name.
+pub(crate) async fn read_upper_pod(
+    api: &Api<Pod>,
+    name: &str,
+    key: &str,
+) -> Result<Option<Pod>, Error> {
+    api.get_opt(name)
+        .await
+        .map_err(api_error(Side::Upper, "reading", "Pod", key))
+}
+
+/// [`read_upper_pod`], only while the pod of that name is still `stored` (by UID).
+async fn upper_pod_now(api: &Api<Pod>, stored: &Pod, key: &str) -> Result<Option<Pod>, Error> {
+    Ok(read_upper_pod(api, &stored.name_any(), key)
+        .await?
+        .filter(|p| p.metadata.uid == stored.metadata.uid))
+}
+
 /// What a status write to an upper pod did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StatusWrite {
@@ -294,12 +314,7 @@ async fn mark_failed(
 ) -> Result<(), Error> {
     // The store keeps a summary of an upper pod's status; the Failed status keeps what
     // the whole one knew of each container.
-    let Some(upper) = upper_api
-        .get_opt(&upper.name_any())
-        .await
-        .map_err(api_error(Side::Upper, "reading", "Pod", key))?
-        .filter(|p| p.metadata.uid == upper.metadata.uid)
-    else {
+    let Some(upper) = upper_pod_now(upper_api, upper, key).await? else {
         // Gone or replaced meanwhile: its own watch event brings the next step.
         return Ok(());
     };
@@ -406,12 +421,7 @@ async fn create(
     // The store holds a pruned pod; the lower pod is made from the whole one.
     let upper_api: Api<Pod> =
         Api::namespaced(ctx.upper.clone(), &stored.namespace().unwrap_or_default());
-    let Some(upper) = upper_api
-        .get_opt(&stored.name_any())
-        .await
-        .map_err(api_error(Side::Upper, "reading", "Pod", key))?
-        .filter(|p| p.metadata.uid == stored.metadata.uid)
-    else {
+    let Some(upper) = upper_pod_now(&upper_api, stored, key).await? else {
         // Gone or replaced meanwhile: its own watch event brings the next step.
         return Ok(());
     };
@@ -503,12 +513,7 @@ async fn add_ephemeral_containers(
         ctx.upper.clone(),
         &stored_upper.namespace().unwrap_or_default(),
     );
-    let Some(upper) = upper_api
-        .get_opt(&name)
-        .await
-        .map_err(api_error(Side::Upper, "reading", "Pod", key))?
-        .filter(|p| p.metadata.uid == stored_upper.metadata.uid)
-    else {
+    let Some(upper) = upper_pod_now(&upper_api, stored_upper, key).await? else {
         // Gone or replaced meanwhile: its own watch event brings the next step.
         return Ok(true);
     };

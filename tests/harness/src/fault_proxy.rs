@@ -2,8 +2,9 @@
 //! to it (a kubeconfig with an `http://` server and no credentials), and it forwards each
 //! request with the cluster's admin identity. While a fault is set, a share of requests is
 //! answered 429 (with `Retry-After: 1`), 500 or 503, cut off without an answer, or delayed,
-//! or its watches are made to expire (410 Gone, as when a resourceVersion is too old); it
-//! counts every request it receives, by verb and resource, so a test can bound a client's
+//! or its watches are made to expire (410 Gone, as when a resourceVersion is too old), or
+//! the events of its watches of one resource are held back (a watch that lags); it counts
+//! every request it receives, by verb and resource, so a test can bound a client's
 //! request rate during a storm and count the relists and writes an expiry causes.
 
 use std::collections::BTreeMap;
@@ -97,6 +98,8 @@ struct Shared {
     requests: Mutex<Requests>,
     /// Bumped to end every open watch with an expiry.
     expire: watch::Sender<u64>,
+    /// The resource whose watch events are held back, if any.
+    held: watch::Sender<Option<String>>,
 }
 
 impl Shared {
@@ -132,6 +135,7 @@ impl FaultProxy {
             expired: AtomicU64::new(0),
             requests: Mutex::new(Requests::default()),
             expire: watch::Sender::new(0),
+            held: watch::Sender::new(None),
         });
         let task = tokio::spawn(serve(listener, upstream, shared.clone()));
         Ok(Self {
@@ -155,6 +159,19 @@ impl FaultProxy {
         self.shared
             .expire
             .send_modify(|generation| *generation += 1);
+    }
+
+    /// From now on, the events of every watch of `resource` (`pods`, …), open now or
+    /// opened later, are held back until [`FaultProxy::release_watches`]: the client's
+    /// watch stays open and its requests are answered, but its store stops moving, as when
+    /// a watch lags far behind. Lists and other requests are forwarded.
+    pub fn hold_watches(&self, resource: &str) {
+        self.shared.held.send_replace(Some(resource.to_owned()));
+    }
+
+    /// Lets the events [`FaultProxy::hold_watches`] held back through, in order.
+    pub fn release_watches(&self) {
+        self.shared.held.send_replace(None);
     }
 
     /// Requests received so far.
@@ -467,7 +484,8 @@ async fn answer(
         return own_answer(code, body.to_string());
     }
     let (parts, body) = request.into_parts();
-    let watch = Route::of(&parts.method, parts.uri.path(), parts.uri.query()).verb == Some("watch");
+    let route = Route::of(&parts.method, parts.uri.path(), parts.uri.query());
+    let watch = route.verb == Some("watch");
     let body = body.collect().await?.to_bytes();
     let mut forwarded = http::Request::builder().method(parts.method).uri(
         parts
@@ -487,7 +505,7 @@ async fn answer(
     let response = upstream.send(forwarded).await?;
     let (parts, body) = response.into_parts();
     let body = if watch && parts.status.is_success() {
-        expiring(body, expire, shared.clone())
+        expiring(body, expire, route.resource, shared.clone())
     } else {
         body.map_err(Into::into).boxed_unsync()
     };
@@ -495,46 +513,63 @@ async fn answer(
 }
 
 /// A watch's answer, forwarded until [`FaultProxy::expire_watches`], which ends it with
-/// [`EXPIRED_EVENT`] (on a line of its own).
+/// [`EXPIRED_EVENT`] (on a line of its own); while [`FaultProxy::hold_watches`] names
+/// `resource`, nothing of it is forwarded.
 fn expiring(
     body: kube::client::Body,
     mut expire: watch::Receiver<u64>,
+    resource: String,
     shared: Arc<Shared>,
 ) -> ProxyBody {
     /// The watch, and whether what it forwarded so far ends a line.
-    type Open = (kube::client::Body, watch::Receiver<u64>, bool);
+    type Open = (
+        kube::client::Body,
+        watch::Receiver<u64>,
+        watch::Receiver<Option<String>>,
+        bool,
+    );
     type Item = Result<Frame<Bytes>, Box<dyn std::error::Error + Send + Sync>>;
     expire.borrow_and_update();
-    let stream = futures::stream::unfold(Some((body, expire, true)), move |open: Option<Open>| {
-        let shared = shared.clone();
-        async move {
-            let (mut body, mut expire, line_ended) = open?;
-            tokio::select! {
-                changed = expire.changed() => {
-                    // The proxy is gone: end the watch as a closed connection would.
-                    changed.ok()?;
-                    shared.expired.fetch_add(1, Ordering::Relaxed);
-                    let event = if line_ended {
-                        EXPIRED_EVENT.to_owned()
-                    } else {
-                        format!("\n{EXPIRED_EVENT}")
-                    };
-                    let item: Item = Ok(Frame::data(Bytes::from(event)));
-                    Some((item, None))
-                }
-                frame = body.frame() => match frame? {
-                    Ok(frame) => {
-                        let line_ended = frame
-                            .data_ref()
-                            .and_then(|data| data.last())
-                            .map_or(line_ended, |last| *last == b'\n');
-                        Some((Ok(frame), Some((body, expire, line_ended))))
+    let held = shared.held.subscribe();
+    let stream = futures::stream::unfold(
+        Some((body, expire, held, true)),
+        move |open: Option<Open>| {
+            let shared = shared.clone();
+            let resource = resource.clone();
+            async move {
+                let (mut body, mut expire, mut held, line_ended) = open?;
+                loop {
+                    let holding = held.borrow_and_update().as_deref() == Some(resource.as_str());
+                    tokio::select! {
+                        changed = expire.changed() => {
+                            // The proxy is gone: end the watch as a closed connection would.
+                            changed.ok()?;
+                            shared.expired.fetch_add(1, Ordering::Relaxed);
+                            let event = if line_ended {
+                                EXPIRED_EVENT.to_owned()
+                            } else {
+                                format!("\n{EXPIRED_EVENT}")
+                            };
+                            let item: Item = Ok(Frame::data(Bytes::from(event)));
+                            return Some((item, None));
+                        }
+                        // Held or released: look again.
+                        changed = held.changed() => changed.ok()?,
+                        frame = body.frame(), if !holding => return match frame? {
+                            Ok(frame) => {
+                                let line_ended = frame
+                                    .data_ref()
+                                    .and_then(|data| data.last())
+                                    .map_or(line_ended, |last| *last == b'\n');
+                                Some((Ok(frame), Some((body, expire, held, line_ended))))
+                            }
+                            Err(error) => Some((Err(error.into()), None)),
+                        },
                     }
-                    Err(error) => Some((Err(error.into()), None)),
-                },
+                }
             }
-        }
-    });
+        },
+    );
     StreamBody::new(stream).boxed_unsync()
 }
 
