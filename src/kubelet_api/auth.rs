@@ -33,18 +33,20 @@ pub enum Refused {
     /// No or invalid credentials: 401.
     #[error("Unauthorized: {0}")]
     Unauthenticated(String),
-    /// Authenticated but not allowed: 403.
+    /// Authenticated but not allowed on any of the subresources: 403.
     #[error(
-        "Forbidden (user={user}, verb={verb}, resource=nodes, subresource={subresource}): {reason}"
+        "Forbidden (user={user}, verb={verb}, resource=nodes, subresource(s)=[{}]){}",
+        .subresources.join(" "),
+        if .reason.is_empty() { String::new() } else { format!(": {}", .reason) }
     )]
     Forbidden {
         /// Who.
         user: String,
         /// What.
         verb: String,
-        /// On which subresource.
-        subresource: String,
-        /// The authorizer's reason.
+        /// On which subresources, in the order they were asked.
+        subresources: Vec<&'static str>,
+        /// The authorizer's reasons.
         reason: String,
     },
     /// The upper API server could not be asked: 500.
@@ -292,14 +294,40 @@ impl Authenticator {
         }
     }
 
-    /// Whether `user` may `verb` on `nodes/<subresource>` of this node (SubjectAccessReview
-    /// in the upper cluster, cached for the configured TTLs).
+    /// Whether `user` may `verb` `nodes/<subresource>` of this node for one of
+    /// `subresources`, asked in order as the kubelet does: the first allowed one lets the
+    /// call in, a failure to ask ends it. Each answer is a SubjectAccessReview in the upper
+    /// cluster, cached for the configured TTLs.
     pub async fn authorize(
         &self,
         user: &User,
         verb: &'static str,
-        subresource: &'static str,
+        subresources: &'static [&'static str],
     ) -> Result<(), Refused> {
+        let mut reasons = Vec::new();
+        for &subresource in subresources {
+            let (allowed, reason) = self.decision(user, verb, subresource).await?;
+            if allowed {
+                return Ok(());
+            }
+            if !reason.is_empty() {
+                reasons.push(reason);
+            }
+        }
+        Err(Refused::Forbidden {
+            user: user.name.clone(),
+            verb: verb.to_owned(),
+            subresources: subresources.to_vec(),
+            reason: reasons.join("; "),
+        })
+    }
+
+    async fn decision(
+        &self,
+        user: &User,
+        verb: &'static str,
+        subresource: &'static str,
+    ) -> Result<(bool, String), Refused> {
         let key = (user.clone(), verb, subresource);
         let cached = self
             .decisions
@@ -314,33 +342,21 @@ impl Authenticator {
                 };
                 at.elapsed() < ttl
             })
-            .cloned();
-        let (allowed, reason) = match cached {
-            Some((allowed, reason, _)) => (allowed, reason),
-            None => {
-                let (allowed, reason) = self.review_access(user, verb, subresource).await?;
-                let mut decisions = self
-                    .decisions
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner);
-                // Bounded: a flood of distinct users cannot grow it without end.
-                if decisions.len() > 4096 {
-                    decisions.clear();
-                }
-                decisions.insert(key, (allowed, reason.clone(), Instant::now()));
-                (allowed, reason)
-            }
-        };
-        if allowed {
-            Ok(())
-        } else {
-            Err(Refused::Forbidden {
-                user: user.name.clone(),
-                verb: verb.to_owned(),
-                subresource: subresource.to_owned(),
-                reason,
-            })
+            .map(|(allowed, reason, _)| (*allowed, reason.clone()));
+        if let Some(decision) = cached {
+            return Ok(decision);
         }
+        let (allowed, reason) = self.review_access(user, verb, subresource).await?;
+        let mut decisions = self
+            .decisions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        // Bounded: a flood of distinct users cannot grow it without end.
+        if decisions.len() > 4096 {
+            decisions.clear();
+        }
+        decisions.insert(key, (allowed, reason.clone(), Instant::now()));
+        Ok((allowed, reason))
     }
 
     async fn review_access(
@@ -398,15 +414,30 @@ mod tests {
     }
 
     #[test]
-    fn refusals_map_to_kubelet_status_codes() {
+    fn refusals_map_to_kubelet_status_codes_and_messages() {
         assert_eq!(Refused::Unauthenticated("x".into()).status(), 401);
         let forbidden = Refused::Forbidden {
             user: "u".into(),
-            verb: "create".into(),
-            subresource: "proxy".into(),
+            verb: "get".into(),
+            subresources: vec!["pods", "proxy"],
             reason: String::new(),
         };
         assert_eq!(forbidden.status(), 403);
-        assert!(forbidden.to_string().contains("subresource=proxy"));
+        assert_eq!(
+            forbidden.to_string(),
+            "Forbidden (user=u, verb=get, resource=nodes, subresource(s)=[pods proxy])"
+        );
+        let with_reason = Refused::Forbidden {
+            user: "u".into(),
+            verb: "get".into(),
+            subresources: vec!["stats"],
+            reason: "no RBAC policy matched".into(),
+        };
+        assert!(
+            with_reason
+                .to_string()
+                .ends_with("subresource(s)=[stats]): no RBAC policy matched"),
+            "{with_reason}"
+        );
     }
 }
