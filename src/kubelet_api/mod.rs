@@ -321,8 +321,8 @@ async fn handle(
 }
 
 fn refusal(refused: &Refused) -> Response<Body> {
-    if let Refused::Review(error) = refused {
-        warn!(%error, "kubelet API: authorization review failed");
+    if let Refused::Review { .. } = refused {
+        warn!(error = %refused, "kubelet API: review failed");
     }
     text(refused.status(), refused.to_string())
 }
