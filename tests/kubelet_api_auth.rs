@@ -1,6 +1,7 @@
 //! Who the kubelet port lets in, decided as a 1.33+ kubelet decides it, against the real
-//! upper API server: the subresources each path is authorized on, and the caller's uid
-//! and extra carried into the SubjectAccessReview.
+//! upper API server: the subresources each path is authorized on, the caller's uid and
+//! extra carried into the SubjectAccessReview, and TokenReview answers reused for the
+//! cache TTL.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
 
 mod common;
@@ -11,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use common::{TIMEOUT, start_node};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::admissionregistration::v1::ValidatingWebhookConfiguration;
-use k8s_openapi::api::authentication::v1::TokenRequest;
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenReview};
 use k8s_openapi::api::authorization::v1::SubjectAccessReview;
 use k8s_openapi::api::core::v1::{Pod, ServiceAccount};
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
@@ -503,6 +504,90 @@ async fn a_token_callers_uid_and_extra_reach_the_subject_access_review() {
                    "subresource": subresource, "name": node}),
         );
     }
+
+    cleanup.run(&upper).await;
+    ns.delete().await.unwrap();
+}
+
+/// A TokenReview answer is reused for `--authentication-token-webhook-cache-ttl`, as the
+/// kubelet's delegating authenticator does (and 0 turns the cache off): seen from outside,
+/// a token revoked in the upper cluster keeps working on the kubelet port until its
+/// answer expires.
+#[tokio::test]
+async fn token_reviews_are_reused_for_the_cache_ttl() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let upper = pair.upper.client().await.unwrap();
+    let ns = TestNamespace::create(&upper, "authn-cache").await.unwrap();
+    let pp = PostParams::default();
+    let (cached, uncached) = ("vk-authn-cached", "vk-authn-uncached");
+    let (vn_cached, vn_uncached) = tokio::join!(
+        start_node(
+            pair,
+            cached,
+            &[
+                "--authentication-token-webhook",
+                "--authentication-token-webhook-cache-ttl=10m"
+            ]
+        ),
+        start_node(
+            pair,
+            uncached,
+            &[
+                "--authentication-token-webhook",
+                "--authentication-token-webhook-cache-ttl=0s"
+            ]
+        ),
+    );
+    let accounts: Api<ServiceAccount> = Api::namespaced(upper.clone(), &ns.name);
+    let account: ServiceAccount =
+        serde_json::from_value(json!({"metadata": {"name": "caller"}})).unwrap();
+    accounts.create(&pp, &account).await.unwrap();
+    let user = format!("system:serviceaccount:{}:caller", ns.name);
+    let groups = [
+        "system:serviceaccounts",
+        &format!("system:serviceaccounts:{}", ns.name),
+        "system:authenticated",
+    ];
+    let mut cleanup = Cleanup::default();
+    for node in [cached, uncached] {
+        let name = format!("{node}-{}", ns.name);
+        let subject = json!({"kind": "ServiceAccount", "name": "caller", "namespace": ns.name});
+        grant(&upper, &mut cleanup, &name, subject, node, "proxy").await;
+        wait_review(&upper, node_review(&user, &groups, node, "proxy"), true).await;
+    }
+    let token = token(
+        &accounts,
+        "caller",
+        json!({"audiences": [], "expirationSeconds": 3600}),
+    )
+    .await;
+    let ca = &pair.upper.pki.ca_cert;
+    let url =
+        |vn: &tensile_harness::VirtualNode| format!("https://127.0.0.1:{}/pods", vn.kubelet_port);
+    for vn in [&vn_cached, &vn_uncached] {
+        let (code, body) = get(&url(vn), ca, Credential::Token(&token)).await;
+        assert_eq!(code, 200, "{}: {body}", vn.node_name);
+    }
+
+    // Revoked: the account is gone, and the upper API server says so.
+    accounts
+        .delete("caller", &DeleteParams::default())
+        .await
+        .unwrap();
+    let reviews: Api<TokenReview> = Api::all(upper.clone());
+    let review: TokenReview = serde_json::from_value(json!({"spec": {"token": token}})).unwrap();
+    wait_for("the token revoked", TIMEOUT, || async {
+        let answer = reviews.create(&pp, &review).await?;
+        let authenticated = answer.status.and_then(|s| s.authenticated);
+        Ok((authenticated != Some(true)).then_some(()))
+    })
+    .await
+    .unwrap();
+
+    let (code, body) = get(&url(&vn_cached), ca, Credential::Token(&token)).await;
+    assert_eq!(code, 200, "within the 10m cache TTL: {body}");
+    let (code, body) = get(&url(&vn_uncached), ca, Credential::Token(&token)).await;
+    assert_eq!(code, 401, "with the cache off: {body}");
 
     cleanup.run(&upper).await;
     ns.delete().await.unwrap();

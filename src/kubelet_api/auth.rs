@@ -1,6 +1,6 @@
 //! Who may use the kubelet API, as a kubelet decides it: an X.509 client certificate
-//! verified against a CA, or a bearer token checked with a TokenReview (authentication);
-//! a SubjectAccessReview on `nodes/<subresource>` carrying the caller's name, uid,
+//! verified against a CA, or a bearer token checked with a TokenReview (authentication,
+//! cached); a SubjectAccessReview on `nodes/<subresource>` carrying the caller's name, uid,
 //! groups and extra (authorization, cached).
 
 use std::collections::{BTreeMap, HashMap};
@@ -172,6 +172,8 @@ impl ClientCertVerifier for RequestClientCert {
 pub struct AuthConfig {
     /// Check bearer tokens with TokenReview (`--authentication-token-webhook`).
     pub token_webhook: bool,
+    /// How long a TokenReview answer, either way, is reused (0: not at all).
+    pub token_ttl: Duration,
     /// How long an allowed decision is reused.
     pub authorized_ttl: Duration,
     /// How long a denied decision is reused.
@@ -222,6 +224,8 @@ impl<K: Eq + Hash, V: Clone> Answers<K, V> {
 type DecisionKey = (User, &'static str, &'static str);
 /// Allowed or not, and the authorizer's reason.
 type Decision = (bool, String);
+/// A TokenReview's answer: the user, or why the token is refused.
+type TokenAnswer = Result<User, String>;
 
 /// Authenticates and authorizes callers against the upper cluster.
 pub struct Authenticator {
@@ -229,6 +233,10 @@ pub struct Authenticator {
     upper: Client,
     node: String,
     config: AuthConfig,
+    /// Tokens are cached under an HMAC with a key of this process's, so that no token is
+    /// kept and none can be matched from outside (k8s.io/apiserver does the same).
+    token_key: ring::hmac::Key,
+    tokens: Mutex<Answers<Box<[u8]>, TokenAnswer>>,
     decisions: Mutex<Answers<DecisionKey, Decision>>,
 }
 
@@ -337,11 +345,16 @@ impl Authenticator {
                 Some(verifier)
             }
         };
+        let token_key =
+            ring::hmac::Key::generate(ring::hmac::HMAC_SHA256, &ring::rand::SystemRandom::new())
+                .map_err(|_| "token cache key: the system gave no random bytes".to_owned())?;
         Ok(Self {
             ca,
             upper,
             node,
             config,
+            token_key,
+            tokens: Mutex::new(Answers::new()),
             decisions: Mutex::new(Answers::new()),
         })
     }
@@ -402,7 +415,32 @@ impl Authenticator {
         certificate_user(end_entity).map_err(Refused::Unauthenticated)
     }
 
+    /// The user a bearer token stands for, from the upper cluster's TokenReview, whose
+    /// answer (either way, not a failure to ask) is reused for the token cache TTL.
     async fn review_token(&self, token: &str) -> Result<User, Refused> {
+        let key: Box<[u8]> = ring::hmac::sign(&self.token_key, token.as_bytes())
+            .as_ref()
+            .into();
+        let cached = self
+            .tokens
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&key, Instant::now());
+        let answer = match cached {
+            Some(answer) => answer,
+            None => {
+                let answer = self.ask_token_review(token).await?;
+                self.tokens
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .insert(key, answer.clone(), self.config.token_ttl, Instant::now());
+                answer
+            }
+        };
+        answer.map_err(Refused::Unauthenticated)
+    }
+
+    async fn ask_token_review(&self, token: &str) -> Result<TokenAnswer, Refused> {
         let review = TokenReview {
             spec: TokenReviewSpec {
                 token: token.to_owned(),
@@ -418,19 +456,17 @@ impl Authenticator {
                 source,
             })?;
         let status = answer.status.unwrap_or_default();
-        match (status.authenticated, status.user) {
+        Ok(match (status.authenticated, status.user) {
             (Some(true), Some(user)) => Ok(User {
                 name: user.username.unwrap_or_default(),
                 uid: user.uid.unwrap_or_default(),
                 groups: user.groups.unwrap_or_default(),
                 extra: user.extra.unwrap_or_default(),
             }),
-            _ => Err(Refused::Unauthenticated(
-                status
-                    .error
-                    .unwrap_or_else(|| "invalid bearer token".into()),
-            )),
-        }
+            _ => Err(status
+                .error
+                .unwrap_or_else(|| "invalid bearer token".into())),
+        })
     }
 
     /// Whether `user` may `verb` `nodes/<subresource>` of this node for one of
