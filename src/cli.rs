@@ -199,7 +199,7 @@ pub struct Args {
     #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true")]
     pub authentication_token_webhook: bool,
 
-    /// Accepted for tensile-kube compatibility; token reviews are not cached.
+    /// How long a kubelet API TokenReview answer, either way, is reused (0: not at all).
     #[arg(long, value_parser = parse_ttl, default_value = "2m")]
     pub authentication_token_webhook_cache_ttl: Duration,
 

@@ -498,7 +498,10 @@ async fn the_kubelet_port_refuses_whoever_may_not_use_it() {
         .filter_map(|p| p["metadata"]["name"].as_str())
         .collect();
     assert_eq!(names, ["two"], "only its own pods");
-    let (code, _) = curl(&format!("{base}/healthz"), ca, None).await;
-    assert_eq!(code, 200);
+    // As on a kubelet's secure port, /healthz needs credentials too.
+    let (code, body) = curl(&format!("{base}/healthz"), ca, None).await;
+    assert_eq!(code, 401, "{body}");
+    let (code, body) = curl(&format!("{base}/healthz"), ca, Some(apiserver)).await;
+    assert_eq!((code, body.as_str()), (200, "ok"));
     ns.delete().await.unwrap();
 }

@@ -259,9 +259,6 @@ async fn handle(
     let Some(route) = route::route(req.uri().path(), &query) else {
         return text(StatusCode::NOT_FOUND, "404 page not found\n");
     };
-    if route == Route::Healthz {
-        return text(StatusCode::OK, "ok");
-    }
     if !api.auth.open() {
         let authorization = req
             .headers()
@@ -271,8 +268,8 @@ async fn handle(
             Ok(user) => user,
             Err(refused) => return refusal(&refused),
         };
-        let (verb, subresource) = (route::verb(req.method()), route::subresource(&route));
-        if let Err(refused) = api.auth.authorize(&user, verb, subresource).await {
+        let (verb, subresources) = (route::verb(req.method()), route::subresources(&route));
+        if let Err(refused) = api.auth.authorize(&user, verb, subresources).await {
             return refusal(&refused);
         }
     }
@@ -324,8 +321,8 @@ async fn handle(
 }
 
 fn refusal(refused: &Refused) -> Response<Body> {
-    if let Refused::Review(error) = refused {
-        warn!(%error, "kubelet API: authorization review failed");
+    if let Refused::Review { .. } = refused {
+        warn!(error = %refused, "kubelet API: review failed");
     }
     text(refused.status(), refused.to_string())
 }

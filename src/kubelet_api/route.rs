@@ -50,11 +50,17 @@ pub struct StreamFlags {
     pub tty: bool,
 }
 
-/// The `nodes` subresource a kubelet authorizes a call on, as the kubelet does.
-pub fn subresource(route: &Route) -> &'static str {
+/// The `nodes` subresources a kubelet authorizes a call on, in the order it asks (the
+/// first allowed one lets the call in), as a 1.33+ kubelet maps the paths
+/// (`KubeletFineGrainedAuthz`, locked on since 1.36): `/healthz` on `healthz` then
+/// `proxy`, `/pods` and `/runningpods/` on `pods` then `proxy`, `/stats/*` on `stats`,
+/// everything else (`/containerLogs`, `/exec`, `/attach`, `/portForward`) on `proxy`.
+pub fn subresources(route: &Route) -> &'static [&'static str] {
     match route {
-        Route::StatsSummary => "stats",
-        _ => "proxy",
+        Route::Healthz => &["healthz", "proxy"],
+        Route::Pods | Route::RunningPods => &["pods", "proxy"],
+        Route::StatsSummary => &["stats"],
+        Route::Logs(_) | Route::Exec(..) | Route::Attach(..) | Route::PortForward(_) => &["proxy"],
     }
 }
 
@@ -303,7 +309,19 @@ mod tests {
     fn verbs_and_subresources() {
         assert_eq!(verb(&http::Method::POST), "create");
         assert_eq!(verb(&http::Method::GET), "get");
-        assert_eq!(subresource(&Route::StatsSummary), "stats");
-        assert_eq!(subresource(&Route::Pods), "proxy");
+        let cases: &[(&str, &[&str])] = &[
+            ("/healthz", &["healthz", "proxy"]),
+            ("/pods", &["pods", "proxy"]),
+            ("/runningpods/", &["pods", "proxy"]),
+            ("/stats/summary", &["stats"]),
+            ("/containerLogs/ns/web/app", &["proxy"]),
+            ("/exec/ns/web/app", &["proxy"]),
+            ("/attach/ns/web/app", &["proxy"]),
+            ("/portForward/ns/web", &["proxy"]),
+        ];
+        for (path, want) in cases {
+            let route = route(path, &query_pairs(None)).unwrap();
+            assert_eq!(subresources(&route), *want, "{path}");
+        }
     }
 }

@@ -526,6 +526,7 @@ async fn kubelet_api_setup(
         spec.node.clone(),
         kubelet_api::auth::AuthConfig {
             token_webhook: args.authentication_token_webhook,
+            token_ttl: args.authentication_token_webhook_cache_ttl,
             authorized_ttl: args.authorization_webhook_cache_authorized_ttl,
             unauthorized_ttl: args.authorization_webhook_cache_unauthorized_ttl,
             no_verify: args.no_verify_clients,
