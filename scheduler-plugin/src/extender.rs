@@ -100,10 +100,13 @@ pub struct Extender {
     pub on_unknown: OnUnknown,
 }
 
-/// One virtual node's verdict.
+/// One virtual node's verdict. A failure is always unresolvable for kube-scheduler: its
+/// preemption dry-runs in-tree plugins only, which see the virtual node's summed capacity
+/// and not the lower nodes, so no victim it picks there makes a lower node take the pod
+/// (and no `preempt` verb is served to tell it better).
 enum Verdict {
     Pass(i64),
-    Fail { reason: String, resolvable: bool },
+    Fail(String),
 }
 
 impl Extender {
@@ -131,39 +134,16 @@ impl Extender {
         if let Err(why) = state.known() {
             return match self.on_unknown {
                 OnUnknown::Pass => (Verdict::Pass(0), Outcome::Unknown),
-                OnUnknown::Fail => (
-                    Verdict::Fail {
-                        reason: why,
-                        resolvable: false,
-                    },
-                    Outcome::Unknown,
-                ),
+                OnUnknown::Fail => (Verdict::Fail(why), Outcome::Unknown),
             };
         }
         let demand = match demand {
             Ok(demand) => demand,
-            Err(why) => {
-                return (
-                    Verdict::Fail {
-                        reason: why.clone(),
-                        resolvable: false,
-                    },
-                    Outcome::BadPod,
-                );
-            }
+            Err(why) => return (Verdict::Fail(why.clone()), Outcome::BadPod),
         };
         match state.cache.fit(demand, search) {
             ClusterFit::Fits { score } => (Verdict::Pass(score), Outcome::Fits),
-            ClusterFit::NoFit {
-                reason,
-                resources_only,
-            } => (
-                Verdict::Fail {
-                    reason,
-                    resolvable: resources_only,
-                },
-                Outcome::NoFit,
-            ),
+            ClusterFit::NoFit { reason } => (Verdict::Fail(reason), Outcome::NoFit),
         }
     }
 
@@ -182,15 +162,11 @@ impl Extender {
             outcomes.push(outcome);
             match verdict {
                 Verdict::Pass(_) => true,
-                Verdict::Fail { reason, resolvable } => {
-                    let reason = format!("lower cluster of {name}: {reason}");
-                    if resolvable {
-                        result.failed_nodes.insert(name.to_owned(), reason);
-                    } else {
-                        result
-                            .failed_and_unresolvable_nodes
-                            .insert(name.to_owned(), reason);
-                    }
+                Verdict::Fail(reason) => {
+                    result.failed_and_unresolvable_nodes.insert(
+                        name.to_owned(),
+                        format!("lower cluster of {name}: {reason}"),
+                    );
                     false
                 }
             }
@@ -227,7 +203,7 @@ impl Extender {
             None => 0,
             Some(cluster) => match self.verdict(cluster, &demand, Search::Best).0 {
                 Verdict::Pass(score) => score,
-                Verdict::Fail { .. } => 0,
+                Verdict::Fail(_) => 0,
             },
         };
         let names: Vec<&str> = match (&args.node_names, &args.nodes) {
@@ -307,7 +283,7 @@ mod tests {
         let (result, outcomes) = extender(OnUnknown::Fail).filter(&args);
         assert_eq!(result.node_names.unwrap(), ["regular", "vk-big"]);
         assert_eq!(
-            result.failed_nodes["vk-small"],
+            result.failed_and_unresolvable_nodes["vk-small"],
             "lower cluster of vk-small: no node fits cpu 6 (largest free 4)"
         );
         assert_eq!(
@@ -324,6 +300,26 @@ mod tests {
             ]
         );
         assert!(result.nodes.is_none());
+    }
+
+    /// kube-scheduler dry-runs preemption with its in-tree plugins only, which see the
+    /// virtual node's summed capacity and never the lower nodes: no victim it could pick
+    /// there makes a lower node take the pod. A no-fit is therefore never "resolvable".
+    #[test]
+    fn no_fit_is_unresolvable() {
+        let args = decode(
+            json!({"Pod": pod("6"), "NodeNames": ["vk-small"]})
+                .to_string()
+                .as_bytes(),
+        )
+        .unwrap();
+        let (result, outcomes) = extender(OnUnknown::Fail).filter(&args);
+        assert_eq!(outcomes, [Outcome::NoFit]);
+        assert_eq!(result.failed_nodes, crate::wire::FailedNodesMap::new());
+        assert_eq!(
+            result.failed_and_unresolvable_nodes["vk-small"],
+            "lower cluster of vk-small: no node fits cpu 6 (largest free 4)"
+        );
     }
 
     #[test]

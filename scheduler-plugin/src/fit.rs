@@ -298,9 +298,6 @@ pub enum ClusterFit {
     NoFit {
         /// Why, for the FailedScheduling event (without the cluster's name).
         reason: String,
-        /// Whether only resources stood in the way: freeing room (preempting mirrored
-        /// pods) could help.
-        resources_only: bool,
     },
 }
 
@@ -345,7 +342,6 @@ pub fn fit_cluster<'a>(
     if total == 0 {
         return ClusterFit::NoFit {
             reason: "no nodes".into(),
-            resources_only: false,
         };
     }
     for (resource, need) in &demand.requests {
@@ -400,7 +396,6 @@ pub fn fit_cluster<'a>(
     }
     ClusterFit::NoFit {
         reason: parts.join("; "),
-        resources_only: others.is_empty(),
     }
 }
 
