@@ -21,15 +21,38 @@ pub enum OnUnknown {
     Pass,
 }
 
+/// One of a lower cluster's two watches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Watched {
+    /// Its nodes.
+    Nodes,
+    /// Its pods.
+    Pods,
+}
+
+impl Watched {
+    /// For messages and log fields.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Nodes => "nodes",
+            Self::Pods => "pods",
+        }
+    }
+}
+
 /// One lower cluster: its cache and whether it can be trusted.
 #[derive(Debug, Default)]
 pub struct ClusterState {
     /// Nodes and pods.
     pub cache: ClusterCache,
-    /// The node watch has listed everything once.
+    /// The node watch has listed everything and not failed since.
     pub nodes_synced: bool,
-    /// The pod watch has listed everything once.
+    /// The pod watch has listed everything and not failed since.
     pub pods_synced: bool,
+    /// Why the node watch failed, until it has listed everything again.
+    pub nodes_failing: Option<String>,
+    /// Why the pod watch failed, until it has listed everything again.
+    pub pods_failing: Option<String>,
     /// Why the lower API server is not answering, while it is not.
     pub unreachable: Option<String>,
 }
@@ -40,10 +63,44 @@ impl ClusterState {
         if let Some(error) = &self.unreachable {
             return Err(format!("unreachable ({error})"));
         }
+        for (watched, failing) in [
+            (Watched::Nodes, &self.nodes_failing),
+            (Watched::Pods, &self.pods_failing),
+        ] {
+            if let Some(error) = failing {
+                return Err(format!(
+                    "watch of {} failing ({error}); waiting for a complete list",
+                    watched.name()
+                ));
+            }
+        }
         if !(self.nodes_synced && self.pods_synced) {
             return Err("not synced yet".into());
         }
         Ok(())
+    }
+
+    /// A watch failed: what it holds may be stale (events missed, or access revoked)
+    /// until it has listed everything again.
+    pub fn watch_failed(&mut self, watched: Watched, error: String) {
+        let (synced, failing) = self.watch(watched);
+        *synced = false;
+        *failing = Some(error);
+    }
+
+    /// A watch has listed everything: what it holds is current. Returns the watch if this
+    /// ended a failure.
+    pub fn listed(&mut self, watched: Watched) -> Option<Watched> {
+        let (synced, failing) = self.watch(watched);
+        *synced = true;
+        failing.take().map(|_| watched)
+    }
+
+    fn watch(&mut self, watched: Watched) -> (&mut bool, &mut Option<String>) {
+        match watched {
+            Watched::Nodes => (&mut self.nodes_synced, &mut self.nodes_failing),
+            Watched::Pods => (&mut self.pods_synced, &mut self.pods_failing),
+        }
     }
 }
 
@@ -372,6 +429,34 @@ mod tests {
         assert_eq!(
             e.ready().unwrap_err(),
             "vk-big: unreachable (connection refused); vk-new: not synced yet"
+        );
+    }
+
+    #[test]
+    fn a_failed_watch_is_not_trusted_until_it_lists_again() {
+        let mut state = ClusterState::default();
+        assert_eq!(state.known().unwrap_err(), "not synced yet");
+        assert_eq!(state.listed(Watched::Nodes), None);
+        assert_eq!(state.listed(Watched::Pods), None);
+        assert_eq!(state.known(), Ok(()));
+        state.watch_failed(Watched::Pods, "list: 403 Forbidden: no".into());
+        let failing =
+            "watch of pods failing (list: 403 Forbidden: no); waiting for a complete list";
+        assert_eq!(state.known().unwrap_err(), failing);
+        assert_eq!(state.listed(Watched::Nodes), None);
+        assert_eq!(
+            state.known().unwrap_err(),
+            failing,
+            "the node watch's list does not vouch for the pods"
+        );
+        assert_eq!(state.listed(Watched::Pods), Some(Watched::Pods));
+        assert_eq!(state.known(), Ok(()));
+        state.unreachable = Some("connection refused".into());
+        state.watch_failed(Watched::Nodes, "watch: cut".into());
+        assert_eq!(
+            state.known().unwrap_err(),
+            "unreachable (connection refused)",
+            "unreachable says more than a failed watch"
         );
     }
 
