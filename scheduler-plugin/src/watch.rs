@@ -63,11 +63,13 @@ pub async fn lower_client(node: &str, kubeconfig: &Path) -> Result<Client, Watch
     })
 }
 
-/// Keeps `cluster` current from `client` until `shutdown`.
+/// Keeps `cluster` current from `client` until `shutdown`. `siblings` are the other
+/// lower clusters: a lower copy appearing here ends its upper pod's assumptions there too.
 pub async fn run(
     node: String,
     client: Client,
     cluster: SharedCluster,
+    siblings: Vec<SharedCluster>,
     shutdown: CancellationToken,
 ) {
     let probe = probe(
@@ -105,17 +107,33 @@ pub async fn run(
                     "lower watch failed: the virtual node fails filter until it has listed again"
                 );
             }
-            if let Some(watched) = apply(&mut cluster.write(), change) {
+            let applied = apply(&mut cluster.write(), change);
+            if let Some(watched) = applied.listed_again {
                 info!(node = %node, cluster = "lower", watch = watched.name(), "lower watch listed again");
+            }
+            if let Some(uid) = applied.mirrored {
+                // It passed filter on other virtual nodes too; it went to this one.
+                for sibling in &siblings {
+                    sibling.write().cache.release(&uid);
+                }
             }
         }
     };
     tokio::join!(fold, probe);
 }
 
-/// Folds one watch event into a cluster's state; returns the watch whose complete list
-/// ended a failure.
-fn apply(state: &mut crate::extender::ClusterState, change: Change) -> Option<Watched> {
+/// What folding an event did that reaches beyond the cluster's state.
+#[derive(Debug, Default, PartialEq)]
+struct Applied {
+    /// The watch whose complete list ended a failure.
+    listed_again: Option<Watched>,
+    /// The upper pod whose lower copy appeared, ending its assumption.
+    mirrored: Option<String>,
+}
+
+/// Folds one watch event into a cluster's state.
+fn apply(state: &mut crate::extender::ClusterState, change: Change) -> Applied {
+    let mut applied = Applied::default();
     match change {
         Change::Node(event) => match *event {
             Event::Init => state.cache.relist_nodes_start(),
@@ -125,21 +143,21 @@ fn apply(state: &mut crate::extender::ClusterState, change: Change) -> Option<Wa
                 .delete_node(n.meta().name.as_deref().unwrap_or_default()),
             Event::InitDone => {
                 state.cache.relist_nodes_done();
-                return state.listed(Watched::Nodes);
+                applied.listed_again = state.listed(Watched::Nodes);
             }
         },
         Change::Pod(event) => match *event {
             Event::Init => state.cache.relist_pods_start(),
-            Event::InitApply(p) | Event::Apply(p) => state.cache.apply_pod(&p),
+            Event::InitApply(p) | Event::Apply(p) => applied.mirrored = state.cache.apply_pod(&p),
             Event::Delete(p) => state.cache.delete_pod(&p),
             Event::InitDone => {
                 state.cache.relist_pods_done();
-                return state.listed(Watched::Pods);
+                applied.listed_again = state.listed(Watched::Pods);
             }
         },
         Change::Failed(watched, error) => state.watch_failed(watched, error),
     }
-    None
+    applied
 }
 
 enum Change {
@@ -226,13 +244,13 @@ async fn probe(node: String, client: Client, cluster: SharedCluster, shutdown: C
     }
 }
 
-/// Connects to every lower cluster (virtual node name, kubeconfig) and returns the
-/// extender over their caches with the future that keeps them current until `shutdown`.
-/// The caches fill in the background; until a cluster has synced its virtual node is
-/// unknown.
+/// Connects to every lower cluster (virtual node name, kubeconfig) and returns
+/// `extender` (its settings; its clusters are replaced) over their caches, with the future
+/// that keeps them current until `shutdown`. The caches fill in the background; until a
+/// cluster has synced its virtual node is unknown.
 pub async fn connect(
     clusters: &[(String, PathBuf)],
-    on_unknown: crate::extender::OnUnknown,
+    mut extender: crate::extender::Extender,
     shutdown: CancellationToken,
 ) -> Result<
     (
@@ -241,16 +259,27 @@ pub async fn connect(
     ),
     WatchError,
 > {
-    let mut extender = crate::extender::Extender {
-        on_unknown,
-        ..Default::default()
-    };
-    let mut watches = Vec::new();
+    let mut clients = Vec::new();
     for (node, kubeconfig) in clusters {
-        let client = lower_client(node, kubeconfig).await?;
-        let cluster = SharedCluster::default();
-        extender.clusters.insert(node.clone(), cluster.clone());
-        watches.push(run(node.clone(), client, cluster, shutdown.clone()));
+        clients.push((node.clone(), lower_client(node, kubeconfig).await?));
+    }
+    let clusters: Vec<(String, Client, SharedCluster)> = clients
+        .into_iter()
+        .map(|(node, client)| (node, client, SharedCluster::default()))
+        .collect();
+    extender.clusters = clusters
+        .iter()
+        .map(|(node, _, cluster)| (node.clone(), cluster.clone()))
+        .collect();
+    let mut watches = Vec::new();
+    for (node, client, cluster) in clusters {
+        let siblings = extender
+            .clusters
+            .iter()
+            .filter(|(other, _)| **other != node)
+            .map(|(_, sibling)| sibling.clone())
+            .collect();
+        watches.push(run(node, client, cluster, siblings, shutdown.clone()));
     }
     Ok((extender, async move {
         futures::future::join_all(watches).await;
@@ -275,6 +304,55 @@ mod tests {
         });
         let seen: Vec<_> = futures::executor::block_on(items.collect());
         assert_eq!(seen, [Ok(1), Err("refused"), Ok(2), Ok(3)]);
+    }
+
+    #[test]
+    fn events_fold_into_the_state() {
+        use crate::extender::ClusterState;
+        use serde_json::json;
+        let mut state = ClusterState::default();
+        let node: Node = serde_json::from_value(json!({
+            "metadata": {"name": "n1"},
+            "status": {"allocatable": {"cpu": "4"}, "conditions": [{"type": "Ready", "status": "True"}]},
+        }))
+        .unwrap();
+        let copy: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "a", "namespace": "ns",
+                         "annotations": {"tensile.dev/upper-uid": "uid-a"}},
+            "spec": {"containers": [{"name": "c", "resources": {"requests": {"cpu": "3"}}}]},
+        }))
+        .unwrap();
+        let node_event = |event| Change::Node(Box::new(event));
+        let pod_event = |event| Change::Pod(Box::new(event));
+        for change in [
+            node_event(Event::Init),
+            node_event(Event::InitApply(node)),
+            node_event(Event::InitDone),
+            pod_event(Event::Init),
+            pod_event(Event::InitDone),
+        ] {
+            assert_eq!(apply(&mut state, change), Applied::default());
+        }
+        assert_eq!(state.known(), Ok(()));
+        let demand = crate::fit::Demand::of(&copy).unwrap();
+        state
+            .cache
+            .assume("uid-a", &demand, std::time::Instant::now() + PROBE_INTERVAL);
+        let mirrored = apply(&mut state, pod_event(Event::Apply(copy)));
+        assert_eq!(mirrored.mirrored.as_deref(), Some("uid-a"));
+        let failed = Change::Failed(Watched::Pods, "list: 403 Forbidden: no".into());
+        assert_eq!(apply(&mut state, failed), Applied::default());
+        assert!(state.known().is_err());
+        apply(&mut state, pod_event(Event::Init));
+        assert!(state.known().is_err(), "not until the list is complete");
+        let done = apply(&mut state, pod_event(Event::InitDone));
+        assert_eq!(done.listed_again, Some(Watched::Pods));
+        assert_eq!(state.known(), Ok(()));
+        assert_eq!(
+            state.cache.len(),
+            (1, 0),
+            "the relist did not list the copy"
+        );
     }
 
     #[test]

@@ -13,7 +13,7 @@ use kube::api::{Api, ListParams};
 use serde_json::{Value, json};
 use tensile_harness::fixtures::{merge, pod, virtual_node_toleration};
 use tensile_harness::{ClusterPair, VirtualNode, VirtualNodeOptions, node_is_ready, wait_for};
-use tensile_scheduler_extender::extender::OnUnknown;
+use tensile_scheduler_extender::extender::Extender;
 use tensile_scheduler_extender::metrics::Metrics;
 use tensile_scheduler_extender::server::{self, App};
 use tensile_scheduler_extender::watch;
@@ -76,7 +76,7 @@ impl ServedExtender {
         let shutdown = CancellationToken::new();
         let (extender, watches) = watch::connect(
             &[(VK.to_owned(), lower_kubeconfig)],
-            OnUnknown::Fail,
+            Extender::default(),
             shutdown.clone(),
         )
         .await
