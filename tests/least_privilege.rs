@@ -240,7 +240,7 @@ async fn the_extender_filters_through_its_lower_watch_with_the_shipped_rbac() {
     assert_eq!(status, 200, "{body}");
     assert!(!passes(&too_big), "a pod no lower node takes fails: {body}");
     assert!(
-        too_big["FailedNodes"][node].is_string(),
+        too_big["FailedAndUnresolvableNodes"][node].is_string(),
         "with the reason: {body}"
     );
     assert_no_refusal(&extender);

@@ -2,34 +2,68 @@
 //! through `apply_* / delete_* / relist_*` (synchronous, tested without an API server).
 //! Pruned: per node what [`LowerNode`] holds; per pod only its node and its footprint; per
 //! node the sum of its pods' footprints, kept incrementally so a filter never sums pods.
+//!
+//! Pods in flight take room too, or a burst passes filter pod after pod against the same
+//! free node: a lower pod its scheduler has not placed yet counts on the node it will
+//! most likely get (the one it leaves the most room on, as the default LeastAllocated
+//! scoring picks), and an upper pod that passed filter counts, [`ClusterCache::assume`]d,
+//! until its lower copy appears or its assumption expires.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
+use std::time::Instant;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
 use tensile::node::resources::{Resources, add, phase_is_terminal, pod_footprint};
+use tensile::translate::meta::UPPER_UID_ANNOTATION;
 
-use crate::fit::{ClusterFit, Demand, LowerNode, Search, fit_cluster};
+use crate::fit::{ClusterFit, Demand, LowerNode, Search, check_node, fit_cluster};
 
 /// Per pod only what the sums need, with node and resource names shared (interned):
 /// 20 000 pods hold a handful of distinct names.
 #[derive(Clone, Debug, PartialEq)]
 struct PodUsage {
-    node: Arc<str>,
+    /// Where the footprint is counted: the pod's node, or for a pod not bound yet the node
+    /// it will most likely get (none where no node takes it).
+    node: Option<Arc<str>>,
+    /// Whether that node is the pod's own.
+    bound: bool,
     footprint: Box<[(Arc<str>, i128)]>,
+}
+
+/// An upper pod that passed filter, counted until its lower copy appears.
+#[derive(Clone, Debug)]
+struct Assumed {
+    usage: PodUsage,
+    /// When it stops counting if no lower copy has appeared (the pod went elsewhere, or
+    /// was never bound).
+    deadline: Instant,
 }
 
 /// The nodes of one lower cluster and what its pods take on each.
 #[derive(Clone, Debug, Default)]
 pub struct ClusterCache {
     nodes: HashMap<String, LowerNode>,
-    /// Bound, non-terminal pods. Key `namespace/name`.
+    /// Non-terminal pods, bound or not. Key `namespace/name`.
     pods: HashMap<String, PodUsage>,
-    /// Node name → sum of the footprints of its pods.
+    /// Upper pods assumed here. Key: the upper pod's UID.
+    assumed: HashMap<String, Assumed>,
+    /// Assumptions in the order they were made (and expire); an entry whose assumption
+    /// was since released or made again is skipped.
+    deadlines: VecDeque<(Instant, String)>,
+    /// Node → sum of the footprints counted there.
     used: HashMap<String, Resources>,
     relisted_nodes: Option<HashSet<String>>,
     relisted_pods: Option<HashSet<String>>,
     names: HashSet<Arc<str>>,
+}
+
+/// What a pod takes.
+enum Takes {
+    /// Room on its node.
+    Bound(String, Resources),
+    /// Room somewhere, once the lower scheduler has placed it.
+    Waiting(Demand),
 }
 
 impl ClusterCache {
@@ -61,29 +95,89 @@ impl ClusterCache {
         }
     }
 
-    /// A pod was added or changed.
-    pub fn apply_pod(&mut self, pod: &Pod) {
+    /// A pod was added or changed. A lower copy replaces its upper pod's assumption:
+    /// returns that pod's UID when it did, for the other clusters to drop theirs.
+    pub fn apply_pod(&mut self, pod: &Pod) -> Option<String> {
         let key = pod_key(pod);
         if let Some(seen) = &mut self.relisted_pods {
             seen.insert(key.clone());
         }
         self.forget(&key);
-        if let Some((node, footprint)) = usage(pod) {
-            let usage = PodUsage {
-                node: self.intern(&node),
-                footprint: footprint
-                    .iter()
-                    .map(|(resource, amount)| (self.intern(resource), *amount))
-                    .collect(),
-            };
-            self.add_used(&node, &footprint);
+        let released = upper_uid(pod)
+            .filter(|uid| self.release(uid))
+            .map(str::to_owned);
+        let usage = match takes(pod) {
+            Some(Takes::Bound(node, footprint)) => Some(self.take(Some(&node), true, &footprint)),
+            Some(Takes::Waiting(demand)) => {
+                let node = self.place(&demand);
+                Some(self.take(node.as_deref(), false, &demand.requests))
+            }
+            None => None,
+        };
+        if let Some(usage) = usage {
             self.pods.insert(key, usage);
         }
+        released
     }
 
     /// A pod was deleted.
     pub fn delete_pod(&mut self, pod: &Pod) {
         self.forget(&pod_key(pod));
+    }
+
+    /// Counts the upper pod `uid`, which passed filter with `demand`, on the node it will
+    /// most likely get, until its lower copy appears or `deadline`. Made again, an
+    /// assumption replaces the earlier one.
+    pub fn assume(&mut self, uid: &str, demand: &Demand, deadline: Instant) {
+        self.release(uid);
+        let node = self.place(demand);
+        let usage = self.take(node.as_deref(), false, &demand.requests);
+        self.assumed
+            .insert(uid.to_owned(), Assumed { usage, deadline });
+        self.deadlines.push_back((deadline, uid.to_owned()));
+    }
+
+    /// Stops counting the upper pod `uid`; whether it was counted.
+    pub fn release(&mut self, uid: &str) -> bool {
+        match self.assumed.remove(uid) {
+            Some(assumed) => {
+                self.give_back(&assumed.usage);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Releases the assumptions whose deadline is `now` or earlier.
+    pub fn expire(&mut self, now: Instant) {
+        while let Some((deadline, _)) = self.deadlines.front()
+            && *deadline <= now
+        {
+            let Some((deadline, uid)) = self.deadlines.pop_front() else {
+                break;
+            };
+            if self
+                .assumed
+                .get(&uid)
+                .is_some_and(|assumed| assumed.deadline == deadline)
+            {
+                self.release(&uid);
+            }
+        }
+    }
+
+    /// The node that leaves the most room after taking a pod with `demand`, as the
+    /// default scoring of the lower scheduler picks it; ties go to the first name.
+    fn place(&self, demand: &Demand) -> Option<String> {
+        self.nodes
+            .iter()
+            .filter_map(|(name, node)| {
+                check_node(name, node, self.used.get(name), demand)
+                    .ok()
+                    .map(|score| (score, name))
+            })
+            .max_by(|(a, a_name), (b, b_name)| a.cmp(b).then_with(|| b_name.cmp(a_name)))
+            .map(|(_, name)| name.clone())
     }
 
     fn intern(&mut self, name: &str) -> Arc<str> {
@@ -95,20 +189,30 @@ impl ClusterCache {
         name
     }
 
-    fn add_used(&mut self, node: &str, footprint: &Resources) {
-        match self.used.get_mut(node) {
-            Some(used) => add(used, footprint),
-            None => {
-                self.used.insert(node.to_owned(), footprint.clone());
+    /// Counts `footprint` on `node` (nowhere when `None`), the pod's own node if `bound`.
+    fn take(&mut self, node: Option<&str>, bound: bool, footprint: &Resources) -> PodUsage {
+        if let Some(node) = node {
+            match self.used.get_mut(node) {
+                Some(used) => add(used, footprint),
+                None => {
+                    self.used.insert(node.to_owned(), footprint.clone());
+                }
             }
+        }
+        PodUsage {
+            node: node.map(|n| self.intern(n)),
+            bound,
+            footprint: footprint
+                .iter()
+                .map(|(resource, amount)| (self.intern(resource), *amount))
+                .collect(),
         }
     }
 
-    fn forget(&mut self, key: &str) {
-        if let Some(old) = self.pods.remove(key)
-            && let Some(used) = self.used.get_mut(&*old.node)
-        {
-            for (resource, amount) in &old.footprint {
+    fn give_back(&mut self, usage: &PodUsage) {
+        let Some(node) = &usage.node else { return };
+        if let Some(used) = self.used.get_mut(&**node) {
+            for (resource, amount) in &usage.footprint {
                 if let Some(slot) = used.get_mut(&**resource) {
                     *slot -= amount;
                     if *slot == 0 {
@@ -117,8 +221,14 @@ impl ClusterCache {
                 }
             }
             if used.is_empty() {
-                self.used.remove(&*old.node);
+                self.used.remove(&**node);
             }
+        }
+    }
+
+    fn forget(&mut self, key: &str) {
+        if let Some(old) = self.pods.remove(key) {
+            self.give_back(&old);
         }
     }
 
@@ -142,17 +252,22 @@ impl ClusterCache {
         }
     }
 
-    /// Number of nodes and of pods taking room.
+    /// Number of nodes and of pods taking room (bound or not; upper pods assumed aside).
     pub fn len(&self) -> (usize, usize) {
         (self.nodes.len(), self.pods.len())
     }
 
     /// Whether the cache holds nothing.
     pub fn is_empty(&self) -> bool {
-        self.nodes.is_empty() && self.pods.is_empty()
+        self.nodes.is_empty() && self.pods.is_empty() && self.assumed.is_empty()
     }
 
-    /// The requests of the pods bound to `node`.
+    /// Pods counted but not bound yet: lower pods not scheduled, upper pods assumed.
+    pub fn in_flight(&self) -> usize {
+        self.pods.values().filter(|p| !p.bound).count() + self.assumed.len()
+    }
+
+    /// What is counted on `node`: its pods' requests, and those of pods expected there.
     pub fn used(&self, node: &str) -> Option<&Resources> {
         self.used.get(node)
     }
@@ -182,16 +297,35 @@ fn pod_key(pod: &Pod) -> String {
     )
 }
 
-/// What a pod takes, if it takes room: bound and not terminal. Every such pod counts,
-/// mirrored ones included: the question is what is free below, not what the virtual node
+/// The UID of the upper pod a lower pod mirrors (virtual-node's mark), if it does.
+fn upper_uid(pod: &Pod) -> Option<&str> {
+    pod.metadata
+        .annotations
+        .as_ref()?
+        .get(UPPER_UID_ANNOTATION)
+        .map(String::as_str)
+}
+
+/// What a pod takes, if it takes room: not terminal, and either bound or waiting for the
+/// lower scheduler (not held back by scheduling gates). Every such pod counts, mirrored
+/// ones included: the question is what is free below, not what the virtual node
 /// advertises.
-fn usage(pod: &Pod) -> Option<(String, Resources)> {
+fn takes(pod: &Pod) -> Option<Takes> {
     if phase_is_terminal(pod.status.as_ref().and_then(|s| s.phase.as_deref())) {
         return None;
     }
     let spec = pod.spec.as_ref()?;
-    let node = spec.node_name.clone().filter(|n| !n.is_empty())?;
-    Some((node, pod_footprint(spec)))
+    match spec.node_name.as_deref().filter(|n| !n.is_empty()) {
+        Some(node) => Some(Takes::Bound(node.to_owned(), pod_footprint(spec))),
+        None if spec
+            .scheduling_gates
+            .as_ref()
+            .is_some_and(|g| !g.is_empty()) =>
+        {
+            None
+        }
+        None => Some(Takes::Waiting(Demand::of_lower(spec))),
+    }
 }
 
 #[cfg(test)]
@@ -267,10 +401,81 @@ mod tests {
         assert!(cache.node("n2").is_none());
     }
 
+    /// A pod the lower scheduler has not placed yet takes room on the node it will most
+    /// likely get (the one it leaves the most room on), and where it fits nowhere, none.
     #[test]
-    fn unbound_pods_take_no_room() {
+    fn pods_not_scheduled_yet_take_room() {
         let mut cache = ClusterCache::default();
-        cache.apply_pod(&pod("a", "", "1", "Pending"));
-        assert!(cache.is_empty());
+        cache.apply_node(&node("n1", "4"));
+        cache.apply_node(&node("n2", "2"));
+        cache.apply_pod(&pod("a", "", "3", "Pending"));
+        assert_eq!(cpu_used(&cache, "n1"), 3000);
+        let demand = |cpu: &str| Demand::of(&pod("x", "", cpu, "Pending")).unwrap();
+        assert_eq!(
+            cache.fit(&demand("3"), Search::First),
+            ClusterFit::NoFit {
+                reason: "no node fits cpu 3 (largest free 2)".into(),
+            }
+        );
+        // Scheduled below: counted once, where it is.
+        cache.apply_pod(&pod("a", "n2", "3", "Pending"));
+        assert_eq!((cpu_used(&cache, "n1"), cpu_used(&cache, "n2")), (0, 3000));
+        cache.apply_pod(&pod("huge", "", "64", "Pending"));
+        assert!(
+            matches!(
+                cache.fit(&demand("4"), Search::First),
+                ClusterFit::Fits { .. }
+            ),
+            "a pod no node takes takes no room"
+        );
+        assert_eq!(cache.in_flight(), 1);
+        let mut gated = pod("gated", "", "4", "Pending");
+        gated.spec.as_mut().unwrap().scheduling_gates = Some(vec![
+            serde_json::from_value(json!({"name": "wait"})).unwrap(),
+        ]);
+        cache.apply_pod(&gated);
+        assert_eq!(
+            cpu_used(&cache, "n1"),
+            0,
+            "a gated pod is not scheduled yet"
+        );
+    }
+
+    #[test]
+    fn assumptions_count_until_the_lower_copy_or_the_deadline() {
+        let mut cache = ClusterCache::default();
+        cache.apply_node(&node("n1", "4"));
+        let demand = Demand::of(&pod("a", "", "3", "Pending")).unwrap();
+        let now = Instant::now();
+        let at = |seconds: u64| now + std::time::Duration::from_secs(seconds);
+        cache.assume("uid-a", &demand, at(10));
+        assert_eq!((cpu_used(&cache, "n1"), cache.in_flight()), (3000, 1));
+        cache.assume("uid-a", &demand, at(20));
+        assert_eq!(cpu_used(&cache, "n1"), 3000, "made again, it replaces");
+        cache.expire(at(10));
+        assert_eq!(
+            cpu_used(&cache, "n1"),
+            3000,
+            "the first deadline no longer holds"
+        );
+        // The lower copy appears: it takes the room from now on.
+        let mut copy = pod("a", "", "3", "Pending");
+        copy.metadata.annotations =
+            Some([(UPPER_UID_ANNOTATION.to_owned(), "uid-a".to_owned())].into());
+        assert_eq!(cache.apply_pod(&copy).as_deref(), Some("uid-a"));
+        assert_eq!((cpu_used(&cache, "n1"), cache.in_flight()), (3000, 1));
+        assert_eq!(cache.apply_pod(&copy), None, "released once");
+        cache.expire(at(20));
+        assert_eq!(cpu_used(&cache, "n1"), 3000);
+        // Never bound anywhere: it stops counting at its deadline.
+        cache.delete_pod(&copy);
+        cache.assume("uid-b", &demand, at(30));
+        assert_eq!(cpu_used(&cache, "n1"), 3000);
+        cache.expire(at(29));
+        assert_eq!(cpu_used(&cache, "n1"), 3000);
+        cache.expire(at(30));
+        assert_eq!((cpu_used(&cache, "n1"), cache.in_flight()), (0, 0));
+        assert!(!cache.release("uid-b"));
+        assert!(cache.deadlines.is_empty());
     }
 }

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use clap::Parser;
 use serde::Deserialize;
@@ -47,6 +48,11 @@ pub struct Cli {
     /// (with the reason) or `pass` (let the lower scheduler decide).
     #[arg(long, value_enum, default_value_t = OnUnknown::Fail)]
     pub on_unknown: OnUnknown,
+
+    /// How long a pod that passed filter on a virtual node counts in its lower cluster
+    /// while its lower copy has not appeared (Go duration, e.g. `30s`).
+    #[arg(long, value_parser = tensile::duration::parse_duration, default_value = "30s")]
+    pub assume_ttl: Duration,
 
     /// Log filter (`info`, `debug`, or a tracing directive).
     #[arg(long, default_value = "info")]
@@ -144,9 +150,11 @@ mod tests {
             "--config",
             file.to_str().unwrap(),
             "--on-unknown=pass",
+            "--assume-ttl=1m30s",
         ])
         .unwrap();
         assert_eq!(cli.on_unknown, OnUnknown::Pass);
+        assert_eq!(cli.assume_ttl, Duration::from_secs(90));
         let clusters = cli.clusters().unwrap();
         assert_eq!(
             clusters,
@@ -162,7 +170,9 @@ mod tests {
     fn bad_input_is_refused() {
         assert!(Cli::try_parse_from(["x", "--cluster", "novalue"]).is_err());
         assert!(Cli::try_parse_from(["x", "--tls-cert", "/c"]).is_err());
+        assert!(Cli::try_parse_from(["x", "--assume-ttl", "soon"]).is_err());
         let cli = Cli::try_parse_from(["x"]).unwrap();
+        assert_eq!(cli.assume_ttl, crate::extender::DEFAULT_ASSUME_TTL);
         assert!(matches!(cli.clusters(), Err(ConfigError::NoClusters)));
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("config.json");

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
 
@@ -21,15 +22,38 @@ pub enum OnUnknown {
     Pass,
 }
 
+/// One of a lower cluster's two watches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Watched {
+    /// Its nodes.
+    Nodes,
+    /// Its pods.
+    Pods,
+}
+
+impl Watched {
+    /// For messages and log fields.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Nodes => "nodes",
+            Self::Pods => "pods",
+        }
+    }
+}
+
 /// One lower cluster: its cache and whether it can be trusted.
 #[derive(Debug, Default)]
 pub struct ClusterState {
     /// Nodes and pods.
     pub cache: ClusterCache,
-    /// The node watch has listed everything once.
+    /// The node watch has listed everything and not failed since.
     pub nodes_synced: bool,
-    /// The pod watch has listed everything once.
+    /// The pod watch has listed everything and not failed since.
     pub pods_synced: bool,
+    /// Why the node watch failed, until it has listed everything again.
+    pub nodes_failing: Option<String>,
+    /// Why the pod watch failed, until it has listed everything again.
+    pub pods_failing: Option<String>,
     /// Why the lower API server is not answering, while it is not.
     pub unreachable: Option<String>,
 }
@@ -40,10 +64,44 @@ impl ClusterState {
         if let Some(error) = &self.unreachable {
             return Err(format!("unreachable ({error})"));
         }
+        for (watched, failing) in [
+            (Watched::Nodes, &self.nodes_failing),
+            (Watched::Pods, &self.pods_failing),
+        ] {
+            if let Some(error) = failing {
+                return Err(format!(
+                    "watch of {} failing ({error}); waiting for a complete list",
+                    watched.name()
+                ));
+            }
+        }
         if !(self.nodes_synced && self.pods_synced) {
             return Err("not synced yet".into());
         }
         Ok(())
+    }
+
+    /// A watch failed: what it holds may be stale (events missed, or access revoked)
+    /// until it has listed everything again.
+    pub fn watch_failed(&mut self, watched: Watched, error: String) {
+        let (synced, failing) = self.watch(watched);
+        *synced = false;
+        *failing = Some(error);
+    }
+
+    /// A watch has listed everything: what it holds is current. Returns the watch if this
+    /// ended a failure.
+    pub fn listed(&mut self, watched: Watched) -> Option<Watched> {
+        let (synced, failing) = self.watch(watched);
+        *synced = true;
+        failing.take().map(|_| watched)
+    }
+
+    fn watch(&mut self, watched: Watched) -> (&mut bool, &mut Option<String>) {
+        match watched {
+            Watched::Nodes => (&mut self.nodes_synced, &mut self.nodes_failing),
+            Watched::Pods => (&mut self.pods_synced, &mut self.pods_failing),
+        }
     }
 }
 
@@ -91,19 +149,61 @@ impl Outcome {
     }
 }
 
+/// How long a pod that passed filter counts in a lower cluster while its lower copy has
+/// not appeared: long enough for kube-scheduler to bind it and virtual-node to mirror it
+/// in a large burst (seconds), short enough that a pod bound to another node does not hold
+/// room for long.
+pub const DEFAULT_ASSUME_TTL: Duration = Duration::from_secs(30);
+
 /// The extender: virtual node name → its lower cluster.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Clone)]
 pub struct Extender {
     /// Virtual node name → lower cluster.
     pub clusters: BTreeMap<String, SharedCluster>,
     /// Unknown clusters fail or pass.
     pub on_unknown: OnUnknown,
+    /// How long a pod that passed filter counts in a lower cluster while its lower copy
+    /// has not appeared.
+    pub assume_ttl: Duration,
 }
 
-/// One virtual node's verdict.
+impl Default for Extender {
+    fn default() -> Self {
+        Self {
+            clusters: BTreeMap::new(),
+            on_unknown: OnUnknown::default(),
+            assume_ttl: DEFAULT_ASSUME_TTL,
+        }
+    }
+}
+
+/// The pod a call is about.
+struct Candidate<'a> {
+    demand: Result<Demand, String>,
+    /// Its UID: a pod that passes is assumed under it. kube-scheduler's pods have one.
+    uid: Option<&'a str>,
+    now: Instant,
+}
+
+impl<'a> Candidate<'a> {
+    fn of(pod: Option<&'a Pod>, now: Instant) -> Self {
+        Self {
+            demand: demand_of(pod),
+            uid: pod
+                .and_then(|p| p.metadata.uid.as_deref())
+                .filter(|uid| !uid.is_empty()),
+            now,
+        }
+    }
+}
+
+/// One virtual node's verdict. A failure is always unresolvable for kube-scheduler: its
+/// preemption dry-runs in-tree plugins only, which see the virtual node's summed capacity
+/// and not the lower nodes, so no victim it picks there makes a lower node take the pod
+/// (and no `preempt` verb is served to tell it better).
 enum Verdict {
     Pass(i64),
-    Fail { reason: String, resolvable: bool },
+    Fail(String),
 }
 
 impl Extender {
@@ -121,56 +221,62 @@ impl Extender {
         }
     }
 
+    /// Judges one lower cluster for `pod`, which does not count against itself (a pod
+    /// judged again was not bound after all); a pod that passes is assumed there, counted
+    /// until its lower copy appears or [`Extender::assume_ttl`] has passed.
     fn verdict(
         &self,
         cluster: &SharedCluster,
-        demand: &Result<Demand, String>,
+        pod: &Candidate<'_>,
         search: Search,
     ) -> (Verdict, Outcome) {
-        let state = cluster.read();
+        let mut state = cluster.write();
+        state.cache.expire(pod.now);
+        if let Some(uid) = pod.uid {
+            state.cache.release(uid);
+        }
         if let Err(why) = state.known() {
             return match self.on_unknown {
                 OnUnknown::Pass => (Verdict::Pass(0), Outcome::Unknown),
-                OnUnknown::Fail => (
-                    Verdict::Fail {
-                        reason: why,
-                        resolvable: false,
-                    },
-                    Outcome::Unknown,
-                ),
+                OnUnknown::Fail => (Verdict::Fail(why), Outcome::Unknown),
             };
         }
-        let demand = match demand {
+        let demand = match &pod.demand {
             Ok(demand) => demand,
-            Err(why) => {
-                return (
-                    Verdict::Fail {
-                        reason: why.clone(),
-                        resolvable: false,
-                    },
-                    Outcome::BadPod,
-                );
-            }
+            Err(why) => return (Verdict::Fail(why.clone()), Outcome::BadPod),
         };
         match state.cache.fit(demand, search) {
-            ClusterFit::Fits { score } => (Verdict::Pass(score), Outcome::Fits),
-            ClusterFit::NoFit {
-                reason,
-                resources_only,
-            } => (
-                Verdict::Fail {
-                    reason,
-                    resolvable: resources_only,
-                },
-                Outcome::NoFit,
-            ),
+            ClusterFit::Fits { score } => {
+                if let Some(uid) = pod.uid {
+                    state.cache.assume(uid, demand, pod.now + self.assume_ttl);
+                }
+                (Verdict::Pass(score), Outcome::Fits)
+            }
+            ClusterFit::NoFit { reason } => (Verdict::Fail(reason), Outcome::NoFit),
         }
     }
 
     /// `filter`: regular nodes pass untouched; a virtual node passes when its lower
-    /// cluster takes the pod. Returns the answer and each node's outcome.
+    /// cluster takes the pod, counting the pods in flight there. Returns the answer and
+    /// each node's outcome.
     pub fn filter(&self, args: &ExtenderArgs) -> (ExtenderFilterResult, Vec<Outcome>) {
-        let demand = demand_of(args.pod.as_ref());
+        self.filter_at(args, Instant::now())
+    }
+
+    /// [`Extender::filter`] at `now`.
+    pub fn filter_at(
+        &self,
+        args: &ExtenderArgs,
+        now: Instant,
+    ) -> (ExtenderFilterResult, Vec<Outcome>) {
+        let pod = Candidate::of(args.pod.as_ref(), now);
+        if let Some(uid) = pod.uid {
+            // Filtered again, it was not bound: nowhere does it hold room, not even in
+            // clusters that its in-tree filters leave out this time.
+            for cluster in self.clusters.values() {
+                cluster.write().cache.release(uid);
+            }
+        }
         let mut result = ExtenderFilterResult::default();
         let mut outcomes = Vec::new();
         let mut judge = |name: &str, result: &mut ExtenderFilterResult| -> bool {
@@ -178,19 +284,15 @@ impl Extender {
                 outcomes.push(Outcome::NotVirtual);
                 return true;
             };
-            let (verdict, outcome) = self.verdict(cluster, &demand, Search::First);
+            let (verdict, outcome) = self.verdict(cluster, &pod, Search::First);
             outcomes.push(outcome);
             match verdict {
                 Verdict::Pass(_) => true,
-                Verdict::Fail { reason, resolvable } => {
-                    let reason = format!("lower cluster of {name}: {reason}");
-                    if resolvable {
-                        result.failed_nodes.insert(name.to_owned(), reason);
-                    } else {
-                        result
-                            .failed_and_unresolvable_nodes
-                            .insert(name.to_owned(), reason);
-                    }
+                Verdict::Fail(reason) => {
+                    result.failed_and_unresolvable_nodes.insert(
+                        name.to_owned(),
+                        format!("lower cluster of {name}: {reason}"),
+                    );
                     false
                 }
             }
@@ -222,12 +324,12 @@ impl Extender {
     /// `prioritize`: a virtual node scores 0–10 by the room its best lower node keeps
     /// after taking the pod; regular nodes and virtual nodes that do not fit score 0.
     pub fn prioritize(&self, args: &ExtenderArgs) -> Vec<HostPriority> {
-        let demand = demand_of(args.pod.as_ref());
+        let pod = Candidate::of(args.pod.as_ref(), Instant::now());
         let score = |name: &str| match self.clusters.get(name) {
             None => 0,
-            Some(cluster) => match self.verdict(cluster, &demand, Search::Best).0 {
+            Some(cluster) => match self.verdict(cluster, &pod, Search::Best).0 {
                 Verdict::Pass(score) => score,
-                Verdict::Fail { .. } => 0,
+                Verdict::Fail(_) => 0,
             },
         };
         let names: Vec<&str> = match (&args.node_names, &args.nodes) {
@@ -288,6 +390,7 @@ mod tests {
             ]
             .into(),
             on_unknown,
+            ..Extender::default()
         }
     }
 
@@ -307,7 +410,7 @@ mod tests {
         let (result, outcomes) = extender(OnUnknown::Fail).filter(&args);
         assert_eq!(result.node_names.unwrap(), ["regular", "vk-big"]);
         assert_eq!(
-            result.failed_nodes["vk-small"],
+            result.failed_and_unresolvable_nodes["vk-small"],
             "lower cluster of vk-small: no node fits cpu 6 (largest free 4)"
         );
         assert_eq!(
@@ -324,6 +427,106 @@ mod tests {
             ]
         );
         assert!(result.nodes.is_none());
+    }
+
+    /// kube-scheduler dry-runs preemption with its in-tree plugins only, which see the
+    /// virtual node's summed capacity and never the lower nodes: no victim it could pick
+    /// there makes a lower node take the pod. A no-fit is therefore never "resolvable".
+    #[test]
+    fn no_fit_is_unresolvable() {
+        let args = decode(
+            json!({"Pod": pod("6"), "NodeNames": ["vk-small"]})
+                .to_string()
+                .as_bytes(),
+        )
+        .unwrap();
+        let (result, outcomes) = extender(OnUnknown::Fail).filter(&args);
+        assert_eq!(outcomes, [Outcome::NoFit]);
+        assert_eq!(result.failed_nodes, crate::wire::FailedNodesMap::new());
+        assert_eq!(
+            result.failed_and_unresolvable_nodes["vk-small"],
+            "lower cluster of vk-small: no node fits cpu 6 (largest free 4)"
+        );
+    }
+
+    /// A burst: kube-scheduler filters pod after pod before any lower copy appears.
+    /// A pod that passed filter takes room until its lower copy does; the copy takes it
+    /// from then on, scheduled below or not; a pod filtered again does not count against
+    /// itself.
+    #[test]
+    fn pods_in_flight_take_room() {
+        let e = Extender {
+            clusters: [("vk".to_owned(), cluster("4", true))].into(),
+            ..Extender::default()
+        };
+        let upper = |name: &str| {
+            let mut pod = pod("3");
+            pod["metadata"]["name"] = json!(name);
+            pod["metadata"]["uid"] = json!(format!("uid-{name}"));
+            pod
+        };
+        let filter = |name: &str| {
+            let args = json!({"Pod": upper(name), "NodeNames": ["vk"]});
+            e.filter(&decode(args.to_string().as_bytes()).unwrap()).0
+        };
+        let passes = |name: &str| filter(name).node_names.unwrap() == ["vk"];
+        let refusal = |name: &str| filter(name).failed_and_unresolvable_nodes["vk"].clone();
+        let full = "lower cluster of vk: no node fits cpu 3 (largest free 1)";
+        assert!(passes("a"));
+        assert_eq!(refusal("b"), full, "a is in flight");
+        assert!(
+            passes("a"),
+            "filtered again, a does not count against itself"
+        );
+        let mut copy = upper("a");
+        copy["metadata"]["annotations"] = json!({"tensile.dev/upper-uid": "uid-a"});
+        copy["metadata"]["uid"] = json!("lower-uid-a");
+        let copy: Pod = serde_json::from_value(copy).unwrap();
+        e.clusters["vk"].write().cache.apply_pod(&copy);
+        assert_eq!(
+            refusal("b"),
+            full,
+            "a's copy, not scheduled yet, takes the room"
+        );
+        let mut bound = copy.clone();
+        bound.spec.as_mut().unwrap().node_name = Some("n1".into());
+        e.clusters["vk"].write().cache.apply_pod(&bound);
+        assert_eq!(refusal("b"), full, "a's copy runs there");
+        e.clusters["vk"].write().cache.delete_pod(&bound);
+        assert!(passes("b"), "a is gone");
+    }
+
+    #[test]
+    fn an_assumption_expires_and_prioritize_scores_without_it() {
+        let e = Extender {
+            clusters: [("vk".to_owned(), cluster("4", true))].into(),
+            assume_ttl: Duration::from_secs(30),
+            ..Extender::default()
+        };
+        let args = |name: &str| {
+            let mut pod = pod("3");
+            pod["metadata"]["name"] = json!(name);
+            pod["metadata"]["uid"] = json!(format!("uid-{name}"));
+            decode(
+                json!({"Pod": pod, "NodeNames": ["vk"]})
+                    .to_string()
+                    .as_bytes(),
+            )
+            .unwrap()
+        };
+        let passes = |name: &str, now: Instant| {
+            e.filter_at(&args(name), now).0.node_names.unwrap() == ["vk"]
+        };
+        let now = Instant::now();
+        assert!(passes("a", now));
+        // 1 of 4 CPU left and all the memory: (0.25 + 1) / 2 → 6, as if a were not there.
+        assert_eq!(e.prioritize(&args("a"))[0].score, 6);
+        assert_eq!(e.prioritize(&args("a"))[0].score, 6, "nor counted twice");
+        assert!(!passes("b", now + Duration::from_secs(29)));
+        assert!(
+            passes("b", now + Duration::from_secs(31)),
+            "a was never mirrored: 30 s after it was last judged, its assumption has expired"
+        );
     }
 
     #[test]
@@ -376,6 +579,34 @@ mod tests {
         assert_eq!(
             e.ready().unwrap_err(),
             "vk-big: unreachable (connection refused); vk-new: not synced yet"
+        );
+    }
+
+    #[test]
+    fn a_failed_watch_is_not_trusted_until_it_lists_again() {
+        let mut state = ClusterState::default();
+        assert_eq!(state.known().unwrap_err(), "not synced yet");
+        assert_eq!(state.listed(Watched::Nodes), None);
+        assert_eq!(state.listed(Watched::Pods), None);
+        assert_eq!(state.known(), Ok(()));
+        state.watch_failed(Watched::Pods, "list: 403 Forbidden: no".into());
+        let failing =
+            "watch of pods failing (list: 403 Forbidden: no); waiting for a complete list";
+        assert_eq!(state.known().unwrap_err(), failing);
+        assert_eq!(state.listed(Watched::Nodes), None);
+        assert_eq!(
+            state.known().unwrap_err(),
+            failing,
+            "the node watch's list does not vouch for the pods"
+        );
+        assert_eq!(state.listed(Watched::Pods), Some(Watched::Pods));
+        assert_eq!(state.known(), Ok(()));
+        state.unreachable = Some("connection refused".into());
+        state.watch_failed(Watched::Nodes, "watch: cut".into());
+        assert_eq!(
+            state.known().unwrap_err(),
+            "unreachable (connection refused)",
+            "unreachable says more than a failed watch"
         );
     }
 

@@ -95,15 +95,33 @@ impl Demand {
             ..PodSpec::default()
         };
         restore_constraints(&mut constraints, stash.as_ref());
-        Ok(Self {
-            requests: spec.map(pod_footprint).unwrap_or_default(),
+        Ok(Self::with_constraints(
+            spec.map(pod_footprint).unwrap_or_default(),
+            constraints,
+        ))
+    }
+
+    /// What a lower pod asks of its scheduler: its spec as it is.
+    pub fn of_lower(spec: &PodSpec) -> Self {
+        let constraints = PodSpec {
+            node_selector: spec.node_selector.clone(),
+            affinity: spec.affinity.clone(),
+            tolerations: spec.tolerations.clone(),
+            ..PodSpec::default()
+        };
+        Self::with_constraints(pod_footprint(spec), constraints)
+    }
+
+    fn with_constraints(requests: Resources, constraints: PodSpec) -> Self {
+        Self {
+            requests,
             node_selector: constraints.node_selector.unwrap_or_default(),
             required: constraints
                 .affinity
                 .and_then(|a| a.node_affinity)
                 .and_then(|n| n.required_during_scheduling_ignored_during_execution),
             tolerations: constraints.tolerations.unwrap_or_default(),
-        })
+        }
     }
 }
 
@@ -298,9 +316,6 @@ pub enum ClusterFit {
     NoFit {
         /// Why, for the FailedScheduling event (without the cluster's name).
         reason: String,
-        /// Whether only resources stood in the way: freeing room (preempting mirrored
-        /// pods) could help.
-        resources_only: bool,
     },
 }
 
@@ -345,7 +360,6 @@ pub fn fit_cluster<'a>(
     if total == 0 {
         return ClusterFit::NoFit {
             reason: "no nodes".into(),
-            resources_only: false,
         };
     }
     for (resource, need) in &demand.requests {
@@ -400,7 +414,6 @@ pub fn fit_cluster<'a>(
     }
     ClusterFit::NoFit {
         reason: parts.join("; "),
-        resources_only: others.is_empty(),
     }
 }
 

@@ -561,8 +561,7 @@ fn cluster_verdicts_and_reasons() {
     assert_eq!(
         fit(vec![("a", &four, None), ("b", &four, None)], cpu_pod("6")),
         ClusterFit::NoFit {
-            reason: "no node fits cpu 6 (largest free 4)".into(),
-            resources_only: true
+            reason: "no node fits cpu 6 (largest free 4)".into()
         },
         "fragmentation: 8 CPU in all, but no node has 6"
     );
@@ -572,8 +571,7 @@ fn cluster_verdicts_and_reasons() {
             cpu_pod("4")
         ),
         ClusterFit::NoFit {
-            reason: "no node fits cpu 4 (largest free 3); other nodes: 1 cordoned".into(),
-            resources_only: false
+            reason: "no node fits cpu 4 (largest free 3); other nodes: 1 cordoned".into()
         }
     );
     assert_eq!(
@@ -586,15 +584,13 @@ fn cluster_verdicts_and_reasons() {
             cpu_pod("1")
         ),
         ClusterFit::NoFit {
-            reason: "0/3 nodes fit: 1 cordoned, 2 not ready".into(),
-            resources_only: false
+            reason: "0/3 nodes fit: 1 cordoned, 2 not ready".into()
         }
     );
     assert_eq!(
         fit(vec![], cpu_pod("1")),
         ClusterFit::NoFit {
-            reason: "no nodes".into(),
-            resources_only: false
+            reason: "no nodes".into()
         }
     );
     let memory = json!({"containers": [{"name": "c", "resources": {"requests": {"cpu": "3", "memory": "6Gi"}}}]});
@@ -609,8 +605,7 @@ fn cluster_verdicts_and_reasons() {
             memory
         ),
         ClusterFit::NoFit {
-            reason: "no node fits cpu 3, memory 6Gi together".into(),
-            resources_only: true
+            reason: "no node fits cpu 3, memory 6Gi together".into()
         },
         "each resource fits somewhere, never both on one node"
     );

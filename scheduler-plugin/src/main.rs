@@ -6,6 +6,7 @@ use std::sync::Arc;
 use tensile::cli::parse_args;
 use tensile::shutdown::Tasks;
 use tensile_scheduler_extender::cli::Cli;
+use tensile_scheduler_extender::extender::Extender;
 use tensile_scheduler_extender::metrics::Metrics;
 use tensile_scheduler_extender::server::{self, App};
 use tensile_scheduler_extender::watch;
@@ -41,7 +42,12 @@ async fn run(cli: Cli) -> Result<(), String> {
         .map_err(|e| format!("cannot listen on {}: {e}", cli.listen))?;
     let shutdown = CancellationToken::new();
     tokio::spawn(tensile::shutdown::on_signals(shutdown.clone()));
-    let (extender, watches) = watch::connect(&clusters, cli.on_unknown, shutdown.clone())
+    let settings = Extender {
+        on_unknown: cli.on_unknown,
+        assume_ttl: cli.assume_ttl,
+        ..Extender::default()
+    };
+    let (extender, watches) = watch::connect(&clusters, settings, shutdown.clone())
         .await
         .map_err(|e| e.to_string())?;
     let nodes: Vec<&str> = clusters.iter().map(|(n, _)| n.as_str()).collect();

@@ -1,5 +1,6 @@
 //! Prometheus metrics (`/metrics`): request latency per verb, decisions per outcome,
-//! bad requests, and whether each lower cluster is known.
+//! bad requests, and per lower cluster whether it is known and how many pods are in
+//! flight there.
 
 use std::time::Duration;
 
@@ -22,6 +23,7 @@ pub struct Metrics {
     decisions: Family<[(&'static str, &'static str); 2], Counter>,
     bad_requests: Family<Labels, Counter>,
     known: Family<NodeLabels, Gauge>,
+    in_flight: Family<NodeLabels, Gauge>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -44,6 +46,7 @@ impl Default for Metrics {
         let decisions = Family::default();
         let bad_requests = Family::default();
         let known = Family::default();
+        let in_flight = Family::default();
         registry.register(
             "request_duration_seconds",
             "Time to answer a filter or prioritize call, by verb",
@@ -64,12 +67,19 @@ impl Default for Metrics {
             "1 when the virtual node's lower cluster is synced and reachable",
             known.clone(),
         );
+        registry.register(
+            "pods_in_flight",
+            "Pods counted in the virtual node's lower cluster but not bound there yet: lower \
+             pods not scheduled, upper pods that passed filter and have no lower copy yet",
+            in_flight.clone(),
+        );
         Self {
             registry,
             latency,
             decisions,
             bad_requests,
             known,
+            in_flight,
         }
     }
 }
@@ -99,10 +109,14 @@ impl Metrics {
     /// The text exposition, with each lower cluster's state read now.
     pub fn render(&self, extender: &Extender) -> String {
         for (node, cluster) in &extender.clusters {
-            let known = i64::from(cluster.read().known().is_ok());
+            let state = cluster.read();
+            let labels = [("node", node.clone())];
             self.known
-                .get_or_create(&[("node", node.clone())])
-                .set(known);
+                .get_or_create(&labels)
+                .set(i64::from(state.known().is_ok()));
+            self.in_flight
+                .get_or_create(&labels)
+                .set(i64::try_from(state.cache.in_flight()).unwrap_or(i64::MAX));
         }
         let mut out = String::new();
         if encode(&mut out, &self.registry).is_err() {

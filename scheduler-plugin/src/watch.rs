@@ -1,12 +1,13 @@
 //! Feeds each lower cluster's cache from its API server: a node and a pod watch (the pod
 //! watch leaves out terminal pods server-side), and a probe that marks the cluster
-//! unreachable while its API server does not answer. Nothing here runs on the request
-//! path.
+//! unreachable while its API server does not answer. A watch that fails (refused, cut,
+//! expired) is not trusted until it has listed everything again, which it does at once,
+//! with backoff. Nothing here runs on the request path.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::Api;
 use kube::runtime::WatchStreamExt;
@@ -17,7 +18,7 @@ use tensile::side::Side;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::extender::SharedCluster;
+use crate::extender::{SharedCluster, Watched};
 
 /// How often the lower API server is probed.
 const PROBE_INTERVAL: Duration = Duration::from_secs(5);
@@ -62,11 +63,13 @@ pub async fn lower_client(node: &str, kubeconfig: &Path) -> Result<Client, Watch
     })
 }
 
-/// Keeps `cluster` current from `client` until `shutdown`.
+/// Keeps `cluster` current from `client` until `shutdown`. `siblings` are the other
+/// lower clusters: a lower copy appearing here ends its upper pod's assumptions there too.
 pub async fn run(
     node: String,
     client: Client,
     cluster: SharedCluster,
+    siblings: Vec<SharedCluster>,
     shutdown: CancellationToken,
 ) {
     let probe = probe(
@@ -75,13 +78,21 @@ pub async fn run(
         cluster.clone(),
         shutdown.clone(),
     );
-    let nodes = watcher(Api::<Node>::all(client.clone()), watcher::Config::default())
-        .map_ok(|e| Change::Node(Box::new(e)));
-    let pods = watcher(
+    let nodes =
+        relisting(Api::<Node>::all(client.clone()), watcher::Config::default()).map(|item| {
+            match item {
+                Ok(event) => Change::Node(Box::new(event)),
+                Err(error) => Change::Failed(Watched::Nodes, describe(&error)),
+            }
+        });
+    let pods = relisting(
         Api::<Pod>::all(client),
         watcher::Config::default().fields("status.phase!=Succeeded,status.phase!=Failed"),
     )
-    .map_ok(|e| Change::Pod(Box::new(e)));
+    .map(|item| match item {
+        Ok(event) => Change::Pod(Box::new(event)),
+        Err(error) => Change::Failed(Watched::Pods, describe(&error)),
+    });
     let mut events = std::pin::pin!(futures::stream::select(nodes, pods));
     let fold = async {
         loop {
@@ -89,20 +100,40 @@ pub async fn run(
                 () = shutdown.cancelled() => return,
                 event = events.next() => event,
             };
-            match event {
-                None => return,
-                Some(Err(error)) => {
-                    warn!(%error, node = %node, cluster = "lower", "watching nodes and pods");
+            let Some(change) = event else { return };
+            if let Change::Failed(watched, error) = &change {
+                warn!(
+                    node = %node, cluster = "lower", watch = watched.name(), %error,
+                    "lower watch failed: the virtual node fails filter until it has listed again"
+                );
+            }
+            let applied = apply(&mut cluster.write(), change);
+            if let Some(watched) = applied.listed_again {
+                info!(node = %node, cluster = "lower", watch = watched.name(), "lower watch listed again");
+            }
+            if let Some(uid) = applied.mirrored {
+                // It passed filter on other virtual nodes too; it went to this one.
+                for sibling in &siblings {
+                    sibling.write().cache.release(&uid);
                 }
-                Some(Ok(change)) => apply(&mut cluster.write(), change),
             }
         }
     };
     tokio::join!(fold, probe);
 }
 
+/// What folding an event did that reaches beyond the cluster's state.
+#[derive(Debug, Default, PartialEq)]
+struct Applied {
+    /// The watch whose complete list ended a failure.
+    listed_again: Option<Watched>,
+    /// The upper pod whose lower copy appeared, ending its assumption.
+    mirrored: Option<String>,
+}
+
 /// Folds one watch event into a cluster's state.
-fn apply(state: &mut crate::extender::ClusterState, change: Change) {
+fn apply(state: &mut crate::extender::ClusterState, change: Change) -> Applied {
+    let mut applied = Applied::default();
     match change {
         Change::Node(event) => match *event {
             Event::Init => state.cache.relist_nodes_start(),
@@ -112,34 +143,76 @@ fn apply(state: &mut crate::extender::ClusterState, change: Change) {
                 .delete_node(n.meta().name.as_deref().unwrap_or_default()),
             Event::InitDone => {
                 state.cache.relist_nodes_done();
-                state.nodes_synced = true;
+                applied.listed_again = state.listed(Watched::Nodes);
             }
         },
         Change::Pod(event) => match *event {
             Event::Init => state.cache.relist_pods_start(),
-            Event::InitApply(p) | Event::Apply(p) => state.cache.apply_pod(&p),
+            Event::InitApply(p) | Event::Apply(p) => applied.mirrored = state.cache.apply_pod(&p),
             Event::Delete(p) => state.cache.delete_pod(&p),
             Event::InitDone => {
                 state.cache.relist_pods_done();
-                state.pods_synced = true;
+                applied.listed_again = state.listed(Watched::Pods);
             }
         },
+        Change::Failed(watched, error) => state.watch_failed(watched, error),
     }
+    applied
 }
 
 enum Change {
     Node(Box<Event<Node>>),
     Pod(Box<Event<Pod>>),
+    Failed(Watched, String),
 }
 
-fn watcher<K>(
+/// A watcher that starts over with a complete list after any error, backing off between
+/// attempts. kube-runtime's own resumes from its last resourceVersion where it can (after
+/// a 403 on the watch, a cut connection): that never says whether anything was missed,
+/// so the cache would stay "not trusted" for good.
+fn relisting<K>(
     api: Api<K>,
     config: watcher::Config,
 ) -> impl futures::Stream<Item = Result<Event<K>, watcher::Error>> + Send
 where
     K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
 {
-    watcher::watcher(api, config).default_backoff()
+    restarting(move || watcher::watcher(api.clone(), config.clone()).boxed()).default_backoff()
+}
+
+/// The items of streams `start` makes, one after the other: a stream is dropped after it
+/// yields an error and the next one started.
+fn restarting<S, T, E>(start: impl FnMut() -> S) -> impl futures::Stream<Item = Result<T, E>>
+where
+    S: futures::Stream<Item = Result<T, E>> + Unpin,
+{
+    futures::stream::unfold((start, None), |(mut start, current)| async move {
+        let mut stream: S = current.unwrap_or_else(&mut start);
+        let item = stream.next().await?;
+        let current = item.is_ok().then_some(stream);
+        Some((item, (start, current)))
+    })
+}
+
+/// A watch failure in a few words: what failed, and the API server's code and message.
+fn describe(error: &watcher::Error) -> String {
+    let api = |what: &str, error: &kube::Error| match error {
+        kube::Error::Api(status) => format!(
+            "{what}: {} {}: {}",
+            status.code, status.reason, status.message
+        ),
+        other => format!("{what}: {other}"),
+    };
+    match error {
+        watcher::Error::InitialListFailed(e) => api("list", e),
+        watcher::Error::WatchStartFailed(e) => api("watch", e),
+        watcher::Error::WatchFailed(e) => api("watch stream", e),
+        watcher::Error::WatchError(status) => format!(
+            "watch ended: {} {}: {}",
+            status.code, status.reason, status.message
+        ),
+        other => other.to_string(),
+    }
 }
 
 /// Marks the cluster unreachable while its API server does not answer, and reachable
@@ -171,13 +244,13 @@ async fn probe(node: String, client: Client, cluster: SharedCluster, shutdown: C
     }
 }
 
-/// Connects to every lower cluster (virtual node name, kubeconfig) and returns the
-/// extender over their caches with the future that keeps them current until `shutdown`.
-/// The caches fill in the background; until a cluster has synced its virtual node is
-/// unknown.
+/// Connects to every lower cluster (virtual node name, kubeconfig) and returns
+/// `extender` (its settings; its clusters are replaced) over their caches, with the future
+/// that keeps them current until `shutdown`. The caches fill in the background; until a
+/// cluster has synced its virtual node is unknown.
 pub async fn connect(
     clusters: &[(String, PathBuf)],
-    on_unknown: crate::extender::OnUnknown,
+    mut extender: crate::extender::Extender,
     shutdown: CancellationToken,
 ) -> Result<
     (
@@ -186,18 +259,131 @@ pub async fn connect(
     ),
     WatchError,
 > {
-    let mut extender = crate::extender::Extender {
-        on_unknown,
-        ..Default::default()
-    };
-    let mut watches = Vec::new();
+    let mut clients = Vec::new();
     for (node, kubeconfig) in clusters {
-        let client = lower_client(node, kubeconfig).await?;
-        let cluster = SharedCluster::default();
-        extender.clusters.insert(node.clone(), cluster.clone());
-        watches.push(run(node.clone(), client, cluster, shutdown.clone()));
+        clients.push((node.clone(), lower_client(node, kubeconfig).await?));
+    }
+    let clusters: Vec<(String, Client, SharedCluster)> = clients
+        .into_iter()
+        .map(|(node, client)| (node, client, SharedCluster::default()))
+        .collect();
+    extender.clusters = clusters
+        .iter()
+        .map(|(node, _, cluster)| (node.clone(), cluster.clone()))
+        .collect();
+    let mut watches = Vec::new();
+    for (node, client, cluster) in clusters {
+        let siblings = extender
+            .clusters
+            .iter()
+            .filter(|(other, _)| **other != node)
+            .map(|(_, sibling)| sibling.clone())
+            .collect();
+        watches.push(run(node, client, cluster, siblings, shutdown.clone()));
     }
     Ok((extender, async move {
         futures::future::join_all(watches).await;
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn an_error_starts_the_stream_over() {
+        let mut started = 0;
+        let items = restarting(|| {
+            started += 1;
+            let script: Vec<Result<u32, &str>> = match started {
+                1 => vec![Ok(1), Err("refused"), Ok(99)],
+                _ => vec![Ok(2), Ok(3)],
+            };
+            futures::stream::iter(script)
+        });
+        let seen: Vec<_> = futures::executor::block_on(items.collect());
+        assert_eq!(seen, [Ok(1), Err("refused"), Ok(2), Ok(3)]);
+    }
+
+    #[test]
+    fn events_fold_into_the_state() {
+        use crate::extender::ClusterState;
+        use serde_json::json;
+        let mut state = ClusterState::default();
+        let node: Node = serde_json::from_value(json!({
+            "metadata": {"name": "n1"},
+            "status": {"allocatable": {"cpu": "4"}, "conditions": [{"type": "Ready", "status": "True"}]},
+        }))
+        .unwrap();
+        let copy: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "a", "namespace": "ns",
+                         "annotations": {"tensile.dev/upper-uid": "uid-a"}},
+            "spec": {"containers": [{"name": "c", "resources": {"requests": {"cpu": "3"}}}]},
+        }))
+        .unwrap();
+        let node_event = |event| Change::Node(Box::new(event));
+        let pod_event = |event| Change::Pod(Box::new(event));
+        for change in [
+            node_event(Event::Init),
+            node_event(Event::InitApply(node)),
+            node_event(Event::InitDone),
+            pod_event(Event::Init),
+            pod_event(Event::InitDone),
+        ] {
+            assert_eq!(apply(&mut state, change), Applied::default());
+        }
+        assert_eq!(state.known(), Ok(()));
+        let demand = crate::fit::Demand::of(&copy).unwrap();
+        state
+            .cache
+            .assume("uid-a", &demand, std::time::Instant::now() + PROBE_INTERVAL);
+        let mirrored = apply(&mut state, pod_event(Event::Apply(copy)));
+        assert_eq!(mirrored.mirrored.as_deref(), Some("uid-a"));
+        let failed = Change::Failed(Watched::Pods, "list: 403 Forbidden: no".into());
+        assert_eq!(apply(&mut state, failed), Applied::default());
+        assert!(state.known().is_err());
+        apply(&mut state, pod_event(Event::Init));
+        assert!(state.known().is_err(), "not until the list is complete");
+        let done = apply(&mut state, pod_event(Event::InitDone));
+        assert_eq!(done.listed_again, Some(Watched::Pods));
+        assert_eq!(state.known(), Ok(()));
+        assert_eq!(
+            state.cache.len(),
+            (1, 0),
+            "the relist did not list the copy"
+        );
+    }
+
+    #[test]
+    fn failures_in_a_few_words() {
+        let forbidden = kube::core::Status {
+            code: 403,
+            reason: "Forbidden".into(),
+            message: "pods is forbidden".into(),
+            ..Default::default()
+        };
+        let cases = [
+            (
+                watcher::Error::InitialListFailed(kube::Error::Api(Box::new(forbidden.clone()))),
+                "list: 403 Forbidden: pods is forbidden",
+            ),
+            (
+                watcher::Error::WatchStartFailed(kube::Error::Api(Box::new(forbidden.clone()))),
+                "watch: 403 Forbidden: pods is forbidden",
+            ),
+            (
+                watcher::Error::WatchError(Box::new(kube::core::Status {
+                    code: 410,
+                    reason: "Expired".into(),
+                    message: "too old resource version".into(),
+                    ..Default::default()
+                })),
+                "watch ended: 410 Expired: too old resource version",
+            ),
+        ];
+        for (error, words) in cases {
+            assert_eq!(describe(&error), words);
+        }
+    }
 }

@@ -4,89 +4,20 @@
 //! change is seen within a second. One pair for every case, to spare the CPU.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
 
-use std::path::PathBuf;
-use std::sync::Arc;
+mod common;
+
 use std::time::{Duration, Instant};
 
+use common::{
+    ServedExtender, TIMEOUT, VK, args, cpu_pod, http, scheduled_to, scheduler_extenders,
+    start_virtual_node, to_vk, virtual_node_binary, wait_phase_running,
+};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
-use tensile_harness::fixtures::{merge, pod, virtual_node_toleration};
 use tensile_harness::ports::free_port;
-use tensile_harness::{
-    ClusterPair, NodeShape, PairOptions, TestNamespace, VirtualNodeOptions, node_is_ready, wait_for,
-};
-use tensile_scheduler_extender::extender::OnUnknown;
-use tensile_scheduler_extender::metrics::Metrics;
-use tensile_scheduler_extender::server::{self, App};
-use tensile_scheduler_extender::watch;
-use tensile_scheduler_extender::wire::ExtenderArgs;
-use tokio_util::sync::CancellationToken;
-
-/// Generous: two clusters, a virtual node and the build share 2 cores.
-const TIMEOUT: Duration = Duration::from_secs(120);
-const VK: &str = "vk-node";
-
-/// `virtual-node`, built by cargo if needed (a binary of another package of the
-/// workspace, so `CARGO_BIN_EXE_` does not name it).
-fn virtual_node_binary() -> PathBuf {
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = std::process::Command::new(cargo)
-        .args(["build", "-p", "tensile", "--bin", "virtual-node"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .status()
-        .expect("running cargo build for virtual-node");
-    assert!(
-        status.success(),
-        "cargo build -p tensile --bin virtual-node"
-    );
-    // target/debug/deps/<this test> → target/debug/virtual-node
-    let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().join("virtual-node")
-}
-
-fn args(pod: &Pod, nodes: &[&str]) -> ExtenderArgs {
-    ExtenderArgs {
-        pod: Some(pod.clone()),
-        nodes: None,
-        node_names: Some(nodes.iter().map(ToString::to_string).collect()),
-    }
-}
-
-/// One HTTP/1.1 request over a fresh connection: (status, body).
-async fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) {
-    tensile_harness::http::request(port, method, path, body)
-        .await
-        .unwrap()
-}
-
-fn cpu_pod(name: &str, cpu: &str, extra: serde_json::Value) -> Pod {
-    let mut spec = json!({
-        "tolerations": [virtual_node_toleration()],
-        "containers": [{"name": "app", "image": "nginx", "resources": {"requests": {"cpu": cpu}}}],
-    });
-    merge(&mut spec, extra);
-    pod(name, spec)
-}
-
-async fn scheduled_to(api: &Api<Pod>, name: &str) -> String {
-    wait_for(&format!("pod {name} scheduled"), TIMEOUT, || async {
-        let pod = api.get(name).await?;
-        Ok(pod.spec.and_then(|s| s.node_name).filter(|n| !n.is_empty()))
-    })
-    .await
-    .unwrap()
-}
-
-async fn wait_phase_running(api: &Api<Pod>, name: &str) {
-    wait_for(&format!("pod {name} Running"), TIMEOUT, || async {
-        let pod = api.get(name).await?;
-        Ok((pod.status.and_then(|s| s.phase).as_deref() == Some("Running")).then_some(()))
-    })
-    .await
-    .unwrap();
-}
+use tensile_harness::{ClusterPair, NodeShape, PairOptions, TestNamespace, wait_for};
 
 #[tokio::test]
 async fn upper_scheduler_sees_what_really_fits_below() {
@@ -98,67 +29,22 @@ async fn upper_scheduler_sees_what_really_fits_below() {
         cpu: "4".into(),
         ..NodeShape::default()
     };
-    options.upper.scheduler_config.insert(
-        "extenders".into(),
-        json!([{
-            "urlPrefix": format!("http://127.0.0.1:{port}"),
-            "filterVerb": "filter",
-            "prioritizeVerb": "prioritize",
-            "weight": 1,
-            "nodeCacheCapable": true,
-            "enableHTTPS": false,
-            "ignorable": false,
-        }]),
-    );
+    options
+        .upper
+        .scheduler_config
+        .insert("extenders".into(), scheduler_extenders(port));
     let binary = tokio::task::spawn_blocking(virtual_node_binary);
     let pair = ClusterPair::start(options).await.unwrap();
     let binary = binary.await.unwrap();
 
     // The extender, in process, on the port the upper scheduler calls.
-    let shutdown = CancellationToken::new();
-    let (extender, watches) = watch::connect(
-        &[(VK.to_owned(), pair.lower_kubeconfig().to_owned())],
-        OnUnknown::Fail,
-        shutdown.clone(),
-    )
-    .await
-    .unwrap();
-    let app = Arc::new(App {
-        extender,
-        metrics: Metrics::default(),
-    });
-    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
-        .await
-        .unwrap();
-    let served = tokio::spawn(server::serve(
-        listener,
-        None,
-        server::router(app.clone()),
-        shutdown.clone(),
-    ));
-    let watching = tokio::spawn(watches);
-    wait_for("the extender's caches synced", TIMEOUT, || async {
-        Ok(app.extender.ready().is_ok().then_some(()))
-    })
-    .await
-    .unwrap();
+    let served = ServedExtender::start(pair.lower_kubeconfig().to_owned(), port).await;
+    let app = served.app.clone();
     assert_eq!(http(port, "GET", "/readyz", "").await.0, 200);
 
-    let _vn = pair
-        .start_virtual_node(&VirtualNodeOptions::new(&binary, VK))
-        .unwrap();
     let upper = pair.upper.client().await.unwrap();
     let lower = pair.lower.client().await.unwrap();
-    let upper_nodes: Api<Node> = Api::all(upper.clone());
-    wait_for("vk-node Ready", TIMEOUT, || async {
-        Ok(upper_nodes
-            .get_opt(VK)
-            .await?
-            .filter(node_is_ready)
-            .map(|_| ()))
-    })
-    .await
-    .unwrap();
+    let _vn = start_virtual_node(&pair, &binary, &upper).await;
     let ns = TestNamespace::create(&upper, "extender").await.unwrap();
     let pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
     let pp = PostParams::default();
@@ -174,7 +60,7 @@ async fn upper_scheduler_sees_what_really_fits_below() {
     wait_phase_running(&pods, "big").await;
 
     // What fits below still goes there.
-    let to_vk = json!({"nodeSelector": {"kubernetes.io/hostname": VK}});
+    let to_vk = to_vk();
     pods.create(&pp, &cpu_pod("small", "2", to_vk.clone()))
         .await
         .unwrap();
@@ -274,8 +160,6 @@ async fn upper_scheduler_sees_what_really_fits_below() {
     let big = pods.get("big").await.unwrap();
     assert_eq!(big.spec.unwrap().node_name.as_deref(), Some("upper-node-0"));
 
-    shutdown.cancel();
-    served.await.unwrap();
-    watching.await.unwrap();
+    served.stop().await;
     ns.delete().await.unwrap();
 }

@@ -63,6 +63,9 @@ pub enum Fault {
     /// Only watches that resume from a resourceVersion: answered `410 Gone`. Other
     /// requests are forwarded.
     Gone,
+    /// Only requests for resources: answered `403 Forbidden`, as when the client's RBAC
+    /// is revoked. Discovery and `/version`, which every identity may read, are forwarded.
+    Forbidden,
 }
 
 impl Fault {
@@ -310,6 +313,11 @@ struct Route {
 }
 
 impl Route {
+    /// Whether it asks for a resource, which RBAC guards (not discovery or `/version`).
+    fn names_a_resource(&self) -> bool {
+        !self.resource.starts_with('/')
+    }
+
     fn of(method: &http::Method, path: &str, query: Option<&str>) -> Self {
         let param = |name: &str| {
             query.and_then(|q| {
@@ -380,7 +388,9 @@ async fn serve(listener: TcpListener, upstream: Client, shared: Arc<Shared>) {
                     let state = shared.state();
                     (state.fault, state.percent)
                 };
-                let n = if !fault.resumed_watches_only() {
+                let n = if fault == Fault::Forbidden {
+                    route.names_a_resource().then_some(n)
+                } else if !fault.resumed_watches_only() {
                     Some(n)
                 } else if route.resumed_watch {
                     Some(resumed_watches.fetch_add(1, Ordering::Relaxed))
@@ -456,6 +466,7 @@ async fn answer(
         Fault::InternalError => Some(500),
         Fault::Unavailable => Some(503),
         Fault::Gone => Some(410),
+        Fault::Forbidden => Some(403),
         Fault::Reset => return Err(ProxyError::Reset),
         Fault::Expired => {
             shared.expired.fetch_add(1, Ordering::Relaxed);
@@ -474,6 +485,8 @@ async fn answer(
                 "Expired",
                 "too old resource version (injected by the fault proxy)",
             )
+        } else if code == 403 {
+            ("Forbidden", "forbidden (injected by the fault proxy)")
         } else {
             ("", "injected by the fault proxy")
         };
@@ -704,6 +717,23 @@ mod tests {
                 resumed_watch,
             };
             assert_eq!(route, want, "{method} {path}?{query:?}");
+        }
+    }
+
+    #[test]
+    fn forbidden_hits_resources_only() {
+        use http::Method;
+        let cases = [
+            ("/api/v1/pods", true),
+            ("/api/v1/namespaces/a/pods/p", true),
+            ("/apis/apps/v1/deployments", true),
+            ("/version", false),
+            ("/api/v1", false),
+            ("/apis", false),
+        ];
+        for (path, guarded) in cases {
+            let route = Route::of(&Method::GET, path, None);
+            assert_eq!(route.names_a_resource(), guarded, "{path}");
         }
     }
 
