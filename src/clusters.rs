@@ -9,6 +9,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use http_body_util::BodyExt;
 use hyper_timeout::TimeoutConnector;
+use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use k8s_openapi::api::authorization::v1::{
     ResourceAttributes, SelfSubjectAccessReview, SelfSubjectAccessReviewSpec,
@@ -217,7 +218,12 @@ fn client_builder(config: Config) -> Result<ClientBuilder<GenericService>, kube:
     if config.proxy_url.is_some() {
         return ClientBuilder::try_from(config);
     }
-    let mut connector = TimeoutConnector::new(config.rustls_https_connector()?);
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    // As Go (client-go) does: a small write (a port-forward message, a request) goes out at
+    // once instead of waiting for the ACK of the one before it (Nagle).
+    http.set_nodelay(true);
+    let mut connector = TimeoutConnector::new(config.rustls_https_connector_with_connector(http)?);
     connector.set_connect_timeout(config.connect_timeout);
     connector.set_read_timeout(config.read_timeout);
     connector.set_write_timeout(config.write_timeout);

@@ -505,3 +505,193 @@ async fn the_kubelet_port_refuses_whoever_may_not_use_it() {
     assert_eq!((code, body.as_str()), (200, "ok"));
     ns.delete().await.unwrap();
 }
+
+/// A SPDY port-forward connection to `pod` through the upper API server, upgraded as
+/// kubectl asks for it.
+async fn spdy_port_forward(
+    client: &kube::Client,
+    ns: &str,
+    pod: &str,
+) -> hyper_util::rt::TokioIo<hyper::upgrade::Upgraded> {
+    let request = http::Request::post(format!("/api/v1/namespaces/{ns}/pods/{pod}/portforward"))
+        .header(http::header::CONNECTION, "Upgrade")
+        .header(http::header::UPGRADE, "SPDY/3.1")
+        .header("X-Stream-Protocol-Version", "portforward.k8s.io")
+        .body(kube::client::Body::from(Vec::new()))
+        .unwrap();
+    let response = client.send(request).await.unwrap();
+    assert_eq!(response.status(), http::StatusCode::SWITCHING_PROTOCOLS);
+    hyper_util::rt::TokioIo::new(hyper::upgrade::on(response).await.unwrap())
+}
+
+const MIB: u64 = 1024 * 1024;
+
+/// Issue #23: someone allowed `pods/portforward` opens 1000 streams on one connection and
+/// sends 4 MiB DATA frames, never reading what comes back (so the pod's echo backs up and
+/// the pod stops reading too). virtual-node refuses the streams beyond its limit, holds a
+/// bounded amount, and serves everyone else as before.
+#[tokio::test]
+async fn a_flood_of_port_forward_streams_leaves_memory_bounded_and_exec_working() {
+    use bytes::BytesMut;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use tensile::kubelet_api::spdy::frame::{Frame, FrameDecoder, FrameEncoder, rst};
+
+    let pair = ClusterPair::shared().await.unwrap();
+    let (vn, ns) = pod_on_virtual_node(pair, "vk-kubelet-flood", "kubelet-flood").await;
+    let memory = || tensile_harness::measure::footprint(vn.pid()).unwrap();
+    let (rss_before, peak_before, _) = memory();
+    let client = pair.upper.client().await.unwrap();
+    let (mut read, mut write) = tokio::io::split(spdy_port_forward(&client, &ns.name, "two").await);
+
+    // 500 forwarded connections, an error and a data stream each, as kubectl opens them.
+    let mut encoder = FrameEncoder::new().unwrap();
+    let mut wire = Vec::new();
+    for request in 0..500u32 {
+        for (offset, kind) in [(1, "error"), (3, "data")] {
+            let headers = [("streamtype", kind), ("port", "8080")]
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.to_string()))
+                .chain([("requestid".to_owned(), request.to_string())])
+                .collect();
+            let syn = Frame::SynStream {
+                stream_id: 4 * request + offset,
+                associated_to: 0,
+                priority: 0,
+                flags: 0,
+                headers,
+            };
+            encoder.encode(&syn, &mut wire).unwrap();
+        }
+    }
+    write.write_all(&wire).await.unwrap();
+    let mut decoder = FrameDecoder::new();
+    let mut buf = BytesMut::new();
+    let (mut accepted, mut refused) = (Vec::new(), 0);
+    while accepted.len() + refused < 1000 {
+        let frame = tokio::time::timeout(TIMEOUT, async {
+            loop {
+                if let Some(frame) = decoder.decode(&mut buf).unwrap() {
+                    return frame;
+                }
+                assert!(
+                    read.read_buf(&mut buf).await.unwrap() > 0,
+                    "connection closed"
+                );
+            }
+        })
+        .await
+        .expect("an answer to every SYN_STREAM");
+        match frame {
+            Frame::SynReply { stream_id, .. } => accepted.push(stream_id),
+            Frame::RstStream { status, .. } if status == rst::REFUSED_STREAM => refused += 1,
+            _ => {}
+        }
+    }
+    let data: Vec<u32> = accepted.iter().copied().filter(|id| id % 4 == 3).collect();
+
+    // From here on the client reads nothing.
+    let sent = std::sync::Arc::new(AtomicU64::new(0));
+    let flood = {
+        let (sent, data) = (sent.clone(), data.clone());
+        tokio::spawn(async move {
+            let frame_len = 4 * MIB as usize;
+            let payload = vec![0x5a; frame_len];
+            for id in data.iter().cycle() {
+                if sent.load(Ordering::Relaxed) >= 512 * MIB {
+                    break;
+                }
+                let mut head = id.to_be_bytes().to_vec();
+                head.push(0);
+                head.extend_from_slice(&(frame_len as u32).to_be_bytes()[1..]);
+                if write.write_all(&head).await.is_err() {
+                    break;
+                }
+                for chunk in payload.chunks(64 * 1024) {
+                    if write.write_all(chunk).await.is_err() {
+                        return;
+                    }
+                    sent.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                }
+            }
+        })
+    };
+    // Until the flood has stalled (nothing sent for 5 s) or ended, virtual-node's resident
+    // memory stays within 128 MiB of where it was.
+    let limit = rss_before + 128 * MIB;
+    let progress = std::sync::Mutex::new((0, std::time::Instant::now()));
+    let progress = &progress;
+    wait_for(
+        "the flood to stall or end",
+        Duration::from_secs(300),
+        || async {
+            let (rss, _, _) = memory();
+            let now = sent.load(Ordering::Relaxed);
+            assert!(
+                rss <= limit,
+                "virtual-node grew from {} MiB to {} MiB after {} MiB sent",
+                rss_before / MIB,
+                rss / MIB,
+                now / MIB
+            );
+            let mut last = progress.lock().unwrap();
+            if now != last.0 {
+                *last = (now, std::time::Instant::now());
+            }
+            let stalled = last.1.elapsed() >= Duration::from_secs(5);
+            Ok((stalled || flood.is_finished()).then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+    let (rss_flooded, _, _) = memory();
+
+    // Others are served as before, while the flood holds.
+    let exec = kubectl(
+        pair,
+        pair.upper_kubeconfig(),
+        &[
+            "exec",
+            "-n",
+            &ns.name,
+            "two",
+            "-c",
+            "app",
+            "--",
+            "echo",
+            "still here",
+        ],
+        b"",
+    )
+    .await;
+    assert!(exec.status.success(), "exec: {}", text(&exec.stderr));
+    assert_eq!(text(&exec.stdout), "still here\n");
+    let (rss_after, peak_after, _) = memory();
+    println!(
+        "flood: {} streams opened, {} accepted, {refused} refused; {} MiB sent on {} data \
+         streams; virtual-node resident {} MiB before, {} MiB flooded, {} MiB after an exec, \
+         peak {} MiB",
+        accepted.len() + refused,
+        accepted.len(),
+        sent.load(Ordering::Relaxed) / MIB,
+        data.len(),
+        rss_before / MIB,
+        rss_flooded / MIB,
+        rss_after / MIB,
+        peak_after / MIB,
+    );
+    assert!(
+        peak_after <= peak_before.max(rss_before) + 128 * MIB,
+        "peak {} MiB",
+        peak_after / MIB
+    );
+    assert_eq!(
+        (accepted.len(), refused),
+        (
+            tensile::kubelet_api::spdy::MAX_STREAMS,
+            1000 - tensile::kubelet_api::spdy::MAX_STREAMS
+        ),
+        "streams beyond the limit are refused"
+    );
+    flood.abort();
+    ns.delete().await.unwrap();
+}

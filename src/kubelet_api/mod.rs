@@ -277,10 +277,7 @@ async fn handle(
         Route::Healthz => text(StatusCode::OK, "ok"),
         Route::Pods | Route::RunningPods => pods(&api, route == Route::RunningPods).await,
         Route::StatsSummary => stats_summary(&api).await,
-        Route::Logs(target) => match mirrored(&api, &target).await {
-            Ok(pods) => logs(pods, &target, &query).await,
-            Err(response) => response,
-        },
+        Route::Logs(target) => logs(&api, &target, &query).await,
         Route::Exec(target, command, flags) => {
             if command.is_empty() {
                 return text(StatusCode::BAD_REQUEST, "missing command");
@@ -401,7 +398,7 @@ pub fn log_params(
 }
 
 async fn logs(
-    pods: Api<Pod>,
+    api: &KubeletApi,
     target: &Target,
     query: &std::collections::BTreeMap<String, Vec<String>>,
 ) -> Response<Body> {
@@ -409,7 +406,15 @@ async fn logs(
         Ok(params) => params,
         Err(message) => return text(StatusCode::BAD_REQUEST, message),
     };
-    let reader = match pods.log_stream(&target.pod, &params).await {
+    let pods: Api<Pod> = Api::namespaced(api.lower.clone(), &target.namespace);
+    // Whether the pod is this node's and its log are asked of the lower API server at once,
+    // not one after the other: the log is passed on only once the pod is known to be ours,
+    // and otherwise dropped unread.
+    let (ours, reader) = tokio::join!(mirrored(api, target), pods.log_stream(&target.pod, &params));
+    if let Err(response) = ours {
+        return response;
+    }
+    let reader = match reader {
         Ok(reader) => reader,
         Err(error) => return lower_error("reading the log", &error),
     };

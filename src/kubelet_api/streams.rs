@@ -1,14 +1,21 @@
 //! exec, attach and port-forward: the streams kube-apiserver opens on an SPDY connection
-//! (remotecommand v4, portforward.k8s.io) joined to the same call on the lower pod, which
-//! kube's client makes over WebSocket.
+//! (remotecommand v4, portforward.k8s.io) joined to the same call on the lower pod over
+//! WebSocket: exec and attach through kube's client, port-forward through
+//! [`lower_port_forward`], one WebSocket for each forwarded connection.
 
 use std::time::{Duration, Instant};
 
-use futures::{FutureExt, SinkExt};
+use bytes::Bytes;
+use futures::{FutureExt, SinkExt, StreamExt};
+use http::HeaderValue;
+use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Status;
 use kube::api::{Api, AttachParams, AttachedProcess, TerminalSize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 use tracing::{debug, warn};
 
 use super::route::StreamFlags;
@@ -304,55 +311,182 @@ async fn forward_one(
     pods: Api<Pod>,
     pod: String,
 ) {
-    let (mut from_client, mut to_client) = data.split();
+    let (from_client, mut to_client) = data.split();
     let result = async {
         let port = port.ok_or("port-forward: missing or invalid port header")?;
-        let mut forwarder = pods
-            .portforward(&pod, &[port])
+        let lower = lower_port_forward(&pods, &pod, port)
             .await
             .map_err(|e| format!("lower cluster: port-forward to {pod}:{port}: {e}"))?;
-        let upstream = forwarder
-            .take_stream(port)
-            .ok_or("lower cluster: no port-forward stream")?;
-        let lower_error = forwarder.take_error(port);
-        let (mut up_read, mut up_write) = tokio::io::split(upstream);
-        let pod_closed = {
-            // The client's FIN is not passed down: kube's forwarder would close the whole
-            // lower connection and drop the answer still on its way. Once one direction
-            // ends, the other gets a moment to finish, as containerd gives it.
-            let to_lower = tokio::io::copy(&mut from_client, &mut up_write);
-            let to_upper = tokio::io::copy(&mut up_read, &mut to_client);
-            tokio::pin!(to_lower, to_upper);
-            tokio::select! {
-                _ = &mut to_upper => true,
-                _ = &mut to_lower => tokio::time::timeout(PORT_FORWARD_LINGER, &mut to_upper)
-                    .await
-                    .is_ok(),
-            }
-        };
-        let _ = to_client.shutdown().await;
-        // The lower error (if any) is final once the pod side has closed; otherwise only
-        // one already received counts.
-        let message = match lower_error {
-            Some(error) if pod_closed => tokio::time::timeout(PORT_FORWARD_LINGER, error)
-                .await
-                .ok()
-                .flatten(),
-            Some(error) => error.now_or_never().flatten(),
-            None => None,
-        };
-        drop(forwarder);
-        match message {
-            Some(message) => Err(format!("lower cluster: {message}")),
-            None => Ok(()),
-        }
+        relay(lower, from_client, &mut to_client).await
     }
     .await;
+    let _ = to_client.shutdown().await;
     if let Some(mut error) = error {
         if let Err(message) = result {
+            debug!(object = %pod, kind = "Pod", cluster = "lower", %message, "port-forward ended in error");
             let _ = error.write_all(message.as_bytes()).await;
         }
         let _ = error.shutdown().await;
+    }
+}
+
+/// The lower API server's WebSocket port-forward to one port of a pod.
+type LowerPortForward = WebSocketStream<TokioIo<hyper::upgrade::Upgraded>>;
+
+/// The WebSocket subprotocol of port-forward: binary frames, each led by its channel byte.
+const PORT_FORWARD_PROTOCOL: &str = "v4.channel.k8s.io";
+/// The channels of one port: its data, and its error (a message, then the end).
+const DATA_CHANNEL: u8 = 0;
+const ERROR_CHANNEL: u8 = 1;
+/// Largest message sent toward the pod: what the client has sent meanwhile, gathered, so
+/// that each message (and each flush of the connection) carries as much as is there.
+const TO_POD_MESSAGE: usize = 64 * 1024;
+
+/// Opens the port-forward WebSocket to `port` of `pod` through the lower API server, as
+/// kube's `Api::portforward` does but with buffers sized for one port's traffic.
+async fn lower_port_forward(
+    pods: &Api<Pod>,
+    pod: &str,
+    port: u16,
+) -> Result<LowerPortForward, String> {
+    use http::header::{
+        CONNECTION, SEC_WEBSOCKET_ACCEPT, SEC_WEBSOCKET_KEY, SEC_WEBSOCKET_PROTOCOL,
+        SEC_WEBSOCKET_VERSION, UPGRADE,
+    };
+    use tokio_tungstenite::tungstenite::handshake;
+    let request = kube::core::Request::new(pods.resource_url())
+        .portforward(pod, &[port])
+        .map_err(|e| e.to_string())?;
+    let (mut parts, body) = request.into_parts();
+    let key = handshake::client::generate_key();
+    let headers = &mut parts.headers;
+    headers.insert(CONNECTION, HeaderValue::from_static("Upgrade"));
+    headers.insert(UPGRADE, HeaderValue::from_static("websocket"));
+    headers.insert(SEC_WEBSOCKET_VERSION, HeaderValue::from_static("13"));
+    headers.insert(
+        SEC_WEBSOCKET_PROTOCOL,
+        HeaderValue::from_static(PORT_FORWARD_PROTOCOL),
+    );
+    headers.insert(
+        SEC_WEBSOCKET_KEY,
+        HeaderValue::from_str(&key).map_err(|e| e.to_string())?,
+    );
+    let client = pods.clone().into_client();
+    let response = client
+        .send(http::Request::from_parts(
+            parts,
+            kube::client::Body::from(body),
+        ))
+        .await
+        .map_err(|e| e.to_string())?;
+    if response.status() != http::StatusCode::SWITCHING_PROTOCOLS {
+        let status = response.status();
+        let body = http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        // The API server's answer is a Status; its message is what the user needs.
+        let message = serde_json::from_slice::<Status>(&body)
+            .ok()
+            .and_then(|s| s.message)
+            .unwrap_or_else(|| String::from_utf8_lossy(&body).into_owned());
+        return Err(format!("{status}: {message}"));
+    }
+    let accept = handshake::derive_accept_key(key.as_bytes());
+    if response
+        .headers()
+        .get(SEC_WEBSOCKET_ACCEPT)
+        .map(HeaderValue::as_bytes)
+        != Some(accept.as_bytes())
+    {
+        return Err("the WebSocket upgrade was not accepted (Sec-WebSocket-Accept)".into());
+    }
+    let upgraded = hyper::upgrade::on(response)
+        .await
+        .map_err(|e| e.to_string())?;
+    // The default reads into 128 KiB allocated up front, per forwarded connection.
+    let config = WebSocketConfig::default().read_buffer_size(32 * 1024);
+    Ok(WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Client, Some(config)).await)
+}
+
+/// Carries one forwarded connection both ways until the pod side ends it (or, once the
+/// client has finished sending, a moment longer); the lower error, if one came.
+async fn relay(
+    lower: LowerPortForward,
+    mut from_client: StreamReader,
+    to_client: &mut StreamWriter,
+) -> Result<(), String> {
+    let (mut to_pod, mut from_pod) = lower.split();
+    let send = async {
+        let mut buffer = vec![0; 1 + TO_POD_MESSAGE];
+        buffer[0] = DATA_CHANNEL;
+        loop {
+            let mut filled = match from_client.read(&mut buffer[1..]).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => 1 + n,
+            };
+            // What has already come joins the same message.
+            while filled < buffer.len() {
+                match from_client.read(&mut buffer[filled..]).now_or_never() {
+                    Some(Ok(n)) if n > 0 => filled += n,
+                    _ => break,
+                }
+            }
+            let message = Message::Binary(Bytes::copy_from_slice(&buffer[..filled]));
+            if to_pod.send(message).await.is_err() {
+                return;
+            }
+        }
+    };
+    let receive = async {
+        let mut seen = [false; 2];
+        let mut lower_error = None;
+        while let Some(Ok(message)) = from_pod.next().await {
+            let Message::Binary(mut bytes) = message else {
+                if message.is_close() {
+                    break;
+                }
+                continue;
+            };
+            if bytes.is_empty() {
+                continue;
+            }
+            let channel = bytes.split_to(1)[0];
+            match channel {
+                // Each channel opens with the port number (2 bytes), before any data.
+                DATA_CHANNEL | ERROR_CHANNEL if !seen[usize::from(channel)] => {
+                    seen[usize::from(channel)] = true;
+                }
+                DATA_CHANNEL => {
+                    if to_client.write_all(&bytes).await.is_err() {
+                        break;
+                    }
+                }
+                ERROR_CHANNEL => {
+                    lower_error = Some(String::from_utf8_lossy(&bytes).into_owned());
+                }
+                other => debug!(
+                    channel = other,
+                    "port-forward: message on an unknown channel ignored"
+                ),
+            }
+        }
+        lower_error
+    };
+    tokio::pin!(send, receive);
+    // The client's FIN cannot be passed down (the WebSocket protocol has no half-close, and
+    // closing would drop the answer still on its way): once the client is done, the pod side
+    // gets a moment to finish, as containerd gives it.
+    let lower_error = tokio::select! {
+        lower_error = &mut receive => lower_error,
+        () = &mut send => tokio::time::timeout(PORT_FORWARD_LINGER, &mut receive)
+            .await
+            .ok()
+            .flatten(),
+    };
+    match lower_error {
+        Some(message) => Err(format!("lower cluster: {message}")),
+        None => Ok(()),
     }
 }
 

@@ -1,11 +1,18 @@
 //! SPDY/3 frames (version 3, as moby/spdystream speaks it): encoding and incremental decoding.
 
+use bytes::Buf;
+
 use super::headers::{HeaderDecoder, HeaderEncoder, HeaderError};
 
 /// Largest frame payload the 24-bit length field can carry.
 pub const MAX_FRAME_LEN: usize = (1 << 24) - 1;
 /// Largest control frame accepted (its header block included); kube-apiserver's are tiny.
 pub const MAX_CONTROL_FRAME: usize = 64 * 1024;
+/// Largest piece of a received DATA frame handed on at once. The format allows a frame of
+/// 16 MiB; a longer one than this is handed on in pieces as its bytes arrive, so what a peer
+/// declares never decides how much is buffered. (Go's spdystream peers write a frame per
+/// `Write`, 32 KiB from `io.Copy`.)
+pub const MAX_DATA_PIECE: usize = 32 * 1024;
 
 const VERSION: u16 = 3;
 /// FLAG_FIN, for DATA and for SYN_STREAM / SYN_REPLY / HEADERS.
@@ -45,7 +52,8 @@ pub mod goaway {
 /// One decoded SPDY/3 frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
-    /// DATA for a stream; `fin` ends the sender's half.
+    /// DATA for a stream; `fin` ends the sender's half. Decoded, a piece of a longer frame
+    /// ([`MAX_DATA_PIECE`]); `fin` then comes with the last piece.
     Data {
         stream_id: u32,
         fin: bool,
@@ -112,6 +120,17 @@ pub enum FrameError {
 #[derive(Debug, Default)]
 pub struct FrameDecoder {
     headers: HeaderDecoder,
+    /// The DATA frame whose payload is being handed on in pieces.
+    data: Option<DataLeft>,
+}
+
+/// What is left of a DATA frame being decoded.
+#[derive(Debug)]
+struct DataLeft {
+    stream_id: u32,
+    /// Payload bytes not yet handed on.
+    left: usize,
+    fin: bool,
 }
 
 impl FrameDecoder {
@@ -120,8 +139,12 @@ impl FrameDecoder {
         Self::default()
     }
 
-    /// Takes one whole frame off the front of `buf`, or returns `Ok(None)` if more bytes are needed.
+    /// Takes one frame (or the next piece of a long DATA frame) off the front of `buf`, or
+    /// returns `Ok(None)` if more bytes are needed.
     pub fn decode(&mut self, buf: &mut bytes::BytesMut) -> Result<Option<Frame>, FrameError> {
+        if self.data.is_some() {
+            return Ok(self.data_piece(buf));
+        }
         let Some(head) = buf.first_chunk::<8>() else {
             return Ok(None);
         };
@@ -140,26 +163,52 @@ impl FrameDecoder {
                 return Err(FrameError::Length("control", len));
             }
         }
-        if buf.len() < 8 + len {
-            // Reserve only what this frame needs (at most 16 MiB), never more.
-            buf.reserve(8 + len - buf.len());
-            return Ok(None);
-        }
-        let _ = buf.split_to(8);
-        let payload = buf.split_to(len).freeze();
         if !is_control {
             let stream_id = word & 0x7fff_ffff;
             if stream_id == 0 {
                 return Err(FrameError::Invalid("DATA on stream 0"));
             }
-            return Ok(Some(Frame::Data {
+            buf.advance(8);
+            self.data = Some(DataLeft {
                 stream_id,
+                left: len,
                 fin: flags & FLAG_FIN != 0,
-                data: payload,
-            }));
+            });
+            return Ok(self.data_piece(buf));
         }
+        if buf.len() < 8 + len {
+            // Reserve only what this frame needs (at most 64 KiB), never more.
+            buf.reserve(8 + len - buf.len());
+            return Ok(None);
+        }
+        buf.advance(8);
+        let payload = buf.split_to(len);
         self.decode_control((word & 0xffff) as u16, flags, &payload)
             .map(Some)
+    }
+
+    /// The next piece of the DATA frame under way, once all of it is in `buf`. It is copied
+    /// out, so a piece a stream keeps queued never holds a larger read buffer alive.
+    fn data_piece(&mut self, buf: &mut bytes::BytesMut) -> Option<Frame> {
+        let data = self.data.as_mut()?;
+        let want = data.left.min(MAX_DATA_PIECE);
+        if buf.len() < want {
+            buf.reserve(want - buf.len());
+            return None;
+        }
+        let piece = bytes::Bytes::copy_from_slice(&buf[..want]);
+        buf.advance(want);
+        data.left -= want;
+        let stream_id = data.stream_id;
+        let fin = data.left == 0 && data.fin;
+        if data.left == 0 {
+            self.data = None;
+        }
+        Some(Frame::Data {
+            stream_id,
+            fin,
+            data: piece,
+        })
     }
 
     fn decode_control(
@@ -458,6 +507,55 @@ mod tests {
         }
         assert_eq!(got, frames);
         assert!(buf.is_empty());
+    }
+
+    /// A DATA frame's payload length, the bytes of it that have arrived, and the pieces
+    /// (their lengths and FIN) decoded so far.
+    type PieceCase = (usize, usize, Vec<(usize, bool)>);
+
+    #[test]
+    fn long_data_frames_are_decoded_in_pieces_as_they_arrive() {
+        let piece = MAX_DATA_PIECE;
+        let cases: Vec<PieceCase> = vec![
+            (0, 0, vec![(0, true)]),
+            (5, 5, vec![(5, true)]),
+            (5, 4, vec![]),
+            (piece, piece, vec![(piece, true)]),
+            (piece + 1, piece, vec![(piece, false)]),
+            (piece + 1, piece + 1, vec![(piece, false), (1, true)]),
+            (
+                2 * piece + 10,
+                2 * piece + 9,
+                vec![(piece, false), (piece, false)],
+            ),
+            (MAX_FRAME_LEN, 3 * piece + 7, vec![(piece, false); 3]),
+        ];
+        for (len, arrived, want) in cases {
+            let mut wire = vec![0, 0, 0, 1, FLAG_FIN];
+            wire.extend_from_slice(&(len as u32).to_be_bytes()[1..]);
+            wire.resize(8 + arrived, 7);
+            let sent = wire.len();
+            let mut buf = BytesMut::from(&wire[..]);
+            let mut dec = FrameDecoder::new();
+            let mut got = Vec::new();
+            while let Some(frame) = dec.decode(&mut buf).unwrap() {
+                match frame {
+                    Frame::Data {
+                        stream_id: 1,
+                        fin,
+                        data,
+                    } => got.push((data.len(), fin)),
+                    other => panic!("{other:?}"),
+                }
+            }
+            assert_eq!(got, want, "{len} bytes declared, {arrived} arrived");
+            // Room is made for one more piece at most, whatever the frame declared.
+            assert!(
+                buf.capacity() <= sent + piece,
+                "{len}: {} reserved",
+                buf.capacity()
+            );
+        }
     }
 
     #[test]

@@ -6,9 +6,10 @@
 
 use flate2::{Compress, Compression, Decompress, FlushCompress, FlushDecompress, Status};
 
-/// Most header bytes accepted after decompression: kube-apiserver sends a handful of short
-/// headers, so this only stops a zlib bomb.
-pub const MAX_DECOMPRESSED_HEADERS: usize = 256 * 1024;
+/// Most header bytes accepted after decompression. kube-apiserver sends a handful of short
+/// headers (kubectl's streams carry ~50 bytes); a stream keeps its headers while it is open,
+/// so this bounds what [`super::MAX_STREAMS`] streams hold, and stops a zlib bomb.
+pub const MAX_DECOMPRESSED_HEADERS: usize = 16 * 1024;
 
 /// Most name/value pairs accepted in one block.
 const MAX_PAIRS: u32 = 1024;
@@ -253,7 +254,8 @@ impl HeaderDecoder {
                 if out.len() >= MAX_DECOMPRESSED_HEADERS {
                     return Err(HeaderError::TooLarge);
                 }
-                out.reserve(
+                // Exact, so that the amortized growth of `reserve` cannot pass the limit.
+                out.reserve_exact(
                     out.len()
                         .max(1024)
                         .min(MAX_DECOMPRESSED_HEADERS - out.len()),
@@ -370,7 +372,7 @@ mod tests {
             ]),
             pairs(&[("streamtype", "stdout")]),
             pairs(&[("x-multi", "a\0b"), ("empty", "")]),
-            pairs(&[("big", &"v".repeat(100_000))]),
+            pairs(&[("big", &"v".repeat(10_000))]),
         ];
         for case in &cases {
             let mut block = Vec::new();
@@ -401,6 +403,20 @@ mod tests {
             .compress_vec(&[0, 0, 0, 0], &mut block, FlushCompress::Sync)
             .unwrap();
         assert!(HeaderDecoder::new().decode(&block).is_err());
+    }
+
+    #[test]
+    fn a_stream_keeps_at_most_16_kib_of_headers() {
+        // A stream's headers live as long as it does, on each of MAX_STREAMS streams.
+        for (value, fits) in [(15 * 1024, true), (17 * 1024, false)] {
+            let mut block = Vec::new();
+            HeaderEncoder::new()
+                .unwrap()
+                .encode(&pairs(&[("big", &"v".repeat(value))]), &mut block)
+                .unwrap();
+            let decoded = HeaderDecoder::new().decode(&block).map(|_| ());
+            assert_eq!(decoded.is_ok(), fits, "{value} bytes: {decoded:?}");
+        }
     }
 
     #[test]

@@ -5,12 +5,20 @@
 //! the header deflater, so frames leave in one order and the zlib stream stays consistent.
 //! There is no flow control: the Go peer neither sends nor expects WINDOW_UPDATE.
 //!
-//! Back-pressure: each stream's received DATA goes through a bounded queue of
-//! [`STREAM_QUEUE`] frames. When it is full the reader task waits, which stops reading the
-//! whole connection (TCP then pushes back on the peer). A slow stream therefore stalls the
-//! others, as it does in spdystream itself; the alternative, unbounded queues, would let a
-//! peer exhaust memory. Sent DATA is bounded by [`SEND_QUEUE`] frames of at most
-//! [`MAX_DATA_FRAME`] bytes across the connection.
+//! Limits, so that a peer cannot make the process hold more than a few MiB a connection:
+//! - received DATA is handed on in pieces of at most [`frame::MAX_DATA_PIECE`] bytes, whatever
+//!   length a frame declares (up to 16 MiB);
+//! - what the streams of a connection have received and not yet read is budgeted in bytes,
+//!   [`RECEIVE_BUDGET`] (each piece also charged [`PIECE_OVERHEAD`] for its bookkeeping).
+//!   When it is spent the reader task waits, which stops reading the whole connection (TCP
+//!   then pushes back on the peer). A stream nobody reads therefore stalls the others of its
+//!   connection, as it does in spdystream itself; without flow control the only other answer
+//!   is to drop data;
+//! - sent DATA waits for the writer within [`SEND_BUDGET`] bytes, in frames of at most
+//!   [`MAX_DATA_FRAME`];
+//! - at most [`MAX_STREAMS`] streams are open at once; a SYN_STREAM beyond is answered with
+//!   RST_STREAM REFUSED_STREAM. Each keeps at most [`headers::MAX_DECOMPRESSED_HEADERS`] of
+//!   headers.
 
 pub mod frame;
 pub mod headers;
@@ -27,7 +35,7 @@ use std::task::{Context, Poll, ready};
 
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 use tokio_util::sync::{CancellationToken, PollSemaphore};
 use tracing::{debug, trace, warn};
 
@@ -35,26 +43,43 @@ use frame::{Frame, FrameDecoder, FrameEncoder, goaway, rst};
 
 /// Largest DATA frame this server sends; larger writes are split.
 pub const MAX_DATA_FRAME: usize = 32 * 1024;
-/// Received DATA frames queued per stream before the connection stops reading.
-pub const STREAM_QUEUE: usize = 16;
-/// Sent DATA frames queued across the connection before writers wait.
-pub const SEND_QUEUE: usize = 32;
+/// Bytes received on a connection's streams and not yet read, before the connection stops
+/// reading: Go's HTTP/2 server buffers as much (1 MiB) for a connection's request bodies.
+pub const RECEIVE_BUDGET: usize = 1024 * 1024;
+/// Bytes of DATA queued for the writer across a connection before stream writers wait.
+pub const SEND_BUDGET: usize = 1024 * 1024;
+/// What a queued piece of DATA costs beyond its bytes (its handle, its permit, its queue
+/// slot), charged to the budgets so that one-byte frames cannot queue unbounded bookkeeping.
+pub const PIECE_OVERHEAD: usize = 128;
+/// Streams open at once on a connection; more are refused. Go's HTTP/2 server allows 250
+/// streams a connection (`x/net/http2` `defaultMaxStreams`), the kubelet's HTTP/2 limit;
+/// spdystream sets none. A port-forwarded TCP connection takes two (data and error), an exec
+/// up to five.
+pub const MAX_STREAMS: usize = 250;
 /// Accepted streams queued before the connection stops reading.
 const ACCEPT_QUEUE: usize = 16;
 /// Control frames (replies, PING echoes, resets) queued for the writer.
 const CONTROL_QUEUE: usize = 64;
 /// Bytes written to the transport in one go.
 const WRITE_BATCH: usize = 256 * 1024;
+/// Bytes the reader asks the transport for at once (TLS hands over a record at a time).
+const READ_CHUNK: usize = 64 * 1024;
 
 /// How a stream's receiving half ended; read by [`StreamReader`] once its queue is empty.
 const OPEN: u8 = 0;
 const FIN: u8 = 1;
 const RESET: u8 = 2;
 
-/// A frame for the writer task; DATA carries the permit it took from the send budget.
+/// A frame for the writer task; DATA carries what it took from the send budget.
 struct Outgoing {
     frame: Frame,
-    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    _budget: Option<OwnedSemaphorePermit>,
+}
+
+/// A piece of received DATA, holding its share of the receive budget until it is read.
+struct Piece {
+    data: Bytes,
+    budget: OwnedSemaphorePermit,
 }
 
 /// Orders for the writer task that come from the connection rather than from a stream.
@@ -70,8 +95,8 @@ enum Ctrl {
 
 /// What the reader task keeps per open stream.
 struct Entry {
-    /// `None` once the peer has sent FIN.
-    data: Option<mpsc::Sender<Bytes>>,
+    /// `None` once the peer has sent FIN. Unbounded: the receive budget bounds it.
+    data: Option<mpsc::UnboundedSender<Piece>>,
     end: Arc<AtomicU8>,
     local_closed: bool,
 }
@@ -136,14 +161,16 @@ impl Connection {
         let (ctrl, ctrl_rx) = mpsc::channel(CONTROL_QUEUE);
         let (alive, data_rx) = mpsc::unbounded_channel();
         let shared = Arc::new(Shared::default());
-        let permits = Arc::new(Semaphore::new(SEND_QUEUE));
+        let permits = Arc::new(Semaphore::new(SEND_BUDGET));
         let stop = CancellationToken::new();
         let reader = Reader {
             ctrl: ctrl.clone(),
             accept: Some(accept_tx),
             outgoing: alive.downgrade(),
             permits: permits.clone(),
+            received: Arc::new(Semaphore::new(RECEIVE_BUDGET)),
             shared: shared.clone(),
+            refused: 0,
         };
         tokio::spawn(reader.run(read_half, stop.clone()));
         tokio::spawn(write_loop(
@@ -220,8 +247,10 @@ impl Stream {
 /// The receiving half of a stream.
 pub struct StreamReader {
     id: u32,
-    data: mpsc::Receiver<Bytes>,
+    data: mpsc::UnboundedReceiver<Piece>,
     pending: Bytes,
+    /// The receive budget `pending` holds, given back once it is read.
+    pending_budget: Option<OwnedSemaphorePermit>,
     end: Arc<AtomicU8>,
     _alive: mpsc::UnboundedSender<Outgoing>,
 }
@@ -241,8 +270,12 @@ impl AsyncRead for StreamReader {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         if self.pending.is_empty() {
+            self.pending_budget = None;
             match ready!(self.data.poll_recv(cx)) {
-                Some(chunk) => self.pending = chunk,
+                Some(piece) => {
+                    self.pending = piece.data;
+                    self.pending_budget = Some(piece.budget);
+                }
                 None => {
                     return Poll::Ready(match self.end.load(Ordering::Acquire) {
                         FIN => Ok(()),
@@ -260,6 +293,9 @@ impl AsyncRead for StreamReader {
         }
         let n = self.pending.len().min(buf.remaining());
         buf.put_slice(&self.pending.split_to(n));
+        if self.pending.is_empty() {
+            self.pending_budget = None;
+        }
         Poll::Ready(Ok(()))
     }
 }
@@ -297,11 +333,11 @@ impl StreamWriter {
         );
     }
 
-    fn send(&self, frame: Frame, permit: Option<tokio::sync::OwnedSemaphorePermit>) -> bool {
+    fn send(&self, frame: Frame, budget: Option<OwnedSemaphorePermit>) -> bool {
         self.outgoing
             .send(Outgoing {
                 frame,
-                _permit: permit,
+                _budget: budget,
             })
             .is_ok()
     }
@@ -349,10 +385,12 @@ impl AsyncWrite for StreamWriter {
         if buf.is_empty() {
             return Poll::Ready(Ok(0));
         }
-        let Some(permit) = ready!(self.permits.poll_acquire(cx)) else {
+        let n = buf.len().min(MAX_DATA_FRAME);
+        // At most 32 KiB + 128: fits.
+        let cost = (n + PIECE_OVERHEAD) as u32;
+        let Some(permit) = ready!(self.permits.poll_acquire_many(cx, cost)) else {
             return Poll::Ready(Err(broken_pipe()));
         };
-        let n = buf.len().min(MAX_DATA_FRAME);
         let frame = Frame::Data {
             stream_id: self.id,
             fin: false,
@@ -389,8 +427,13 @@ struct Reader {
     accept: Option<mpsc::Sender<Stream>>,
     /// Weak, so the reader alone does not keep the connection alive.
     outgoing: mpsc::WeakUnboundedSender<Outgoing>,
+    /// The send budget, handed to each stream's writer.
     permits: Arc<Semaphore>,
+    /// The receive budget: bytes queued on streams, not yet read.
+    received: Arc<Semaphore>,
     shared: Arc<Shared>,
+    /// Streams refused for the [`MAX_STREAMS`] limit, so far.
+    refused: u64,
 }
 
 /// Why the reader stopped.
@@ -444,13 +487,14 @@ impl Reader {
 
     async fn read_frames<R: AsyncRead + Unpin>(&mut self, io: &mut R) -> Result<(), ReadError> {
         let mut decoder = FrameDecoder::new();
-        let mut buf = BytesMut::with_capacity(16 * 1024);
+        let mut buf = BytesMut::with_capacity(READ_CHUNK);
         loop {
             while let Some(frame) = decoder.decode(&mut buf)? {
                 self.handle(frame).await?;
             }
-            if buf.capacity() - buf.len() < 4096 {
-                buf.reserve(16 * 1024);
+            // DATA is copied out of `buf`, so this reuses its space once it has been decoded.
+            if buf.capacity() - buf.len() < READ_CHUNK / 4 {
+                buf.reserve(READ_CHUNK);
             }
             if io.read_buf(&mut buf).await? == 0 {
                 return Ok(());
@@ -492,9 +536,18 @@ impl Reader {
                     debug!(stream_id, "SPDY DATA after the peer's FIN; ignored");
                     return Ok(());
                 };
-                // An error means the StreamReader was dropped; the data has nowhere to go.
-                if !data.is_empty() {
-                    let _ = sender.send(data).await;
+                // A closed queue means the StreamReader was dropped: the data has nowhere to go.
+                if !data.is_empty() && !sender.is_closed() {
+                    // At most 32 KiB + 128 (frame::MAX_DATA_PIECE): fits.
+                    let cost = (data.len() + PIECE_OVERHEAD) as u32;
+                    // Waiting here is what stops reading the connection.
+                    let budget = self
+                        .received
+                        .clone()
+                        .acquire_many_owned(cost)
+                        .await
+                        .map_err(|_| ReadError::WriterGone)?;
+                    let _ = sender.send(Piece { data, budget });
                 }
                 if fin {
                     drop(sender);
@@ -581,12 +634,28 @@ impl Reader {
         self.shared
             .last_stream_id
             .store(stream_id, Ordering::Relaxed);
+        let open = self.shared.streams().len();
+        if open >= MAX_STREAMS {
+            self.refused += 1;
+            // Once a connection, so that a peer cannot flood the log.
+            if self.refused == 1 {
+                warn!(
+                    stream_id,
+                    open, "SPDY peer opened more streams than the limit; refusing the excess"
+                );
+            }
+            debug!(
+                stream_id,
+                open, "SPDY SYN_STREAM over the stream limit; refused"
+            );
+            return self.control(refuse(rst::REFUSED_STREAM)).await;
+        }
         let accept = self.accept.as_ref().filter(|a| !a.is_closed()).cloned();
         let (Some(accept), Some(outgoing)) = (accept, self.outgoing.upgrade()) else {
             debug!(stream_id, "SPDY SYN_STREAM while not accepting; refused");
             return self.control(refuse(rst::REFUSED_STREAM)).await;
         };
-        let (data_tx, data_rx) = mpsc::channel(STREAM_QUEUE);
+        let (data_tx, data_rx) = mpsc::unbounded_channel();
         let end = Arc::new(AtomicU8::new(OPEN));
         let fin = flags & frame::FLAG_FIN != 0;
         if fin {
@@ -614,6 +683,7 @@ impl Reader {
                 id: stream_id,
                 data: data_rx,
                 pending: Bytes::new(),
+                pending_budget: None,
                 end: end.clone(),
                 _alive: outgoing.clone(),
             },

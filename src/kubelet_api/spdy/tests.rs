@@ -605,3 +605,141 @@ async fn no_fin_after_a_reset() {
         }]
     );
 }
+
+/// The wire bytes of one DATA frame.
+fn data_wire(stream_id: u32, len: usize) -> Vec<u8> {
+    let mut wire = Vec::with_capacity(8 + len);
+    wire.extend_from_slice(&stream_id.to_be_bytes());
+    wire.push(0);
+    wire.extend_from_slice(&(len as u32).to_be_bytes()[1..]);
+    wire.resize(8 + len, 0x5a);
+    wire
+}
+
+#[tokio::test]
+async fn a_long_data_frame_reaches_its_stream_in_pieces_as_it_arrives() {
+    let (mut peer, mut conn) = Peer::connect();
+    peer.open(1, &[("streamtype", "data")]).await;
+    let (mut reader, _writer) = accept(&mut conn).await.split();
+    // The longest frame the format allows, of which only the first 100 000 bytes are sent:
+    // they reach the stream without the server waiting for (and buffering) 16 MiB.
+    let mut wire = data_wire(1, frame::MAX_FRAME_LEN);
+    wire.truncate(8 + 100_000);
+    peer.io.write_all(&wire).await.unwrap();
+    let mut got = vec![0; 3 * frame::MAX_DATA_PIECE];
+    timeout(LIMIT, reader.read_exact(&mut got))
+        .await
+        .expect("the first pieces of a 16 MiB frame before all of it arrived")
+        .unwrap();
+    assert!(got.iter().all(|b| *b == 0x5a));
+}
+
+/// Writes `wire` to `io` a slice at a time until done or until the server stops reading (no
+/// progress for a second); the bytes written, and whether it stopped.
+async fn write_until_stalled(io: &mut DuplexStream, wire: &[u8]) -> (usize, bool) {
+    let mut written = 0;
+    while written < wire.len() {
+        match timeout(Duration::from_secs(1), io.write(&wire[written..])).await {
+            Ok(result) => written += result.unwrap(),
+            Err(_) => return (written, true),
+        }
+    }
+    (written, false)
+}
+
+#[tokio::test]
+async fn unread_data_stops_the_connection_within_its_byte_budget() {
+    // A small pipe, so that what the server took is what the client could write.
+    let (client, server) = tokio::io::duplex(4096);
+    let mut peer = Peer {
+        io: client,
+        enc: FrameEncoder::new().unwrap(),
+        dec: FrameDecoder::new(),
+        buf: BytesMut::new(),
+    };
+    let mut conn = Connection::server(server);
+    let mut readers = Vec::new();
+    for id in (1..=15).step_by(2) {
+        peer.open(id, &[("streamtype", "data")]).await;
+        let (reader, _writer) = accept(&mut conn).await.split();
+        readers.push(reader);
+    }
+    // 1 MiB frames round the eight streams, none of them read.
+    let mut sent = 0;
+    let mut unsent = Vec::new();
+    'send: for _ in 0..16 {
+        for id in (1..=15).step_by(2) {
+            let wire = data_wire(id, 1 << 20);
+            let (written, stalled) = write_until_stalled(&mut peer.io, &wire).await;
+            sent += written;
+            if stalled {
+                unsent = wire[written..].to_vec();
+                break 'send;
+            }
+        }
+    }
+    // Beyond the budget: what the reader has read and not yet decoded, and the pipe.
+    let slack = 2 * READ_CHUNK + frame::MAX_DATA_PIECE + 4096;
+    assert!(
+        !unsent.is_empty() && sent <= RECEIVE_BUDGET + slack,
+        "the server took {sent} bytes of unread DATA (budget {RECEIVE_BUDGET}), stalled: {}",
+        !unsent.is_empty()
+    );
+    // Dropping the readers gives the budget back; the rest is read and discarded, and the
+    // connection answers again.
+    drop(readers);
+    let mut ping = Vec::new();
+    FrameEncoder::new()
+        .unwrap()
+        .encode(&Frame::Ping { id: 9 }, &mut ping)
+        .unwrap();
+    unsent.extend_from_slice(&ping);
+    let (_, stalled) = write_until_stalled(&mut peer.io, &unsent).await;
+    assert!(
+        !stalled,
+        "the connection reads again once its streams are gone"
+    );
+    let mut frames = Vec::new();
+    while !frames.contains(&Frame::Ping { id: 9 }) {
+        frames.push(peer.recv().await.unwrap());
+    }
+}
+
+#[tokio::test]
+async fn streams_beyond_the_limit_are_refused() {
+    let (mut peer, mut conn) = Peer::connect();
+    let accepted = tokio::spawn(async move {
+        let mut streams = Vec::new();
+        while streams.len() < MAX_STREAMS {
+            streams.push(accept(&mut conn).await);
+        }
+        (conn, streams)
+    });
+    let over = 3;
+    let last = 2 * (MAX_STREAMS + over) as u32 - 1;
+    for id in (1..=last).step_by(2) {
+        peer.open(id, &[("streamtype", "data")]).await;
+    }
+    let mut replies = 0;
+    let mut refused = Vec::new();
+    while replies + refused.len() < MAX_STREAMS + over {
+        match peer.recv().await.unwrap() {
+            Frame::SynReply { .. } => replies += 1,
+            Frame::RstStream {
+                stream_id,
+                status: rst::REFUSED_STREAM,
+            } => refused.push(stream_id),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(replies, MAX_STREAMS);
+    assert_eq!(refused, [last - 4, last - 2, last]);
+    // Once a stream has ended on both sides, another may open.
+    let (mut conn, mut streams) = timeout(LIMIT, accepted).await.unwrap().unwrap();
+    peer.send(data(1, true, b"")).await;
+    drop(streams.remove(0));
+    assert_eq!(peer.recv().await, Some(data(1, true, b"")));
+    peer.open(last + 2, &[("streamtype", "data")]).await;
+    assert_eq!(peer.recv().await, Some(reply(last + 2)));
+    assert_eq!(accept(&mut conn).await.id(), last + 2);
+}

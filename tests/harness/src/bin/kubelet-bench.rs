@@ -4,6 +4,7 @@
 //! apiserver → kwok), interleaved on one cluster pair, so the ratio is what the virtual
 //! node adds. Figures, not assertions.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -32,6 +33,9 @@ struct Args {
     /// MiB sent through `kubectl port-forward` (echoed back) on each path.
     #[arg(long, default_value_t = 64)]
     mebibytes: usize,
+    /// Port-forward transfers on each path, alternated; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    forward_runs: usize,
     /// The virtual-node binary (default: beside this one).
     #[arg(long)]
     virtual_node: Option<PathBuf>,
@@ -241,21 +245,36 @@ async fn run(args: Args) -> Result<()> {
     let cpu = cpu_by_component(&pair, &vn, "kubelet-bench");
     let mut logs = [Vec::new(), Vec::new()];
     let mut execs = [Vec::new(), Vec::new()];
-    let mut throughput = [0.0, 0.0];
+    let mut throughput = [Vec::new(), Vec::new()];
     for _ in 0..args.runs {
         for (i, path) in bench.paths.iter().enumerate() {
             logs[i].push(bench.logs_first_byte(path.kubeconfig).await?);
             execs[i].push(bench.exec_round_trip(path.kubeconfig).await?);
         }
     }
-    let bytes = args.mebibytes * 1024 * 1024;
-    for (i, path) in bench.paths.iter().enumerate() {
-        throughput[i] = bench.port_forward(path.kubeconfig, bytes).await?;
-    }
     let profile = cpu_profile(&cpu, &cpu_by_component(&pair, &vn, "kubelet-bench"));
+    let bytes = args.mebibytes * 1024 * 1024;
+    // CPU seconds by component during each path's transfers, summed over the runs.
+    let mut forward_cpu = [BTreeMap::new(), BTreeMap::new()];
+    for _ in 0..args.forward_runs.max(1) {
+        for (i, path) in bench.paths.iter().enumerate() {
+            let before = cpu_by_component(&pair, &vn, "kubelet-bench");
+            throughput[i].push(bench.port_forward(path.kubeconfig, bytes).await?);
+            let after = cpu_by_component(&pair, &vn, "kubelet-bench");
+            for (name, seconds) in &after {
+                *forward_cpu[i].entry(name.clone()).or_insert(0.0) +=
+                    seconds - before.get(name).copied().unwrap_or(0.0);
+            }
+        }
+    }
+    let throughput = throughput.map(|mut runs| {
+        runs.sort_by(f64::total_cmp);
+        runs[runs.len() / 2]
+    });
 
     println!(
-        "\nkubelet-bench: {} cores, Kubernetes {}, virtual-node {}, {} runs each, {} MiB echoed",
+        "\nkubelet-bench: {} cores, Kubernetes {}, virtual-node {}, {} runs each, {} MiB echoed \
+         (median of {})",
         std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(0),
@@ -267,6 +286,7 @@ async fn run(args: Args) -> Result<()> {
         },
         args.runs,
         args.mebibytes,
+        args.forward_runs.max(1),
     );
     println!(
         "{:<34} {:>22} {:>22} {:>7}",
@@ -296,7 +316,16 @@ async fn run(args: Args) -> Result<()> {
         format!("{:.1}", throughput[1]),
         throughput[0] / throughput[1].max(1e-9)
     );
-    println!("CPU during the timed runs (both paths): {profile}");
+    println!("CPU during logs and exec (both paths): {profile}");
+    for (path, cpu) in bench.paths.iter().zip(&forward_cpu) {
+        println!(
+            "CPU during port-forward {} ({} x {} MiB): {}",
+            path.name,
+            args.forward_runs.max(1),
+            args.mebibytes,
+            cpu_profile(&BTreeMap::new(), cpu)
+        );
+    }
     ns.delete().await?;
     Ok(())
 }
