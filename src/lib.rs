@@ -19,3 +19,4 @@ pub mod node;
 pub mod shutdown;
 pub mod side;
 pub mod translate;
+pub mod upper_watches;

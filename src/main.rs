@@ -14,6 +14,7 @@ use tensile::member::{self, MemberSpec, Shared};
 use tensile::metrics::{self, Metrics};
 use tensile::shutdown::Tasks;
 use tensile::side::Side;
+use tensile::upper_watches::UpperWatches;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
@@ -146,6 +147,13 @@ async fn run(args: Args, started: CancellationToken) -> Result<(), String> {
         }
     };
 
+    // Federated, the members share one watch of each upper kind.
+    let upper_watches = args.members_namespace.as_ref().map(|_| {
+        let (watches, run) =
+            UpperWatches::new(&upper.client, &args.namespace, &optional, shutdown.clone());
+        tasks.spawn("shared upper watches", run);
+        watches
+    });
     let shared = Arc::new(Shared {
         args: args.clone(),
         upper,
@@ -154,6 +162,7 @@ async fn run(args: Args, started: CancellationToken) -> Result<(), String> {
         client_ca,
         leading,
         optional,
+        upper_watches,
     });
     if let Some(namespace) = args.members_namespace.clone() {
         // Without a member of the flags, the process has started once the members of the

@@ -40,6 +40,38 @@ fn member_secret(name: &str, node: &str, kubeconfig: &std::path::Path) -> Secret
     secret
 }
 
+/// The watches open on the upper API server, by resource (its
+/// `apiserver_longrunning_requests` gauge, every client's together).
+async fn open_watches(upper: &Client) -> BTreeMap<String, u64> {
+    let request = http::Request::get("/metrics").body(Vec::new()).unwrap();
+    let text = upper.request_text(request).await.unwrap();
+    let mut watches = BTreeMap::new();
+    for line in text.lines() {
+        let Some(labels) = line.strip_prefix("apiserver_longrunning_requests{") else {
+            continue;
+        };
+        if !labels.contains("verb=\"WATCH\"") {
+            continue;
+        }
+        let resource = labels
+            .split("resource=\"")
+            .nth(1)
+            .and_then(|rest| rest.split('"').next())
+            .unwrap_or_default();
+        let value: f64 = line
+            .rsplit(' ')
+            .next()
+            .and_then(|v| v.parse().ok())
+            .expect("a gauge value");
+        *watches.entry(resource.to_owned()).or_default() += value as u64;
+    }
+    assert!(
+        !watches.is_empty(),
+        "the upper API server reports no apiserver_longrunning_requests WATCH series"
+    );
+    watches
+}
+
 /// Pods of `app` in `ns` by the node they are bound to ("" for none).
 async fn placement(pods: &Api<Pod>, app: &str) -> BTreeMap<String, usize> {
     let mut by_node = BTreeMap::new();
@@ -83,7 +115,7 @@ async fn marked_below(lower: &Client, node: &str) -> usize {
 }
 
 /// The whole membership life cycle on real clusters: three member Secrets make three
-/// Ready virtual nodes; a Deployment that fits no single member runs across all three,
+/// Ready virtual nodes, which open no more upper watches than one; a Deployment that fits no single member runs across all three,
 /// each member's lower pods matching its node's pods upstairs; past the total capacity
 /// the surplus stays Pending upstairs and nothing is Pending below; a rotated kubeconfig
 /// keeps the node; a bad Secret is named in an Event and the others carry on; a deleted
@@ -115,43 +147,68 @@ async fn three_lower_clusters_joined_from_member_secrets_share_a_deployment() {
     ];
     let members = TestNamespace::create(&upper, "members").await.unwrap();
     let secrets: Api<Secret> = Api::namespaced(upper.clone(), &members.name);
-    for (name, node, kubeconfig) in [
-        ("lower-a", "vk-fed-a", &pair.lower.kubeconfig),
-        ("lower-b", "vk-fed-b", &b.kubeconfig),
-        ("lower-c", "vk-fed-c", &c.kubeconfig),
-    ] {
-        secrets
-            .create(
-                &PostParams::default(),
-                &member_secret(name, node, kubeconfig),
-            )
-            .await
-            .unwrap();
-    }
-    // A member Secret that cannot be used: no kubeconfig.
-    let mut bad = Secret::default();
-    bad.metadata.name = Some("lower-bad".into());
-    bad.metadata.labels = Some([(MEMBER_LABEL.to_owned(), "true".to_owned())].into());
-    secrets.create(&PostParams::default(), &bad).await.unwrap();
+    let join = |name: &'static str, node: &'static str, kubeconfig: &std::path::Path| {
+        let (secrets, secret) = (secrets.clone(), member_secret(name, node, kubeconfig));
+        async move {
+            secrets
+                .create(&PostParams::default(), &secret)
+                .await
+                .unwrap()
+        }
+    };
+    join("lower-a", "vk-fed-a", &pair.lower.kubeconfig).await;
 
     let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), "vk-fed");
     options.flags_member = false;
     options.args = vec!["--members-namespace".into(), members.name.clone()];
     let mut vn = pair.start_virtual_node(&options).unwrap();
     let nodes: Api<Node> = Api::all(upper.clone());
-    for (node, _) in &lowers {
-        let ready = wait_for(&format!("node {node} Ready"), TIMEOUT, || async {
-            Ok(nodes.get_opt(node).await?.filter(node_is_ready).map(|_| ()))
-        })
-        .await;
-        if let Err(error) = ready {
-            let _ = vn.check_running();
-            panic!(
-                "{error:#}\n{}",
-                tensile_harness::process::tail(vn.log(), 40)
-            );
+    let mut all_ready = async |members: &[(&str, Client)]| {
+        for (node, _) in members {
+            let ready = wait_for(&format!("node {node} Ready"), TIMEOUT, || async {
+                Ok(nodes.get_opt(node).await?.filter(node_is_ready).map(|_| ()))
+            })
+            .await;
+            if let Err(error) = ready {
+                let _ = vn.check_running();
+                panic!(
+                    "{error:#}\n{}",
+                    tensile_harness::process::tail(vn.log(), 40)
+                );
+            }
         }
-    }
+    };
+    all_ready(&lowers[..1]).await;
+    let one_member = open_watches(&upper).await;
+
+    join("lower-b", "vk-fed-b", &b.kubeconfig).await;
+    join("lower-c", "vk-fed-c", &c.kubeconfig).await;
+    // A member Secret that cannot be used: no kubeconfig.
+    let mut bad = Secret::default();
+    bad.metadata.name = Some("lower-bad".into());
+    bad.metadata.labels = Some([(MEMBER_LABEL.to_owned(), "true".to_owned())].into());
+    secrets.create(&PostParams::default(), &bad).await.unwrap();
+    all_ready(&lowers).await;
+    // One watch of each upper kind serves every member: three members open no more
+    // upper watches than one (a watch the cluster's own components renew may be missing
+    // for a moment, hence the wait).
+    let three_members = std::sync::Mutex::new(BTreeMap::new());
+    let same = wait_for(
+        "as many upper watches with three members as with one",
+        Duration::from_secs(30),
+        || async {
+            let open = open_watches(&upper).await;
+            let same = open == one_member;
+            *three_members.lock().unwrap() = open;
+            Ok(same.then_some(()))
+        },
+    )
+    .await;
+    assert!(
+        same.is_ok(),
+        "upper watches by resource, one member: {one_member:?}; three: {:?}",
+        three_members.lock().unwrap()
+    );
     let events: Api<Event> = Api::namespaced(upper.clone(), &members.name);
     wait_for(
         "a Warning on the Secret without a kubeconfig",

@@ -46,6 +46,7 @@ use crate::translate::config::{
 use crate::translate::deps::DependencyKind;
 use crate::translate::meta::Owner;
 use crate::translate::pod::is_owned_by;
+use crate::upper_watches::{SharedIndex, UpperWatches};
 
 /// How often unreferenced copies are looked for (in memory).
 const SWEEP_INTERVAL: Duration = Duration::from_secs(5);
@@ -65,9 +66,19 @@ pub trait Kept:
     + Sync
     + 'static
 {
+    /// The upper index of this kind a federated process's members share.
+    fn shared(watches: &UpperWatches) -> &SharedIndex<Self>;
 }
-impl Kept for ConfigMap {}
-impl Kept for Secret {}
+impl Kept for ConfigMap {
+    fn shared(watches: &UpperWatches) -> &SharedIndex<Self> {
+        &watches.config_maps
+    }
+}
+impl Kept for Secret {
+    fn shared(watches: &UpperWatches) -> &SharedIndex<Self> {
+        &watches.secrets
+    }
+}
 
 /// The watches of one kind.
 struct KindWatches<K: Kept> {
@@ -91,18 +102,24 @@ fn kind_watches<K: Kept>(ctx: &Context) -> (KindWatches<K>, Ready) {
         watcher::Config::default().labels(&ctx.owner.selector()),
         None,
     );
-    let index = Arc::new(MetaIndex::default());
-    let upper_api: Api<PartialObjectMeta<K>> = if ctx.namespace.is_empty() {
-        Api::all(ctx.upper.clone())
-    } else {
-        Api::namespaced(ctx.upper.clone(), &ctx.namespace)
+    let (index, upper, upper_ready) = match &ctx.upper_watches {
+        Some(shared) => K::shared(shared).subscribe(),
+        None => {
+            let index = Arc::new(MetaIndex::default());
+            let upper_api: Api<PartialObjectMeta<K>> = if ctx.namespace.is_empty() {
+                Api::all(ctx.upper.clone())
+            } else {
+                Api::namespaced(ctx.upper.clone(), &ctx.namespace)
+            };
+            let (upper, upper_ready) = indexed(
+                upper_api,
+                Side::Upper,
+                watcher::Config::default(),
+                index.clone(),
+            );
+            (index, upper, upper_ready)
+        }
     };
-    let (upper, upper_ready) = indexed(
-        upper_api,
-        Side::Upper,
-        watcher::Config::default(),
-        index.clone(),
-    );
     let copies = lower.store.clone();
     let kind = match K::DEPENDENCY {
         DependencyKind::Secret => "secrets",

@@ -37,6 +37,7 @@ use crate::metrics::Metrics;
 use crate::side::Side;
 use crate::translate::TranslateError;
 use crate::translate::meta::Owner;
+use crate::upper_watches::UpperWatches;
 
 /// Everything a reconcile may go wrong on; each names the object and the cluster.
 #[derive(Debug, thiserror::Error)]
@@ -149,6 +150,9 @@ pub struct Context {
     pub(crate) known_present: PresenceCache,
     /// What each pod references, kept apart from the pod stores (which may be pruned).
     pub(crate) references: References,
+    /// The upper watches this member shares with the others of a federated process; `None`:
+    /// it watches the upper cluster itself.
+    pub upper_watches: Option<Arc<UpperWatches>>,
 }
 
 impl Context {
@@ -176,7 +180,14 @@ impl Context {
             failures: Mutex::default(),
             known_present: PresenceCache::default(),
             references: References::default(),
+            upper_watches: None,
         }
+    }
+
+    /// The same context, reading the upper cluster through `watches`.
+    pub fn sharing(mut self, watches: Option<Arc<UpperWatches>>) -> Self {
+        self.upper_watches = watches;
+        self
     }
 
     /// Records a failure of `key` and returns how long to wait before the next try:

@@ -109,11 +109,10 @@ pub type PodQueue = WorkQueue<ObjectRef<Pod>>;
 /// How a pod store keeps each pod ([`StoredPod::new`] or [`StoredPod::summarized`]).
 type Keep = fn(Pod, &mut SharedSpecs) -> StoredPod;
 
-/// A watch of pods over `api` filling a [`PodStore`] with [`StoredPod`]s made by `keep`;
-/// the pods it touched, and whether it has listed once.
+/// The pod watch events of `watch` filling a [`PodStore`] with [`StoredPod`]s made by
+/// `keep`; the pods it touched, and whether it has listed once.
 fn pod_reflector(
-    api: Api<Pod>,
-    config: watcher::Config,
+    watch: BoxStream<'static, Result<watcher::Event<Pod>, watcher::Error>>,
     keep: Keep,
     side: Side,
 ) -> (PodStore, PodStream, Ready) {
@@ -123,8 +122,7 @@ fn pod_reflector(
     // Pods are stored compactly: a full pod's spec detail is read only when its lower pod
     // is created, and is most of its memory.
     let mut shared = SharedSpecs::default();
-    let touched = watcher::watcher(api, config)
-        .default_backoff()
+    let touched = watch
         .map_ok(move |event| {
             let event = match event {
                 watcher::Event::Apply(pod) => watcher::Event::Apply(keep(pod, &mut shared)),
@@ -168,27 +166,37 @@ async fn fan_out(
 }
 
 /// Sets up the watches: upper pods with `spec.nodeName=<node>` (in `--namespace` if
-/// given), lower pods labelled as this node's.
+/// given; routed from the shared watch in a federated process), lower pods labelled as
+/// this node's.
 pub fn watches(ctx: &Context) -> PodWatches {
-    let upper_api: Api<Pod> = if ctx.namespace.is_empty() {
-        Api::all(ctx.upper.clone())
-    } else {
-        Api::namespaced(ctx.upper.clone(), &ctx.namespace)
+    let upper_watch = match &ctx.upper_watches {
+        Some(shared) => shared.pods.subscribe(&ctx.owner.node),
+        None => {
+            let upper_api: Api<Pod> = if ctx.namespace.is_empty() {
+                Api::all(ctx.upper.clone())
+            } else {
+                Api::namespaced(ctx.upper.clone(), &ctx.namespace)
+            };
+            let node =
+                watcher::Config::default().fields(&format!("spec.nodeName={}", ctx.owner.node));
+            watcher::watcher(upper_api, node).default_backoff().boxed()
+        }
     };
     let (upper_store, upper_stream, upper_ready) = pod_reflector(
-        upper_api,
-        watcher::Config::default().fields(&format!("spec.nodeName={}", ctx.owner.node)),
+        upper_watch,
         // An upper status is only compared with the lower one (as a digest) between
         // reconciles; the lower status is what gets written up, so it is kept whole.
         StoredPod::summarized,
         Side::Upper,
     );
-    let (lower_store, lower_stream, lower_ready) = pod_reflector(
+    let lower_watch = watcher::watcher(
         Api::all(ctx.lower.clone()),
         watcher::Config::default().labels(&ctx.owner.selector()),
-        StoredPod::new,
-        Side::Lower,
-    );
+    )
+    .default_backoff()
+    .boxed();
+    let (lower_store, lower_stream, lower_ready) =
+        pod_reflector(lower_watch, StoredPod::new, Side::Lower);
     let mirrored = lower_store.clone();
     ctx.metrics
         .count_mirrored(&ctx.owner.node, "pods", move || mirrored.len());

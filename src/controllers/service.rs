@@ -78,24 +78,37 @@ pub fn watches(ctx: &Context) -> ServiceWatches {
             Api::namespaced(ctx.upper.clone(), &ctx.namespace)
         }
     }
-    let upper_services = reflected(
-        upper_api(ctx),
-        Side::Upper,
-        watcher::Config::default(),
-        Some(deleted.clone()),
-    );
-    let upper_slices = reflected(
-        upper_api(ctx),
-        Side::Upper,
-        watcher::Config::default(),
-        Some(deleted.clone()),
-    );
-    let upper_endpoints = reflected(
-        upper_api(ctx),
-        Side::Upper,
-        watcher::Config::default(),
-        Some(deleted.clone()),
-    );
+    let (upper_services, upper_slices, upper_endpoints) = match ctx
+        .upper_watches
+        .as_ref()
+        .and_then(|shared| shared.services.as_ref())
+    {
+        Some(shared) => (
+            shared.services.subscribe(Some(deleted.clone())),
+            shared.slices.subscribe(Some(deleted.clone())),
+            shared.endpoints.subscribe(Some(deleted.clone())),
+        ),
+        None => (
+            reflected(
+                upper_api(ctx),
+                Side::Upper,
+                Default::default(),
+                Some(deleted.clone()),
+            ),
+            reflected(
+                upper_api(ctx),
+                Side::Upper,
+                Default::default(),
+                Some(deleted.clone()),
+            ),
+            reflected(
+                upper_api(ctx),
+                Side::Upper,
+                Default::default(),
+                Some(deleted.clone()),
+            ),
+        ),
+    };
     let lower_services = reflected(Api::all(ctx.lower.clone()), Side::Lower, ours(), None);
     let mirrored = lower_services.store.clone();
     ctx.metrics

@@ -11,7 +11,7 @@ use std::time::Duration;
 use futures::{Stream, StreamExt, TryStreamExt};
 use kube::Resource;
 use kube::api::Api;
-use kube::core::PartialObjectMeta;
+use kube::core::{PartialObjectMeta, PartialObjectMetaExt};
 use kube::runtime::controller;
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -164,6 +164,24 @@ impl MetaIndex {
                 }
             }
         }
+    }
+
+    /// Every object it holds, as metadata with only a namespace and a name: what a
+    /// controller woken by name needs.
+    pub fn objects<K>(&self) -> Vec<PartialObjectMeta<K>> {
+        let state = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        state
+            .current
+            .keys()
+            .map(|(namespace, name)| {
+                k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                    namespace: Some(namespace.clone()),
+                    name: Some(name.clone()),
+                    ..Default::default()
+                }
+                .into_response_partial()
+            })
+            .collect()
     }
 
     /// The version of `namespace/name`, if the upper cluster has it.

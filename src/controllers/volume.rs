@@ -60,19 +60,25 @@ pub fn watches(ctx: &Context) -> VolumeWatches {
         Api::namespaced(ctx.upper.clone(), &ctx.namespace)
     };
     let lower_claims = reflected(Api::all(ctx.lower.clone()), Side::Lower, ours, None);
-    let upper_claims = reflected(
-        upper_claims_api,
-        Side::Upper,
-        watcher::Config::default(),
-        None,
-    );
+    let upper_claims = match ctx.upper_watches.as_ref().and_then(|s| s.claims.as_ref()) {
+        Some(shared) => shared.subscribe(None),
+        None => reflected(
+            upper_claims_api,
+            Side::Upper,
+            watcher::Config::default(),
+            None,
+        ),
+    };
     let lower_volumes = reflected(
         Api::all(ctx.lower.clone()),
         Side::Lower,
         watcher::Config::default(),
         Some(lower_volume_deleted.clone()),
     );
-    let upper_volumes = reflected(Api::all(ctx.upper.clone()), Side::Upper, reflections, None);
+    let upper_volumes = match ctx.upper_watches.as_ref().and_then(|s| s.volumes.as_ref()) {
+        Some(shared) => shared.subscribe(None),
+        None => reflected(Api::all(ctx.upper.clone()), Side::Upper, reflections, None),
+    };
     let lower_classes = reflected(
         Api::all(ctx.lower.clone()),
         Side::Lower,
@@ -303,7 +309,13 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, vc: &VolumeContext) -> Res
     }
     let desired = upper_pv(&lower_volume, &upper, &ctx.owner.node)?;
     let volumes: Api<PersistentVolume> = Api::all(ctx.upper.clone());
-    match vc.upper_volumes.get(&ObjectRef::new(volume)) {
+    // Shared by the members of a federated process, the store holds other nodes'
+    // reflections too: one of those is not this node's to replace.
+    let reflection = vc
+        .upper_volumes
+        .get(&ObjectRef::new(volume))
+        .filter(|pv| is_reflected_by(&pv.metadata, &ctx.owner.node));
+    match reflection {
         None => match volumes.create(&PostParams::default(), &desired).await {
             Ok(_) => {
                 info!(object = %key, kind = "PersistentVolumeClaim", volume, cluster = "upper", "reflected the bound volume");

@@ -30,6 +30,7 @@ use crate::node::{self, spec::NodeConfig};
 use crate::shutdown::Tasks;
 use crate::side::Side;
 use crate::translate::meta::Owner;
+use crate::upper_watches::UpperWatches;
 
 /// The lower capacity as last computed; `None` until the lower watches have listed.
 type Capacity = Option<BTreeMap<String, Quantity>>;
@@ -53,6 +54,9 @@ pub struct Shared {
     pub leading: Option<watch::Receiver<bool>>,
     /// `--enable-controllers`.
     pub optional: OptionalControllers,
+    /// With `--members-namespace`, the upper watches every member reads (one of each kind,
+    /// however many members); `None`: the one member watches for itself.
+    pub upper_watches: Option<Arc<UpperWatches>>,
 }
 
 /// What is a member's own: its lower cluster, its node, and the options that may differ
@@ -385,16 +389,19 @@ fn context(shared: &Shared, spec: &MemberSpec, owner: Owner, lower: &Cluster) ->
         controller: "tensile-virtual-node".into(),
         instance: Some(spec.node.clone()),
     };
-    Arc::new(Context::new(
-        shared.upper.client.clone(),
-        lower.client.clone(),
-        owner,
-        spec.ignore_labels.clone(),
-        shared.args.enable_serviceaccount,
-        shared.args.namespace.clone(),
-        Recorder::new(shared.upper.client.clone(), reporter),
-        shared.metrics.clone(),
-    ))
+    Arc::new(
+        Context::new(
+            shared.upper.client.clone(),
+            lower.client.clone(),
+            owner,
+            spec.ignore_labels.clone(),
+            shared.args.enable_serviceaccount,
+            shared.args.namespace.clone(),
+            Recorder::new(shared.upper.client.clone(), reporter),
+            shared.metrics.clone(),
+        )
+        .sharing(shared.upper_watches.clone()),
+    )
 }
 
 /// The pod watches' stores and the changes that wake the two pod controllers.

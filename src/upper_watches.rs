@@ -1,0 +1,548 @@
+//! The upper watches the members of a federated process share (`--members-namespace`):
+//! one watch of each upper kind, however many members there are, where each member would
+//! otherwise open its own. With one lower cluster and no `--members-namespace`, each
+//! member watches for itself, as before (its pod watch is then the kubelet's, of its node
+//! alone).
+//!
+//! - Upper Services, EndpointSlices, Endpoints, PersistentVolumeClaims and the
+//!   PersistentVolumes virtual nodes reflected: one store that every member reads
+//!   ([`SharedStore`]).
+//! - Upper ConfigMaps and Secrets: one metadata index ([`SharedIndex`]).
+//! - Upper pods: every pod bound to a node, watched once and handed by its node to the
+//!   member of that node ([`PodRouter`]), which stores it compactly as it always has. Pods
+//!   of other nodes are dropped as they arrive.
+//!
+//! A member is woken by the objects touched on a broadcast that never waits for a slow
+//! member: one that falls behind is handed every stored object again. Pods are routed on
+//! unbounded channels instead (a member's pod watch never drops a change); a member that
+//! (re)joins has the pod watch list again, which hands every member its pods anew.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt::Debug;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::stream::BoxStream;
+use futures::{FutureExt, Stream, StreamExt};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Endpoints, PersistentVolume, PersistentVolumeClaim, Pod, Secret, Service,
+};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::api::Api;
+use kube::core::{NamespaceResourceScope, PartialObjectMeta};
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, Resource};
+use serde::de::DeserializeOwned;
+use tokio::sync::{Notify, broadcast, mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::cli::OptionalControllers;
+use crate::controllers::stores::{MetaIndex, ObjectStream, Ready, Reflected, indexed};
+use crate::side::Side;
+use crate::translate::meta::OWNER_NODE_LABEL;
+
+/// Touched objects a broadcast holds for members that have not taken them yet; a member
+/// further behind is handed every object again.
+const BROADCAST: usize = 1024;
+
+/// How long the pod watch waits after a member joins before it lists again, so that
+/// members joining together cost one list.
+const RELIST_SETTLE: Duration = Duration::from_millis(250);
+
+/// The upper watches every member shares.
+pub struct UpperWatches {
+    /// Upper pods bound to any node, by node.
+    pub pods: Arc<PodRouter>,
+    /// Upper Services, EndpointSlices and Endpoints (with `ServiceControllers`).
+    pub services: Option<ServiceStores>,
+    /// Upper PersistentVolumeClaims (with `PVControllers`).
+    pub claims: Option<SharedStore<PersistentVolumeClaim>>,
+    /// Upper PersistentVolumes reflected by any virtual node (with `PVControllers`): each
+    /// member acts only on those its node reflected.
+    pub volumes: Option<SharedStore<PersistentVolume>>,
+    /// Upper ConfigMaps, metadata only.
+    pub config_maps: SharedIndex<ConfigMap>,
+    /// Upper Secrets, metadata only.
+    pub secrets: SharedIndex<Secret>,
+}
+
+/// The upper stores the Service controller reads.
+pub struct ServiceStores {
+    /// Services.
+    pub services: SharedStore<Service>,
+    /// EndpointSlices.
+    pub slices: SharedStore<EndpointSlice>,
+    /// Endpoints.
+    pub endpoints: SharedStore<Endpoints>,
+}
+
+impl UpperWatches {
+    /// The watches over `upper` (in `namespace`, unless empty) that the `optional`
+    /// controllers need, and the future that drives them until `shutdown`.
+    pub fn new(
+        upper: &Client,
+        namespace: &str,
+        optional: &OptionalControllers,
+        shutdown: CancellationToken,
+    ) -> (Arc<Self>, BoxFuture<'static, ()>) {
+        let mut pumps: Vec<BoxFuture<'static, ()>> = Vec::new();
+        let pods = Arc::new(PodRouter::default());
+        pumps.push(
+            pods.clone()
+                .pump(scoped(upper, namespace), shutdown.clone())
+                .boxed(),
+        );
+        let services = optional.services.then(|| ServiceStores {
+            services: shared_store(upper, namespace, &mut pumps),
+            slices: shared_store(upper, namespace, &mut pumps),
+            endpoints: shared_store(upper, namespace, &mut pumps),
+        });
+        let claims = optional
+            .volumes
+            .then(|| shared_store(upper, namespace, &mut pumps));
+        let volumes = optional.volumes.then(|| {
+            let reflections = watcher::Config::default().labels(OWNER_NODE_LABEL);
+            let (store, pump) = SharedStore::new(Api::all(upper.clone()), reflections);
+            pumps.push(pump);
+            store
+        });
+        let (config_maps, pump) = SharedIndex::new(scoped(upper, namespace));
+        pumps.push(pump);
+        let (secrets, pump) = SharedIndex::new(scoped(upper, namespace));
+        pumps.push(pump);
+        let watches = Arc::new(Self {
+            pods,
+            services,
+            claims,
+            volumes,
+            config_maps,
+            secrets,
+        });
+        let run = async move {
+            tokio::select! {
+                () = shutdown.cancelled() => {}
+                _ = futures::future::join_all(pumps) => {}
+            }
+        };
+        (watches, run.boxed())
+    }
+}
+
+/// A [`SharedStore`] of the upper `K` in `namespace`; its pump joins `pumps`.
+fn shared_store<K>(
+    upper: &Client,
+    namespace: &str,
+    pumps: &mut Vec<BoxFuture<'static, ()>>,
+) -> SharedStore<K>
+where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>
+        + Clone
+        + Debug
+        + DeserializeOwned
+        + Send
+        + Sync
+        + 'static,
+{
+    let (store, pump) = SharedStore::new(scoped(upper, namespace), watcher::Config::default());
+    pumps.push(pump);
+    store
+}
+
+/// An upper API of `K` in `namespace`, or in every namespace when it is empty.
+fn scoped<K>(upper: &Client, namespace: &str) -> Api<K>
+where
+    K: Resource<DynamicType = (), Scope = NamespaceResourceScope>,
+{
+    if namespace.is_empty() {
+        Api::all(upper.clone())
+    } else {
+        Api::namespaced(upper.clone(), namespace)
+    }
+}
+
+/// An object a watch touched, as broadcast to the members.
+#[derive(Clone, Debug)]
+struct Touch<T> {
+    object: T,
+    /// The watch reported it deleted.
+    deleted: bool,
+}
+
+/// The objects touched on `touches`, to one member: first, if the watch has listed
+/// (`ready`), every object `replay` gives, as its own first list would have handed them;
+/// then each touched object; after falling behind, every object again. `deleted`, if
+/// given, is notified of every deletion.
+fn subscription<T, R>(
+    touches: &broadcast::Sender<Touch<T>>,
+    ready: &Ready,
+    replay: R,
+    deleted: Option<Arc<Notify>>,
+) -> BoxStream<'static, T>
+where
+    T: Clone + Send + 'static,
+    R: Fn() -> Vec<T> + Send + Sync + 'static,
+{
+    let receiver = touches.subscribe();
+    let first: VecDeque<T> = if ready.is_ready() {
+        replay().into()
+    } else {
+        VecDeque::new()
+    };
+    futures::stream::unfold(
+        (receiver, first, replay, deleted),
+        |(mut receiver, mut pending, replay, deleted)| async move {
+            loop {
+                if let Some(object) = pending.pop_front() {
+                    return Some((object, (receiver, pending, replay, deleted)));
+                }
+                match receiver.recv().await {
+                    Ok(touch) => {
+                        if touch.deleted
+                            && let Some(deleted) = &deleted
+                        {
+                            deleted.notify_one();
+                        }
+                        return Some((touch.object, (receiver, pending, replay, deleted)));
+                    }
+                    Err(broadcast::error::RecvError::Lagged(missed)) => {
+                        debug!(
+                            missed,
+                            "a member fell behind a shared upper watch: handing it every object again"
+                        );
+                        pending.extend(replay());
+                    }
+                    Err(broadcast::error::RecvError::Closed) => return None,
+                }
+            }
+        },
+    )
+    .boxed()
+}
+
+/// One upper watch of `K` whose store every member reads.
+pub struct SharedStore<K: Resource<DynamicType = ()> + 'static> {
+    store: Store<K>,
+    ready: Ready,
+    touches: broadcast::Sender<Touch<Arc<K>>>,
+}
+
+impl<K> SharedStore<K>
+where
+    K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
+{
+    /// The watch of `api` with `config`, and the future that drives it.
+    fn new(api: Api<K>, config: watcher::Config) -> (Self, BoxFuture<'static, ()>) {
+        let (store, writer) = reflector::store();
+        let (ready_tx, ready_rx) = watch::channel(false);
+        let (touches, _) = broadcast::channel(BROADCAST);
+        let sender = touches.clone();
+        let watch = reflector::reflector(writer, watcher::watcher(api, config)).default_backoff();
+        let pump = errors_logged_as_events(watch).for_each(move |event| {
+            let touch = match event {
+                watcher::Event::Apply(object) | watcher::Event::InitApply(object) => Touch {
+                    object: Arc::new(object),
+                    deleted: false,
+                },
+                watcher::Event::Delete(object) => Touch {
+                    object: Arc::new(object),
+                    deleted: true,
+                },
+                watcher::Event::InitDone => {
+                    ready_tx.send_replace(true);
+                    return futures::future::ready(());
+                }
+                watcher::Event::Init => return futures::future::ready(()),
+            };
+            // Fails only while no member listens.
+            let _ = sender.send(touch);
+            futures::future::ready(())
+        });
+        (
+            Self {
+                store,
+                ready: Ready::listed(ready_rx),
+                touches,
+            },
+            pump.boxed(),
+        )
+    }
+
+    /// A member's view: the shared store, the objects touched (`deleted` notified of
+    /// deletions), and whether the watch has listed.
+    pub fn subscribe(&self, deleted: Option<Arc<Notify>>) -> Reflected<K> {
+        let store = self.store.clone();
+        let replay = move || store.state();
+        let stream: ObjectStream<K> = subscription(&self.touches, &self.ready, replay, deleted)
+            .map(|object| Ok(K::clone(&object)))
+            .boxed();
+        Reflected {
+            store: self.store.clone(),
+            stream,
+            ready: self.ready.clone(),
+        }
+    }
+}
+
+/// `events` without its errors, each logged with the kind: the watch retries by itself.
+fn errors_logged_as_events<K>(
+    events: impl Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
+) -> BoxStream<'static, watcher::Event<K>>
+where
+    K: Resource<DynamicType = ()> + Send + 'static,
+{
+    let kind = K::kind(&()).into_owned();
+    events
+        .filter_map(move |event| {
+            futures::future::ready(match event {
+                Ok(event) => Some(event),
+                Err(error) => {
+                    warn!(cluster = %Side::Upper, %kind, %error, "watching; retrying with backoff");
+                    None
+                }
+            })
+        })
+        .boxed()
+}
+
+/// One metadata-only upper watch of `K` whose index every member reads.
+pub struct SharedIndex<K> {
+    index: Arc<MetaIndex>,
+    ready: Ready,
+    touches: broadcast::Sender<Touch<PartialObjectMeta<K>>>,
+}
+
+impl<K> SharedIndex<K>
+where
+    K: Resource<DynamicType = ()> + Clone + Debug + DeserializeOwned + Send + Sync + 'static,
+{
+    /// The metadata-only watch of `api`, and the future that drives it.
+    fn new(api: Api<PartialObjectMeta<K>>) -> (Self, BoxFuture<'static, ()>) {
+        let index = Arc::new(MetaIndex::default());
+        let (stream, ready) = indexed(api, Side::Upper, watcher::Config::default(), index.clone());
+        let (touches, _) = broadcast::channel(BROADCAST);
+        let sender = touches.clone();
+        let pump = stream.for_each(move |touched| {
+            if let Ok(object) = touched {
+                let _ = sender.send(Touch {
+                    object,
+                    deleted: false,
+                });
+            }
+            futures::future::ready(())
+        });
+        (
+            Self {
+                index,
+                ready,
+                touches,
+            },
+            pump.boxed(),
+        )
+    }
+
+    /// A member's view: the shared index, the objects touched, and whether the watch has
+    /// listed.
+    pub fn subscribe(&self) -> (Arc<MetaIndex>, ObjectStream<PartialObjectMeta<K>>, Ready) {
+        let index = self.index.clone();
+        let replay = move || index.objects::<K>();
+        let stream = subscription(&self.touches, &self.ready, replay, None)
+            .map(Ok)
+            .boxed();
+        (self.index.clone(), stream, self.ready.clone())
+    }
+}
+
+/// The one watch of upper pods bound to a node, routed by node to its member.
+#[derive(Default)]
+pub struct PodRouter {
+    /// Node → the member's channel.
+    routes: Mutex<HashMap<String, mpsc::UnboundedSender<watcher::Event<Pod>>>>,
+    /// A member joined: list again.
+    relist: Notify,
+}
+
+impl PodRouter {
+    /// The pod watch events of `node`, as a watch of `spec.nodeName=<node>` would have
+    /// them: from the next complete list on (which joining asks for), then every change.
+    /// A later subscription of the same node replaces this one.
+    pub fn subscribe(
+        self: &Arc<Self>,
+        node: &str,
+    ) -> BoxStream<'static, Result<watcher::Event<Pod>, watcher::Error>> {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        self.routes
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(node.to_owned(), sender);
+        self.relist.notify_one();
+        // Until a list begins, what arrives is a list's tail or changes with no list
+        // before them: the store would not know what the list left out.
+        futures::stream::unfold(
+            (receiver, false),
+            |(mut receiver, mut listing)| async move {
+                loop {
+                    let event = receiver.recv().await?;
+                    listing |= matches!(event, watcher::Event::Init);
+                    if listing {
+                        return Some((Ok(event), (receiver, listing)));
+                    }
+                }
+            },
+        )
+        .boxed()
+    }
+
+    /// Hands `event` to the member of its pod's node, or, for a list's start and end, to
+    /// every member. A member gone is forgotten.
+    fn route(&self, event: watcher::Event<Pod>) {
+        let mut routes = self.routes.lock().unwrap_or_else(PoisonError::into_inner);
+        let node = match &event {
+            watcher::Event::Apply(pod)
+            | watcher::Event::InitApply(pod)
+            | watcher::Event::Delete(pod) => pod.spec.as_ref().and_then(|s| s.node_name.clone()),
+            watcher::Event::Init | watcher::Event::InitDone => {
+                routes.retain(|_, member| member.send(event.clone()).is_ok());
+                return;
+            }
+        };
+        if let Some(node) = node
+            && let Some(member) = routes.get(&node)
+            && member.send(event).is_err()
+        {
+            routes.remove(&node);
+        }
+    }
+
+    /// Watches the pods of `api` bound to a node until `shutdown`, listing again (after
+    /// [`RELIST_SETTLE`]) whenever a member joins.
+    async fn pump(self: Arc<Self>, api: Api<Pod>, shutdown: CancellationToken) {
+        let bound = watcher::Config::default().fields("spec.nodeName!=");
+        loop {
+            let watch = watcher::watcher(api.clone(), bound.clone()).default_backoff();
+            let mut events = errors_logged_as_events(watch);
+            loop {
+                tokio::select! {
+                    () = shutdown.cancelled() => return,
+                    () = self.relist.notified() => {
+                        tokio::time::sleep(RELIST_SETTLE).await;
+                        break;
+                    }
+                    event = events.next() => match event {
+                        Some(event) => self.route(event),
+                        None => return,
+                    },
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str, node: &str) -> Pod {
+        let mut pod = Pod::default();
+        pod.metadata.name = Some(name.into());
+        pod.metadata.namespace = Some("ns".into());
+        pod.spec = Some(k8s_openapi::api::core::v1::PodSpec {
+            node_name: Some(node.into()),
+            ..Default::default()
+        });
+        pod
+    }
+
+    fn describe(event: &watcher::Event<Pod>) -> String {
+        let name = |p: &Pod| p.metadata.name.clone().unwrap_or_default();
+        match event {
+            watcher::Event::Init => "init".into(),
+            watcher::Event::InitApply(p) => format!("list {}", name(p)),
+            watcher::Event::InitDone => "listed".into(),
+            watcher::Event::Apply(p) => format!("apply {}", name(p)),
+            watcher::Event::Delete(p) => format!("delete {}", name(p)),
+        }
+    }
+
+    /// Each member gets its node's pods and every list's bounds, from its first list on;
+    /// a replaced or dropped member is forgotten.
+    #[tokio::test]
+    async fn pods_are_routed_by_node_from_the_first_list_on() {
+        let router = Arc::new(PodRouter::default());
+        let a = router.subscribe("vk-a");
+        let b = router.subscribe("vk-b");
+        router.route(watcher::Event::Apply(pod("early", "vk-a")));
+        router.route(watcher::Event::InitApply(pod("tail", "vk-a")));
+        router.route(watcher::Event::InitDone);
+        router.route(watcher::Event::Init);
+        for (name, node) in [("a1", "vk-a"), ("b1", "vk-b"), ("real", "node-1")] {
+            router.route(watcher::Event::InitApply(pod(name, node)));
+        }
+        router.route(watcher::Event::InitDone);
+        router.route(watcher::Event::Apply(pod("a2", "vk-a")));
+        router.route(watcher::Event::Delete(pod("b1", "vk-b")));
+        drop(router.subscribe("vk-a"));
+        router.route(watcher::Event::Apply(pod("a3", "vk-a")));
+        assert!(
+            router.routes.lock().unwrap().get("vk-a").is_none(),
+            "a member gone is forgotten"
+        );
+        drop(router);
+        let seen = |stream: BoxStream<'static, Result<watcher::Event<Pod>, watcher::Error>>| async move {
+            stream
+                .map(|e| describe(&e.unwrap()))
+                .collect::<Vec<_>>()
+                .await
+        };
+        assert_eq!(
+            seen(a).await,
+            ["init", "list a1", "listed", "apply a2"],
+            "replaced by a later subscription, the first one ends"
+        );
+        assert_eq!(seen(b).await, ["init", "list b1", "listed", "delete b1"]);
+    }
+
+    /// A member that falls behind the broadcast is handed every object again; one that
+    /// joins a listed watch is handed every object first.
+    #[tokio::test]
+    async fn a_member_behind_or_late_is_handed_every_object() {
+        let (touches, _) = broadcast::channel(2);
+        let (ready_tx, ready_rx) = watch::channel(false);
+        let ready = Ready::listed(ready_rx);
+        let all = || vec!["x".to_owned(), "y".to_owned()];
+        let deleted = Arc::new(Notify::new());
+        let mut early = subscription(&touches, &ready, all, Some(deleted.clone()));
+        for name in ["1", "2", "3"] {
+            touches
+                .send(Touch {
+                    object: name.to_owned(),
+                    deleted: name == "3",
+                })
+                .unwrap();
+        }
+        ready_tx.send_replace(true);
+        let mut late = subscription(&touches, &ready, all, None);
+        touches
+            .send(Touch {
+                object: "4".to_owned(),
+                deleted: false,
+            })
+            .unwrap();
+        drop(touches);
+        let mut seen = Vec::new();
+        while let Some(name) = early.next().await {
+            seen.push(name);
+        }
+        assert_eq!(seen, ["x", "y", "3", "4"], "behind: every object, then on");
+        tokio::time::timeout(Duration::from_secs(1), deleted.notified())
+            .await
+            .expect("the deletion was notified");
+        let mut seen = Vec::new();
+        while let Some(name) = late.next().await {
+            seen.push(name);
+        }
+        assert_eq!(seen, ["x", "y", "4"]);
+    }
+}
