@@ -40,9 +40,14 @@ async fn main() -> ExitCode {
         }
         None => {}
     }
-    // `virtual-node check <flags>`: verify, change nothing.
-    let checking = argv.get(1).is_some_and(|a| a == "check");
-    let argv = if checking {
+    // `virtual-node check <flags>`: verify, change nothing. `join` / `leave`: make the
+    // lower cluster of `--client-kubeconfig` a member, or unmake it.
+    let command = argv
+        .get(1)
+        .and_then(|a| a.to_str())
+        .filter(|a| ["check", "join", "leave"].contains(a))
+        .map(str::to_owned);
+    let argv = if command.is_some() {
         argv.into_iter()
             .enumerate()
             .filter_map(|(i, a)| (i != 1).then_some(a))
@@ -59,14 +64,36 @@ async fn main() -> ExitCode {
         let error = Args::command().error(clap::error::ErrorKind::ValueValidation, message);
         return cli::usage_exit("virtual-node", &error);
     }
-    if checking {
-        let report = tensile::check::check(&args).await;
-        print!("{}", report.render());
-        return if report.passed() {
-            ExitCode::SUCCESS
-        } else {
-            ExitCode::FAILURE
-        };
+    match command.as_deref() {
+        Some("check") => {
+            let report = tensile::check::check(&args).await;
+            print!("{}", report.render());
+            return if report.passed() {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::FAILURE
+            };
+        }
+        Some(verb) => {
+            let done = if verb == "join" {
+                member::join::join(&args).await
+            } else {
+                member::join::leave(&args).await
+            };
+            return match done {
+                Ok(lines) => {
+                    for line in lines {
+                        println!("{line}");
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(message) => {
+                    eprintln!("virtual-node {verb}: {message}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        None => {}
     }
     logging::init(&args.log_level, args.log_format);
     let mut ignored = args.ignored_flags();

@@ -6,6 +6,7 @@
 //! shares — the upper client, the upper cluster's identity, the flags, the metrics and the
 //! leader election — is built once, in [`Shared`].
 
+pub mod join;
 pub mod leave;
 pub mod membership;
 pub mod spec;

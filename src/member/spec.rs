@@ -106,16 +106,26 @@ pub enum BadMember {
     },
 }
 
+/// The node a member Secret names (its annotation, else the Secret's name), unchecked.
+pub fn node_name(secret: &Secret) -> String {
+    secret
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(NODE_NAME_ANNOTATION))
+        .map(|n| n.trim())
+        .filter(|n| !n.is_empty())
+        .map(str::to_owned)
+        .or_else(|| secret.metadata.name.clone())
+        .unwrap_or_default()
+}
+
 /// Reads member Secret `secret` with `defaults` for what it does not say.
 pub fn read(secret: &Secret, defaults: &Defaults) -> Result<MemberSecret, BadMember> {
     let empty = BTreeMap::new();
     let annotations = secret.metadata.annotations.as_ref().unwrap_or(&empty);
     let annotation = |key: &str| annotations.get(key).map(|v| v.trim());
-    let name = annotation(NODE_NAME_ANNOTATION)
-        .filter(|n| !n.is_empty())
-        .map(str::to_owned)
-        .or_else(|| secret.metadata.name.clone())
-        .unwrap_or_default();
+    let name = node_name(secret);
     let node = parse_node_name(&name).map_err(|why| BadMember::NodeName { name, why })?;
     let kubeconfig = secret
         .data
