@@ -180,6 +180,7 @@ async fn three_lower_clusters_joined_from_member_secrets_share_a_deployment() {
     };
     all_ready(&lowers[..1]).await;
     let one_member = open_watches(&upper).await;
+    println!("upper watches by resource with one member: {one_member:?}");
 
     join("lower-b", "vk-fed-b", &b.kubeconfig).await;
     join("lower-c", "vk-fed-c", &c.kubeconfig).await;

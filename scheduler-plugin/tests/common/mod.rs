@@ -27,17 +27,19 @@ pub const TIMEOUT: Duration = Duration::from_secs(120);
 pub const VK: &str = "vk-node";
 
 /// `virtual-node`, built by cargo if needed (a binary of another package of the
-/// workspace, so `CARGO_BIN_EXE_` does not name it).
+/// workspace, so `CARGO_BIN_EXE_` does not name it). Built as `cargo test --workspace`
+/// builds it (every target's features unified), so that under it, as in CI, this is
+/// no work; `-p tensile` alone would build it, and half its dependencies, again.
 pub fn virtual_node_binary() -> PathBuf {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let status = std::process::Command::new(cargo)
-        .args(["build", "-p", "tensile", "--bin", "virtual-node"])
+        .args(["build", "--workspace", "--all-targets"])
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .status()
         .expect("running cargo build for virtual-node");
     assert!(
         status.success(),
-        "cargo build -p tensile --bin virtual-node"
+        "cargo build --workspace --all-targets (for virtual-node)"
     );
     // target/debug/deps/<this test> → target/debug/virtual-node
     let exe = std::env::current_exe().unwrap();
