@@ -2,8 +2,10 @@
 //!
 //! `up --dir DIR` starts the pair and keeps it running until Ctrl-C / SIGTERM (or
 //! `down --dir DIR`); `DIR/ready` appears once both API servers serve and every kwok node
-//! is Ready.
+//! is Ready. `--lower-clusters N` starts N lower clusters and joins each, through
+//! `virtual-node join`, as a member of one virtual-node process.
 
+use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -15,7 +17,8 @@ use kube::api::Api;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tensile_harness::{
-    ClusterPair, PairOptions, VirtualNode, VirtualNodeOptions, node_is_ready, wait_for,
+    Cluster, ClusterOptions, ClusterPair, PairOptions, VirtualNode, VirtualNodeOptions,
+    node_is_ready, wait_for,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::signal::unix::{SignalKind, signal};
@@ -46,6 +49,11 @@ enum Command {
         /// Only the two clusters: no virtual node, no example workload.
         #[arg(long)]
         clusters_only: bool,
+        /// Lower clusters. Past one, each is joined by `virtual-node join` as a member of
+        /// one virtual-node process (`--members-namespace tensile-members`), as
+        /// `<node-name>`, `<node-name>-2`, ...
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=20))]
+        lower_clusters: u8,
     },
     /// Stop a pair started by `up` with the same directory.
     Down {
@@ -74,9 +82,15 @@ async fn main() -> ExitCode {
             upper_nodes,
             node_name,
             clusters_only,
+            lower_clusters,
         } => {
             let node = (!clusters_only).then_some(node_name);
-            up(&dir, lower_nodes, upper_nodes, node.as_deref()).await
+            let shape = Shape {
+                lower_nodes,
+                upper_nodes,
+                lower_clusters: usize::from(lower_clusters),
+            };
+            up(&dir, shape, node.as_deref()).await
         }
         Command::Down { dir } => down(&dir),
     };
@@ -89,7 +103,17 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn up(dir: &Path, lower_nodes: usize, upper_nodes: usize, node: Option<&str>) -> Result<()> {
+/// How many clusters and nodes.
+struct Shape {
+    lower_nodes: usize,
+    upper_nodes: usize,
+    lower_clusters: usize,
+}
+
+/// The namespace of the member Secrets with more than one lower cluster.
+const MEMBERS_NAMESPACE: &str = "tensile-members";
+
+async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let dir = std::path::absolute(dir)?;
     if let Some(pid) = live_playground(&dir) {
@@ -100,7 +124,14 @@ async fn up(dir: &Path, lower_nodes: usize, upper_nodes: usize, node: Option<&st
         );
     }
     // A fresh pair every time: the previous run's state (etcd data, PKI) is discarded.
-    for stale in ["upper", "lower", READY_FILE, "pids"] {
+    let extra: Vec<String> = (2..=shape.lower_clusters)
+        .map(|i| format!("lower-{i}"))
+        .collect();
+    let stale = ["upper", "lower", READY_FILE, "pids"]
+        .into_iter()
+        .map(str::to_owned)
+        .chain(extra.iter().cloned());
+    for stale in stale {
         let path = dir.join(stale);
         if path.is_dir() {
             std::fs::remove_dir_all(&path)?;
@@ -117,8 +148,8 @@ async fn up(dir: &Path, lower_nodes: usize, upper_nodes: usize, node: Option<&st
         dir: Some(dir.clone()),
         ..PairOptions::default()
     };
-    options.lower.nodes = lower_nodes;
-    options.upper.nodes = upper_nodes;
+    options.lower.nodes = shape.lower_nodes;
+    options.upper.nodes = shape.upper_nodes;
     eprintln!(
         "starting the upper and lower clusters in {} ...",
         dir.display()
@@ -128,16 +159,52 @@ async fn up(dir: &Path, lower_nodes: usize, upper_nodes: usize, node: Option<&st
         _ = sigterm.recv() => bail!("interrupted while starting"),
         _ = sigint.recv() => bail!("interrupted while starting"),
     };
-    let virtual_node = match node {
-        Some(node) => Some(tokio::select! {
-            started = join_and_demo(&pair, node) => started?,
+    let more = async {
+        let mut clusters = Vec::new();
+        for (i, name) in (2u8..).zip(&extra) {
+            eprintln!("starting lower cluster {name} ...");
+            let options = ClusterOptions::new(
+                name,
+                shape.lower_nodes,
+                (Ipv4Addr::new(10, 100 + i, 0, 0), 16),
+                &format!("10.{}.0.0/16", 200 + i),
+            );
+            clusters.push(pair.start_cluster(options).await?);
+        }
+        anyhow::Ok(clusters)
+    };
+    let extra_clusters = tokio::select! {
+        clusters = more => clusters?,
+        _ = sigterm.recv() => bail!("interrupted while starting"),
+        _ = sigint.recv() => bail!("interrupted while starting"),
+    };
+    let members: Vec<(String, &Cluster)> = node
+        .map(|node| {
+            let names = std::iter::once(node.to_owned())
+                .chain((2..=shape.lower_clusters).map(|i| format!("{node}-{i}")));
+            names
+                .zip(std::iter::once(&pair.lower).chain(&extra_clusters))
+                .collect()
+        })
+        .unwrap_or_default();
+    let virtual_node = if members.is_empty() {
+        None
+    } else {
+        Some(tokio::select! {
+            started = join_and_demo(&pair, &members) => started?,
             _ = sigterm.recv() => bail!("interrupted while starting"),
             _ = sigint.recv() => bail!("interrupted while starting"),
-        }),
-        None => None,
+        })
     };
     std::fs::write(dir.join(READY_FILE), "")?;
-    print_summary(&pair, started.elapsed(), node, virtual_node.as_ref());
+    let nodes: Vec<&str> = members.iter().map(|(n, _)| n.as_str()).collect();
+    print_summary(
+        &pair,
+        &extra_clusters,
+        started.elapsed(),
+        &nodes,
+        virtual_node.as_ref(),
+    );
 
     tokio::select! {
         _ = sigterm.recv() => {}
@@ -145,6 +212,9 @@ async fn up(dir: &Path, lower_nodes: usize, upper_nodes: usize, node: Option<&st
     }
     eprintln!("stopping ...");
     let _ = std::fs::remove_file(dir.join(READY_FILE));
+    for cluster in &extra_clusters {
+        cluster.stop();
+    }
     pair.stop();
     let _ = std::fs::remove_file(dir.join(PID_FILE));
     eprintln!("stopped");
@@ -156,9 +226,11 @@ const DEMO: &str = include_str!("../../../../deploy/examples/vk-demo.yaml");
 
 const WAIT: Duration = Duration::from_secs(120);
 
-/// Starts virtual-node (built next to this binary) as `node`, waits for the Node to be
-/// Ready, applies the example workload and waits for its pod to run.
-async fn join_and_demo(pair: &ClusterPair, node: &str) -> Result<VirtualNode> {
+/// Starts virtual-node (built next to this binary) for `members` (node name, lower
+/// cluster), waits for every Node to be Ready, applies the example workload and waits for
+/// its pod to run. One member is the single-cluster flags, as tensile-kube runs; more are
+/// joined by `virtual-node join` and served by one process.
+async fn join_and_demo(pair: &ClusterPair, members: &[(String, &Cluster)]) -> Result<VirtualNode> {
     let binary = std::env::current_exe()?.with_file_name("virtual-node");
     if !binary.exists() {
         bail!(
@@ -166,15 +238,53 @@ async fn join_and_demo(pair: &ClusterPair, node: &str) -> Result<VirtualNode> {
             binary.display()
         );
     }
-    eprintln!("joining the lower cluster as {node} ...");
-    let virtual_node = pair.start_virtual_node(&VirtualNodeOptions::new(&binary, node))?;
+    let virtual_node = match members {
+        [(node, _)] => {
+            eprintln!("joining the lower cluster as {node} ...");
+            pair.start_virtual_node(&VirtualNodeOptions::new(&binary, node))?
+        }
+        _ => {
+            for (node, cluster) in members {
+                eprintln!(
+                    "virtual-node join --nodename {node} --members-namespace {MEMBERS_NAMESPACE} (lower cluster {}) ...",
+                    cluster.name
+                );
+                let joined = tokio::process::Command::new(&binary)
+                    .args([
+                        "join",
+                        "--nodename",
+                        node,
+                        "--members-namespace",
+                        MEMBERS_NAMESPACE,
+                    ])
+                    .arg("--kubeconfig")
+                    .arg(&pair.upper.kubeconfig)
+                    .arg("--client-kubeconfig")
+                    .arg(&cluster.kubeconfig)
+                    .output()
+                    .await?;
+                if !joined.status.success() {
+                    bail!(
+                        "virtual-node join for {node} failed: {}",
+                        String::from_utf8_lossy(&joined.stderr).trim()
+                    );
+                }
+            }
+            let mut options = VirtualNodeOptions::new(&binary, "vk-members");
+            options.flags_member = false;
+            options.args = vec!["--members-namespace".into(), MEMBERS_NAMESPACE.into()];
+            pair.start_virtual_node(&options)?
+        }
+    };
     let upper = pair.upper.client().await?;
     let nodes: Api<Node> = Api::all(upper.clone());
-    let what = format!("node {node} Ready (log: {})", virtual_node.log().display());
-    wait_for(&what, WAIT, || async {
-        Ok(nodes.get_opt(node).await?.filter(node_is_ready).map(|_| ()))
-    })
-    .await?;
+    for (node, _) in members {
+        let what = format!("node {node} Ready (log: {})", virtual_node.log().display());
+        wait_for(&what, WAIT, || async {
+            Ok(nodes.get_opt(node).await?.filter(node_is_ready).map(|_| ()))
+        })
+        .await?;
+    }
 
     eprintln!("applying the example workload (deploy/examples/vk-demo.yaml) ...");
     let mut kubectl = tokio::process::Command::new(pair.bin("kubectl"))
@@ -215,8 +325,9 @@ async fn join_and_demo(pair: &ClusterPair, node: &str) -> Result<VirtualNode> {
 
 fn print_summary(
     pair: &ClusterPair,
+    extra_clusters: &[Cluster],
     elapsed: Duration,
-    node: Option<&str>,
+    nodes: &[&str],
     virtual_node: Option<&VirtualNode>,
 ) {
     println!(
@@ -224,7 +335,7 @@ fn print_summary(
         elapsed.as_secs_f64(),
         pair.binaries.kubernetes_version()
     );
-    for cluster in [&pair.upper, &pair.lower] {
+    for cluster in [&pair.upper, &pair.lower].into_iter().chain(extra_clusters) {
         let (name, server) = (&cluster.name, &cluster.server);
         println!(
             "  {name:<5} {server}  kubeconfig {}",
@@ -244,8 +355,22 @@ fn print_summary(
     );
     println!("\nlook around:");
     println!("  {upper} get nodes -o wide");
-    if let Some(node) = node {
-        println!("  {upper} get pods -o wide       # vk-demo runs on {node} ...");
+    if nodes.len() > 1 {
+        println!(
+            "  {upper} get secrets -n {MEMBERS_NAMESPACE}   # one member Secret per lower cluster ({})",
+            nodes.join(", ")
+        );
+        println!(
+            "  {upper} apply -f deploy/examples/spread.yaml && {upper} get pods -l app=spread -o wide   # spread over the members"
+        );
+    }
+    if let Some(node) = nodes.first() {
+        let on = if nodes.len() > 1 {
+            "one of the virtual nodes".to_owned()
+        } else {
+            (*node).to_owned()
+        };
+        println!("  {upper} get pods -o wide       # vk-demo runs on {on} ...");
         println!("  {lower} get pods,cm,secrets -o wide   # ... and really in the lower cluster");
         println!("  {upper} describe node {node}");
         println!("  {upper} logs vk-demo               # the kubelet API, served by {node}");
