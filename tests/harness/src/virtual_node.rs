@@ -146,3 +146,30 @@ impl VirtualNode {
         self.process.pid()
     }
 }
+
+/// Runs `virtual-node join` (of `binary`) for the lower cluster of `lower_kubeconfig`,
+/// joined as `node` in the members namespace `namespace` of the upper cluster of
+/// `upper_kubeconfig`, as a user would.
+pub async fn join_member(
+    binary: &Path,
+    upper_kubeconfig: &Path,
+    lower_kubeconfig: &Path,
+    node: &str,
+    namespace: &str,
+) -> Result<()> {
+    let joined = tokio::process::Command::new(binary)
+        .args(["join", "--nodename", node, "--members-namespace", namespace])
+        .arg("--kubeconfig")
+        .arg(upper_kubeconfig)
+        .arg("--client-kubeconfig")
+        .arg(lower_kubeconfig)
+        .output()
+        .await?;
+    if !joined.status.success() {
+        anyhow::bail!(
+            "virtual-node join for {node} failed: {}",
+            String::from_utf8_lossy(&joined.stderr).trim()
+        );
+    }
+    Ok(())
+}

@@ -16,6 +16,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::Api;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
+use tensile_harness::virtual_node::join_member;
 use tensile_harness::{
     Cluster, ClusterOptions, ClusterPair, PairOptions, VirtualNode, VirtualNodeOptions,
     node_is_ready, wait_for,
@@ -249,26 +250,14 @@ async fn join_and_demo(pair: &ClusterPair, members: &[(String, &Cluster)]) -> Re
                     "virtual-node join --nodename {node} --members-namespace {MEMBERS_NAMESPACE} (lower cluster {}) ...",
                     cluster.name
                 );
-                let joined = tokio::process::Command::new(&binary)
-                    .args([
-                        "join",
-                        "--nodename",
-                        node,
-                        "--members-namespace",
-                        MEMBERS_NAMESPACE,
-                    ])
-                    .arg("--kubeconfig")
-                    .arg(&pair.upper.kubeconfig)
-                    .arg("--client-kubeconfig")
-                    .arg(&cluster.kubeconfig)
-                    .output()
-                    .await?;
-                if !joined.status.success() {
-                    bail!(
-                        "virtual-node join for {node} failed: {}",
-                        String::from_utf8_lossy(&joined.stderr).trim()
-                    );
-                }
+                join_member(
+                    &binary,
+                    &pair.upper.kubeconfig,
+                    &cluster.kubeconfig,
+                    node,
+                    MEMBERS_NAMESPACE,
+                )
+                .await?;
             }
             let mut options = VirtualNodeOptions::new(&binary, "vk-members");
             options.flags_member = false;

@@ -33,6 +33,8 @@ use tensile_harness::{
 use tokio::task::JoinSet;
 use tokio::time::MissedTickBehavior;
 
+mod federation;
+
 #[derive(Parser)]
 #[command(about = "Benchmarks virtual-node against a local cluster pair")]
 struct Args {
@@ -66,6 +68,11 @@ struct Args {
     /// deletion of 50 000 pods takes longer than creating them on a small machine.
     #[arg(long)]
     skip_deletion: bool,
+    /// Instead of the single-cluster scenarios: N lower clusters served by one process
+    /// (members joined by `virtual-node join`) against N single-cluster processes, at
+    /// `--pods` pods in all.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=20))]
+    lower_clusters: Option<u16>,
 }
 
 const NODE: &str = "vk-bench";
@@ -730,6 +737,16 @@ async fn run(args: Args) -> Result<()> {
             "{} not found: build it first (`cargo build --release --workspace --bins`)",
             binary.display()
         );
+    }
+    if let Some(clusters) = args.lower_clusters {
+        return federation::run(
+            &binary,
+            usize::from(clusters),
+            args.pods,
+            args.concurrency,
+            args.qps,
+        )
+        .await;
     }
     let largest = args
         .footprint
