@@ -75,14 +75,16 @@ impl ServedExtender {
     /// Serves the extender of `VK` over the lower cluster of `lower_kubeconfig` on `port`
     /// and waits until its caches have synced.
     pub async fn start(lower_kubeconfig: PathBuf, port: u16) -> Self {
+        Self::start_clusters(&[(VK.to_owned(), lower_kubeconfig)], port).await
+    }
+
+    /// Serves the extender of every (virtual node, lower kubeconfig) of `clusters` on
+    /// `port` and waits until its caches have synced.
+    pub async fn start_clusters(clusters: &[(String, PathBuf)], port: u16) -> Self {
         let shutdown = CancellationToken::new();
-        let (extender, watches) = watch::connect(
-            &[(VK.to_owned(), lower_kubeconfig)],
-            Extender::default(),
-            shutdown.clone(),
-        )
-        .await
-        .unwrap();
+        let (extender, watches) = watch::connect(clusters, Extender::default(), shutdown.clone())
+            .await
+            .unwrap();
         let app = Arc::new(App {
             extender,
             metrics: Metrics::default(),
