@@ -2,6 +2,7 @@
 //! proxied to the lower cluster: kube-apiserver reaches it at the node's daemon endpoint.
 
 pub mod auth;
+pub mod resource_metrics;
 pub mod route;
 pub mod spdy;
 pub mod streams;
