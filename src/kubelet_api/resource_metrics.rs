@@ -11,6 +11,8 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
 
+use crate::node::quantity::{parse_milli, parse_nano};
+
 /// A pod's namespace and name.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct PodName {
@@ -175,8 +177,11 @@ pub fn read_kubelet(
     Ok(())
 }
 
+/// A series' labels, as key and value.
+type Labels = Vec<(String, String)>;
+
 /// The labels at the start of `text` (`{k="v",…}`, or nothing), and what follows them.
-fn labels(text: &str) -> Result<(Vec<(String, String)>, &str), &'static str> {
+fn labels(text: &str) -> Result<(Labels, &str), &'static str> {
     let Some(mut rest) = text.strip_prefix('{') else {
         return Ok((Vec::new(), text));
     };
@@ -400,6 +405,87 @@ impl Integrated {
         }
         usage
     }
+}
+
+/// The readings of a lower PodMetricsList (`metrics.k8s.io/v1beta1`) about pods of `pods`
+/// (see [`by_lower_name`]), under their upper names. Items it cannot read (no timestamp,
+/// a quantity that is not one) are left out.
+pub fn readings(list: &serde_json::Value, pods: &HashMap<&PodName, &Mirrored>) -> Vec<Reading> {
+    let items = list["items"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    let mut readings = Vec::new();
+    for item in items {
+        let meta = &item["metadata"];
+        let (Some(namespace), Some(name)) = (meta["namespace"].as_str(), meta["name"].as_str())
+        else {
+            continue;
+        };
+        let Some(mirrored) = pods.get(&PodName::new(namespace, name)) else {
+            continue;
+        };
+        let Some(timestamp_ms) = item["timestamp"]
+            .as_str()
+            .and_then(|t| t.parse::<k8s_openapi::jiff::Timestamp>().ok())
+            .map(|t| t.as_millisecond())
+        else {
+            continue;
+        };
+        let window_ms = item["window"].as_str().and_then(duration_ms).unwrap_or(0);
+        for container in item["containers"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+        {
+            let usage = &container["usage"];
+            let cores = usage["cpu"].as_str().and_then(parse_nano);
+            let memory = usage["memory"].as_str().and_then(parse_milli);
+            let (Some(container), Some(cores), Some(memory)) =
+                (container["name"].as_str(), cores, memory)
+            else {
+                continue;
+            };
+            readings.push(Reading {
+                pod: mirrored.upper.clone(),
+                container: container.to_owned(),
+                timestamp_ms,
+                window_ms,
+                cores: cores as f64 / 1e9,
+                memory: (memory / 1000) as f64,
+            });
+        }
+    }
+    readings
+}
+
+/// A Go duration as metrics-server writes a window (`15.012s`, `1m0s`, `500ms`), in ms.
+pub fn duration_ms(text: &str) -> Option<i64> {
+    let mut rest = text.trim();
+    let mut total = 0.0;
+    if rest.is_empty() {
+        return None;
+    }
+    while !rest.is_empty() {
+        let number_end = rest.find(|c: char| !(c.is_ascii_digit() || c == '.'))?;
+        let number: f64 = rest[..number_end].parse().ok()?;
+        rest = &rest[number_end..];
+        let unit_end = rest
+            .find(|c: char| c.is_ascii_digit() || c == '.')
+            .unwrap_or(rest.len());
+        let ms_per_unit = match &rest[..unit_end] {
+            "h" => 3_600_000.0,
+            "m" => 60_000.0,
+            "s" => 1000.0,
+            "ms" => 1.0,
+            "us" | "\u{b5}s" | "\u{3bc}s" => 1e-3,
+            "ns" => 1e-6,
+            _ => return None,
+        };
+        total += number * ms_per_unit;
+        rest = &rest[unit_end..];
+    }
+    Some(total.round() as i64)
 }
 
 /// The node's own series: sums over its pods.
@@ -673,6 +759,67 @@ pod_memory_working_set_bytes{namespace="shop",pod="web-0"} 1.06496e+06 170000000
 # TYPE resource_scrape_error gauge
 resource_scrape_error 0
 "#;
+
+    #[test]
+    fn reads_pod_metrics_of_this_nodes_pods() {
+        let list = serde_json::json!({"items": [
+            {
+                "metadata": {"namespace": "shop", "name": "web-0"},
+                "timestamp": "2026-01-01T00:00:10Z",
+                "window": "15.5s",
+                "containers": [
+                    {"name": "app", "usage": {"cpu": "250m", "memory": "64Mi"}},
+                    {"name": "bad", "usage": {"cpu": "lots", "memory": "1Ki"}},
+                ],
+            },
+            {
+                "metadata": {"namespace": "shop", "name": "not-ours"},
+                "timestamp": "2026-01-01T00:00:10Z",
+                "window": "15s",
+                "containers": [{"name": "app", "usage": {"cpu": "1", "memory": "1"}}],
+            },
+            {
+                "metadata": {"namespace": "shop", "name": "web-1"},
+                "containers": [{"name": "app", "usage": {"cpu": "1", "memory": "1"}}],
+            },
+        ]});
+        let pods = [
+            mirrored(("shop-up", "web-0"), ("shop", "web-0"), Some("l")),
+            mirrored(("shop-up", "web-1"), ("shop", "web-1"), Some("l")),
+        ];
+        let got = readings(&list, &by_lower_name(&pods));
+        assert_eq!(
+            got,
+            [Reading {
+                pod: PodName::new("shop-up", "web-0"),
+                container: "app".into(),
+                timestamp_ms: 1_767_225_610_000,
+                window_ms: 15_500,
+                cores: 0.25,
+                memory: 64.0 * 1024.0 * 1024.0,
+            }]
+        );
+    }
+
+    #[test]
+    fn reads_go_durations() {
+        let cases = [
+            ("15s", Some(15_000)),
+            ("15.012s", Some(15_012)),
+            ("1m0s", Some(60_000)),
+            ("1h2m3.5s", Some(3_723_500)),
+            ("500ms", Some(500)),
+            ("1500us", Some(2)),
+            ("0s", Some(0)),
+            ("", None),
+            ("15", None),
+            ("s", None),
+            ("15x", None),
+        ];
+        for (text, want) in cases {
+            assert_eq!(duration_ms(text), want, "{text:?}");
+        }
+    }
 
     #[test]
     fn keeps_only_this_nodes_pods_under_their_upper_names() {
