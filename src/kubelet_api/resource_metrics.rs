@@ -986,7 +986,8 @@ resource_scrape_error 0
     fn node_cpu_stays_a_counter_as_pods_come_and_go() {
         let (a, b) = (PodName::new("n", "a"), PodName::new("n", "b"));
         // (pods known now with their CPU, pods still on the node, the node's CPU)
-        let steps: Vec<(Vec<(&PodName, f64)>, Vec<&PodName>, f64)> = vec![
+        type Step<'a> = (Vec<(&'a PodName, f64)>, Vec<&'a PodName>, f64);
+        let steps: Vec<Step> = vec![
             (vec![(&a, 10.0), (&b, 5.0)], vec![&a, &b], 15.0),
             (vec![(&a, 12.0), (&b, 6.0)], vec![&a, &b], 18.0),
             // b's lower kubelet did not answer: b counts with its last value
