@@ -560,15 +560,7 @@ async fn pods(api: &KubeletApi, running_only: bool) -> Response<Body> {
 
 /// `/stats/summary`: from the lower cluster's metrics API; 404 where it has none.
 async fn stats_summary(api: &KubeletApi) -> Response<Body> {
-    // PodMetrics carry their pod's labels: only the pods this node mirrors. (Node names,
-    // cluster identities and the label keys need no escaping beyond `/`, `=` and `,`.)
-    let selector = api
-        .owner
-        .selector()
-        .replace('/', "%2F")
-        .replace('=', "%3D")
-        .replace(',', "%2C");
-    let uri = format!("/apis/metrics.k8s.io/v1beta1/pods?labelSelector={selector}");
+    let uri = resource_scrape::pod_metrics_uri(&api.owner);
     let request = match Request::get(uri).body(Vec::new()) {
         Ok(request) => request,
         Err(error) => return text(StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),

@@ -146,15 +146,21 @@ async fn kubelet(lower: &Client, node: &str) -> Kubelet {
     }
 }
 
-/// The lower metrics API's PodMetrics of `owner`'s pods.
-async fn pod_metrics(lower: &Client, owner: &Owner) -> Result<serde_json::Value, ScrapeError> {
+/// The lower metrics API's PodMetrics of `owner`'s pods: they carry their pod's labels.
+pub(super) fn pod_metrics_uri(owner: &Owner) -> String {
+    // Node names, cluster identities and the label keys need no escaping beyond `/`, `=`
+    // and `,`.
     let selector = owner
         .selector()
         .replace('/', "%2F")
         .replace('=', "%3D")
         .replace(',', "%2C");
-    let uri = format!("/apis/metrics.k8s.io/v1beta1/pods?labelSelector={selector}");
-    let request = Request::get(uri)
+    format!("/apis/metrics.k8s.io/v1beta1/pods?labelSelector={selector}")
+}
+
+/// The lower metrics API's PodMetrics of `owner`'s pods.
+async fn pod_metrics(lower: &Client, owner: &Owner) -> Result<serde_json::Value, ScrapeError> {
+    let request = Request::get(pod_metrics_uri(owner))
         .body(Vec::new())
         .map_err(|e| ScrapeError::MetricsApi(e.to_string()))?;
     match tokio::time::timeout(LOWER_TIMEOUT, lower.request::<serde_json::Value>(request)).await {
@@ -178,11 +184,11 @@ impl ResourceMetrics {
     pub async fn scrape(&self, lower: &Client, owner: &Owner) -> String {
         let mut state = self.state.lock().await;
         let mut errors: Vec<ScrapeError> = Vec::new();
-        let pods = match mirrored(lower, owner).await {
-            Ok(pods) => pods,
+        let (pods, listed) = match mirrored(lower, owner).await {
+            Ok(pods) => (pods, true),
             Err(e) => {
                 errors.push(e);
-                Vec::new()
+                (Vec::new(), false)
             }
         };
         let by_lower = resource_metrics::by_lower_name(&pods);
@@ -257,7 +263,11 @@ impl ResourceMetrics {
         let on_node: HashSet<&PodName> = pods.iter().map(|p| &p.upper).collect();
         let node = NodeUsage {
             cpu: Some(Sample {
-                value: state.node_cpu.observe(&current, &on_node),
+                value: if listed {
+                    state.node_cpu.observe(&current, &on_node)
+                } else {
+                    state.node_cpu.total()
+                },
                 timestamp_ms: Some(resource_metrics::newest_cpu(&usage, now)),
             }),
             memory: Some(resource_metrics::node_memory(&usage, now)),
