@@ -526,6 +526,8 @@ pub const LOWER_PERMISSIONS: &[Permission] = &[
     sub("get", "pods", "portforward"),
     sub("create", "pods", "portforward"),
     grouped("list", "metrics.k8s.io", "pods"),
+    // (`get nodes/proxy`, the lower kubelets' /metrics/resource, is optional and so not
+    // here: without it that is built from metrics.k8s.io)
     // dependencies: namespace and copies made when missing
     perm("get", "namespaces"),
     perm("create", "namespaces"),

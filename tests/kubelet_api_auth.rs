@@ -174,7 +174,8 @@ fn node_review(user: &str, groups: &[&str], node: &str, subresource: &str) -> Va
 /// Each path is authorized on the subresources a 1.33+ kubelet uses (KubeletFineGrainedAuthz,
 /// GA and locked on in 1.36), the first allowed one letting the call in: `/healthz` on
 /// `nodes/healthz` then `nodes/proxy`, `/pods` and `/runningpods/` on `nodes/pods` then
-/// `nodes/proxy`, `/stats/*` on `nodes/stats` alone, the rest on `nodes/proxy`;
+/// `nodes/proxy`, `/stats/*` on `nodes/stats` alone, `/metrics/*` on `nodes/metrics`
+/// alone, the rest on `nodes/proxy`;
 /// `/healthz` is no exception to authentication; and every caller, a certificate's too, is
 /// in `system:authenticated`.
 #[tokio::test]
@@ -184,7 +185,7 @@ async fn each_path_is_authorized_on_the_subresources_a_kubelet_uses() {
     let vn = start_node(pair, node, &[]).await;
     let upper = pair.upper.client().await.unwrap();
     let mut cleanup = Cleanup::default();
-    let kinds = ["healthz", "pods", "proxy"];
+    let kinds = ["healthz", "pods", "proxy", "metrics"];
     let mut certs = std::collections::BTreeMap::new();
     for kind in kinds.iter().chain(&["nobody"]) {
         let user = format!("{node}-{kind}");
@@ -236,6 +237,26 @@ async fn each_path_is_authorized_on_the_subresources_a_kubelet_uses() {
         // past authorization (system:authenticated): the lower cluster has no metrics API
         (Some("nobody"), "/stats/summary", 404, "metrics.k8s.io"),
         (Some("proxy"), "/stats/summary", 404, "metrics.k8s.io"),
+        (
+            Some("nobody"),
+            "/metrics/resource",
+            403,
+            "subresource(s)=[metrics]",
+        ),
+        (
+            Some("proxy"),
+            "/metrics/resource",
+            403,
+            "subresource(s)=[metrics]",
+        ),
+        (Some("metrics"), "/pods", 403, "subresource(s)=[pods proxy]"),
+        // no pods on the node: nothing to read below, and nothing missing
+        (
+            Some("metrics"),
+            "/metrics/resource",
+            200,
+            "\nscrape_error 0\n",
+        ),
     ];
     let ca = &pair.upper.pki.ca_cert;
     let mut failures = Vec::new();

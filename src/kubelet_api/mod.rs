@@ -1,7 +1,10 @@
-//! Kubelet API served by virtual-node (logs, exec, attach, port-forward, pods, stats),
+//! Kubelet API served by virtual-node (logs, exec, attach, port-forward, pods, stats,
+//! resource metrics),
 //! proxied to the lower cluster: kube-apiserver reaches it at the node's daemon endpoint.
 
 pub mod auth;
+pub mod resource_metrics;
+pub mod resource_scrape;
 pub mod route;
 pub mod spdy;
 pub mod streams;
@@ -30,6 +33,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 
 use crate::translate::meta::{Owner, UPPER_UID_ANNOTATION};
 use auth::{Authenticator, Refused, RequestClientCert};
+use resource_metrics::PodName;
 use route::{Route, Target};
 
 /// How long a client has to send its request headers (hyper's own default, which needs a
@@ -121,6 +125,25 @@ pub struct KubeletApi {
     pub owner: Owner,
     /// Who may call.
     pub auth: Authenticator,
+    /// `/metrics/resource` and the counters it keeps between scrapes.
+    pub resource_metrics: resource_scrape::ResourceMetrics,
+}
+
+/// The lower pod an upper pod is mirrored to: the same namespace and name today. Every
+/// kubelet API path maps names through this and [`upper_pod`], so that a namespace
+/// remapping changes only these two.
+pub fn lower_pod(upper: &PodName) -> PodName {
+    upper.clone()
+}
+
+/// The lower pod of the upper pod a kubelet API call names.
+fn lower_target(target: &Target) -> PodName {
+    lower_pod(&PodName::new(&target.namespace, &target.pod))
+}
+
+/// The upper pod a lower pod mirrors (the inverse of [`lower_pod`]).
+pub fn upper_pod(lower: &PodName) -> PodName {
+    lower.clone()
 }
 
 impl std::fmt::Debug for KubeletApi {
@@ -277,12 +300,22 @@ async fn handle(
         Route::Healthz => text(StatusCode::OK, "ok"),
         Route::Pods | Route::RunningPods => pods(&api, route == Route::RunningPods).await,
         Route::StatsSummary => stats_summary(&api).await,
+        Route::MetricsResource => {
+            let body = api.resource_metrics.scrape(&api.lower, &api.owner).await;
+            let mut response = text(StatusCode::OK, body);
+            // The kubelet's content type: Prometheus text format 0.0.4.
+            response.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
+            response
+        }
         Route::Logs(target) => logs(&api, &target, &query).await,
         Route::Exec(target, command, flags) => {
             if command.is_empty() {
                 return text(StatusCode::BAD_REQUEST, "missing command");
             }
-            let (pod, container) = (target.pod.clone(), target.container.clone());
+            let (pod, container) = (lower_target(&target).name, target.container.clone());
             upgrade(
                 &api,
                 req,
@@ -293,7 +326,7 @@ async fn handle(
             .await
         }
         Route::Attach(target, flags) => {
-            let (pod, container) = (target.pod.clone(), target.container.clone());
+            let (pod, container) = (lower_target(&target).name, target.container.clone());
             upgrade(
                 &api,
                 req,
@@ -304,7 +337,7 @@ async fn handle(
             .await
         }
         Route::PortForward(target) => {
-            let pod = target.pod.clone();
+            let pod = lower_target(&target).name;
             upgrade(
                 &api,
                 req,
@@ -326,7 +359,8 @@ fn refusal(refused: &Refused) -> Response<Body> {
 
 /// The lower pod's API, if the target is a pod this node mirrors (else the kubelet's 404).
 async fn mirrored(api: &KubeletApi, target: &Target) -> Result<Api<Pod>, Response<Body>> {
-    let pods: Api<Pod> = Api::namespaced(api.lower.clone(), &target.namespace);
+    let lower = lower_target(target);
+    let pods: Api<Pod> = Api::namespaced(api.lower.clone(), &lower.namespace);
     let not_found = || {
         text(
             StatusCode::NOT_FOUND,
@@ -336,7 +370,7 @@ async fn mirrored(api: &KubeletApi, target: &Target) -> Result<Api<Pod>, Respons
             ),
         )
     };
-    let pod = match pods.get_opt(&target.pod).await {
+    let pod = match pods.get_opt(&lower.name).await {
         Ok(Some(pod)) => pod,
         Ok(None) => return Err(not_found()),
         Err(error) => return Err(lower_error("reading the pod", &error)),
@@ -406,11 +440,12 @@ async fn logs(
         Ok(params) => params,
         Err(message) => return text(StatusCode::BAD_REQUEST, message),
     };
-    let pods: Api<Pod> = Api::namespaced(api.lower.clone(), &target.namespace);
+    let lower = lower_target(target);
+    let pods: Api<Pod> = Api::namespaced(api.lower.clone(), &lower.namespace);
     // Whether the pod is this node's and its log are asked of the lower API server at once,
     // not one after the other: the log is passed on only once the pod is known to be ours,
     // and otherwise dropped unread.
-    let (ours, reader) = tokio::join!(mirrored(api, target), pods.log_stream(&target.pod, &params));
+    let (ours, reader) = tokio::join!(mirrored(api, target), pods.log_stream(&lower.name, &params));
     if let Err(response) = ours {
         return response;
     }
@@ -525,15 +560,7 @@ async fn pods(api: &KubeletApi, running_only: bool) -> Response<Body> {
 
 /// `/stats/summary`: from the lower cluster's metrics API; 404 where it has none.
 async fn stats_summary(api: &KubeletApi) -> Response<Body> {
-    // PodMetrics carry their pod's labels: only the pods this node mirrors. (Node names,
-    // cluster identities and the label keys need no escaping beyond `/`, `=` and `,`.)
-    let selector = api
-        .owner
-        .selector()
-        .replace('/', "%2F")
-        .replace('=', "%3D")
-        .replace(',', "%2C");
-    let uri = format!("/apis/metrics.k8s.io/v1beta1/pods?labelSelector={selector}");
+    let uri = resource_scrape::pod_metrics_uri(&api.owner);
     let request = match Request::get(uri).body(Vec::new()) {
         Ok(request) => request,
         Err(error) => return text(StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),

@@ -21,6 +21,8 @@ pub enum Route {
     RunningPods,
     /// `/stats/summary`.
     StatsSummary,
+    /// `/metrics/resource`: the kubelet's resource metrics (metrics-server's source).
+    MetricsResource,
 }
 
 /// The pod (and container) a call is about.
@@ -54,12 +56,13 @@ pub struct StreamFlags {
 /// first allowed one lets the call in), as a 1.33+ kubelet maps the paths
 /// (`KubeletFineGrainedAuthz`, locked on since 1.36): `/healthz` on `healthz` then
 /// `proxy`, `/pods` and `/runningpods/` on `pods` then `proxy`, `/stats/*` on `stats`,
-/// everything else (`/containerLogs`, `/exec`, `/attach`, `/portForward`) on `proxy`.
+/// `/metrics/*` on `metrics`, everything else (`/containerLogs`, `/exec`, `/attach`, `/portForward`) on `proxy`.
 pub fn subresources(route: &Route) -> &'static [&'static str] {
     match route {
         Route::Healthz => &["healthz", "proxy"],
         Route::Pods | Route::RunningPods => &["pods", "proxy"],
         Route::StatsSummary => &["stats"],
+        Route::MetricsResource => &["metrics"],
         Route::Logs(_) | Route::Exec(..) | Route::Attach(..) | Route::PortForward(_) => &["proxy"],
     }
 }
@@ -164,6 +167,7 @@ pub fn route(path: &str, query: &BTreeMap<String, Vec<String>>) -> Option<Route>
         ["pods"] => Some(Route::Pods),
         ["runningpods"] => Some(Route::RunningPods),
         ["stats", "summary"] => Some(Route::StatsSummary),
+        ["metrics", "resource"] => Some(Route::MetricsResource),
         ["containerLogs", ns, pod, container] => {
             Some(Route::Logs(target(ns, pod, None, container))).filter(|r| match r {
                 Route::Logs(t) => valid(t) && !t.container.is_empty(),
@@ -199,8 +203,8 @@ fn dns_label(name: &str) -> bool {
         && !name.ends_with('-')
 }
 
-/// A DNS-1123 subdomain: pod names.
-fn dns_subdomain(name: &str) -> bool {
+/// A DNS-1123 subdomain: pod and node names.
+pub(crate) fn dns_subdomain(name: &str) -> bool {
     name.len() <= 253 && name.split('.').all(dns_label)
 }
 
@@ -231,6 +235,9 @@ mod tests {
             ("/pods/", Some(Route::Pods)),
             ("/runningpods/", Some(Route::RunningPods)),
             ("/stats/summary", Some(Route::StatsSummary)),
+            ("/metrics/resource", Some(Route::MetricsResource)),
+            ("/metrics/cadvisor", None),
+            ("/metrics", None),
             (
                 "/containerLogs/ns/web/app?follow=true",
                 Some(Route::Logs(t("ns", "web", None, "app"))),
@@ -314,6 +321,7 @@ mod tests {
             ("/pods", &["pods", "proxy"]),
             ("/runningpods/", &["pods", "proxy"]),
             ("/stats/summary", &["stats"]),
+            ("/metrics/resource", &["metrics"]),
             ("/containerLogs/ns/web/app", &["proxy"]),
             ("/exec/ns/web/app", &["proxy"]),
             ("/attach/ns/web/app", &["proxy"]),

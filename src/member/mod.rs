@@ -554,6 +554,7 @@ async fn kubelet_api_setup(
         lower: lower.clone(),
         owner: owner.clone(),
         auth,
+        resource_metrics: Default::default(),
     });
     Ok((listener, tls, api))
 }

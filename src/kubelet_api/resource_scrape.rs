@@ -1,0 +1,295 @@
+//! `/metrics/resource`: the lower kubelets that run this node's pods, read through the
+//! lower API server's node proxy, or the lower metrics API where the lower identity may
+//! not use it; turned into this node's series by [`super::resource_metrics`].
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use http::Request;
+use k8s_openapi::api::core::v1::Pod;
+use kube::Client;
+use kube::api::{Api, ListParams};
+use tracing::{debug, info, warn};
+
+use super::resource_metrics::{
+    self, Integrated, Mirrored, NodeCpu, NodeUsage, PodName, Sample, Usage,
+};
+use crate::translate::meta::Owner;
+
+/// How many lower kubelets are read at once.
+const PARALLEL_KUBELETS: usize = 16;
+
+/// How long one lower call may take: a scrape answers in time with what it has, rather
+/// than hang its caller (metrics-server gives up after 10 s).
+const LOWER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long the metrics API stands in for a lower identity refused `nodes/proxy` before
+/// the kubelets are tried again (a permission granted later takes effect).
+const FALLBACK_RETRY: Duration = Duration::from_secs(600);
+
+/// Why some of this node's figures are missing from a scrape.
+#[derive(Debug, thiserror::Error)]
+pub enum ScrapeError {
+    /// The pods this node mirrors could not be listed.
+    #[error("listing this node's pods in the lower cluster: {0}")]
+    Pods(String),
+    /// A lower kubelet could not be read.
+    #[error(
+        "reading /metrics/resource of lower node {node} through the lower API server: {reason}"
+    )]
+    Kubelet {
+        /// The lower node.
+        node: String,
+        /// Why.
+        reason: String,
+    },
+    /// The lower metrics API could not be read.
+    #[error("reading pod metrics (metrics.k8s.io) in the lower cluster: {0}")]
+    MetricsApi(String),
+}
+
+/// What one lower kubelet answered.
+enum Kubelet {
+    Text(String),
+    /// The lower identity may not `get nodes/proxy`.
+    Forbidden,
+    Failed(ScrapeError),
+}
+
+/// The state kept between scrapes: the node's CPU counter, the integrated counters of the
+/// fallback, and what has been logged.
+#[derive(Debug)]
+struct State {
+    node_cpu: NodeCpu,
+    integrated: Integrated,
+    /// Since when the metrics API stands in for refused kubelets.
+    fallback_since: Option<Instant>,
+    fallback_logged: bool,
+    /// The last scrape's errors, logged at warn only when they change.
+    last_errors: String,
+}
+
+/// Serves `/metrics/resource` of one virtual node. Scrapes are taken one at a time: the
+/// counters they keep advance in order.
+#[derive(Debug)]
+pub struct ResourceMetrics {
+    state: tokio::sync::Mutex<State>,
+}
+
+impl Default for ResourceMetrics {
+    fn default() -> Self {
+        Self {
+            state: tokio::sync::Mutex::new(State {
+                node_cpu: NodeCpu::default(),
+                integrated: Integrated::new(now_ms()),
+                fallback_since: None,
+                fallback_logged: false,
+                last_errors: String::new(),
+            }),
+        }
+    }
+}
+
+fn now_ms() -> i64 {
+    k8s_openapi::jiff::Timestamp::now().as_millisecond()
+}
+
+/// The lower pods `owner` owns, as [`Mirrored`]s.
+async fn mirrored(lower: &Client, owner: &Owner) -> Result<Vec<Mirrored>, ScrapeError> {
+    let api = Api::<Pod>::all(lower.clone());
+    let params = ListParams::default().labels(&owner.selector());
+    let list = tokio::time::timeout(LOWER_TIMEOUT, api.list(&params))
+        .await
+        .map_err(|_| ScrapeError::Pods(format!("no answer in {LOWER_TIMEOUT:?}")))?
+        .map_err(|e| ScrapeError::Pods(e.to_string()))?;
+    Ok(list
+        .items
+        .iter()
+        .filter_map(|pod| {
+            let lower = PodName::new(pod.metadata.namespace.clone()?, pod.metadata.name.clone()?);
+            Some(Mirrored {
+                upper: super::upper_pod(&lower),
+                lower,
+                lower_node: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
+            })
+        })
+        .collect())
+}
+
+/// `GET /api/v1/nodes/<node>/proxy/metrics/resource` in the lower cluster.
+async fn kubelet(lower: &Client, node: &str) -> Kubelet {
+    let failed = |reason: String| {
+        Kubelet::Failed(ScrapeError::Kubelet {
+            node: node.to_owned(),
+            reason,
+        })
+    };
+    if !super::route::dns_subdomain(node) {
+        return failed("not a node name".into());
+    }
+    let request = match Request::get(format!("/api/v1/nodes/{node}/proxy/metrics/resource"))
+        .body(Vec::new())
+    {
+        Ok(request) => request,
+        Err(e) => return failed(e.to_string()),
+    };
+    match tokio::time::timeout(LOWER_TIMEOUT, lower.request_text(request)).await {
+        Ok(Ok(text)) => Kubelet::Text(text),
+        // The lower API server's own refusal (a Status with reason Forbidden), not one the
+        // kubelet gave it, which comes back as its plain text.
+        Ok(Err(kube::Error::Api(status))) if status.code == 403 && status.reason == "Forbidden" => {
+            Kubelet::Forbidden
+        }
+        Ok(Err(e)) => failed(e.to_string()),
+        Err(_) => failed(format!("no answer in {LOWER_TIMEOUT:?}")),
+    }
+}
+
+/// The lower metrics API's PodMetrics of `owner`'s pods: they carry their pod's labels.
+pub(super) fn pod_metrics_uri(owner: &Owner) -> String {
+    // Node names, cluster identities and the label keys need no escaping beyond `/`, `=`
+    // and `,`.
+    let selector = owner
+        .selector()
+        .replace('/', "%2F")
+        .replace('=', "%3D")
+        .replace(',', "%2C");
+    format!("/apis/metrics.k8s.io/v1beta1/pods?labelSelector={selector}")
+}
+
+/// The lower metrics API's PodMetrics of `owner`'s pods.
+async fn pod_metrics(lower: &Client, owner: &Owner) -> Result<serde_json::Value, ScrapeError> {
+    let request = Request::get(pod_metrics_uri(owner))
+        .body(Vec::new())
+        .map_err(|e| ScrapeError::MetricsApi(e.to_string()))?;
+    match tokio::time::timeout(LOWER_TIMEOUT, lower.request::<serde_json::Value>(request)).await {
+        Ok(Ok(list)) => Ok(list),
+        Ok(Err(kube::Error::Api(status))) if status.code == 404 || status.code == 503 => {
+            Err(ScrapeError::MetricsApi(format!(
+                "the lower cluster serves no metrics API ({}: {})",
+                status.code, status.message
+            )))
+        }
+        Ok(Err(e)) => Err(ScrapeError::MetricsApi(e.to_string())),
+        Err(_) => Err(ScrapeError::MetricsApi(format!(
+            "no answer in {LOWER_TIMEOUT:?}"
+        ))),
+    }
+}
+
+impl ResourceMetrics {
+    /// The `/metrics/resource` text of `owner`'s node, from the `lower` cluster. Never
+    /// fails: what could not be read is left out and `scrape_error` is 1.
+    pub async fn scrape(&self, lower: &Client, owner: &Owner) -> String {
+        let mut state = self.state.lock().await;
+        let mut errors: Vec<ScrapeError> = Vec::new();
+        let (pods, listed) = match mirrored(lower, owner).await {
+            Ok(pods) => (pods, true),
+            Err(e) => {
+                errors.push(e);
+                (Vec::new(), false)
+            }
+        };
+        let by_lower = resource_metrics::by_lower_name(&pods);
+        let mut usage = Usage::new();
+        let retry_kubelets = state
+            .fallback_since
+            .is_none_or(|since| since.elapsed() >= FALLBACK_RETRY);
+        let mut forbidden = !retry_kubelets;
+        if retry_kubelets {
+            let nodes: BTreeSet<String> =
+                pods.iter().filter_map(|p| p.lower_node.clone()).collect();
+            let mut answers = futures::stream::iter(nodes)
+                .map(|node: String| async move {
+                    let answer = kubelet(lower, &node).await;
+                    (node, answer)
+                })
+                .buffer_unordered(PARALLEL_KUBELETS);
+            while let Some((node, answer)) = answers.next().await {
+                match answer {
+                    Kubelet::Text(text) => {
+                        if let Err(e) =
+                            resource_metrics::read_kubelet(&text, &node, &by_lower, &mut usage)
+                        {
+                            errors.push(ScrapeError::Kubelet {
+                                node,
+                                reason: e.to_string(),
+                            });
+                        }
+                    }
+                    Kubelet::Forbidden => forbidden = true,
+                    Kubelet::Failed(e) => errors.push(e),
+                }
+            }
+        }
+        if forbidden {
+            if !state.fallback_logged {
+                state.fallback_logged = true;
+                warn!(
+                    node = %owner.node, cluster = "lower",
+                    "kubelet API: the lower identity may not get nodes/proxy, so /metrics/resource \
+                     is built from the lower metrics API (metrics.k8s.io) instead of the lower \
+                     kubelets, with CPU counters integrated from usage that start again when \
+                     virtual-node restarts; grant get on nodes/proxy for the kubelets' own"
+                );
+            }
+            if retry_kubelets {
+                state.fallback_since = Some(Instant::now());
+            }
+            // Whatever kubelets did answer are dropped: one source for all pods, so that no
+            // pod's counter switches between the two.
+            usage = match pod_metrics(lower, owner).await {
+                Ok(list) => state
+                    .integrated
+                    .observe(&resource_metrics::readings(&list, &by_lower)),
+                Err(e) => {
+                    errors.push(e);
+                    Usage::new()
+                }
+            };
+        } else if state.fallback_since.take().is_some() {
+            info!(
+                node = %owner.node, cluster = "lower",
+                "kubelet API: nodes/proxy is allowed now: /metrics/resource reads the lower kubelets"
+            );
+        }
+
+        let now = now_ms();
+        let current: BTreeMap<&PodName, f64> = usage
+            .iter()
+            .filter_map(|(pod, u)| u.cpu.map(|s| (pod, s.value)))
+            .collect();
+        let on_node: HashSet<&PodName> = pods.iter().map(|p| &p.upper).collect();
+        let node = NodeUsage {
+            cpu: Some(Sample {
+                value: if listed {
+                    state.node_cpu.observe(&current, &on_node)
+                } else {
+                    state.node_cpu.total()
+                },
+                timestamp_ms: Some(resource_metrics::newest_cpu(&usage, now)),
+            }),
+            memory: Some(resource_metrics::node_memory(&usage, now)),
+        };
+        let summary: String = errors
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; ");
+        if summary != state.last_errors {
+            if summary.is_empty() {
+                info!(node = %owner.node, cluster = "lower", "kubelet API: /metrics/resource complete again");
+            } else {
+                warn!(
+                    node = %owner.node, cluster = "lower", errors = %summary,
+                    "kubelet API: /metrics/resource is incomplete (scrape_error 1)"
+                );
+            }
+            state.last_errors.clone_from(&summary);
+        } else if !summary.is_empty() {
+            debug!(node = %owner.node, cluster = "lower", errors = %summary, "kubelet API: /metrics/resource still incomplete");
+        }
+        resource_metrics::render(&usage, &node, !errors.is_empty())
+    }
+}
