@@ -9,6 +9,8 @@ use kube::Client;
 use kube::api::{Api, ListParams};
 use tensile_harness::{ClusterPair, VirtualNode, VirtualNodeOptions, node_is_ready, wait_for};
 
+pub mod descheduler;
+
 /// Generous: two clusters and several virtual nodes share 2 cores.
 pub const TIMEOUT: Duration = Duration::from_secs(120);
 
