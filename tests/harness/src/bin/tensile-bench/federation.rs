@@ -20,7 +20,7 @@ use tensile_harness::{
     node_is_ready, wait_for,
 };
 
-use super::{PODS_PER_LOWER_NODE, burst, labelled, ms};
+use super::{PODS_PER_LOWER_NODE, burst, delete_and_wait, labelled, ms};
 
 const MEMBERS_NAMESPACE: &str = "tensile-bench-members";
 const MIB: f64 = 1024.0 * 1024.0;
@@ -131,7 +131,11 @@ pub async fn run(
         .await?;
     }
     all_ready(&upper, &members).await?;
-    let federated = measure(&upper, &[&one], &members, per_member, concurrency, "fed").await?;
+    let (federated, ns) =
+        measure(&upper, &[&one], &members, per_member, concurrency, "fed").await?;
+    // The other way starts from the same empty clusters: these pods leave as users delete
+    // them, while their process still runs.
+    clean(&upper, &lowers, &ns, pods).await?;
     let idle_member = (federated.idle as f64 - one_member as f64) / (clusters.max(2) - 1) as f64;
     let federated = Side {
         watches: federated.watches.saturating_sub(watches_before),
@@ -150,9 +154,7 @@ pub async fn run(
     }
     all_ready(&upper, &solo).await?;
     let refs: Vec<&VirtualNode> = processes.iter().collect();
-    let separate = measure(&upper, &refs, &solo, per_member, concurrency, "solo").await?;
-    // The first process's watches may linger a moment after it stopped: counted against
-    // the same baseline, they can only make the N processes look better.
+    let (separate, _) = measure(&upper, &refs, &solo, per_member, concurrency, "solo").await?;
     let separate = Side {
         watches: separate.watches.saturating_sub(watches_before),
         ..separate
@@ -220,6 +222,15 @@ pub async fn run(
     Ok(())
 }
 
+/// Deletes the `pods` pods of namespace `ns` upstairs and waits until they are gone from
+/// every lower cluster too.
+async fn clean(upper: &Client, lowers: &[&Cluster], ns: &str, pods: usize) -> Result<()> {
+    for lower in lowers {
+        delete_and_wait(upper, &lower.client().await?, ns, pods).await?;
+    }
+    Ok(())
+}
+
 /// Waits for every node of `nodes` to be Ready.
 async fn all_ready(upper: &Client, nodes: &[String]) -> Result<()> {
     let api: Api<Node> = Api::all(upper.clone());
@@ -271,7 +282,7 @@ async fn measure(
     per_node: usize,
     concurrency: usize,
     prefix: &str,
-) -> Result<Side> {
+) -> Result<(Side, String)> {
     let idle = settled_rss(processes).await?;
     let watches = open_watches(upper).await?;
     let pods: Vec<Pod> = (0..per_node)
@@ -282,10 +293,10 @@ async fn measure(
         })
         .collect();
     let cpu_before = cpu(processes)?;
-    let (_ns, latencies, _) = burst(upper, prefix, pods, concurrency).await?;
+    let (ns, latencies, _) = burst(upper, prefix, pods, concurrency).await?;
     let cpu_after = cpu(processes)?;
     let loaded = settled_rss(processes).await?;
-    Ok(Side {
+    let side = Side {
         idle,
         loaded,
         cpu: cpu_after - cpu_before,
@@ -293,7 +304,8 @@ async fn measure(
         p99: latencies.p99,
         total: latencies.total,
         watches,
-    })
+    };
+    Ok((side, ns.name))
 }
 
 /// The watches open on the upper API server, every resource's and client's together
