@@ -14,15 +14,13 @@ use common::descheduler::{
 use common::{TIMEOUT, running};
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Node, Pod, Secret};
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
-use tensile::member::join::member_secret;
 use tensile_harness::fixtures::{deployment, with_template_label};
 use tensile_harness::{
-    ClusterOptions, ClusterPair, NodeShape, PairOptions, TestNamespace, VirtualNodeOptions,
-    invariant, node_is_ready, wait_for,
+    ClusterOptions, ClusterPair, NodeShape, PairOptions, TestNamespace, invariant, wait_for,
 };
 
 const A: &str = "vk-a";
@@ -57,38 +55,18 @@ async fn a_pod_stuck_pending_in_member_a_is_moved_to_member_b() {
         b.client().await.unwrap(),
     );
 
-    let members = TestNamespace::create(&upper, "members").await.unwrap();
-    let secrets: Api<Secret> = Api::namespaced(upper.clone(), &members.name);
-    for (node, kubeconfig) in [(A, &pair.lower.kubeconfig), (B, &b.kubeconfig)] {
-        let text = std::fs::read_to_string(kubeconfig).unwrap();
-        secrets
-            .create(
-                &PostParams::default(),
-                &member_secret(node, &members.name, text),
-            )
-            .await
-            .unwrap();
-    }
     let _webhook = start_webhook(&pair).await;
     let kubeconfig = shipped_rbac_kubeconfig(&pair).await;
-    let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), "vk-members");
-    options.flags_member = false;
-    options.args = vec!["--members-namespace".into(), members.name.clone()];
-    let mut vn = pair.start_virtual_node(&options).unwrap();
+    let mut vn = pair
+        .start_members(
+            env!("CARGO_BIN_EXE_virtual-node").as_ref(),
+            "tensile-members",
+            &[(A, &pair.lower.kubeconfig), (B, &b.kubeconfig)],
+            &[],
+        )
+        .await
+        .unwrap();
     let nodes: Api<Node> = Api::all(upper.clone());
-    for node in [A, B] {
-        let joined = wait_for(&format!("node {node} Ready"), TIMEOUT, || async {
-            Ok(nodes.get_opt(node).await?.filter(node_is_ready).map(|_| ()))
-        })
-        .await;
-        if let Err(error) = joined {
-            let _ = vn.check_running();
-            panic!(
-                "{error:#}\n{}",
-                tensile_harness::process::tail(vn.log(), 40)
-            );
-        }
-    }
     // The first placement must be A's, where the pod cannot run: keep B closed until then.
     set_unschedulable(&nodes, B, true).await;
 

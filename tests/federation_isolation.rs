@@ -14,15 +14,14 @@ use std::time::Duration;
 
 use common::TIMEOUT;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Node, Pod, Secret};
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams, PostParams};
 use nix::sys::signal::Signal;
 use serde_json::json;
-use tensile::member::join::member_secret;
 use tensile_harness::fixtures::{bound_pod, deployment, virtual_node_toleration};
 use tensile_harness::{
-    ClusterOptions, ClusterPair, Component, PairOptions, TestNamespace, VirtualNodeOptions,
-    invariant, node_is_ready, wait_for,
+    ClusterOptions, ClusterPair, Component, PairOptions, TestNamespace, invariant, node_is_ready,
+    wait_for,
 };
 
 const A: &str = "vk-iso-a";
@@ -79,36 +78,16 @@ async fn a_frozen_member_goes_not_ready_alone_and_its_pods_move_to_the_other() {
         pair.lower.client().await.unwrap(),
         b.client().await.unwrap(),
     );
-    let members = TestNamespace::create(&upper, "members").await.unwrap();
-    let secrets: Api<Secret> = Api::namespaced(upper.clone(), &members.name);
-    for (node, kubeconfig) in [(A, &pair.lower.kubeconfig), (B, &b.kubeconfig)] {
-        let text = std::fs::read_to_string(kubeconfig).unwrap();
-        secrets
-            .create(
-                &PostParams::default(),
-                &member_secret(node, &members.name, text),
-            )
-            .await
-            .unwrap();
-    }
-    let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), "vk-iso");
-    options.flags_member = false;
-    options.args = vec!["--members-namespace".into(), members.name.clone()];
-    let mut vn = pair.start_virtual_node(&options).unwrap();
+    let mut vn = pair
+        .start_members(
+            env!("CARGO_BIN_EXE_virtual-node").as_ref(),
+            "tensile-members",
+            &[(A, &pair.lower.kubeconfig), (B, &b.kubeconfig)],
+            &[],
+        )
+        .await
+        .unwrap();
     let nodes: Api<Node> = Api::all(upper.clone());
-    for node in [A, B] {
-        let joined = wait_for(&format!("node {node} Ready"), TIMEOUT, || async {
-            Ok(nodes.get_opt(node).await?.filter(node_is_ready).map(|_| ()))
-        })
-        .await;
-        if let Err(error) = joined {
-            let _ = vn.check_running();
-            panic!(
-                "{error:#}\n{}",
-                tensile_harness::process::tail(vn.log(), 40)
-            );
-        }
-    }
 
     // Four replicas spread over both members, each leaving an unreachable node 5 s after
     // it is tainted.

@@ -10,18 +10,14 @@ mod common;
 use std::net::Ipv4Addr;
 
 use common::{
-    ServedExtender, TIMEOUT, cpu_pod, scheduled_to, scheduler_extenders, virtual_node_binary,
+    ServedExtender, cpu_pod, scheduled_to, scheduler_extenders, virtual_node_binary,
     wait_phase_running,
 };
-use k8s_openapi::api::core::v1::{Node, Pod, Secret};
+use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use serde_json::json;
-use tensile::member::join::member_secret;
 use tensile_harness::ports::free_port;
-use tensile_harness::{
-    ClusterOptions, ClusterPair, NodeShape, PairOptions, TestNamespace, VirtualNodeOptions,
-    node_is_ready, wait_for,
-};
+use tensile_harness::{ClusterOptions, ClusterPair, NodeShape, PairOptions, TestNamespace};
 
 const A: &str = "vk-member-a";
 const B: &str = "vk-member-b";
@@ -66,30 +62,15 @@ async fn a_pod_only_member_b_can_take_is_filtered_off_member_a() {
     )
     .await;
     let upper = pair.upper.client().await.unwrap();
-    let members = TestNamespace::create(&upper, "members").await.unwrap();
-    let secrets: Api<Secret> = Api::namespaced(upper.clone(), &members.name);
-    for (node, kubeconfig) in [(A, pair.lower_kubeconfig()), (B, b.kubeconfig.as_path())] {
-        let text = std::fs::read_to_string(kubeconfig).unwrap();
-        secrets
-            .create(
-                &PostParams::default(),
-                &member_secret(node, &members.name, text),
-            )
-            .await
-            .unwrap();
-    }
-    let mut options = VirtualNodeOptions::new(&binary, "vk-members");
-    options.flags_member = false;
-    options.args = vec!["--members-namespace".into(), members.name.clone()];
-    let _vn = pair.start_virtual_node(&options).unwrap();
-    let nodes: Api<Node> = Api::all(upper.clone());
-    for node in [A, B] {
-        wait_for(&format!("{node} Ready"), TIMEOUT, || async {
-            Ok(nodes.get_opt(node).await?.filter(node_is_ready).map(|_| ()))
-        })
+    let _vn = pair
+        .start_members(
+            &binary,
+            "tensile-members",
+            &[(A, pair.lower_kubeconfig()), (B, &b.kubeconfig)],
+            &[],
+        )
         .await
         .unwrap();
-    }
 
     let ns = TestNamespace::create(&upper, "members").await.unwrap();
     let pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);

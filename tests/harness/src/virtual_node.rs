@@ -173,3 +173,49 @@ pub async fn join_member(
     }
     Ok(())
 }
+
+impl ClusterPair {
+    /// Joins each (node, lower cluster kubeconfig) of `members` with `virtual-node join`
+    /// (of `binary`) into the upper members namespace `namespace`, starts one virtual-node
+    /// serving them all (`--members-namespace`, `args` besides), and waits until every
+    /// node is Ready; the error then carries the end of its log.
+    pub async fn start_members(
+        &self,
+        binary: &Path,
+        namespace: &str,
+        members: &[(&str, &Path)],
+        args: &[String],
+    ) -> Result<VirtualNode> {
+        for (node, kubeconfig) in members {
+            join_member(binary, &self.upper.kubeconfig, kubeconfig, node, namespace).await?;
+        }
+        let mut options = VirtualNodeOptions::new(binary, "vk-members");
+        options.flags_member = false;
+        options.args = ["--members-namespace".to_owned(), namespace.to_owned()]
+            .into_iter()
+            .chain(args.iter().cloned())
+            .collect();
+        let mut vn = self.start_virtual_node(&options)?;
+        let nodes: kube::Api<k8s_openapi::api::core::v1::Node> =
+            kube::Api::all(self.upper.client().await?);
+        for (node, _) in members {
+            let ready = crate::wait_for(
+                &format!("node {node} Ready"),
+                Duration::from_secs(120),
+                || async {
+                    Ok(nodes
+                        .get_opt(node)
+                        .await?
+                        .filter(crate::node_is_ready)
+                        .map(|_| ()))
+                },
+            )
+            .await;
+            if let Err(error) = ready {
+                let _ = vn.check_running();
+                anyhow::bail!("{error:#}\n{}", crate::process::tail(vn.log(), 40));
+            }
+        }
+        Ok(vn)
+    }
+}

@@ -16,7 +16,6 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::Api;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use tensile_harness::virtual_node::join_member;
 use tensile_harness::{
     Cluster, ClusterOptions, ClusterPair, PairOptions, VirtualNode, VirtualNodeOptions,
     node_is_ready, wait_for,
@@ -250,19 +249,13 @@ async fn join_and_demo(pair: &ClusterPair, members: &[(String, &Cluster)]) -> Re
                     "virtual-node join --nodename {node} --members-namespace {MEMBERS_NAMESPACE} (lower cluster {}) ...",
                     cluster.name
                 );
-                join_member(
-                    &binary,
-                    &pair.upper.kubeconfig,
-                    &cluster.kubeconfig,
-                    node,
-                    MEMBERS_NAMESPACE,
-                )
-                .await?;
             }
-            let mut options = VirtualNodeOptions::new(&binary, "vk-members");
-            options.flags_member = false;
-            options.args = vec!["--members-namespace".into(), MEMBERS_NAMESPACE.into()];
-            pair.start_virtual_node(&options)?
+            let joined: Vec<(&str, &Path)> = members
+                .iter()
+                .map(|(node, cluster)| (node.as_str(), cluster.kubeconfig.as_path()))
+                .collect();
+            pair.start_members(&binary, MEMBERS_NAMESPACE, &joined, &[])
+                .await?
         }
     };
     let upper = pair.upper.client().await?;

@@ -20,7 +20,7 @@ use tensile_harness::{
     node_is_ready, wait_for,
 };
 
-use super::{PODS_PER_LOWER_NODE, burst, delete_and_wait, labelled, ms};
+use super::{Args, PODS_PER_LOWER_NODE, burst, delete_and_wait, labelled, ms};
 
 const MEMBERS_NAMESPACE: &str = "tensile-bench-members";
 const MIB: f64 = 1024.0 * 1024.0;
@@ -43,13 +43,8 @@ struct Side {
 }
 
 /// Runs the comparison for `clusters` lower clusters and `pods` pods in all.
-pub async fn run(
-    binary: &Path,
-    clusters: usize,
-    pods: usize,
-    concurrency: usize,
-    qps: u32,
-) -> Result<()> {
+pub async fn run(binary: &Path, clusters: usize, args: &Args) -> Result<()> {
+    let (pods, concurrency, qps) = (args.pods, args.concurrency, args.qps);
     let per_member = pods.div_ceil(clusters);
     // Both ways' pods stay below until the end.
     let lower_nodes = (2 * per_member).div_ceil(PODS_PER_LOWER_NODE) + 1;
@@ -112,6 +107,11 @@ pub async fn run(
     .await?;
     let mut options = VirtualNodeOptions::new(binary, "vk-fed");
     options.flags_member = false;
+    if let Some(workers) = args.runtime_workers {
+        options
+            .envs
+            .push(("TOKIO_WORKER_THREADS".into(), workers.to_string()));
+    }
     options.args = ["--members-namespace", MEMBERS_NAMESPACE]
         .iter()
         .map(ToString::to_string)

@@ -59,6 +59,7 @@ struct Args {
     #[arg(long)]
     virtual_node: Option<PathBuf>,
     /// virtual-node's tokio worker threads (`TOKIO_WORKER_THREADS`); default: one per core.
+    /// With `--lower-clusters`, the one process's (serving every member).
     /// `--runtime-workers 16` on a small machine gives it the runtime a 16-core box gets
     /// by default, and the allocator arenas its threads bring.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
@@ -739,14 +740,7 @@ async fn run(args: Args) -> Result<()> {
         );
     }
     if let Some(clusters) = args.lower_clusters {
-        return federation::run(
-            &binary,
-            usize::from(clusters),
-            args.pods,
-            args.concurrency,
-            args.qps,
-        )
-        .await;
+        return federation::run(&binary, usize::from(clusters), &args).await;
     }
     let largest = args
         .footprint
