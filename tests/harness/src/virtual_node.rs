@@ -174,11 +174,26 @@ pub async fn join_member(
     Ok(())
 }
 
+/// Whether the node lifecycle controller has tainted `node` (not ready, unreachable, ...).
+fn lifecycle_tainted(node: &k8s_openapi::api::core::v1::Node) -> bool {
+    node.spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|taints| {
+            taints
+                .iter()
+                .any(|t| t.key.starts_with("node.kubernetes.io/"))
+        })
+}
+
 impl ClusterPair {
     /// Joins each (node, lower cluster kubeconfig) of `members` with `virtual-node join`
     /// (of `binary`) into the upper members namespace `namespace`, starts one virtual-node
     /// serving them all (`--members-namespace`, `args` besides), and waits until every
-    /// node is Ready; the error then carries the end of its log.
+    /// node is Ready and schedulable: the node lifecycle controller has also taken its
+    /// `node.kubernetes.io/not-ready` taint off, which it does a moment after Ready, and
+    /// until then the upper scheduler places nothing there. The error carries the end of
+    /// its log.
     pub async fn start_members(
         &self,
         binary: &Path,
@@ -200,13 +215,13 @@ impl ClusterPair {
             kube::Api::all(self.upper.client().await?);
         for (node, _) in members {
             let ready = crate::wait_for(
-                &format!("node {node} Ready"),
+                &format!("node {node} Ready and schedulable"),
                 Duration::from_secs(120),
                 || async {
                     Ok(nodes
                         .get_opt(node)
                         .await?
-                        .filter(crate::node_is_ready)
+                        .filter(|n| crate::node_is_ready(n) && !lifecycle_tainted(n))
                         .map(|_| ()))
                 },
             )
