@@ -26,8 +26,9 @@ struct PodUsage {
     /// Where the footprint is counted: the pod's node, or for a pod not bound yet the node
     /// it will most likely get (none where no node takes it).
     node: Option<Arc<str>>,
-    /// Whether that node is the pod's own.
-    bound: bool,
+    /// For a pod counted where it will most likely go (not bound yet), what it asks, to
+    /// place it again; `None` for a bound pod.
+    waiting: Option<Arc<Demand>>,
     footprint: Box<[(Arc<str>, i128)]>,
 }
 
@@ -102,22 +103,76 @@ impl ClusterCache {
         if let Some(seen) = &mut self.relisted_pods {
             seen.insert(key.clone());
         }
+        let guessed = self
+            .pods
+            .get(&key)
+            .filter(|old| old.waiting.is_some())
+            .and_then(|old| old.node.clone());
         self.forget(&key);
         let released = upper_uid(pod)
             .filter(|uid| self.release(uid))
             .map(str::to_owned);
-        let usage = match takes(pod) {
-            Some(Takes::Bound(node, footprint)) => Some(self.take(Some(&node), true, &footprint)),
-            Some(Takes::Waiting(demand)) => {
-                let node = self.place(&demand);
-                Some(self.take(node.as_deref(), false, &demand.requests))
+        match takes(pod) {
+            Some(Takes::Bound(node, footprint)) => {
+                let usage = self.take(Some(&node), None, &footprint);
+                self.pods.insert(key, usage);
+                // The lower scheduler chose another node than the guess: what was guessed
+                // onto this one may now be counted twice here and missing where it will
+                // really go.
+                if guessed.as_deref() != Some(node.as_str()) {
+                    self.place_again_on(&node);
+                }
             }
-            None => None,
-        };
-        if let Some(usage) = usage {
-            self.pods.insert(key, usage);
+            Some(Takes::Waiting(demand)) => {
+                let demand = Arc::new(demand);
+                let node = self.place(&demand);
+                let usage = self.take(node.as_deref(), Some(demand.clone()), &demand.requests);
+                self.pods.insert(key, usage);
+            }
+            None => {}
         }
         released
+    }
+
+    /// Places again every pod counted on `node` by guess (lower pods not bound yet, upper
+    /// pods assumed), each where it now leaves the most room.
+    fn place_again_on(&mut self, node: &str) {
+        let guessed_here =
+            |usage: &PodUsage| usage.waiting.is_some() && usage.node.as_deref() == Some(node);
+        let pods: Vec<String> = self
+            .pods
+            .iter()
+            .filter(|(_, usage)| guessed_here(usage))
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in pods {
+            if let Some(usage) = self.pods.remove(&key) {
+                let usage = self.placed_again(&usage);
+                self.pods.insert(key, usage);
+            }
+        }
+        let assumed: Vec<String> = self
+            .assumed
+            .iter()
+            .filter(|(_, assumed)| guessed_here(&assumed.usage))
+            .map(|(uid, _)| uid.clone())
+            .collect();
+        for uid in assumed {
+            if let Some(mut assumed) = self.assumed.remove(&uid) {
+                assumed.usage = self.placed_again(&assumed.usage);
+                self.assumed.insert(uid, assumed);
+            }
+        }
+    }
+
+    /// `usage` (a guess) given back and counted again where its pod now fits best.
+    fn placed_again(&mut self, usage: &PodUsage) -> PodUsage {
+        self.give_back(usage);
+        let Some(demand) = usage.waiting.clone() else {
+            return usage.clone();
+        };
+        let node = self.place(&demand);
+        self.take(node.as_deref(), Some(demand.clone()), &demand.requests)
     }
 
     /// A pod was deleted.
@@ -131,7 +186,8 @@ impl ClusterCache {
     pub fn assume(&mut self, uid: &str, demand: &Demand, deadline: Instant) {
         self.release(uid);
         let node = self.place(demand);
-        let usage = self.take(node.as_deref(), false, &demand.requests);
+        let demand = Arc::new(demand.clone());
+        let usage = self.take(node.as_deref(), Some(demand.clone()), &demand.requests);
         self.assumed
             .insert(uid.to_owned(), Assumed { usage, deadline });
         self.deadlines.push_back((deadline, uid.to_owned()));
@@ -189,8 +245,14 @@ impl ClusterCache {
         name
     }
 
-    /// Counts `footprint` on `node` (nowhere when `None`), the pod's own node if `bound`.
-    fn take(&mut self, node: Option<&str>, bound: bool, footprint: &Resources) -> PodUsage {
+    /// Counts `footprint` on `node` (nowhere when `None`): the pod's own node, or, with
+    /// `waiting`, a guess.
+    fn take(
+        &mut self,
+        node: Option<&str>,
+        waiting: Option<Arc<Demand>>,
+        footprint: &Resources,
+    ) -> PodUsage {
         if let Some(node) = node {
             match self.used.get_mut(node) {
                 Some(used) => add(used, footprint),
@@ -201,7 +263,7 @@ impl ClusterCache {
         }
         PodUsage {
             node: node.map(|n| self.intern(n)),
-            bound,
+            waiting,
             footprint: footprint
                 .iter()
                 .map(|(resource, amount)| (self.intern(resource), *amount))
@@ -264,7 +326,7 @@ impl ClusterCache {
 
     /// Pods counted but not bound yet: lower pods not scheduled, upper pods assumed.
     pub fn in_flight(&self) -> usize {
-        self.pods.values().filter(|p| !p.bound).count() + self.assumed.len()
+        self.pods.values().filter(|p| p.waiting.is_some()).count() + self.assumed.len()
     }
 
     /// What is counted on `node`: its pods' requests, and those of pods expected there.
@@ -438,6 +500,42 @@ mod tests {
             cpu_used(&cache, "n1"),
             0,
             "a gated pod is not scheduled yet"
+        );
+    }
+
+    /// The lower scheduler binds a pod elsewhere than guessed: the guesses counted on that
+    /// node move to where their pods will really go, so no node is counted twice while
+    /// another looks free (a burst then passed filter once too often, refused below).
+    #[test]
+    fn a_pod_bound_elsewhere_than_guessed_moves_the_guesses_it_displaced() {
+        let mut cache = ClusterCache::default();
+        cache.apply_node(&node("n1", "4"));
+        cache.apply_node(&node("n2", "4"));
+        cache.apply_pod(&pod("a", "", "2500m", "Pending"));
+        cache.apply_pod(&pod("b", "", "2500m", "Pending"));
+        let demand = Demand::of(&pod("c", "", "2500m", "Pending")).unwrap();
+        cache.assume(
+            "uid-c",
+            &demand,
+            Instant::now() + std::time::Duration::from_secs(30),
+        );
+        let guessed_a = if cpu_used(&cache, "n1") == 2500 {
+            "n1"
+        } else {
+            "n2"
+        };
+        let other = if guessed_a == "n1" { "n2" } else { "n1" };
+        cache.apply_pod(&pod("a", other, "2500m", "Pending"));
+        assert_eq!(
+            (cpu_used(&cache, "n1"), cpu_used(&cache, "n2")),
+            (2500, 2500),
+            "b goes where a was guessed; c, which fits nowhere, counts nowhere"
+        );
+        assert_eq!(
+            cache.fit(&demand, Search::First),
+            ClusterFit::NoFit {
+                reason: "no node fits cpu 2500m (largest free 1500m)".into(),
+            }
         );
     }
 
