@@ -9,6 +9,7 @@
 //! the pod stores the pod controller keeps. The watch only decides; a separate publisher
 //! writes to the upper cluster from a bounded queue.
 
+use std::collections::VecDeque;
 use std::pin::pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -98,11 +99,23 @@ async fn watch(ctx: &Context, pods: &PodStores, outbox: &Outbox, shutdown: &Canc
     );
     let mut gate = EventGate::new(BURST, REFILL);
     let mut prune = tokio::time::interval(Duration::from_secs(300));
+    let mut unseen = Unseen::default();
+    let mut retry = tokio::time::interval(UNSEEN_RETRY);
     loop {
         let event = tokio::select! {
             () = shutdown.cancelled() => return,
             _ = prune.tick() => {
                 gate.forget_older_than(Instant::now(), REMEMBER);
+                continue;
+            }
+            _ = retry.tick() => {
+                for (first, event) in unseen.due(Instant::now()) {
+                    match reflect(pods, &mut gate, &event, started) {
+                        Reflection::Publish(outgoing) => send(ctx, outbox, *outgoing),
+                        Reflection::Skip => {}
+                        Reflection::PodNotSeen => unseen.push(first, event),
+                    }
+                }
                 continue;
             }
             item = events.next() => match item {
@@ -115,16 +128,54 @@ async fn watch(ctx: &Context, pods: &PodStores, outbox: &Outbox, shutdown: &Canc
                 Some(Ok(_)) => continue,
             },
         };
-        let Some(outgoing) = reflect(pods, &mut gate, &event, started) else {
-            continue;
-        };
-        let dropped = outbox.lock().push(outgoing);
-        outbox.added.notify_one();
-        if let Some(dropped) = dropped {
-            ctx.metrics.events_dropped.inc();
-            debug!(object = %dropped.pod, kind = "Pod", reason = %dropped.event.reason, cluster = "upper",
-                "the upper API server is behind; dropped a lower event");
+        match reflect(pods, &mut gate, &event, started) {
+            Reflection::Publish(outgoing) => send(ctx, outbox, *outgoing),
+            Reflection::Skip => {}
+            Reflection::PodNotSeen => unseen.push(Instant::now(), event),
         }
+    }
+}
+
+/// Queues `outgoing` for the publisher.
+fn send(ctx: &Context, outbox: &Outbox, outgoing: Outgoing) {
+    let dropped = outbox.lock().push(outgoing);
+    outbox.added.notify_one();
+    if let Some(dropped) = dropped {
+        ctx.metrics.events_dropped.inc();
+        debug!(object = %dropped.pod, kind = "Pod", reason = %dropped.event.reason, cluster = "upper",
+            "the upper API server is behind; dropped a lower event");
+    }
+}
+
+/// How often events about pods not seen yet are tried again, and for how long.
+const UNSEEN_RETRY: Duration = Duration::from_secs(1);
+const UNSEEN_FOR: Duration = Duration::from_secs(10);
+/// At most this many such events wait (the oldest goes first).
+const UNSEEN_CAPACITY: usize = 1024;
+
+/// Lower events about a pod the pod stores do not hold yet. The pod watches may lag the
+/// event watch: a lower scheduler's FailedScheduling comes right after the pod it is
+/// about was created, and was lost when its watch event came first. Events about pods
+/// that are not this node's wait here too, until they expire.
+#[derive(Default)]
+struct Unseen {
+    events: VecDeque<(Instant, LowerEvent)>,
+}
+
+impl Unseen {
+    fn push(&mut self, now: Instant, event: LowerEvent) {
+        if self.events.len() >= UNSEEN_CAPACITY {
+            self.events.pop_front();
+        }
+        self.events.push_back((now, event));
+    }
+
+    /// The events still worth a try at `now`; the expired ones are dropped.
+    fn due(&mut self, now: Instant) -> Vec<(Instant, LowerEvent)> {
+        self.events
+            .drain(..)
+            .filter(|(first, _)| now.saturating_duration_since(*first) < UNSEEN_FOR)
+            .collect()
     }
 }
 
@@ -158,25 +209,63 @@ async fn publish(ctx: &Context, outbox: &Outbox, shutdown: &CancellationToken) {
     }
 }
 
+/// What becomes of a lower event.
+enum Reflection {
+    /// Its reflection on the upper pod.
+    Publish(Box<Outgoing>),
+    /// Nothing: not reflected, or not let through.
+    Skip,
+    /// Its pod is not in the pod stores (yet): try again.
+    PodNotSeen,
+}
+
 /// The reflection of `event` on the upper pod of the lower pod it is about, if that pod
 /// is this node's and the gate lets it through.
-fn reflect(
-    pods: &PodStores,
+fn reflect(pods: &PodStores, gate: &mut EventGate, event: &LowerEvent, started: i64) -> Reflection {
+    let about = &event.involved_object;
+    let (Some(namespace), Some(name)) = (about.namespace.as_deref(), about.name.as_deref()) else {
+        return Reflection::Skip;
+    };
+    let Some(lower) = pods.lower.get(namespace, name) else {
+        return Reflection::PodNotSeen;
+    };
+    if about.uid.is_some() && about.uid.as_deref() != lower.meta.uid.as_deref() {
+        // About another pod of this name: an earlier one, or one the store has not seen.
+        return Reflection::PodNotSeen;
+    }
+    let Some(origin) = lower.upper_uid() else {
+        return Reflection::Skip;
+    };
+    let Some(upper) = pods
+        .upper
+        .get(namespace, name)
+        .filter(|u| u.meta.uid.as_deref() == Some(origin))
+    else {
+        return Reflection::PodNotSeen;
+    };
+    match reflect_on(
+        gate,
+        event,
+        started,
+        namespace,
+        name,
+        upper.object_reference(),
+    ) {
+        Some(outgoing) => Reflection::Publish(Box::new(outgoing)),
+        None => Reflection::Skip,
+    }
+}
+
+/// `event`'s reflection on the upper pod `namespace/name` (`reference`), if it is one the
+/// user should see and the gate lets it through.
+fn reflect_on(
     gate: &mut EventGate,
     event: &LowerEvent,
     started: i64,
+    namespace: &str,
+    name: &str,
+    mut reference: ObjectReference,
 ) -> Option<Outgoing> {
-    let about = &event.involved_object;
-    let (namespace, name) = (about.namespace.as_deref()?, about.name.as_deref()?);
-    let lower = pods.lower.get(namespace, name)?;
-    if about.uid.is_some() && about.uid.as_deref() != lower.meta.uid.as_deref() {
-        return None; // about an earlier pod of this name
-    }
-    let origin = lower.upper_uid()?;
-    let upper = pods
-        .upper
-        .get(namespace, name)
-        .filter(|u| u.meta.uid.as_deref() == Some(origin))?;
     let reflected = reflection(event)?;
     let id = event
         .metadata
@@ -199,7 +288,6 @@ fn reflect(
             return None;
         }
     }
-    let mut reference = upper.object_reference();
     reference.field_path = reflected.field_path.clone();
     let event = Event {
         type_: if reflected.warning {
@@ -217,4 +305,39 @@ fn reflect(
         reference,
         event,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(name: &str) -> LowerEvent {
+        let mut event = LowerEvent::default();
+        event.metadata.name = Some(name.into());
+        event
+    }
+
+    fn names(due: &[(Instant, LowerEvent)]) -> Vec<String> {
+        due.iter()
+            .map(|(_, e)| e.metadata.name.clone().unwrap_or_default())
+            .collect()
+    }
+
+    /// Events about pods not seen yet wait for their pods a while, and a bounded number.
+    #[test]
+    fn unseen_events_wait_a_while_and_so_many() {
+        let start = Instant::now();
+        let mut unseen = Unseen::default();
+        unseen.push(start, event("early"));
+        unseen.push(start + UNSEEN_FOR / 2, event("later"));
+        let due = unseen.due(start + UNSEEN_FOR);
+        assert_eq!(names(&due), ["later"], "expired after UNSEEN_FOR");
+        assert!(unseen.events.is_empty(), "handed out");
+        for i in 0..=UNSEEN_CAPACITY {
+            unseen.push(start, event(&i.to_string()));
+        }
+        let due = unseen.due(start);
+        assert_eq!(due.len(), UNSEEN_CAPACITY);
+        assert_eq!(names(&due[..1]), ["1"], "the oldest went first");
+    }
 }
