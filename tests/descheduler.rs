@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::descheduler::{
     INTERVAL_SECS, annotation, big_spec, events, node_of, not_in_hostnames, refused_below,
-    set_unschedulable, shipped_rbac_kubeconfig, start_descheduler, start_webhook,
+    set_unschedulable, shipped_rbac_kubeconfig, start_descheduler, start_webhook, watch_for_mark,
 };
 use common::{TIMEOUT, running, start_node};
 use futures::StreamExt;
@@ -173,21 +173,7 @@ async fn descheduler_moves_what_the_lower_cluster_cannot_place() {
     assert!(status.success(), "dry run exit: {status}");
 
     // Two replicas; the regular node opens. The pod moves there within about one interval.
-    // The evicted pod is gone by the time its replacement runs: watch for its mark.
-    let marked = {
-        let fields = format!("metadata.name={}", first.metadata.name.as_deref().unwrap());
-        let watched = watcher(pods.clone(), watcher::Config::default().fields(&fields));
-        tokio::spawn(async move {
-            let mut watched = std::pin::pin!(watched.applied_objects());
-            while let Some(pod) = watched.next().await {
-                let pod = pod.unwrap();
-                if annotation(&pod, "unschedulable-node").is_some() {
-                    return pod;
-                }
-            }
-            panic!("watch ended");
-        })
-    };
+    let marked = watch_for_mark(&pods, first.metadata.name.as_deref().unwrap());
     set_unschedulable(&nodes, REGULAR, false).await;
     let refused_at = Instant::now();
     // tensile-kube's policy file; a lifetime long enough that `waiting` stays.

@@ -9,15 +9,13 @@ use std::net::Ipv4Addr;
 
 use common::descheduler::{
     annotation, big_spec, events, node_of, not_in_hostnames, refused_below, set_unschedulable,
-    shipped_rbac_kubeconfig, start_descheduler, start_webhook,
+    shipped_rbac_kubeconfig, start_descheduler, start_webhook, watch_for_mark,
 };
 use common::{TIMEOUT, running};
-use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams, PostParams};
-use kube::runtime::{WatchStreamExt, watcher};
 use tensile_harness::fixtures::{deployment, with_template_label};
 use tensile_harness::{
     ClusterOptions, ClusterPair, NodeShape, PairOptions, TestNamespace, invariant, wait_for,
@@ -95,21 +93,7 @@ async fn a_pod_stuck_pending_in_member_a_is_moved_to_member_b() {
     .unwrap();
     let stuck_name = stuck.metadata.name.clone().unwrap();
 
-    // The evicted pod is gone by the time its replacement runs: watch for its mark.
-    let marked = {
-        let fields = format!("metadata.name={stuck_name}");
-        let watched = watcher(pods.clone(), watcher::Config::default().fields(&fields));
-        tokio::spawn(async move {
-            let mut watched = std::pin::pin!(watched.applied_objects());
-            while let Some(pod) = watched.next().await {
-                let pod = pod.unwrap();
-                if annotation(&pod, "unschedulable-node").is_some() {
-                    return pod;
-                }
-            }
-            panic!("watch ended");
-        })
-    };
+    let marked = watch_for_mark(&pods, &stuck_name);
     set_unschedulable(&nodes, B, false).await;
     let desched = start_descheduler(&pair, &kubeconfig, "desched", &[]);
     let moved = wait_for("big Running on member B", TIMEOUT, || async {

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::time::Duration;
 
-use common::TIMEOUT;
+use common::{TIMEOUT, ready_status};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams, PostParams};
@@ -43,16 +43,6 @@ async fn running_by_node(pods: &Api<Pod>, app: &str) -> BTreeMap<String, usize> 
         }
     }
     by_node
-}
-
-fn ready(node: &Node) -> Option<String> {
-    node.status
-        .as_ref()?
-        .conditions
-        .as_ref()?
-        .iter()
-        .find(|c| c.type_ == "Ready")
-        .map(|c| c.status.clone())
 }
 
 #[tokio::test]
@@ -137,12 +127,12 @@ async fn a_frozen_member_goes_not_ready_alone_and_its_pods_move_to_the_other() {
         .unwrap();
     let outage = async {
         wait_for("node A not Ready", Duration::from_secs(90), || async {
-            let status = ready(&nodes.get(A).await?);
+            let status = ready_status(&nodes.get(A).await?);
             Ok((status.as_deref() != Some("True")).then_some(()))
         })
         .await?;
         assert_eq!(
-            ready(&nodes.get(B).await.unwrap()).as_deref(),
+            ready_status(&nodes.get(B).await.unwrap()).as_deref(),
             Some("True"),
             "member B stays Ready while A is frozen"
         );

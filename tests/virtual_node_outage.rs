@@ -9,22 +9,12 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{TIMEOUT, start_node, wait_running};
+use common::{TIMEOUT, ready_status, start_node, wait_running};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, DeleteParams, PostParams};
 use nix::sys::signal::Signal;
 use tensile_harness::fixtures::bound_pod;
 use tensile_harness::{ClusterPair, Component, PairOptions, TestNamespace, invariant, wait_for};
-
-fn ready_status(node: &Node) -> Option<String> {
-    node.status
-        .as_ref()?
-        .conditions
-        .as_ref()?
-        .iter()
-        .find(|c| c.type_ == "Ready")
-        .map(|c| c.status.clone())
-}
 
 #[tokio::test]
 async fn node_goes_not_ready_while_the_lower_cluster_is_silent_and_recovers() {

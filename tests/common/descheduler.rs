@@ -5,10 +5,12 @@
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
+use futures::StreamExt;
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::{Value, json};
 use tensile_harness::{ClusterPair, wait_for};
 
@@ -241,4 +243,21 @@ pub async fn events(api: &Api<Event>, reason: &str) -> Vec<Event> {
 pub fn big_spec(cpu: &str) -> Value {
     json!({"containers": [{"name": "app", "image": "nginx",
         "resources": {"requests": {"cpu": cpu, "memory": "1Gi"}}}]})
+}
+
+/// Watches pod `name` of `pods` until the descheduler marks it (`unschedulable-node`):
+/// the evicted pod is gone by the time its replacement runs, so the mark is caught live.
+pub fn watch_for_mark(pods: &Api<Pod>, name: &str) -> tokio::task::JoinHandle<Pod> {
+    let fields = format!("metadata.name={name}");
+    let watched = watcher(pods.clone(), watcher::Config::default().fields(&fields));
+    tokio::spawn(async move {
+        let mut watched = std::pin::pin!(watched.applied_objects());
+        while let Some(pod) = watched.next().await {
+            let pod = pod.unwrap();
+            if annotation(&pod, "unschedulable-node").is_some() {
+                return pod;
+            }
+        }
+        panic!("watch ended");
+    })
 }

@@ -176,3 +176,14 @@ fn series_value(text: &str, series: &str) -> Option<u64> {
             .map(|v| v as u64)
     })
 }
+
+/// The status of `node`'s Ready condition (`True`, `False`, `Unknown`), if it has one.
+pub fn ready_status(node: &Node) -> Option<String> {
+    node.status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .map(|c| c.status.clone())
+}
