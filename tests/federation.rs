@@ -9,36 +9,21 @@ use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::time::Duration;
 
-use common::TIMEOUT;
+use common::{TIMEOUT, member_secret, metric};
 use k8s_openapi::ByteString;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Event, Node, Pod, Secret};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
-use tensile::member::spec::{KUBECONFIG_KEY, MEMBER_FINALIZER, MEMBER_LABEL, NODE_NAME_ANNOTATION};
+use tensile::member::INJECT_PANIC_ENV;
+use tensile::member::spec::{KUBECONFIG_KEY, MEMBER_FINALIZER, MEMBER_LABEL};
 use tensile::translate::meta::OWNER_NODE_LABEL;
 use tensile_harness::fixtures::{deployment, virtual_node_toleration};
 use tensile_harness::{
     ClusterOptions, ClusterPair, TestNamespace, VirtualNodeOptions, invariant, node_is_ready,
     wait_for,
 };
-
-/// A member Secret named `name` for the lower cluster of `kubeconfig`, joined as `node`.
-fn member_secret(name: &str, node: &str, kubeconfig: &std::path::Path) -> Secret {
-    let mut secret = Secret::default();
-    secret.metadata.name = Some(name.into());
-    secret.metadata.labels = Some([(MEMBER_LABEL.to_owned(), "true".to_owned())].into());
-    secret.metadata.annotations = Some([(NODE_NAME_ANNOTATION.to_owned(), node.to_owned())].into());
-    secret.data = Some(
-        [(
-            KUBECONFIG_KEY.to_owned(),
-            ByteString(std::fs::read(kubeconfig).unwrap()),
-        )]
-        .into(),
-    );
-    secret
-}
 
 /// The watches open on the upper API server, by resource (its
 /// `apiserver_longrunning_requests` gauge, every client's together).
@@ -161,6 +146,8 @@ async fn three_lower_clusters_joined_from_member_secrets_share_a_deployment() {
     let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), "vk-fed");
     options.flags_member = false;
     options.args = vec!["--members-namespace".into(), members.name.clone()];
+    // A task of member C panics once, a moment after it started.
+    options.envs = vec![(INJECT_PANIC_ENV.into(), "vk-fed-c".into())];
     let mut vn = pair.start_virtual_node(&options).unwrap();
     let nodes: Api<Node> = Api::all(upper.clone());
     let mut all_ready = async |members: &[(&str, Client)]| {
@@ -211,6 +198,46 @@ async fn three_lower_clusters_joined_from_member_secrets_share_a_deployment() {
         three_members.lock().unwrap()
     );
     let events: Api<Event> = Api::namespaced(upper.clone(), &members.name);
+    // Member C's panic ended C alone: named in a Warning on its Secret, restarted with
+    // backoff, up again; the process and the other members went on.
+    wait_for(
+        "a MemberFailed Warning on member C's Secret naming the panic",
+        TIMEOUT,
+        || async {
+            let found = events.list(&ListParams::default()).await?.items;
+            Ok(found
+                .iter()
+                .any(|e| {
+                    e.involved_object.name.as_deref() == Some("lower-c")
+                        && e.reason.as_deref() == Some("MemberFailed")
+                        && e.message
+                            .as_deref()
+                            .unwrap_or_default()
+                            .contains("panicked")
+                })
+                .then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+    wait_for("member C up again after its panic", TIMEOUT, || async {
+        let up = metric(&vn, r#"tensile_member_up{node="vk-fed-c"}"#).await == 1;
+        let ready = nodes
+            .get_opt("vk-fed-c")
+            .await?
+            .is_some_and(|n| node_is_ready(&n));
+        Ok((up && ready).then_some(()))
+    })
+    .await
+    .unwrap();
+    for node in ["vk-fed-a", "vk-fed-b"] {
+        assert_eq!(
+            metric(&vn, &format!(r#"tensile_member_up{{node="{node}"}}"#)).await,
+            1,
+            "{node} stays up through C's panic"
+        );
+    }
+    vn.check_running().unwrap();
     wait_for(
         "a Warning on the Secret without a kubeconfig",
         TIMEOUT,

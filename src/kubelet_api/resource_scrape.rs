@@ -24,8 +24,8 @@ const PARALLEL_KUBELETS: usize = 16;
 /// than hang its caller (metrics-server gives up after 10 s).
 const LOWER_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// How long the metrics API stands in for a lower identity refused `nodes/proxy` before
-/// the kubelets are tried again (a permission granted later takes effect).
+/// How long the metrics API stands in for kubelets that could not be read through the
+/// lower API server before they are tried again (a permission granted later takes effect).
 const FALLBACK_RETRY: Duration = Duration::from_secs(600);
 
 /// Why some of this node's figures are missing from a scrape.
@@ -52,8 +52,11 @@ pub enum ScrapeError {
 /// What one lower kubelet answered.
 enum Kubelet {
     Text(String),
-    /// The lower identity may not `get nodes/proxy`.
-    Forbidden,
+    /// It cannot be read through the lower API server, for a reason that holds for every
+    /// scrape (the lower metrics API stands in): the lower identity may not `get
+    /// nodes/proxy`, or the API server will not proxy to the node's address (it refuses
+    /// loopback and link-local ones).
+    Unreadable(String),
     Failed(ScrapeError),
 }
 
@@ -65,7 +68,8 @@ struct State {
     integrated: Integrated,
     /// Since when the metrics API stands in for refused kubelets.
     fallback_since: Option<Instant>,
-    fallback_logged: bool,
+    /// Why the metrics API stands in, as last logged.
+    fallback_logged: Option<String>,
     /// The last scrape's errors, logged at warn only when they change.
     last_errors: String,
 }
@@ -84,7 +88,7 @@ impl Default for ResourceMetrics {
                 node_cpu: NodeCpu::default(),
                 integrated: Integrated::new(now_ms()),
                 fallback_since: None,
-                fallback_logged: false,
+                fallback_logged: None,
                 last_errors: String::new(),
             }),
         }
@@ -139,7 +143,18 @@ async fn kubelet(lower: &Client, node: &str) -> Kubelet {
         // The lower API server's own refusal (a Status with reason Forbidden), not one the
         // kubelet gave it, which comes back as its plain text.
         Ok(Err(kube::Error::Api(status))) if status.code == 403 && status.reason == "Forbidden" => {
-            Kubelet::Forbidden
+            Kubelet::Unreadable(
+                "the lower identity may not get nodes/proxy (grant it for the kubelets' own counters)"
+                    .into(),
+            )
+        }
+        Ok(Err(kube::Error::Api(status)))
+            if status.code == 400 && status.message.contains("address not allowed") =>
+        {
+            Kubelet::Unreadable(format!(
+                "the lower API server will not proxy to node {node}: {}",
+                status.message
+            ))
         }
         Ok(Err(e)) => failed(e.to_string()),
         Err(_) => failed(format!("no answer in {LOWER_TIMEOUT:?}")),
@@ -196,7 +211,10 @@ impl ResourceMetrics {
         let retry_kubelets = state
             .fallback_since
             .is_none_or(|since| since.elapsed() >= FALLBACK_RETRY);
-        let mut forbidden = !retry_kubelets;
+        // Why the metrics API stands in for the kubelets this time, if it does.
+        let mut unreadable: Option<String> = (!retry_kubelets)
+            .then(|| state.fallback_logged.clone())
+            .flatten();
         if retry_kubelets {
             let nodes: BTreeSet<String> =
                 pods.iter().filter_map(|p| p.lower_node.clone()).collect();
@@ -218,21 +236,22 @@ impl ResourceMetrics {
                             });
                         }
                     }
-                    Kubelet::Forbidden => forbidden = true,
+                    Kubelet::Unreadable(why) => {
+                        unreadable.get_or_insert(why);
+                    }
                     Kubelet::Failed(e) => errors.push(e),
                 }
             }
         }
-        if forbidden {
-            if !state.fallback_logged {
-                state.fallback_logged = true;
+        if let Some(why) = unreadable {
+            if state.fallback_logged.as_ref() != Some(&why) {
                 warn!(
-                    node = %owner.node, cluster = "lower",
-                    "kubelet API: the lower identity may not get nodes/proxy, so /metrics/resource \
-                     is built from the lower metrics API (metrics.k8s.io) instead of the lower \
-                     kubelets, with CPU counters integrated from usage that start again when \
-                     virtual-node restarts; grant get on nodes/proxy for the kubelets' own"
+                    node = %owner.node, cluster = "lower", reason = %why,
+                    "kubelet API: the lower kubelets cannot be read, so /metrics/resource is \
+                     built from the lower metrics API (metrics.k8s.io), with CPU counters \
+                     integrated from usage that start again when virtual-node restarts"
                 );
+                state.fallback_logged = Some(why);
             }
             if retry_kubelets {
                 state.fallback_since = Some(Instant::now());
@@ -249,9 +268,10 @@ impl ResourceMetrics {
                 }
             };
         } else if state.fallback_since.take().is_some() {
+            state.fallback_logged = None;
             info!(
                 node = %owner.node, cluster = "lower",
-                "kubelet API: nodes/proxy is allowed now: /metrics/resource reads the lower kubelets"
+                "kubelet API: the lower kubelets can be read now: /metrics/resource reads them"
             );
         }
 

@@ -292,6 +292,9 @@ async fn run_member(
                 status: triggers.1,
             };
             spawn_controllers(&mut tasks, &ctx, args, &shared.optional, watched, &shutdown);
+            if let Some(panic) = injected_panic(&spec.node) {
+                tasks.spawn("injected panic", panic);
+            }
             started.cancel();
             tasks.spawn(
                 "node keep-alive",
@@ -316,6 +319,32 @@ async fn run_member(
             }
         }
     }
+}
+
+/// The environment variable naming the members (nodes, comma-separated) in which a task
+/// panics once per process, a moment after they started: for tests of what a member's
+/// panic does (`tests/federation.rs`). Unset in production.
+pub const INJECT_PANIC_ENV: &str = "TENSILE_INJECT_PANIC";
+
+/// A task that panics, if [`INJECT_PANIC_ENV`] names `node` and it has not panicked yet.
+fn injected_panic(node: &str) -> Option<impl Future<Output = ()> + Send + 'static> {
+    static PANICKED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let named = std::env::var(INJECT_PANIC_ENV).ok()?;
+    if !named.split(',').any(|n| n.trim() == node) {
+        return None;
+    }
+    let mut panicked = PANICKED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if panicked.iter().any(|n| n == node) {
+        return None;
+    }
+    panicked.push(node.to_owned());
+    let node = node.to_owned();
+    Some(async move {
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        panic!("injected by {INJECT_PANIC_ENV} for node {node}");
+    })
 }
 
 /// Adopts, at start, the lower objects this node created under older ownership marks.

@@ -4,9 +4,11 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::ByteString;
+use k8s_openapi::api::core::v1::{Node, Pod, Secret};
 use kube::Client;
 use kube::api::{Api, ListParams};
+use tensile::member::spec::{KUBECONFIG_KEY, MEMBER_LABEL, NODE_NAME_ANNOTATION};
 use tensile_harness::{ClusterPair, VirtualNode, VirtualNodeOptions, node_is_ready, wait_for};
 
 pub mod descheduler;
@@ -186,4 +188,20 @@ pub fn ready_status(node: &Node) -> Option<String> {
         .iter()
         .find(|c| c.type_ == "Ready")
         .map(|c| c.status.clone())
+}
+
+/// A member Secret named `name` for the lower cluster of `kubeconfig`, joined as `node`.
+pub fn member_secret(name: &str, node: &str, kubeconfig: &std::path::Path) -> Secret {
+    let mut secret = Secret::default();
+    secret.metadata.name = Some(name.into());
+    secret.metadata.labels = Some([(MEMBER_LABEL.to_owned(), "true".to_owned())].into());
+    secret.metadata.annotations = Some([(NODE_NAME_ANNOTATION.to_owned(), node.to_owned())].into());
+    secret.data = Some(
+        [(
+            KUBECONFIG_KEY.to_owned(),
+            ByteString(std::fs::read(kubeconfig).unwrap()),
+        )]
+        .into(),
+    );
+    secret
 }

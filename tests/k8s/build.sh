@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the pinned Kubernetes binaries (kube-apiserver, kube-controller-manager,
-# kube-scheduler, kubectl), etcd and kwok from the Go module proxy, using the wrapper
-# modules beside this script. Idempotent: the result is cached under
+# kube-scheduler, kubectl), etcd, kwok and metrics-server from the Go module proxy, using
+# the wrapper modules beside this script. Idempotent: the result is cached under
 #   ${TENSILE_K8S_CACHE:-${XDG_CACHE_HOME:-~/.cache}/tensile/k8s}/<versions>-<go.sum hash>/
 # and a warm run only checks the stamp. Progress goes to stderr; the last line on stdout
 # is the directory holding bin/ and stages/, which the harness reads.
@@ -22,11 +22,19 @@ for v in k8s_version etcd_version kwok_version; do
 done
 
 # The key covers every input of the build, so editing a wrapper module rebuilds.
-key=$(cat "$here"/*/go.mod "$here"/*/go.sum "$here"/*/*.go | sha256sum | cut -c1-12)
+# metrics-server is built into the same directory as an addition with a stamp of its own
+# (below), so adding or bumping it does not rebuild the rest.
+key=$(cat "$here"/{etcd,kubernetes,kwok}/go.mod "$here"/{etcd,kubernetes,kwok}/go.sum \
+  "$here"/{etcd,kubernetes,kwok}/*.go | sha256sum | cut -c1-12)
+ms_version=$(require_version metrics-server sigs.k8s.io/metrics-server)
+[ -n "$ms_version" ] || { echo "build.sh: cannot read the metrics-server version" >&2; exit 1; }
+ms_key=$(cat "$here"/metrics-server/go.mod "$here"/metrics-server/go.sum "$here"/metrics-server/*.go |
+  sha256sum | cut -c1-12)
+ms_stamp=".metrics-server-$ms_version-$ms_key"
 cache_root=${TENSILE_K8S_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/tensile/k8s}
 out="$cache_root/k8s-$k8s_version-etcd-$etcd_version-kwok-$kwok_version-$key"
 
-if [ -f "$out/.complete" ]; then
+if [ -f "$out/.complete" ] && [ -f "$out/$ms_stamp" ]; then
   echo "k8s binaries: cached in $out" >&2
   echo "$out"
   exit 0
@@ -36,7 +44,7 @@ fi
 mkdir -p "$cache_root"
 exec 9>"$cache_root/.build.lock"
 flock 9
-if [ -f "$out/.complete" ]; then
+if [ -f "$out/.complete" ] && [ -f "$out/$ms_stamp" ]; then
   echo "k8s binaries: built by a concurrent run in $out" >&2
   echo "$out"
   exit 0
@@ -45,11 +53,6 @@ fi
 command -v go >/dev/null || { echo "build.sh: Go is required to build the Kubernetes binaries (go not on PATH)" >&2; exit 1; }
 
 start=$(date +%s)
-tmp="$out.tmp.$$"
-rm -rf "$tmp"
-mkdir -p "$tmp/bin" "$tmp/stages"
-trap 'rm -rf "$tmp"' EXIT
-
 export GOFLAGS="${GOFLAGS:-} -mod=mod -trimpath"
 export CGO_ENABLED=0
 
@@ -61,6 +64,32 @@ step() { # name, then the command
   "$@" >&2
   echo "k8s binaries: built $name in $(($(date +%s) - t0))s" >&2
 }
+
+# metrics-server (and kwok's resource-metrics simulation, which ships in kwok's module),
+# added to a complete directory.
+add_metrics_server() { # dir
+  step "metrics-server $ms_version" \
+    env -C "$here/metrics-server" go build \
+    -ldflags "-s -w -X k8s.io/client-go/pkg/version.gitVersion=$ms_version" \
+    -o "$1/bin/metrics-server" sigs.k8s.io/metrics-server/cmd/metrics-server
+  local kwok_dir
+  kwok_dir=$(env -C "$here/kwok" go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)
+  install -m 0644 "$kwok_dir/kustomize/metrics/resource/metrics-resource.yaml" "$1/stages/"
+  echo "metrics-server=$ms_version" >>"$1/versions"
+  touch "$1/$ms_stamp"
+}
+
+if [ -f "$out/.complete" ]; then
+  add_metrics_server "$out"
+  echo "k8s binaries: metrics-server added in $(($(date +%s) - start))s -> $out" >&2
+  echo "$out"
+  exit 0
+fi
+
+tmp="$out.tmp.$$"
+rm -rf "$tmp"
+mkdir -p "$tmp/bin" "$tmp/stages"
+trap 'rm -rf "$tmp"' EXIT
 
 minor=${k8s_version#v1.}
 minor=${minor%%.*}
@@ -95,6 +124,7 @@ kubernetes=$k8s_version
 etcd=$etcd_version
 kwok=$kwok_version
 EOF
+add_metrics_server "$tmp"
 touch "$tmp/.complete"
 rm -rf "$out"
 mv "$tmp" "$out"

@@ -32,9 +32,29 @@ pub const VK: &str = "vk-node";
 /// no work; `-p tensile` alone would build it, and half its dependencies, again.
 pub fn virtual_node_binary() -> PathBuf {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let status = std::process::Command::new(cargo)
+    let mut command = std::process::Command::new(cargo);
+    command
         .args(["build", "--workspace", "--all-targets"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"));
+    // What cargo set for running this test (CARGO_PKG_NAME, CARGO_MANIFEST_DIR, OUT_DIR,
+    // ...) would reach the build scripts that watch those names (ring's does), and make
+    // them, and everything above them, build again.
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        let set_for_the_test = [
+            "CARGO_PKG_",
+            "CARGO_MANIFEST_",
+            "CARGO_CRATE_",
+            "CARGO_BIN_",
+        ]
+        .iter()
+        .any(|prefix| name.starts_with(prefix))
+            || ["CARGO_PRIMARY_PACKAGE", "CARGO_TARGET_TMPDIR", "OUT_DIR"].contains(&&*name);
+        if set_for_the_test {
+            command.env_remove(&*name);
+        }
+    }
+    let status = command
         .status()
         .expect("running cargo build for virtual-node");
     assert!(

@@ -66,6 +66,10 @@ pub struct ClusterOptions {
     pub controller_manager_args: Vec<String>,
     /// Extra top-level fields merged into the KubeSchedulerConfiguration (e.g. `extenders`).
     pub scheduler_config: serde_json::Map<String, serde_json::Value>,
+    /// Resource metrics: the API server gets the aggregation layer, kwok simulates each
+    /// node's `/metrics/resource` (usage set by annotations, see [`crate::metrics_server`]),
+    /// and metrics-server serves `metrics.k8s.io` (`kubectl top`, the HPA).
+    pub metrics: bool,
 }
 
 impl ClusterOptions {
@@ -81,6 +85,7 @@ impl ClusterOptions {
             apiserver_args: Vec::new(),
             controller_manager_args: Vec::new(),
             scheduler_config: serde_json::Map::new(),
+            metrics: false,
         }
     }
 }
@@ -98,6 +103,8 @@ pub enum Component {
     Scheduler,
     /// kwok
     Kwok,
+    /// metrics-server (with [`ClusterOptions::metrics`])
+    MetricsServer,
 }
 
 impl Component {
@@ -108,6 +115,7 @@ impl Component {
             Self::ControllerManager => "kube-controller-manager",
             Self::Scheduler => "kube-scheduler",
             Self::Kwok => "kwok",
+            Self::MetricsServer => "metrics-server",
         }
     }
 }
@@ -241,6 +249,9 @@ impl Cluster {
             "--kubelet-preferred-address-types=InternalIP,Hostname".into(),
             "--profiling=false".into(),
         ];
+        if cluster.options.metrics {
+            args.extend(crate::metrics_server::aggregation_args(pki)?);
+        }
         args.extend(cluster.options.apiserver_args.iter().cloned());
         cluster.spawn(bins, reaper, Component::ApiServer, args)?;
         cluster
@@ -323,6 +334,9 @@ impl Cluster {
             .collect::<Result<Vec<_>>>()?;
             let mut documents = stages;
             documents.push(kwok_debugging_config(&dir.join("kwok"))?);
+            if cluster.options.metrics {
+                documents.extend(crate::metrics_server::kwok_metrics_config(bins)?);
+            }
             std::fs::write(&kwok_config, documents.join("\n---\n"))?;
             let kwok_port = free_port()?;
             cluster.spawn(
@@ -369,10 +383,13 @@ impl Cluster {
                 },
             )
             .await?;
+        if cluster.options.metrics {
+            cluster.start_metrics_server(bins, reaper).await?;
+        }
         Ok(cluster)
     }
 
-    fn spawn(
+    pub(crate) fn spawn(
         &self,
         bins: &Binaries,
         reaper: &Reaper,
@@ -397,7 +414,12 @@ impl Cluster {
     }
 
     /// Waits for `check`, failing early (with its log) if `component` exits.
-    async fn wait_running<F, Fut>(&self, component: Component, what: &str, check: F) -> Result<()>
+    pub(crate) async fn wait_running<F, Fut>(
+        &self,
+        component: Component,
+        what: &str,
+        check: F,
+    ) -> Result<()>
     where
         F: Fn() -> Fut,
         Fut: Future<Output = Result<Option<()>>>,
@@ -493,13 +515,23 @@ impl Cluster {
             let resources = serde_json::json!({
                 "cpu": shape.cpu, "memory": shape.memory, "pods": shape.pods,
             });
+            let mut annotations = serde_json::json!({KWOK_NODE_ANNOTATION: "fake"});
+            if self.options.metrics
+                && let Some(map) = annotations.as_object_mut()
+            {
+                // Where metrics-server reads the node's resource metrics: kwok's path.
+                map.insert(
+                    crate::metrics_server::RESOURCE_METRICS_PATH_ANNOTATION.into(),
+                    format!("/metrics/nodes/{node}/metrics/resource").into(),
+                );
+            }
             let object: Node = serde_json::from_value(serde_json::json!({
                 "apiVersion": "v1",
                 "kind": "Node",
                 "metadata": {
                     "name": node,
                     "labels": labels,
-                    "annotations": {KWOK_NODE_ANNOTATION: "fake"},
+                    "annotations": annotations,
                 },
                 "status": {
                     "capacity": resources,

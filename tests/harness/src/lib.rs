@@ -20,6 +20,7 @@ pub mod fixtures;
 pub mod http;
 pub mod invariant;
 pub mod measure;
+pub mod metrics_server;
 pub mod pair;
 pub mod pki;
 pub mod ports;

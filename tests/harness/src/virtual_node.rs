@@ -188,12 +188,8 @@ fn lifecycle_tainted(node: &k8s_openapi::api::core::v1::Node) -> bool {
 
 impl ClusterPair {
     /// Joins each (node, lower cluster kubeconfig) of `members` with `virtual-node join`
-    /// (of `binary`) into the upper members namespace `namespace`, starts one virtual-node
-    /// serving them all (`--members-namespace`, `args` besides), and waits until every
-    /// node is Ready and schedulable: the node lifecycle controller has also taken its
-    /// `node.kubernetes.io/not-ready` taint off, which it does a moment after Ready, and
-    /// until then the upper scheduler places nothing there. The error carries the end of
-    /// its log.
+    /// (of `binary`) into the upper members namespace `namespace`, then
+    /// [`ClusterPair::serve_members`].
     pub async fn start_members(
         &self,
         binary: &Path,
@@ -204,21 +200,41 @@ impl ClusterPair {
         for (node, kubeconfig) in members {
             join_member(binary, &self.upper.kubeconfig, kubeconfig, node, namespace).await?;
         }
-        let mut options = VirtualNodeOptions::new(binary, "vk-members");
+        let nodes: Vec<&str> = members.iter().map(|(node, _)| *node).collect();
+        self.serve_members(binary, "vk-members", namespace, &nodes, args)
+            .await
+    }
+
+    /// Starts one virtual-node (of `binary`, `--nodename process`, which names its log and
+    /// its default leader-election Lease) serving the member Secrets of the upper
+    /// namespace `namespace` (`--members-namespace`, `args` besides), and waits until each
+    /// node of `nodes` is Ready and schedulable: the node lifecycle controller has also
+    /// taken its `node.kubernetes.io/not-ready` taint off, which it does a moment after
+    /// Ready, and until then the upper scheduler places nothing there. The error carries
+    /// the end of its log.
+    pub async fn serve_members(
+        &self,
+        binary: &Path,
+        process: &str,
+        namespace: &str,
+        nodes: &[&str],
+        args: &[String],
+    ) -> Result<VirtualNode> {
+        let mut options = VirtualNodeOptions::new(binary, process);
         options.flags_member = false;
         options.args = ["--members-namespace".to_owned(), namespace.to_owned()]
             .into_iter()
             .chain(args.iter().cloned())
             .collect();
         let mut vn = self.start_virtual_node(&options)?;
-        let nodes: kube::Api<k8s_openapi::api::core::v1::Node> =
+        let upper: kube::Api<k8s_openapi::api::core::v1::Node> =
             kube::Api::all(self.upper.client().await?);
-        for (node, _) in members {
+        for node in nodes {
             let ready = crate::wait_for(
                 &format!("node {node} Ready and schedulable"),
                 Duration::from_secs(120),
                 || async {
-                    Ok(nodes
+                    Ok(upper
                         .get_opt(node)
                         .await?
                         .filter(|n| crate::node_is_ready(n) && !lifecycle_tainted(n))

@@ -16,6 +16,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::Api;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
+use tensile_harness::metrics_server::USAGE_CPU_ANNOTATION;
 use tensile_harness::{
     Cluster, ClusterOptions, ClusterPair, PairOptions, VirtualNode, VirtualNodeOptions,
     node_is_ready, wait_for,
@@ -150,6 +151,9 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
     };
     options.lower.nodes = shape.lower_nodes;
     options.upper.nodes = shape.upper_nodes;
+    // metrics-server in every cluster: `kubectl top` upstairs reads the virtual nodes.
+    options.upper.metrics = true;
+    options.lower.metrics = true;
     eprintln!(
         "starting the upper and lower clusters in {} ...",
         dir.display()
@@ -163,12 +167,13 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
         let mut clusters = Vec::new();
         for (i, name) in (2u8..).zip(&extra) {
             eprintln!("starting lower cluster {name} ...");
-            let options = ClusterOptions::new(
+            let mut options = ClusterOptions::new(
                 name,
                 shape.lower_nodes,
                 (Ipv4Addr::new(10, 100 + i, 0, 0), 16),
                 &format!("10.{}.0.0/16", 200 + i),
             );
+            options.metrics = true;
             clusters.push(pair.start_cluster(options).await?);
         }
         anyhow::Ok(clusters)
@@ -358,6 +363,12 @@ fn print_summary(
         println!("  {upper} logs vk-demo               # the kubelet API, served by {node}");
         println!("  {upper} exec vk-demo -- echo hi   # commands run inside kwok here");
         println!("  {upper} port-forward pod/vk-demo 8080:80   # kwok echoes what you send");
+        println!(
+            "  {upper} annotate pod vk-demo {USAGE_CPU_ANNOTATION}=250m   # kwok's simulated CPU use below ..."
+        );
+        println!(
+            "  {upper} top pod vk-demo; {upper} top node {node}   # ... in kubectl top within a minute"
+        );
     }
     println!("  {lower} get nodes,pods -A");
     if let Some(vn) = virtual_node {

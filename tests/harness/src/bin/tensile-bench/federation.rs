@@ -2,7 +2,8 @@
 //! (members joined by `virtual-node join`) against N single-cluster processes side by
 //! side, in one run on the same clusters, at the same total of mirrored pods: memory, CPU,
 //! what one more idle member costs, status reflection while every member bursts at once,
-//! and the upper API server's open watches.
+//! the upper API server's open watches, and isolation: the other members' reflection p99
+//! with one member's lower API server frozen, against the same burst without.
 
 use std::net::Ipv4Addr;
 use std::path::Path;
@@ -12,12 +13,13 @@ use anyhow::Result;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
 use kube::api::Api;
+use nix::sys::signal::Signal;
 use tensile_harness::fixtures::bound_pod;
 use tensile_harness::measure::footprint;
 use tensile_harness::virtual_node::join_member;
 use tensile_harness::{
-    Cluster, ClusterOptions, ClusterPair, NodeShape, PairOptions, VirtualNode, VirtualNodeOptions,
-    node_is_ready, wait_for,
+    Cluster, ClusterOptions, ClusterPair, Component, NodeShape, PairOptions, VirtualNode,
+    VirtualNodeOptions, node_is_ready, wait_for,
 };
 
 use super::{Args, PODS_PER_LOWER_NODE, burst, delete_and_wait, labelled, ms};
@@ -141,6 +143,28 @@ pub async fn run(binary: &Path, clusters: usize, args: &Args) -> Result<()> {
         watches: federated.watches.saturating_sub(watches_before),
         ..federated
     };
+    // Isolation: the other members burst again, with the first member's lower API server
+    // frozen (SIGSTOP) and without, in the same process.
+    let isolation = if clusters > 1 {
+        let others = &members[1..];
+        let mut p99 = Vec::new();
+        for frozen in [false, true] {
+            if frozen {
+                lowers[0].signal(Component::ApiServer, Signal::SIGSTOP)?;
+            }
+            let prefix = if frozen { "frozen" } else { "calm" };
+            let burst = measure(&upper, &[&one], others, per_member, concurrency, prefix).await;
+            if frozen {
+                lowers[0].signal(Component::ApiServer, Signal::SIGCONT)?;
+            }
+            let (side, ns) = burst?;
+            clean(&upper, &lowers[1..], &ns, per_member * others.len()).await?;
+            p99.push(side.p99);
+        }
+        Some((p99[0], p99[1]))
+    } else {
+        None
+    };
     drop(one);
 
     // N processes, one per lower cluster, as tensile-kube runs.
@@ -213,6 +237,15 @@ pub async fn run(binary: &Path, clusters: usize, args: &Args) -> Result<()> {
             idle_member / MIB,
             mib(one_member),
             mib(federated.idle)
+        );
+    }
+    if let Some((calm, frozen)) = isolation {
+        println!(
+            "  isolation: the other {} member(s)' p99 (created -> Running) with member 1's lower API server frozen: {} vs {} without ({:+.0} %)",
+            clusters - 1,
+            ms(frozen),
+            ms(calm),
+            (frozen.as_secs_f64() / calm.as_secs_f64().max(1e-9) - 1.0) * 100.0
         );
     }
     drop(processes);

@@ -34,6 +34,7 @@ use tokio::task::JoinSet;
 use tokio::time::MissedTickBehavior;
 
 mod federation;
+mod scrape;
 
 #[derive(Parser)]
 #[command(about = "Benchmarks virtual-node against a local cluster pair")]
@@ -74,6 +75,11 @@ struct Args {
     /// `--pods` pods in all.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=20))]
     lower_clusters: Option<u16>,
+    /// Instead of the other scenarios: the cost of one scrape of the virtual node's kubelet
+    /// `/metrics/resource` (time, bytes, lower API requests) at each of these pod counts,
+    /// its lower cluster running metrics-server.
+    #[arg(long, value_delimiter = ',')]
+    scrape: Vec<usize>,
 }
 
 const NODE: &str = "vk-bench";
@@ -741,6 +747,9 @@ async fn run(args: Args) -> Result<()> {
     }
     if let Some(clusters) = args.lower_clusters {
         return federation::run(&binary, usize::from(clusters), &args).await;
+    }
+    if !args.scrape.is_empty() {
+        return scrape::run(&binary, &args.scrape, &args).await;
     }
     let largest = args
         .footprint

@@ -1,0 +1,173 @@
+//! Resource metrics in a harness cluster ([`ClusterOptions::metrics`]): the API server gets
+//! the aggregation layer (front-proxy client certificate, request-header authentication),
+//! kwok simulates each node's `/metrics/resource` at
+//! `/metrics/nodes/<node>/metrics/resource` (the path the node's
+//! [`RESOURCE_METRICS_PATH_ANNOTATION`] tells metrics-server), and metrics-server (built by
+//! `tests/k8s/build.sh`) runs beside the cluster, registered as `v1beta1.metrics.k8s.io`
+//! through an ExternalName Service at 127.0.0.1 (the aggregator resolves ExternalName
+//! Services by name and needs no kube-proxy; Endpoints may not hold loopback addresses).
+//!
+//! A simulated container's usage is set by annotations, on its pod, else on its node:
+//! [`USAGE_CPU_ANNOTATION`] (cores, e.g. `250m`) and [`USAGE_MEMORY_ANNOTATION`] (bytes,
+//! e.g. `64Mi`); without either, 1m and 1Mi (metrics-server drops a container that reports
+//! zero). kwok integrates the CPU usage into the cumulative counter a kubelet reports.
+//!
+//! [`ClusterOptions::metrics`]: crate::cluster::ClusterOptions::metrics
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
+use kube::api::{Api, Patch, PatchParams};
+
+use crate::binaries::Binaries;
+use crate::cluster::{Cluster, Component};
+use crate::pki::Pki;
+use crate::ports::free_port;
+use crate::process::Reaper;
+
+/// The node annotation metrics-server (0.7 and later) reads the resource metrics path of
+/// the node's kubelet from.
+pub const RESOURCE_METRICS_PATH_ANNOTATION: &str = "metrics.k8s.io/resource-metrics-path";
+/// A simulated pod's (or node's, for its pods without their own) CPU usage, in cores.
+pub const USAGE_CPU_ANNOTATION: &str = "kwok.x-k8s.io/usage-cpu";
+/// A simulated pod's (or node's) memory working set, in bytes.
+pub const USAGE_MEMORY_ANNOTATION: &str = "kwok.x-k8s.io/usage-memory";
+/// metrics-server's resolution: its shortest, so a usage change shows within seconds.
+pub const RESOLUTION: Duration = Duration::from_secs(10);
+
+/// The common name of the API server's front-proxy client certificate.
+const FRONT_PROXY_CLIENT: &str = "front-proxy-client";
+
+/// The kube-apiserver flags of the aggregation layer. The front-proxy client certificate is
+/// issued by the cluster CA; only its common name may assert request headers.
+pub(crate) fn aggregation_args(pki: &Pki) -> Result<Vec<String>> {
+    let proxy = pki.issue_client(FRONT_PROXY_CLIENT, &[])?;
+    let p = |path: &std::path::Path| path.display().to_string();
+    Ok(vec![
+        format!("--requestheader-client-ca-file={}", p(&pki.ca_cert)),
+        format!("--requestheader-allowed-names={FRONT_PROXY_CLIENT}"),
+        "--requestheader-username-headers=X-Remote-User".into(),
+        "--requestheader-group-headers=X-Remote-Group".into(),
+        "--requestheader-extra-headers-prefix=X-Remote-Extra-".into(),
+        format!("--proxy-client-cert-file={}", p(&proxy.cert)),
+        format!("--proxy-client-key-file={}", p(&proxy.key)),
+    ])
+}
+
+/// kwok's configuration documents for simulated resource metrics: kwok's own `Metric` of
+/// the kubelet's `/metrics/resource` series, and the usage it reads from annotations.
+pub(crate) fn kwok_metrics_config(bins: &Binaries) -> Result<Vec<String>> {
+    let path = bins.stage("metrics-resource.yaml");
+    let metric = std::fs::read_to_string(&path)
+        .with_context(|| format!("reading kwok's Metric {}", path.display()))?;
+    let usage = format!(
+        r#"apiVersion: kwok.x-k8s.io/v1alpha1
+kind: ClusterResourceUsage
+metadata:
+  name: usage-from-annotations
+spec:
+  usages:
+  - usage:
+      cpu:
+        expression: |
+          "{cpu}" in pod.metadata.annotations
+          ? Quantity(pod.metadata.annotations["{cpu}"])
+          : ("{cpu}" in node.metadata.annotations
+             ? Quantity(node.metadata.annotations["{cpu}"]) : Quantity("1m"))
+      memory:
+        expression: |
+          "{memory}" in pod.metadata.annotations
+          ? Quantity(pod.metadata.annotations["{memory}"])
+          : ("{memory}" in node.metadata.annotations
+             ? Quantity(node.metadata.annotations["{memory}"]) : Quantity("1Mi"))
+"#,
+        cpu = USAGE_CPU_ANNOTATION,
+        memory = USAGE_MEMORY_ANNOTATION,
+    );
+    Ok(vec![metric, usage])
+}
+
+impl Cluster {
+    /// Starts metrics-server against this cluster (the admin identity, which may read
+    /// every node's metrics) and registers it with the aggregator; returns once
+    /// `v1beta1.metrics.k8s.io` is Available.
+    pub(crate) async fn start_metrics_server(
+        &self,
+        bins: &Binaries,
+        reaper: &Reaper,
+    ) -> Result<()> {
+        let port = free_port()?;
+        let kubeconfig = self.kubeconfig.display().to_string();
+        self.spawn(
+            bins,
+            reaper,
+            Component::MetricsServer,
+            vec![
+                format!("--kubeconfig={kubeconfig}"),
+                format!("--authentication-kubeconfig={kubeconfig}"),
+                format!("--authorization-kubeconfig={kubeconfig}"),
+                "--bind-address=127.0.0.1".into(),
+                format!("--secure-port={port}"),
+                format!(
+                    "--cert-dir={}",
+                    self.dir.join("metrics-server-certs").display()
+                ),
+                "--kubelet-preferred-address-types=InternalIP".into(),
+                "--kubelet-use-node-status-port".into(),
+                // Nodes serve certificates for 127.0.0.1 of the cluster CA, but virtual
+                // nodes of other tests may not: scraping is what is tested, not TLS.
+                "--kubelet-insecure-tls".into(),
+                format!("--metric-resolution={}s", RESOLUTION.as_secs()),
+                // Below 90 % of the resolution, as metrics-server requires.
+                "--kubelet-request-timeout=8s".into(),
+            ],
+        )?;
+        let client = self.client().await?;
+        let apply = PatchParams::apply("tensile-harness").force();
+        let services: Api<Service> = Api::namespaced(client.clone(), "kube-system");
+        let service = serde_json::json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "metrics-server", "namespace": "kube-system"},
+            "spec": {"type": "ExternalName", "externalName": "127.0.0.1"},
+        });
+        services
+            .patch("metrics-server", &apply, &Patch::Apply(&service))
+            .await
+            .with_context(|| format!("{}: the metrics-server Service", self.name))?;
+        let api_services: Api<APIService> = Api::all(client);
+        let name = "v1beta1.metrics.k8s.io";
+        let api_service = serde_json::json!({
+            "apiVersion": "apiregistration.k8s.io/v1", "kind": "APIService",
+            "metadata": {"name": name},
+            "spec": {
+                "group": "metrics.k8s.io", "version": "v1beta1",
+                "groupPriorityMinimum": 100, "versionPriority": 100,
+                // metrics-server's certificate is its own, self-signed.
+                "insecureSkipTLSVerify": true,
+                "service": {"name": "metrics-server", "namespace": "kube-system", "port": port},
+            },
+        });
+        api_services
+            .patch(name, &apply, &Patch::Apply(&api_service))
+            .await
+            .with_context(|| format!("{}: the APIService {name}", self.name))?;
+        self.wait_running(
+            Component::MetricsServer,
+            "metrics.k8s.io Available",
+            || async {
+                let available = api_services
+                    .get(name)
+                    .await?
+                    .status
+                    .and_then(|s| s.conditions)
+                    .unwrap_or_default()
+                    .iter()
+                    .any(|c| c.type_ == "Available" && c.status == "True");
+                Ok(available.then_some(()))
+            },
+        )
+        .await
+    }
+}
