@@ -57,6 +57,27 @@ async fn open_watches(upper: &Client) -> BTreeMap<String, u64> {
     watches
 }
 
+/// Waits for an Event of `reason` on the member Secret `secret` whose message says `says`.
+async fn event_on(events: &Api<Event>, secret: &str, reason: &str, says: &str) {
+    wait_for(
+        &format!("a {reason} Event on the member Secret {secret} saying {says:?}"),
+        TIMEOUT,
+        || async {
+            let found = events.list(&ListParams::default()).await?.items;
+            Ok(found
+                .iter()
+                .any(|e| {
+                    e.involved_object.name.as_deref() == Some(secret)
+                        && e.reason.as_deref() == Some(reason)
+                        && e.message.as_deref().unwrap_or_default().contains(says)
+                })
+                .then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+}
+
 /// Pods of `app` in `ns` by the node they are bound to ("" for none).
 async fn placement(pods: &Api<Pod>, app: &str) -> BTreeMap<String, usize> {
     let mut by_node = BTreeMap::new();
@@ -200,26 +221,7 @@ async fn three_lower_clusters_joined_from_member_secrets_share_a_deployment() {
     let events: Api<Event> = Api::namespaced(upper.clone(), &members.name);
     // Member C's panic ended C alone: named in a Warning on its Secret, restarted with
     // backoff, up again; the process and the other members went on.
-    wait_for(
-        "a MemberFailed Warning on member C's Secret naming the panic",
-        TIMEOUT,
-        || async {
-            let found = events.list(&ListParams::default()).await?.items;
-            Ok(found
-                .iter()
-                .any(|e| {
-                    e.involved_object.name.as_deref() == Some("lower-c")
-                        && e.reason.as_deref() == Some("MemberFailed")
-                        && e.message
-                            .as_deref()
-                            .unwrap_or_default()
-                            .contains("panicked")
-                })
-                .then_some(()))
-        },
-    )
-    .await
-    .unwrap();
+    event_on(&events, "lower-c", "MemberFailed", "panicked").await;
     wait_for("member C up again after its panic", TIMEOUT, || async {
         let up = metric(&vn, r#"tensile_member_up{node="vk-fed-c"}"#).await == 1;
         let ready = nodes
@@ -238,26 +240,7 @@ async fn three_lower_clusters_joined_from_member_secrets_share_a_deployment() {
         );
     }
     vn.check_running().unwrap();
-    wait_for(
-        "a Warning on the Secret without a kubeconfig",
-        TIMEOUT,
-        || async {
-            let found = events.list(&ListParams::default()).await?.items;
-            Ok(found
-                .iter()
-                .any(|e| {
-                    e.involved_object.name.as_deref() == Some("lower-bad")
-                        && e.reason.as_deref() == Some("MemberInvalid")
-                        && e.message
-                            .as_deref()
-                            .unwrap_or_default()
-                            .contains("kubeconfig")
-                })
-                .then_some(()))
-        },
-    )
-    .await
-    .unwrap();
+    event_on(&events, "lower-bad", "MemberInvalid", "kubeconfig").await;
     let with_finalizer = secrets.get("lower-a").await.unwrap();
     assert!(
         with_finalizer

@@ -20,10 +20,7 @@ use tensile::member::join::{LOWER_NAMESPACE, LowerIdentity};
 use tensile_harness::fault_proxy::{Fault, FaultProxy};
 use tensile_harness::fixtures::bound_pod;
 use tensile_harness::virtual_node::join_member;
-use tensile_harness::{
-    ClusterOptions, ClusterPair, PairOptions, TestNamespace, VirtualNode, invariant, node_is_ready,
-    wait_for,
-};
+use tensile_harness::{TestNamespace, VirtualNode, invariant, node_is_ready, wait_for};
 
 const A: &str = "vk-fault-a";
 const B: &str = "vk-fault-b";
@@ -76,23 +73,20 @@ async fn until_ready(nodes: &Api<Node>, node: &str, ready: bool, vn: &mut Virtua
     }
 }
 
+/// Waits until `faulted` is not Ready, and checks that `other` still is.
+async fn not_ready_alone(nodes: &Api<Node>, faulted: &str, other: &str, vn: &mut VirtualNode) {
+    until_ready(nodes, faulted, false, vn).await;
+    assert_eq!(
+        ready_status(&nodes.get(other).await.unwrap()).as_deref(),
+        Some("True"),
+        "{other} stays Ready while {faulted} is faulted"
+    );
+}
+
 #[tokio::test]
 async fn a_member_answered_429_or_500_or_with_revoked_credentials_goes_not_ready_alone() {
-    let mut options = PairOptions::default();
-    options.upper.controller_manager_args = vec![
-        "--node-monitor-grace-period=20s".into(),
-        "--node-monitor-period=1s".into(),
-    ];
-    let pair = ClusterPair::start(options).await.unwrap();
-    let b = pair
-        .start_cluster(ClusterOptions::new(
-            "lower-b",
-            1,
-            (Ipv4Addr::new(10, 95, 0, 0), 16),
-            "10.248.0.0/16",
-        ))
-        .await
-        .unwrap();
+    let (pair, b) =
+        common::fast_pair_and_second_lower(Ipv4Addr::new(10, 95, 0, 0), "10.248.0.0/16").await;
     let upper = pair.upper.client().await.unwrap();
     let (lower_a, lower_b) = (
         pair.lower.client().await.unwrap(),
@@ -114,15 +108,17 @@ async fn a_member_answered_429_or_500_or_with_revoked_credentials_goes_not_ready
         .await
         .unwrap();
     let binary = std::path::Path::new(env!("CARGO_BIN_EXE_virtual-node"));
-    join_member(
-        binary,
-        &pair.upper.kubeconfig,
-        &b.kubeconfig,
-        B,
-        &members.name,
-    )
-    .await
-    .unwrap();
+    // `virtual-node join` of member B (again: a new token).
+    let join_b = || {
+        join_member(
+            binary,
+            &pair.upper.kubeconfig,
+            &b.kubeconfig,
+            B,
+            &members.name,
+        )
+    };
+    join_b().await.unwrap();
     let mut vn = pair
         .serve_members(binary, "vk-faults", &members.name, &[A, B], &[])
         .await
@@ -138,12 +134,7 @@ async fn a_member_answered_429_or_500_or_with_revoked_credentials_goes_not_ready
         (Fault::InternalError, "500"),
     ] {
         proxy.set(fault, 100);
-        until_ready(&nodes, A, false, &mut vn).await;
-        assert_eq!(
-            ready_status(&nodes.get(B).await.unwrap()).as_deref(),
-            Some("True"),
-            "member B stays Ready while A is answered {label}"
-        );
+        not_ready_alone(&nodes, A, B, &mut vn).await;
         let during = runs_on(&pods, &format!("b-during-{label}"), B, &mut vn).await;
         println!("member B while A is answered {label}: a pod Running upstairs in {during:?}");
         proxy.set(Fault::None, 0);
@@ -159,24 +150,11 @@ async fn a_member_answered_429_or_500_or_with_revoked_credentials_goes_not_ready
         .delete(&identity.token_secret, &DeleteParams::default())
         .await
         .unwrap();
-    until_ready(&nodes, B, false, &mut vn).await;
-    assert_eq!(
-        ready_status(&nodes.get(A).await.unwrap()).as_deref(),
-        Some("True"),
-        "member A stays Ready while B's credentials are revoked"
-    );
+    not_ready_alone(&nodes, B, A, &mut vn).await;
     let during = runs_on(&pods, "a-during-revoked", A, &mut vn).await;
     println!("member A while B's credentials are revoked: a pod Running upstairs in {during:?}");
     // Joined again: a new token, the member Secret rotated, picked up in place.
-    join_member(
-        binary,
-        &pair.upper.kubeconfig,
-        &b.kubeconfig,
-        B,
-        &members.name,
-    )
-    .await
-    .unwrap();
+    join_b().await.unwrap();
     until_ready(&nodes, B, true, &mut vn).await;
     runs_on(&pods, "b-after-revoked", B, &mut vn).await;
 

@@ -19,10 +19,7 @@ use kube::api::{Api, ListParams, PostParams};
 use nix::sys::signal::Signal;
 use serde_json::json;
 use tensile_harness::fixtures::{bound_pod, deployment, virtual_node_toleration};
-use tensile_harness::{
-    ClusterOptions, ClusterPair, Component, PairOptions, TestNamespace, invariant, node_is_ready,
-    wait_for,
-};
+use tensile_harness::{Component, TestNamespace, invariant, node_is_ready, wait_for};
 
 const A: &str = "vk-iso-a";
 const B: &str = "vk-iso-b";
@@ -47,22 +44,8 @@ async fn running_by_node(pods: &Api<Pod>, app: &str) -> BTreeMap<String, usize> 
 
 #[tokio::test]
 async fn a_frozen_member_goes_not_ready_alone_and_its_pods_move_to_the_other() {
-    let mut options = PairOptions::default();
-    // Seconds, not minutes: the node lease is renewed every 10 s.
-    options.upper.controller_manager_args = vec![
-        "--node-monitor-grace-period=20s".into(),
-        "--node-monitor-period=1s".into(),
-    ];
-    let pair = ClusterPair::start(options).await.unwrap();
-    let b = pair
-        .start_cluster(ClusterOptions::new(
-            "lower-b",
-            1,
-            (Ipv4Addr::new(10, 97, 0, 0), 16),
-            "10.247.0.0/16",
-        ))
-        .await
-        .unwrap();
+    let (pair, b) =
+        common::fast_pair_and_second_lower(Ipv4Addr::new(10, 97, 0, 0), "10.247.0.0/16").await;
     let upper = pair.upper.client().await.unwrap();
     let (lower_a, lower_b) = (
         pair.lower.client().await.unwrap(),

@@ -1,7 +1,6 @@
 //! High availability: two virtual-node processes for one node with `--leader-elect`. The
 //! standby writes nothing; a killed leader is replaced once its Lease expires, a stopped
 //! one hands its Lease over at once; either way every upper pod keeps its one lower pod.
-//! With `--members-namespace`, one Lease covers every member of the process.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
 
 mod common;
@@ -11,36 +10,22 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::ha::{
+    FAST_LEASE, LEASE_NAMESPACE, create_pods, holder, leader_series, poll_finely, reachable,
+    until_held_by,
+};
 use common::{TIMEOUT, lower_writes, metric, running, start_node_with};
-use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, Pod, Secret};
+use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
-use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, ListParams};
 use nix::sys::signal::Signal;
 use tensile::leader::{self, LeaseConfig};
-use tensile_harness::fixtures::bound_pod;
-use tensile_harness::virtual_node::join_member;
 use tensile_harness::{
     ClusterPair, Component, PairOptions, TestNamespace, VirtualNode, VirtualNodeOptions, invariant,
     wait_for,
 };
 use tokio_util::sync::CancellationToken;
-
-/// Where the Lease is when neither POD_NAMESPACE nor a service account says otherwise.
-const LEASE_NAMESPACE: &str = "kube-system";
-
-/// Short timings so a dead leader is replaced in seconds: lease 4 s, renew 3 s, retry 500 ms.
-const FAST_LEASE: [&str; 3] = [
-    "--leader-elect-lease-duration=4s",
-    "--leader-elect-renew-deadline=3s",
-    "--leader-elect-retry-period=500ms",
-];
-
-fn lease_name(node: &str) -> String {
-    format!("tensile-virtual-node-{node}")
-}
 
 fn options(node: &str, identity: &str, timings: &[&str]) -> VirtualNodeOptions {
     let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), node);
@@ -50,18 +35,6 @@ fn options(node: &str, identity: &str, timings: &[&str]) -> VirtualNodeOptions {
     ];
     options.args.extend(timings.iter().map(ToString::to_string));
     options
-}
-
-/// The holder of the node's Lease, if any.
-async fn holder(leases: &Api<Lease>, node: &str) -> Option<String> {
-    leases
-        .get_opt(&lease_name(node))
-        .await
-        .ok()
-        .flatten()?
-        .spec?
-        .holder_identity
-        .filter(|h| !h.is_empty())
 }
 
 /// Starts the leader `a` (its Node Ready) and then the standby `b`, once `b` has listed
@@ -93,71 +66,6 @@ async fn leader_and_standby(
     );
     assert_eq!(holder(&leases, node).await.as_deref(), Some("a"));
     (leader, standby)
-}
-
-fn leader_series(node: &str) -> String {
-    format!(
-        "tensile_leader{{lease=\"{LEASE_NAMESPACE}/{}\"}}",
-        lease_name(node)
-    )
-}
-
-/// Whether GET `path` on the metrics port answers 200.
-async fn reachable(port: u16, path: &str) -> bool {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
-        return false;
-    };
-    let request = format!("GET {path} HTTP/1.0\r\nHost: localhost\r\n\r\n");
-    if stream.write_all(request.as_bytes()).await.is_err() {
-        return false;
-    }
-    let mut answer = String::new();
-    let _ = stream.read_to_string(&mut answer).await;
-    answer.starts_with("HTTP/1.1 200") || answer.starts_with("HTTP/1.0 200")
-}
-
-/// Polls `check` every 20 ms until it returns `Some`, for at most [`TIMEOUT`]. A figure
-/// needs this resolution: `wait_for` backs off to 500 ms between polls.
-async fn poll_finely<T, Fut: Future<Output = Option<T>>>(
-    what: &str,
-    mut check: impl FnMut() -> Fut,
-) -> T {
-    let mut every = tokio::time::interval(Duration::from_millis(20));
-    let polled = tokio::time::timeout(TIMEOUT, async {
-        loop {
-            every.tick().await;
-            if let Some(value) = check().await {
-                return value;
-            }
-        }
-    });
-    polled
-        .await
-        .unwrap_or_else(|_| panic!("timed out after {TIMEOUT:?} waiting for {what}"))
-}
-
-/// How long after `from` the Lease is held by `identity`.
-async fn until_held_by(leases: &Api<Lease>, node: &str, identity: &str, from: Instant) -> Duration {
-    poll_finely(&format!("the lease held by {identity}"), || async {
-        let held = holder(leases, node).await.as_deref() == Some(identity);
-        held.then(|| from.elapsed())
-    })
-    .await
-}
-
-/// Creates the bound pods `names` in `pods`, 20 at a time.
-async fn create_pods(pods: &Api<Pod>, node: &str, names: impl Iterator<Item = String>) {
-    futures::stream::iter(names)
-        .map(|name| async move {
-            pods.create(&PostParams::default(), &bound_pod(&name, node))
-                .await
-                .map(|_| ())
-        })
-        .buffer_unordered(20)
-        .try_collect::<()>()
-        .await
-        .unwrap();
 }
 
 /// SIGKILL of the leader in the middle of a 100-pod burst: the standby, which wrote
@@ -535,142 +443,4 @@ fn a_sub_second_lease_duration_exits_2_with_one_line() {
         lines[0].contains("--leader-elect-lease-duration"),
         "{stderr}"
     );
-}
-
-/// Federated (`--members-namespace`) with `--leader-elect`: one Lease covers every member.
-/// The standby runs no member and writes nothing below; the leader SIGKILLed, the standby
-/// takes the Lease and runs both members: both Nodes are kept, pods created after the kill
-/// run on both, and every upper pod has exactly its one lower pod.
-#[tokio::test]
-async fn a_killed_leader_of_two_members_is_replaced_by_the_standby_for_both() {
-    let pair = ClusterPair::shared().await.unwrap();
-    let upper = pair.upper.client().await.unwrap();
-    let lower = pair.lower.client().await.unwrap();
-    let binary = std::path::Path::new(env!("CARGO_BIN_EXE_virtual-node"));
-    let members = TestNamespace::create(&upper, "ha-members").await.unwrap();
-    let member_nodes = ["vk-ham-a", "vk-ham-b"];
-    for node in member_nodes {
-        join_member(
-            binary,
-            &pair.upper.kubeconfig,
-            &pair.lower.kubeconfig,
-            node,
-            &members.name,
-        )
-        .await
-        .unwrap();
-    }
-    // Both processes name the same Lease (by default each would name its own).
-    let lease = "vk-ham";
-    let args = |identity: &str| -> Vec<String> {
-        let mut args = vec![
-            "--leader-elect".to_owned(),
-            format!("--leader-elect-identity={identity}"),
-            format!("--leader-elect-resource-name={}", lease_name(lease)),
-        ];
-        args.extend(FAST_LEASE.iter().map(ToString::to_string));
-        args
-    };
-    let mut leader = pair
-        .serve_members(binary, "vk-ham-1", &members.name, &member_nodes, &args("a"))
-        .await
-        .unwrap();
-    let leases: Api<Lease> = Api::namespaced(upper.clone(), LEASE_NAMESPACE);
-    assert_eq!(holder(&leases, lease).await.as_deref(), Some("a"));
-    let mut standby = pair
-        .serve_members(binary, "vk-ham-2", &members.name, &member_nodes, &args("b"))
-        .await
-        .unwrap();
-    // A federated standby starts no member until it leads: it is up once it serves.
-    wait_for("the standby serving", TIMEOUT, || async {
-        Ok(reachable(standby.metrics_port, "/healthz")
-            .await
-            .then_some(()))
-    })
-    .await
-    .unwrap();
-    assert_eq!(metric(&standby, &leader_series(lease)).await, 0);
-    let standby_writes = lower_writes(&standby).await;
-    let nodes: Api<Node> = Api::all(upper.clone());
-    let mut node_uids = BTreeMap::new();
-    for node in member_nodes {
-        node_uids.insert(node, nodes.get(node).await.unwrap().uid());
-    }
-
-    let ns = TestNamespace::create(&upper, "ha-members-pods")
-        .await
-        .unwrap();
-    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
-    let all_running = async |n: usize| {
-        wait_for(&format!("{n} upper pods Running"), TIMEOUT, || async {
-            let pods = upper_pods.list(&ListParams::default()).await?.items;
-            Ok((pods.len() == n && pods.iter().all(running)).then_some(()))
-        })
-        .await
-        .unwrap();
-    };
-    for node in member_nodes {
-        create_pods(
-            &upper_pods,
-            node,
-            (0..10).map(|i| format!("{node}-before-{i}")),
-        )
-        .await;
-    }
-    all_running(20).await;
-    assert_eq!(
-        lower_writes(&standby).await,
-        standby_writes,
-        "the standby wrote below"
-    );
-
-    let killed = Instant::now();
-    leader.kill().unwrap();
-    let took_over = until_held_by(&leases, lease, "b", killed).await;
-    println!(
-        "after SIGKILL of the leader of two members: lease taken in {} ms",
-        took_over.as_millis()
-    );
-    for node in member_nodes {
-        create_pods(
-            &upper_pods,
-            node,
-            (0..10).map(|i| format!("{node}-after-{i}")),
-        )
-        .await;
-    }
-    all_running(40).await;
-    for node in member_nodes {
-        assert_eq!(
-            nodes.get(node).await.unwrap().uid(),
-            node_uids[node],
-            "{node} is kept across the takeover"
-        );
-        let (report, _) = invariant::converge(&upper, &lower, node, Some(&ns.name), TIMEOUT)
-            .await
-            .unwrap();
-        assert!(report.holds(), "{node}: {report}");
-    }
-    assert_eq!(metric(&standby, &leader_series(lease)).await, 1);
-
-    // Clean up: the pods gone, the members leave (their Nodes deleted).
-    ns.delete().await.unwrap();
-    let secrets: Api<Secret> = Api::namespaced(upper.clone(), &members.name);
-    for node in member_nodes {
-        secrets
-            .delete(node, &DeleteParams::default())
-            .await
-            .unwrap();
-    }
-    wait_for("both members left", Duration::from_secs(180), || async {
-        let mut left = true;
-        for node in member_nodes {
-            left &= nodes.get_opt(node).await?.is_none();
-        }
-        Ok(left.then_some(()))
-    })
-    .await
-    .unwrap();
-    standby.stop().unwrap();
-    members.delete().await.unwrap();
 }

@@ -18,14 +18,7 @@ use tensile_harness::{ClusterPair, Component, PairOptions, TestNamespace, invari
 
 #[tokio::test]
 async fn node_goes_not_ready_while_the_lower_cluster_is_silent_and_recovers() {
-    let mut options = PairOptions::default();
-    // A short grace period so the test takes seconds, not minutes; the lease is renewed
-    // every 10 s, so 20 s still leaves a missed renewal or two of slack.
-    options.upper.controller_manager_args = vec![
-        "--node-monitor-grace-period=20s".into(),
-        "--node-monitor-period=1s".into(),
-    ];
-    let pair = ClusterPair::start(options).await.unwrap();
+    let pair = common::pair_with_fast_node_monitor().await;
     let _vn = start_node(&pair, "vk-outage", &[]).await;
     let nodes: Api<Node> = Api::all(pair.upper.client().await.unwrap());
 

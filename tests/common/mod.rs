@@ -12,6 +12,7 @@ use tensile::member::spec::{KUBECONFIG_KEY, MEMBER_LABEL, NODE_NAME_ANNOTATION};
 use tensile_harness::{ClusterPair, VirtualNode, VirtualNodeOptions, node_is_ready, wait_for};
 
 pub mod descheduler;
+pub mod ha;
 
 /// Generous: two clusters and several virtual nodes share 2 cores.
 pub const TIMEOUT: Duration = Duration::from_secs(120);
@@ -204,4 +205,35 @@ pub fn member_secret(name: &str, node: &str, kubeconfig: &std::path::Path) -> Se
         .into(),
     );
     secret
+}
+
+/// A pair of its own whose upper node monitor marks a node whose lease stopped NotReady in
+/// seconds, not minutes: a 20 s grace period, which still leaves a missed renewal or two of
+/// slack (the lease is renewed every 10 s).
+pub async fn pair_with_fast_node_monitor() -> ClusterPair {
+    let mut options = tensile_harness::PairOptions::default();
+    options.upper.controller_manager_args = vec![
+        "--node-monitor-grace-period=20s".into(),
+        "--node-monitor-period=1s".into(),
+    ];
+    ClusterPair::start(options).await.unwrap()
+}
+
+/// [`pair_with_fast_node_monitor`] and a second lower cluster `lower-b` of one node, with
+/// its service range at `service_net`/16 and pod IPs from `pod_cidr`.
+pub async fn fast_pair_and_second_lower(
+    service_net: std::net::Ipv4Addr,
+    pod_cidr: &str,
+) -> (ClusterPair, tensile_harness::Cluster) {
+    let pair = pair_with_fast_node_monitor().await;
+    let b = pair
+        .start_cluster(tensile_harness::ClusterOptions::new(
+            "lower-b",
+            1,
+            (service_net, 16),
+            pod_cidr,
+        ))
+        .await
+        .unwrap();
+    (pair, b)
 }

@@ -62,6 +62,16 @@ pub(crate) fn kwok_metrics_config(bins: &Binaries) -> Result<Vec<String>> {
     let path = bins.stage("metrics-resource.yaml");
     let metric = std::fs::read_to_string(&path)
         .with_context(|| format!("reading kwok's Metric {}", path.display()))?;
+    // The pod's annotation, else its node's, else a default that is not zero.
+    let expression = |annotation: &str, default: &str| {
+        format!(
+            r#"|
+          "{annotation}" in pod.metadata.annotations
+          ? Quantity(pod.metadata.annotations["{annotation}"])
+          : ("{annotation}" in node.metadata.annotations
+             ? Quantity(node.metadata.annotations["{annotation}"]) : Quantity("{default}"))"#
+        )
+    };
     let usage = format!(
         r#"apiVersion: kwok.x-k8s.io/v1alpha1
 kind: ClusterResourceUsage
@@ -71,20 +81,12 @@ spec:
   usages:
   - usage:
       cpu:
-        expression: |
-          "{cpu}" in pod.metadata.annotations
-          ? Quantity(pod.metadata.annotations["{cpu}"])
-          : ("{cpu}" in node.metadata.annotations
-             ? Quantity(node.metadata.annotations["{cpu}"]) : Quantity("1m"))
+        expression: {cpu}
       memory:
-        expression: |
-          "{memory}" in pod.metadata.annotations
-          ? Quantity(pod.metadata.annotations["{memory}"])
-          : ("{memory}" in node.metadata.annotations
-             ? Quantity(node.metadata.annotations["{memory}"]) : Quantity("1Mi"))
+        expression: {memory}
 "#,
-        cpu = USAGE_CPU_ANNOTATION,
-        memory = USAGE_MEMORY_ANNOTATION,
+        cpu = expression(USAGE_CPU_ANNOTATION, "1m"),
+        memory = expression(USAGE_MEMORY_ANNOTATION, "1Mi"),
     );
     Ok(vec![metric, usage])
 }

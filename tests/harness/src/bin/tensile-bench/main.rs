@@ -698,9 +698,14 @@ fn requests_by_verb(
     parts.join(", ")
 }
 
-async fn start_node(pair: &ClusterPair, binary: &PathBuf, args: &Args) -> Result<VirtualNode> {
+async fn start_node(
+    pair: &ClusterPair,
+    binary: &std::path::Path,
+    args: &Args,
+    node: &str,
+) -> Result<VirtualNode> {
     let qps = args.qps;
-    let mut options = VirtualNodeOptions::new(binary, NODE);
+    let mut options = VirtualNodeOptions::new(binary, node);
     if let Some(workers) = args.runtime_workers {
         options
             .envs
@@ -723,15 +728,28 @@ async fn start_node(pair: &ClusterPair, binary: &PathBuf, args: &Args) -> Result
     .iter()
     .map(ToString::to_string)
     .collect();
-    let node = pair.start_virtual_node(&options)?;
+    let vn = pair.start_virtual_node(&options)?;
     let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(pair.upper.client().await?);
     wait_for(
-        &format!("node {NODE} Ready"),
-        Duration::from_secs(60),
-        || async { Ok(nodes.get_opt(NODE).await?.filter(node_is_ready).map(|_| ())) },
+        &format!("node {node} Ready"),
+        Duration::from_secs(120),
+        || async { Ok(nodes.get_opt(node).await?.filter(node_is_ready).map(|_| ())) },
     )
     .await?;
-    Ok(node)
+    Ok(vn)
+}
+
+/// Pair options whose lower cluster has room for `pods` pods: nodes of
+/// [`PODS_PER_LOWER_NODE`] pods (and CPU and memory to spare), one more than needed.
+fn lower_for(pods: usize) -> PairOptions {
+    let mut options = PairOptions::default();
+    options.lower.nodes = pods.div_ceil(PODS_PER_LOWER_NODE) + 1;
+    options.lower.node_shape = NodeShape {
+        cpu: "1000".into(),
+        memory: "4Ti".into(),
+        pods: PODS_PER_LOWER_NODE.to_string(),
+    };
+    options
 }
 
 async fn run(args: Args) -> Result<()> {
@@ -758,14 +776,7 @@ async fn run(args: Args) -> Result<()> {
         .max()
         .unwrap_or(0)
         .max(args.pods);
-    let lower_nodes = largest.div_ceil(PODS_PER_LOWER_NODE) + 1;
-    let mut options = PairOptions::default();
-    options.lower.nodes = lower_nodes;
-    options.lower.node_shape = NodeShape {
-        cpu: "1000".into(),
-        memory: "4Ti".into(),
-        pods: PODS_PER_LOWER_NODE.to_string(),
-    };
+    let mut options = lower_for(largest);
     // The upper cluster starts with no kwok node; the floor adds one of this shape.
     options.upper.node_shape = NodeShape {
         cpu: "1000".into(),
@@ -779,11 +790,12 @@ async fn run(args: Args) -> Result<()> {
     options.upper.apiserver_args.clone_from(&apiserver);
     options.lower.apiserver_args = apiserver;
     eprintln!(
-        "starting the cluster pair ({lower_nodes} lower kwok nodes of {PODS_PER_LOWER_NODE} pods) ..."
+        "starting the cluster pair ({} lower kwok nodes of {PODS_PER_LOWER_NODE} pods) ...",
+        options.lower.nodes
     );
     let pair = ClusterPair::start(options).await?;
     let (upper, lower) = (pair.upper.client().await?, pair.lower.client().await?);
-    let mut vn = start_node(&pair, &binary, &args).await?;
+    let mut vn = start_node(&pair, &binary, &args, NODE).await?;
 
     println!(
         "\ntensile-bench: {} cores, Kubernetes {}, virtual-node {} ({}), {} pods",
@@ -1092,7 +1104,7 @@ async fn run(args: Args) -> Result<()> {
         // The stopped process is left out of this sample: the restarted one counts whole.
         let cpu = cpu_by_component(&pair, &vn, "tensile-bench");
         let restart = Instant::now();
-        vn = start_node(&pair, &binary, &args).await?;
+        vn = start_node(&pair, &binary, &args, NODE).await?;
         let caught_up = wait_for("restart caught up", WAIT, || async {
             let m = scrape(vn.metrics_port).await?;
             let reconciled = m

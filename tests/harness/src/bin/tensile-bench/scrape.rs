@@ -14,15 +14,12 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
 use kube::api::Api;
 use tensile_harness::fixtures::bound_pod;
 use tensile_harness::measure::{footprint, scrape};
-use tensile_harness::{
-    ClusterPair, NodeShape, PairOptions, TestNamespace, VirtualNode, VirtualNodeOptions,
-    node_is_ready, wait_for,
-};
+use tensile_harness::{ClusterPair, TestNamespace, VirtualNode, wait_for};
 
 use super::{
     Args, PODS_PER_LOWER_NODE, Shared, WAIT, create_all, labelled, track_running, wait_all_running,
@@ -170,42 +167,6 @@ async fn scrape_once(vn: &VirtualNode, credentials: &Credentials, body: &Path) -
     })
 }
 
-async fn start_node(pair: &ClusterPair, binary: &Path, args: &Args) -> Result<VirtualNode> {
-    let qps = args.qps;
-    let mut options = VirtualNodeOptions::new(binary, NODE);
-    if let Some(workers) = args.runtime_workers {
-        options
-            .envs
-            .push(("TOKIO_WORKER_THREADS".into(), workers.to_string()));
-    }
-    options.args = [
-        "--client-qps",
-        &qps.to_string(),
-        "--client-burst",
-        &(2 * qps).to_string(),
-        "--kube-api-qps",
-        &qps.to_string(),
-        "--kube-api-burst",
-        &(2 * qps).to_string(),
-        "--pod-sync-workers",
-        "32",
-        "--log-level",
-        "warn",
-    ]
-    .iter()
-    .map(ToString::to_string)
-    .collect();
-    let node = pair.start_virtual_node(&options)?;
-    let nodes: Api<Node> = Api::all(pair.upper.client().await?);
-    wait_for(
-        &format!("node {NODE} Ready"),
-        Duration::from_secs(120),
-        || async { Ok(nodes.get_opt(NODE).await?.filter(node_is_ready).map(|_| ())) },
-    )
-    .await?;
-    Ok(node)
-}
-
 /// The lower metrics API's PodMetrics of the virtual node's pods.
 async fn lower_pod_metrics(lower: &Client) -> Result<usize> {
     let uri = format!(
@@ -248,14 +209,8 @@ pub async fn run(binary: &Path, counts: &[usize], args: &Args) -> Result<()> {
     let Some(&largest) = counts.last() else {
         bail!("--scrape needs at least one pod count above 0");
     };
-    let lower_nodes = largest.div_ceil(PODS_PER_LOWER_NODE) + 1;
-    let mut options = PairOptions::default();
-    options.lower.nodes = lower_nodes;
-    options.lower.node_shape = NodeShape {
-        cpu: "1000".into(),
-        memory: "4Ti".into(),
-        pods: PODS_PER_LOWER_NODE.to_string(),
-    };
+    let mut options = super::lower_for(largest);
+    let lower_nodes = options.lower.nodes;
     options.lower.metrics = true;
     let apiserver = vec![
         "--max-requests-inflight=1000".to_owned(),
@@ -277,7 +232,7 @@ pub async fn run(binary: &Path, counts: &[usize], args: &Args) -> Result<()> {
         key: pair.upper.pki.admin.key.clone(),
     };
     let body = pair.dir.join("metrics-resource.txt");
-    let mut vn = start_node(&pair, binary, args).await?;
+    let mut vn = super::start_node(&pair, binary, args, NODE).await?;
 
     let ns = TestNamespace::create(&upper, "bench-scrape").await?;
     let api: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
@@ -306,7 +261,7 @@ pub async fn run(binary: &Path, counts: &[usize], args: &Args) -> Result<()> {
             // A fresh process, so that its first scrape tries the lower kubelets again.
             vn.stop()?;
             let restart = Instant::now();
-            vn = start_node(&pair, binary, args).await?;
+            vn = super::start_node(&pair, binary, args, NODE).await?;
             wait_for("restart caught up", WAIT, || async {
                 let m = scrape(vn.metrics_port).await?;
                 let reconciled = m
