@@ -18,11 +18,11 @@ use tensile_harness::fixtures::bound_pod;
 use tensile_harness::measure::footprint;
 use tensile_harness::virtual_node::join_member;
 use tensile_harness::{
-    Cluster, ClusterOptions, ClusterPair, Component, NodeShape, PairOptions, VirtualNode,
-    VirtualNodeOptions, node_is_ready, wait_for,
+    Cluster, ClusterOptions, ClusterPair, Component, VirtualNode, VirtualNodeOptions,
+    node_is_ready, wait_for,
 };
 
-use super::{Args, PODS_PER_LOWER_NODE, burst, delete_and_wait, labelled, ms};
+use super::{Args, burst, delete_and_wait, labelled, ms};
 
 const MEMBERS_NAMESPACE: &str = "tensile-bench-members";
 const MIB: f64 = 1024.0 * 1024.0;
@@ -49,21 +49,12 @@ pub async fn run(binary: &Path, clusters: usize, args: &Args) -> Result<()> {
     let (pods, concurrency, qps) = (args.pods, args.concurrency, args.qps);
     let per_member = pods.div_ceil(clusters);
     // Both ways' pods stay below until the end.
-    let lower_nodes = (2 * per_member).div_ceil(PODS_PER_LOWER_NODE) + 1;
-    let shape = NodeShape {
-        cpu: "1000".into(),
-        memory: "4Ti".into(),
-        pods: PODS_PER_LOWER_NODE.to_string(),
-    };
-    let mut options = PairOptions::default();
-    options.lower.nodes = lower_nodes;
-    options.lower.node_shape = shape.clone();
-    let inflight = vec![
-        "--max-requests-inflight=1000".to_owned(),
-        "--max-mutating-requests-inflight=500".to_owned(),
-    ];
-    options.upper.apiserver_args.clone_from(&inflight);
-    options.lower.apiserver_args.clone_from(&inflight);
+    let options = super::lower_for(2 * per_member);
+    let (lower_nodes, shape, inflight) = (
+        options.lower.nodes,
+        options.lower.node_shape.clone(),
+        options.lower.apiserver_args.clone(),
+    );
     eprintln!(
         "starting {clusters} lower cluster(s) of {lower_nodes} kwok nodes and the upper one ..."
     );

@@ -739,8 +739,9 @@ async fn start_node(
     Ok(vn)
 }
 
-/// Pair options whose lower cluster has room for `pods` pods: nodes of
-/// [`PODS_PER_LOWER_NODE`] pods (and CPU and memory to spare), one more than needed.
+/// Pair options for a benchmark whose lower cluster has room for `pods` pods: nodes of
+/// [`PODS_PER_LOWER_NODE`] pods (and CPU and memory to spare), one more than needed, and
+/// API servers that take bursts without their default in-flight limits.
 fn lower_for(pods: usize) -> PairOptions {
     let mut options = PairOptions::default();
     options.lower.nodes = pods.div_ceil(PODS_PER_LOWER_NODE) + 1;
@@ -749,6 +750,12 @@ fn lower_for(pods: usize) -> PairOptions {
         memory: "4Ti".into(),
         pods: PODS_PER_LOWER_NODE.to_string(),
     };
+    let inflight = vec![
+        "--max-requests-inflight=1000".to_owned(),
+        "--max-mutating-requests-inflight=500".to_owned(),
+    ];
+    options.upper.apiserver_args.clone_from(&inflight);
+    options.lower.apiserver_args = inflight;
     options
 }
 
@@ -783,12 +790,6 @@ async fn run(args: Args) -> Result<()> {
         memory: "4Ti".into(),
         pods: args.pods.max(110).to_string(),
     };
-    let apiserver = vec![
-        "--max-requests-inflight=1000".to_owned(),
-        "--max-mutating-requests-inflight=500".to_owned(),
-    ];
-    options.upper.apiserver_args.clone_from(&apiserver);
-    options.lower.apiserver_args = apiserver;
     eprintln!(
         "starting the cluster pair ({} lower kwok nodes of {PODS_PER_LOWER_NODE} pods) ...",
         options.lower.nodes

@@ -212,12 +212,6 @@ pub async fn run(binary: &Path, counts: &[usize], args: &Args) -> Result<()> {
     let mut options = super::lower_for(largest);
     let lower_nodes = options.lower.nodes;
     options.lower.metrics = true;
-    let apiserver = vec![
-        "--max-requests-inflight=1000".to_owned(),
-        "--max-mutating-requests-inflight=500".to_owned(),
-    ];
-    options.upper.apiserver_args.clone_from(&apiserver);
-    options.lower.apiserver_args = apiserver;
     eprintln!(
         "starting the cluster pair ({lower_nodes} lower kwok nodes of {PODS_PER_LOWER_NODE} pods, \
          lower metrics-server) ..."
