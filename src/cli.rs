@@ -249,6 +249,24 @@ pub struct Args {
     /// How often the Lease is renewed, or tried by a standby.
     #[arg(long, value_parser = duration_in(MIN_LEASE_TIMING, MAX_DURATION), default_value = "2s")]
     pub leader_elect_retry_period: Duration,
+
+    /// Offloaded pods keep their upper identity: each projected service-account token they
+    /// mount is issued by the upper API server for the pod's upper ServiceAccount, bound to
+    /// the upper pod, and kept current in a lower Secret; the pods reach the upper API
+    /// server at --upper-api-address as `kubernetes.default`. Off (tensile-kube's
+    /// behaviour): they get the lower cluster's ServiceAccount token.
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true")]
+    pub upper_identity: bool,
+
+    /// With --upper-identity (required then): HOST:PORT at which pods in the lower cluster
+    /// reach the upper API server (its serving certificate must name HOST).
+    #[arg(long)]
+    pub upper_api_address: Option<String>,
+
+    /// With --upper-identity: renew the tokens at least this often, besides at 70-80 % of
+    /// their lifetime as the kubelet does (e.g. `10m`).
+    #[arg(long, value_parser = duration_in(MIN_PERIOD, MAX_DURATION))]
+    pub upper_token_max_age: Option<Duration>,
 }
 
 /// Which optional controllers `--enable-controllers` turns on.
@@ -311,7 +329,29 @@ impl Args {
                 .members_namespace
                 .as_ref()
                 .map(|ns| &*ns.clone().leak()),
+            upper_identity: self.upper_identity,
         }
+    }
+
+    /// `--upper-identity` with its address and renewal bound; `Err` when the mode is on
+    /// without a usable `--upper-api-address` (never guessed).
+    pub fn upper_identity(
+        &self,
+    ) -> Result<Option<crate::controllers::token::UpperIdentity>, String> {
+        if !self.upper_identity {
+            return Ok(None);
+        }
+        let address = self.upper_api_address.as_deref().ok_or(
+            "--upper-identity needs --upper-api-address: the HOST:PORT at which pods in the \
+             lower cluster reach the upper API server",
+        )?;
+        let api = address
+            .parse()
+            .map_err(|e| format!("--upper-api-address: {e}"))?;
+        Ok(Some(crate::controllers::token::UpperIdentity {
+            api,
+            max_age: self.upper_token_max_age,
+        }))
     }
 
     /// The leader-election Lease and timings, when `--leader-elect`; `Err` names the flags

@@ -636,6 +636,11 @@ pub const UPPER_MEMBER_PERMISSIONS: &[Permission] = &[
     },
 ];
 
+/// What `--upper-identity` adds in the upper cluster: tokens requested for the pods'
+/// ServiceAccounts (the cluster CA is read like any ConfigMap; below, the token Secrets are
+/// written like the copies of Secrets).
+pub const UPPER_IDENTITY_PERMISSIONS: &[Permission] = &[sub("create", "serviceaccounts", "token")];
+
 /// The member Secrets: watched, and their finalizer added and removed.
 const MEMBER_SECRET_VERBS: [&str; 4] = ["list", "watch", "get", "patch"];
 
@@ -656,6 +661,8 @@ pub struct Features {
     pub leader_election: Option<&'static str>,
     /// `--members-namespace`: where the member Secrets are.
     pub members: Option<&'static str>,
+    /// `--upper-identity`.
+    pub upper_identity: bool,
 }
 
 /// Leader election's calls (`crate::leader`): the Lease read, created once, then updated.
@@ -673,6 +680,7 @@ pub fn needed_permissions(side: Side, features: Features) -> Vec<Permission> {
             (features.services, UPPER_SERVICE_PERMISSIONS),
             (features.volumes, UPPER_PV_PERMISSIONS),
             (features.members.is_some(), UPPER_MEMBER_PERMISSIONS),
+            (features.upper_identity, UPPER_IDENTITY_PERMISSIONS),
         ],
         Side::Lower => vec![
             (true, LOWER_PERMISSIONS),
@@ -719,6 +727,7 @@ mod tests {
             token_reviews: true,
             leader_election: Some("tensile-system"),
             members: Some("tensile-members"),
+            upper_identity: true,
         };
         let none = Features::default();
         let cases = [
@@ -806,6 +815,8 @@ mod tests {
             (Side::Upper, all, "watch secrets in tensile-members", true),
             (Side::Upper, all, "delete nodes", true),
             (Side::Lower, all, "create pods/eviction", false),
+            (Side::Upper, none, "create serviceaccounts/token", false),
+            (Side::Upper, all, "create serviceaccounts/token", true),
         ];
         for (side, features, wanted, want) in cases.into_iter().chain(members) {
             assert_eq!(has(side, features, wanted), want, "{side}: {wanted}");
@@ -823,6 +834,7 @@ mod tests {
                 token_reviews: true,
                 leader_election: Some("tensile-system"),
                 members: Some("tensile-members"),
+                upper_identity: true,
             };
             let listed: Vec<String> = needed_permissions(side, all)
                 .iter()

@@ -60,7 +60,7 @@ async fn main() -> ExitCode {
         Ok(args) => args,
         Err(status) => return status,
     };
-    if let Err(message) = args.lease_config() {
+    if let Err(message) = args.lease_config().and(args.upper_identity().map(drop)) {
         let error = Args::command().error(clap::error::ErrorKind::ValueValidation, message);
         return cli::usage_exit("virtual-node", &error);
     }

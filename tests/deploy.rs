@@ -31,6 +31,8 @@ const ALL_FEATURES: Features = Features {
     token_reviews: true,
     leader_election: Some(NAMESPACE),
     members: Some(NAMESPACE),
+    // Its RBAC is opt-in: deploy/virtual-node/upper-identity-rbac.yaml, applied on its own.
+    upper_identity: false,
 };
 
 /// The root of the repository.

@@ -335,6 +335,7 @@ const DEFAULT_FEATURES: Features = Features {
     token_reviews: false,
     leader_election: None,
     members: None,
+    upper_identity: false,
 };
 
 /// Lines of a virtual-node log that tell of a refusal by RBAC.

@@ -19,6 +19,7 @@ pub mod service;
 pub mod shrink;
 pub mod status;
 pub mod stores;
+pub mod token;
 pub mod volume;
 pub mod write_budget;
 
@@ -74,6 +75,18 @@ pub enum Error {
         /// Our node.
         node: String,
     },
+    /// A lower object tensile must write (other than the pod) exists and is not its own.
+    #[error(
+        "lower cluster: {kind} {key} exists and is not virtual node {node}'s; leaving it alone"
+    )]
+    Taken {
+        /// e.g. `Secret`.
+        kind: &'static str,
+        /// `namespace/name`.
+        key: String,
+        /// Our node.
+        node: String,
+    },
     /// The pod cannot be translated (e.g. a malformed annotation).
     #[error(transparent)]
     Translate(#[from] TranslateError),
@@ -88,7 +101,7 @@ impl Error {
         match self {
             Self::Api { .. } => "api",
             Self::MissingDependencies { .. } => "missing_dependency",
-            Self::Conflict { .. } => "conflict",
+            Self::Conflict { .. } | Self::Taken { .. } => "conflict",
             Self::Translate(_) => "translate",
             Self::Shutdown => "shutdown",
         }
@@ -103,6 +116,7 @@ impl Error {
             Self::Api { .. } | Self::Shutdown => None,
             Self::MissingDependencies { .. } => Some("MissingDependency"),
             Self::Conflict { .. } => Some("LowerPodConflict"),
+            Self::Taken { .. } => Some("LowerObjectConflict"),
             Self::Translate(_) => Some("TranslationFailed"),
         }
     }
@@ -153,6 +167,8 @@ pub struct Context {
     /// The upper watches this member shares with the others of a federated process; `None`:
     /// it watches the upper cluster itself.
     pub upper_watches: Option<Arc<UpperWatches>>,
+    /// With `--upper-identity`, the token controller's state; `None` without.
+    pub tokens: Option<Arc<token::Tokens>>,
 }
 
 impl Context {
@@ -181,7 +197,14 @@ impl Context {
             known_present: PresenceCache::default(),
             references: References::default(),
             upper_watches: None,
+            tokens: None,
         }
+    }
+
+    /// The same context, giving offloaded pods their upper identity (`--upper-identity`).
+    pub fn with_upper_identity(mut self, identity: Option<token::UpperIdentity>) -> Self {
+        self.tokens = identity.map(|i| Arc::new(token::Tokens::new(i)));
+        self
     }
 
     /// The same context, reading the upper cluster through `watches`.

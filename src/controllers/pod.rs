@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
 use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::runtime::reflector::ObjectRef;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
@@ -295,6 +296,9 @@ async fn reconcile_pod(
             Found::Nothing | Found::Foreign => mark_failed(upper, ctx, &upper_api, key).await?,
         },
         Step::Sync => {
+            if let Some(tokens) = &ctx.tokens {
+                tokens.wake(ObjectRef::new(&name).within(&namespace));
+            }
             if let Some(lower) = lower.as_ref() {
                 let updated = propagate_update(upper, lower, pc, &lower_api, key).await?;
                 let added = add_ephemeral_containers(upper, lower, ctx, &lower_api, key).await?;
@@ -430,6 +434,7 @@ async fn create(
     let translation = PodTranslation {
         owner: &ctx.owner,
         ignore_labels: &ctx.ignore_labels,
+        upper_identity: ctx.tokens.as_ref().map(|t| &t.identity.api),
     };
     let pod = lower_pod(upper, &translation)?;
     match lower_api.create(&PostParams::default(), &pod).await {
@@ -466,6 +471,7 @@ async fn propagate_update(
     let translation = PodTranslation {
         owner: &ctx.owner,
         ignore_labels: &ctx.ignore_labels,
+        upper_identity: ctx.tokens.as_ref().map(|t| &t.identity.api),
     };
     let Some(patch) = lower_pod_update(upper, lower, &translation)? else {
         return Ok(false);

@@ -430,7 +430,9 @@ fn context(shared: &Shared, spec: &MemberSpec, owner: Owner, lower: &Cluster) ->
             Recorder::new(shared.upper.client.clone(), reporter),
             shared.metrics.clone(),
         )
-        .sharing(shared.upper_watches.clone()),
+        .sharing(shared.upper_watches.clone())
+        // Checked at start: a bad address never gets this far.
+        .with_upper_identity(shared.args.upper_identity().ok().flatten()),
     )
 }
 
@@ -508,6 +510,12 @@ fn spawn_controllers(
             shutdown.clone(),
         ),
     );
+    if ctx.tokens.is_some() {
+        tasks.spawn(
+            "token controller",
+            controllers::token::run(ctx.clone(), stores.clone(), resync, shutdown.clone()),
+        );
+    }
     tasks.spawn(
         "events reflector",
         controllers::events::run(ctx.clone(), stores.clone(), shutdown.clone()),

@@ -5,12 +5,13 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::{
     Container, ContainerState, ContainerStateTerminated, ContainerStatus, EphemeralContainer, Pod,
-    PodCondition, PodSpec, PodStatus, Toleration,
+    PodCondition, PodSpec, PodStatus, Toleration, Volume,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
+use super::identity::{UpperApi, give_upper_identity, token_secret_name};
 use super::meta::{
     MIRRORED_KEYS_ANNOTATION, Owner, TRIPPED_LABELS_ANNOTATION, UPPER_UID_ANNOTATION,
     VIRTUAL_POD_LABEL,
@@ -37,6 +38,9 @@ pub struct PodTranslation<'a> {
     /// Labels moved into `tripped-labels` so they do not steer the lower cluster
     /// (`--ignore-labels`).
     pub ignore_labels: &'a [String],
+    /// With `--upper-identity`, where the lower pod reaches the upper API server: its
+    /// service-account tokens are then the upper cluster's ([`give_upper_identity`]).
+    pub upper_identity: Option<&'a UpperApi>,
 }
 
 /// Type of the upper pod condition that records "this pod was mirrored": written with the
@@ -114,7 +118,16 @@ pub fn lower_pod(upper: &Pod, t: &PodTranslation) -> Result<Pod, TranslateError>
     let stash = parse_cluster_selector(upper.metadata.annotations.as_ref())
         .map_err(|e| e.for_object(object.clone()))?;
     restore_constraints(&mut spec, stash.as_ref());
-    drop_token_volume(&mut spec);
+    match t.upper_identity {
+        Some(api) => {
+            // Tokens of the upper cluster, from a Secret the token controller keeps; a
+            // legacy token Secret of the upper cluster is never copied.
+            drop_volumes(&mut spec, |v| v.projected.is_none());
+            let name = upper.metadata.name.as_deref().unwrap_or_default();
+            give_upper_identity(&mut spec, &token_secret_name(name), api);
+        }
+        None => drop_volumes(&mut spec, |_| true),
+    }
 
     Ok(Pod {
         metadata,
@@ -195,11 +208,15 @@ fn all_containers(spec: &PodSpec) -> impl Iterator<Item = &Container> {
         .chain(spec.init_containers.iter().flatten())
 }
 
-/// Removes the injected token volumes and every mount of them.
-fn drop_token_volume(spec: &mut PodSpec) {
-    let dropped: BTreeSet<String> = injected_token_volumes(spec)
-        .into_iter()
-        .map(str::to_owned)
+/// Removes the injected token volumes that `which` picks, and every mount of them.
+fn drop_volumes(spec: &mut PodSpec, which: impl Fn(&Volume) -> bool) {
+    let injected = injected_token_volumes(spec);
+    let dropped: BTreeSet<String> = spec
+        .volumes
+        .iter()
+        .flatten()
+        .filter(|v| injected.contains(v.name.as_str()) && which(v))
+        .map(|v| v.name.clone())
         .collect();
     if dropped.is_empty() {
         return;
@@ -883,6 +900,7 @@ mod tests {
 
     fn translation(ignore_labels: &[String]) -> PodTranslation<'_> {
         PodTranslation {
+            upper_identity: None,
             owner: &OWNER,
             ignore_labels,
         }
@@ -1321,6 +1339,66 @@ mod tests {
                 ],
             })
         );
+    }
+
+    /// With `--upper-identity` the token volumes stay, reading the upper tokens from the
+    /// pod's token Secret; a legacy upper token Secret is still never mounted below.
+    #[test]
+    fn keeps_the_token_volumes_under_the_upper_identity() {
+        let api: UpperApi = "192.0.2.7:6443".parse().unwrap();
+        let mut upper = projected_token_pod();
+        upper["spec"]["volumes"].as_array_mut().unwrap().push(
+            json!({"name": "default-token-abcde", "secret": {"secretName": "default-token-abcde"}}),
+        );
+        let t = PodTranslation {
+            upper_identity: Some(&api),
+            ..translation(&[])
+        };
+        let lower = lower_pod(&pod(upper.clone()), &t).unwrap();
+        let spec = lower.spec.unwrap();
+        let volumes: Vec<&str> = spec
+            .volumes
+            .iter()
+            .flatten()
+            .map(|v| v.name.as_str())
+            .collect();
+        assert_eq!(volumes, ["kube-api-access-x7k2p", "vault-token", "config"]);
+        assert_eq!(spec.automount_service_account_token, Some(false));
+        let sources = |name: &str| {
+            let volume = spec
+                .volumes
+                .iter()
+                .flatten()
+                .find(|v| v.name == name)
+                .unwrap();
+            serde_json::to_value(&volume.projected.as_ref().unwrap().sources).unwrap()
+        };
+        let secret = format!(
+            "{}-upper-token",
+            upper["metadata"]["name"].as_str().unwrap()
+        );
+        assert_eq!(
+            sources("vault-token"),
+            json!([{"secret": {"name": secret, "items": [{"key": "vault-token.0.token", "path": "token"}]}}])
+        );
+        assert!(
+            sources("kube-api-access-x7k2p")
+                .to_string()
+                .contains("kube-api-access-x7k2p.0.token"),
+            "{}",
+            sources("kube-api-access-x7k2p")
+        );
+        let mounts: Vec<&str> = spec.containers[0]
+            .volume_mounts
+            .iter()
+            .flatten()
+            .map(|m| m.name.as_str())
+            .collect();
+        assert!(mounts.contains(&"kube-api-access-x7k2p"), "{mounts:?}");
+
+        // Off, the translation is today's.
+        let off = lower_pod(&pod(upper), &translation(&[])).unwrap();
+        assert_eq!(off.spec.unwrap().automount_service_account_token, None);
     }
 
     #[test]
