@@ -141,7 +141,7 @@ async fn reach(
             return None;
         }
     };
-    match clusters::connect(side, config, limit, metrics.clone()).await {
+    match clusters::connect(side, config, limit, metrics.clone(), None).await {
         Ok(cluster) => {
             report.pass(format!(
                 "{side} cluster reachable at {} (Kubernetes {})",
@@ -213,6 +213,7 @@ async fn members(
             member.lower,
             member.lower_limit,
             metrics.clone(),
+            None,
         )
         .await
         {

@@ -267,6 +267,18 @@ pub struct Args {
     /// their lifetime as the kubelet does (e.g. `10m`).
     #[arg(long, value_parser = duration_in(MIN_PERIOD, MAX_DURATION))]
     pub upper_token_max_age: Option<Duration>,
+
+    /// Where each upper namespace's objects go below: `same` (its own name, tensile-kube's
+    /// behaviour), `prefixed` (`<namespace>-<upper cluster, short>`, so that upper clusters
+    /// sharing a lower one never meet in a namespace), or `annotation` (its own name). With
+    /// `prefixed` and `annotation`, an upper Namespace annotated
+    /// `tensile.dev/lower-namespace: NAME` maps to NAME.
+    #[arg(long, value_parser = parse_lower_namespace, default_value = "same")]
+    pub lower_namespace: crate::translate::namespace::Mode,
+}
+
+fn parse_lower_namespace(text: &str) -> Result<crate::translate::namespace::Mode, String> {
+    text.parse()
 }
 
 /// Which optional controllers `--enable-controllers` turns on.
@@ -330,6 +342,7 @@ impl Args {
                 .as_ref()
                 .map(|ns| &*ns.clone().leak()),
             upper_identity: self.upper_identity,
+            namespaces: self.lower_namespace != crate::translate::namespace::Mode::Same,
         }
     }
 

@@ -152,25 +152,33 @@ pub async fn load_config(side: Side, path: Option<&Path>) -> Result<Config, Star
     }
 }
 
-/// Builds the client (rate limited, its requests counted in `metrics`) and checks that
+/// Builds the client (rate limited, its requests counted in `metrics`; speaking upper
+/// namespace names through `view` when given, see [`crate::lower_view`]) and checks that
 /// the API server answers.
 pub async fn connect(
     side: Side,
     config: Config,
     limit: RateLimit,
     metrics: Arc<Metrics>,
+    view: Option<Arc<crate::lower_view::NamespaceView>>,
 ) -> Result<Cluster, StartupError> {
     let server = config.cluster_url.to_string();
     let count = CountRequests { side, metrics };
-    let client = client_builder(config.clone())
+    let view = view.map(crate::lower_view::ViewLayer::new);
+    let throttled = client_builder(config.clone())
         .map_err(|source| StartupError::Client { side, source })?
         .with_layer(&limit.layer())
-        .with_layer(&count)
-        .build();
-    let unthrottled = client_builder(config)
+        .with_layer(&count);
+    let plain = client_builder(config)
         .map_err(|source| StartupError::Client { side, source })?
-        .with_layer(&count)
-        .build();
+        .with_layer(&count);
+    let (client, unthrottled) = match &view {
+        Some(view) => (
+            throttled.with_layer(view).build(),
+            plain.with_layer(view).build(),
+        ),
+        None => (throttled.build(), plain.build()),
+    };
     let version = tokio::time::timeout(Duration::from_secs(15), client.apiserver_version())
         .await
         .map_err(|_| StartupError::Unreachable {
@@ -641,6 +649,11 @@ pub const UPPER_MEMBER_PERMISSIONS: &[Permission] = &[
 /// written like the copies of Secrets).
 pub const UPPER_IDENTITY_PERMISSIONS: &[Permission] = &[sub("create", "serviceaccounts", "token")];
 
+/// What `--lower-namespace` other than `same` adds in the upper cluster: the Namespaces
+/// and their annotations, watched.
+pub const UPPER_NAMESPACE_PERMISSIONS: &[Permission] =
+    &[perm("list", "namespaces"), perm("watch", "namespaces")];
+
 /// The member Secrets: watched, and their finalizer added and removed.
 const MEMBER_SECRET_VERBS: [&str; 4] = ["list", "watch", "get", "patch"];
 
@@ -663,6 +676,8 @@ pub struct Features {
     pub members: Option<&'static str>,
     /// `--upper-identity`.
     pub upper_identity: bool,
+    /// `--lower-namespace` other than `same`: the upper Namespaces are watched.
+    pub namespaces: bool,
 }
 
 /// Leader election's calls (`crate::leader`): the Lease read, created once, then updated.
@@ -681,6 +696,7 @@ pub fn needed_permissions(side: Side, features: Features) -> Vec<Permission> {
             (features.volumes, UPPER_PV_PERMISSIONS),
             (features.members.is_some(), UPPER_MEMBER_PERMISSIONS),
             (features.upper_identity, UPPER_IDENTITY_PERMISSIONS),
+            (features.namespaces, UPPER_NAMESPACE_PERMISSIONS),
         ],
         Side::Lower => vec![
             (true, LOWER_PERMISSIONS),
@@ -728,6 +744,7 @@ mod tests {
             leader_election: Some("tensile-system"),
             members: Some("tensile-members"),
             upper_identity: true,
+            namespaces: true,
         };
         let none = Features::default();
         let cases = [
@@ -835,6 +852,7 @@ mod tests {
                 leader_election: Some("tensile-system"),
                 members: Some("tensile-members"),
                 upper_identity: true,
+                namespaces: true,
             };
             let listed: Vec<String> = needed_permissions(side, all)
                 .iter()

@@ -13,6 +13,7 @@ pub mod duration;
 pub mod kubelet_api;
 pub mod leader;
 pub mod logging;
+pub mod lower_view;
 pub mod member;
 pub mod metrics;
 pub mod node;

@@ -310,9 +310,15 @@ async fn connect(
         qps: args.kube_api_qps,
         burst: args.kube_api_burst,
     };
-    let upper = clusters::connect(Side::Upper, upper_config, upper_limit, metrics.clone())
-        .await
-        .map_err(|e: StartupError| e.to_string())?;
+    let upper = clusters::connect(
+        Side::Upper,
+        upper_config,
+        upper_limit,
+        metrics.clone(),
+        None,
+    )
+    .await
+    .map_err(|e: StartupError| e.to_string())?;
     Ok((upper, lower_config))
 }
 

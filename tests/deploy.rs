@@ -33,6 +33,7 @@ const ALL_FEATURES: Features = Features {
     members: Some(NAMESPACE),
     // Its RBAC is opt-in: deploy/virtual-node/upper-identity-rbac.yaml, applied on its own.
     upper_identity: false,
+    namespaces: true,
 };
 
 /// The root of the repository.

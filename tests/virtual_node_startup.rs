@@ -336,6 +336,7 @@ const DEFAULT_FEATURES: Features = Features {
     leader_election: None,
     members: None,
     upper_identity: false,
+    namespaces: false,
 };
 
 /// Lines of a virtual-node log that tell of a refusal by RBAC.

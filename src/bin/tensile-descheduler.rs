@@ -91,6 +91,7 @@ async fn run(args: Args, policy: Policy) -> Result<(), String> {
         config,
         limit,
         Arc::new(tensile::metrics::Metrics::default()),
+        None,
     )
     .await
     .map_err(|e| e.to_string())?;

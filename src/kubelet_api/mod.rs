@@ -127,6 +127,9 @@ pub struct KubeletApi {
     pub auth: Authenticator,
     /// `/metrics/resource` and the counters it keeps between scrapes.
     pub resource_metrics: resource_scrape::ResourceMetrics,
+    /// With `--lower-namespace`, the member's namespace mapping: `lower` speaks upper
+    /// names, except in what the kubelets and the metrics API say.
+    pub namespaces: Option<Arc<crate::lower_view::NamespaceView>>,
 }
 
 /// The lower pod an upper pod is mirrored to: the same namespace and name today. Every
@@ -301,7 +304,10 @@ async fn handle(
         Route::Pods | Route::RunningPods => pods(&api, route == Route::RunningPods).await,
         Route::StatsSummary => stats_summary(&api).await,
         Route::MetricsResource => {
-            let body = api.resource_metrics.scrape(&api.lower, &api.owner).await;
+            let body = api
+                .resource_metrics
+                .scrape(&api.lower, &api.owner, api.namespaces.as_deref())
+                .await;
             let mut response = text(StatusCode::OK, body);
             // The kubelet's content type: Prometheus text format 0.0.4.
             response.headers_mut().insert(
@@ -566,7 +572,13 @@ async fn stats_summary(api: &KubeletApi) -> Response<Body> {
         Err(error) => return text(StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),
     };
     match api.lower.request::<serde_json::Value>(request).await {
-        Ok(metrics) => json(&stats::summary(&api.owner.node, &metrics)),
+        Ok(mut metrics) => {
+            if let Some(view) = &api.namespaces {
+                let to_view = |ns: &str| view.to_view(ns);
+                crate::translate::namespace::rewrite_body(&mut metrics, false, &to_view);
+            }
+            json(&stats::summary(&api.owner.node, &metrics))
+        }
         Err(kube::Error::Api(status)) if status.code == 404 => text(
             StatusCode::NOT_FOUND,
             "stats are not available: the lower cluster serves no metrics API (metrics.k8s.io)",

@@ -2,6 +2,7 @@
 //! lower API server's node proxy, or the lower metrics API where the lower identity may
 //! not use it; turned into this node's series by [`super::resource_metrics`].
 
+use crate::lower_view::NamespaceView;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::time::{Duration, Instant};
 
@@ -100,7 +101,13 @@ fn now_ms() -> i64 {
 }
 
 /// The lower pods `owner` owns, as [`Mirrored`]s.
-async fn mirrored(lower: &Client, owner: &Owner) -> Result<Vec<Mirrored>, ScrapeError> {
+/// Listed through the member's namespace `view` (if any), each pod's lower name is its
+/// name in the lower cluster, as the kubelets and the metrics API give it.
+async fn mirrored(
+    lower: &Client,
+    owner: &Owner,
+    view: Option<&NamespaceView>,
+) -> Result<Vec<Mirrored>, ScrapeError> {
     let api = Api::<Pod>::all(lower.clone());
     let params = ListParams::default().labels(&owner.selector());
     let list = tokio::time::timeout(LOWER_TIMEOUT, api.list(&params))
@@ -111,9 +118,17 @@ async fn mirrored(lower: &Client, owner: &Owner) -> Result<Vec<Mirrored>, Scrape
         .items
         .iter()
         .filter_map(|pod| {
-            let lower = PodName::new(pod.metadata.namespace.clone()?, pod.metadata.name.clone()?);
+            let (namespace, name) = (
+                pod.metadata.namespace.as_deref()?,
+                pod.metadata.name.as_deref()?,
+            );
+            let seen = PodName::new(namespace, name);
+            let lower = match view {
+                Some(view) => PodName::new(view.to_lower(namespace)?, name),
+                None => seen.clone(),
+            };
             Some(Mirrored {
-                upper: super::upper_pod(&lower),
+                upper: super::upper_pod(&seen),
                 lower,
                 lower_node: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
             })
@@ -196,10 +211,15 @@ async fn pod_metrics(lower: &Client, owner: &Owner) -> Result<serde_json::Value,
 impl ResourceMetrics {
     /// The `/metrics/resource` text of `owner`'s node, from the `lower` cluster. Never
     /// fails: what could not be read is left out and `scrape_error` is 1.
-    pub async fn scrape(&self, lower: &Client, owner: &Owner) -> String {
+    pub async fn scrape(
+        &self,
+        lower: &Client,
+        owner: &Owner,
+        view: Option<&NamespaceView>,
+    ) -> String {
         let mut state = self.state.lock().await;
         let mut errors: Vec<ScrapeError> = Vec::new();
-        let (pods, listed) = match mirrored(lower, owner).await {
+        let (pods, listed) = match mirrored(lower, owner, view).await {
             Ok(pods) => (pods, true),
             Err(e) => {
                 errors.push(e);

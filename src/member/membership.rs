@@ -470,6 +470,7 @@ async fn leave_member(
         spec.lower.clone(),
         spec.lower_limit,
         shared.metrics.clone(),
+        None,
     )
     .await
     .map_err(|e| format!("node {node}: {e}"))?;

@@ -26,11 +26,13 @@ use crate::cli::{Args, OptionalControllers};
 use crate::clusters::{self, Cluster, RateLimit};
 use crate::controllers::{self, Context};
 use crate::kubelet_api;
+use crate::lower_view::NamespaceView;
 use crate::metrics::Metrics;
 use crate::node::{self, spec::NodeConfig};
 use crate::shutdown::Tasks;
 use crate::side::Side;
 use crate::translate::meta::Owner;
+use crate::translate::namespace::{Mapping, Mode, cluster_suffix};
 use crate::upper_watches::UpperWatches;
 
 /// The lower capacity as last computed; `None` until the lower watches have listed.
@@ -170,11 +172,25 @@ async fn run_member(
 ) -> Result<(), String> {
     let args = &shared.args;
     let upper = &shared.upper;
+    // --lower-namespace: the lower client speaks upper namespace names, mapped from the
+    // upper Namespaces as they are before anything is read below.
+    let namespaces = match args.lower_namespace {
+        Mode::Same => None,
+        mode => {
+            let suffix = cluster_suffix(&shared.cluster_id);
+            let view = NamespaceView::new(Mapping::new(mode, suffix.clone()));
+            controllers::namespace::load(&upper.client, &view, &suffix)
+                .await
+                .map_err(|e| format!("node {}: {e}", spec.node))?;
+            Some((view, suffix))
+        }
+    };
     let lower = clusters::connect(
         Side::Lower,
         spec.lower.clone(),
         spec.lower_limit,
         shared.metrics.clone(),
+        namespaces.as_ref().map(|(view, _)| view.clone()),
     )
     .await
     .map_err(|e| format!("node {}: {e}", spec.node))?;
@@ -187,7 +203,7 @@ async fn run_member(
         adopt(upper, &lower, &owner, &shared.optional).await?;
     }
     let (kubelet_listener, kubelet_tls, kubelet_api) =
-        kubelet_api_setup(&shared, &spec, &owner, &lower.client).await?;
+        kubelet_api_setup(&shared, &spec, &owner, &lower.client, namespaces.as_ref()).await?;
     let kubelet_port = kubelet_listener
         .local_addr()
         .map(|a| a.port())
@@ -222,6 +238,19 @@ async fn run_member(
         pods: pod_triggers,
         status: status_triggers,
     } = controllers::pod_watch::watches(&ctx);
+    if let Some((view, suffix)) = namespaces {
+        tasks.spawn(
+            "namespace mapping",
+            controllers::namespace::run(
+                ctx.clone(),
+                view,
+                suffix,
+                stores.lower.clone(),
+                stores.synced.clone(),
+                shutdown.clone(),
+            ),
+        );
+    }
     // The watches run until shutdown; the controllers stop on it by themselves.
     let stop = shutdown.clone();
     tasks.spawn("pod watches", async move {
@@ -556,6 +585,7 @@ async fn kubelet_api_setup(
     spec: &MemberSpec,
     owner: &Owner,
     lower: &kube::Client,
+    namespaces: Option<&(Arc<NamespaceView>, String)>,
 ) -> Result<
     (
         tokio::net::TcpListener,
@@ -592,6 +622,7 @@ async fn kubelet_api_setup(
         owner: owner.clone(),
         auth,
         resource_metrics: Default::default(),
+        namespaces: namespaces.map(|(view, _)| view.clone()),
     });
     Ok((listener, tls, api))
 }

@@ -5,6 +5,7 @@ pub mod deps;
 pub mod events;
 pub mod identity;
 pub mod meta;
+pub mod namespace;
 pub mod packed_status;
 pub mod pod;
 pub mod scheduling;

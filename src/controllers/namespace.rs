@@ -1,0 +1,247 @@
+//! Namespace remapping (`--lower-namespace` other than `same`): keeps the member's
+//! [`NamespaceView`] in step with the upper Namespaces (a new one mapped, an annotation
+//! `tensile.dev/lower-namespace` followed, a deleted one forgotten). A change of mapping
+//! for a namespace that has pods below is refused with an Event on the Namespace, not half
+//! applied: it takes effect once they are gone. Two upper namespaces asking for one lower
+//! namespace: the one mapped first keeps it, the other gets its default name and an Event.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Namespace, ObjectReference};
+use kube::api::{Api, ListParams};
+use kube::runtime::watcher;
+use kube::{Client, ResourceExt};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::Context;
+use super::pod_store::PodStore;
+use super::stores::{Ready, reflected};
+use crate::lower_view::NamespaceView;
+use crate::side::Side;
+use crate::translate::namespace::{LOWER_NAMESPACE_ANNOTATION, Mapping, desired};
+
+/// How often a refused change is looked at again (its pods may have gone).
+const RETRY: Duration = Duration::from_secs(5);
+
+/// Each upper namespace's name and annotation.
+type Wanted = BTreeMap<String, Option<String>>;
+
+fn wanted<'a>(namespaces: impl Iterator<Item = &'a Namespace>) -> Wanted {
+    namespaces
+        .map(|ns| {
+            (
+                ns.name_any(),
+                ns.annotations().get(LOWER_NAMESPACE_ANNOTATION).cloned(),
+            )
+        })
+        .collect()
+}
+
+/// Why a namespace is not mapped as its annotation asks: the Warning's reason and note.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Refusal {
+    namespace: String,
+    reason: &'static str,
+    note: String,
+}
+
+/// Brings `mapping` in step with `wanted`, given `in_use` (upper namespaces with pods
+/// below); what it refused. Pure: the tests below cover it.
+fn apply(
+    mapping: &mut Mapping,
+    suffix: &str,
+    wanted: &Wanted,
+    in_use: &dyn Fn(&str) -> bool,
+) -> Vec<Refusal> {
+    let mut refused = Vec::new();
+    // Gone upper namespaces (their pods with them) free their lower names first.
+    let gone: Vec<String> = mapping
+        .known()
+        .filter(|ns| !wanted.contains_key(*ns))
+        .map(str::to_owned)
+        .collect();
+    for namespace in gone {
+        if !in_use(&namespace) {
+            mapping.remove(&namespace);
+        }
+    }
+    for (namespace, annotated) in wanted {
+        let (target, why) = desired(mapping.mode(), namespace, annotated.as_deref(), suffix);
+        if let Err(note) = why {
+            refused.push(Refusal {
+                namespace: namespace.clone(),
+                reason: "LowerNamespaceInvalid",
+                note,
+            });
+        }
+        let current = mapping.current(namespace).map(str::to_owned);
+        if current.as_deref() == Some(target.as_str()) {
+            continue;
+        }
+        if let Some(current) = &current
+            && in_use(namespace)
+        {
+            refused.push(Refusal {
+                namespace: namespace.clone(),
+                reason: "LowerNamespaceChangeRefused",
+                note: format!(
+                    "namespace {namespace} has pods in lower namespace {current}; it moves to \
+                     {target} once they are gone"
+                ),
+            });
+            continue;
+        }
+        if let Err(holder) = mapping.set(namespace, &target) {
+            refused.push(Refusal {
+                namespace: namespace.clone(),
+                reason: "LowerNamespaceTaken",
+                note: format!(
+                    "lower namespace {target} is upper namespace {holder}'s already; \
+                     {namespace} keeps its default"
+                ),
+            });
+            if current.is_none() {
+                let (fallback, _) = desired(mapping.mode(), namespace, None, suffix);
+                // Taken as well: left to the default rule of the view, unmapped.
+                let _ = mapping.set(namespace, &fallback);
+            }
+        }
+    }
+    refused
+}
+
+/// Fills `view` from the upper Namespaces as they are now (before the member's lower
+/// client is used).
+pub async fn load(upper: &Client, view: &NamespaceView, suffix: &str) -> Result<(), String> {
+    let list = Api::<Namespace>::all(upper.clone())
+        .list(&ListParams::default())
+        .await
+        .map_err(|e| format!("upper cluster: listing Namespaces: {e}"))?;
+    let mut mapping = view.write();
+    for refusal in apply(&mut mapping, suffix, &wanted(list.items.iter()), &|_| false) {
+        warn!(namespace = %refusal.namespace, reason = refusal.reason, "{}", refusal.note);
+    }
+    Ok(())
+}
+
+/// Keeps `view` in step with the upper Namespaces until `shutdown`; `lower_pods` says
+/// which namespaces have pods below.
+pub async fn run(
+    ctx: Arc<Context>,
+    view: Arc<NamespaceView>,
+    suffix: String,
+    lower_pods: PodStore,
+    synced: Ready,
+    shutdown: CancellationToken,
+) {
+    let reflected = reflected(
+        Api::<Namespace>::all(ctx.upper.clone()),
+        Side::Upper,
+        watcher::Config::default(),
+        None,
+    );
+    let (store, mut stream, ready) = (reflected.store, reflected.stream, reflected.ready);
+    let mut tick = tokio::time::interval(RETRY);
+    let mut warned: HashSet<Refusal> = HashSet::new();
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            Some(_) = stream.next() => {}
+            _ = tick.tick() => {}
+        }
+        if !ready.is_ready() || !synced.is_ready() {
+            continue;
+        }
+        let namespaces = store.state();
+        let wanted = wanted(namespaces.iter().map(AsRef::as_ref));
+        let used: BTreeSet<Box<str>> = lower_pods
+            .state()
+            .iter()
+            .map(|p| p.meta.namespace.clone())
+            .collect();
+        let before = view.read().clone();
+        let refused = apply(&mut view.write(), &suffix, &wanted, &|ns| used.contains(ns));
+        let after = view.read().clone();
+        for namespace in wanted.keys() {
+            if before.current(namespace) != after.current(namespace) {
+                info!(namespace = %namespace, lower = ?after.current(namespace),
+                    "upper namespace mapped to a lower namespace");
+            }
+        }
+        for refusal in refused {
+            if warned.insert(refusal.clone()) {
+                warn!(namespace = %refusal.namespace, reason = refusal.reason, "{}", refusal.note);
+                let reference = ObjectReference {
+                    api_version: Some("v1".into()),
+                    kind: Some("Namespace".into()),
+                    name: Some(refusal.namespace.clone()),
+                    ..ObjectReference::default()
+                };
+                ctx.warn_on_ref(&reference, refusal.reason, refusal.note)
+                    .await;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::translate::namespace::Mode;
+
+    use super::*;
+
+    fn wanted_of(pairs: &[(&str, Option<&str>)]) -> Wanted {
+        pairs
+            .iter()
+            .map(|(n, a)| ((*n).to_owned(), a.map(str::to_owned)))
+            .collect()
+    }
+
+    #[test]
+    fn maps_follows_and_refuses() {
+        let mut m = Mapping::new(Mode::Prefixed, "c1".into());
+        let idle = |_: &str| false;
+        let refused = apply(
+            &mut m,
+            "c1",
+            &wanted_of(&[("shop", None), ("team", Some("team-below"))]),
+            &idle,
+        );
+        assert!(refused.is_empty(), "{refused:?}");
+        assert_eq!(m.current("shop"), Some("shop-c1"));
+        assert_eq!(m.current("team"), Some("team-below"));
+
+        // A change under running pods waits, with a refusal; applied once they are gone.
+        let busy = |ns: &str| ns == "shop";
+        let change = wanted_of(&[("shop", Some("shop-new")), ("team", Some("team-below"))]);
+        let refused = apply(&mut m, "c1", &change, &busy);
+        assert_eq!(refused.len(), 1);
+        assert_eq!(refused[0].reason, "LowerNamespaceChangeRefused");
+        assert_eq!(m.current("shop"), Some("shop-c1"));
+        assert!(apply(&mut m, "c1", &change, &idle).is_empty());
+        assert_eq!(m.current("shop"), Some("shop-new"));
+
+        // Two namespaces asking for one: the first keeps it.
+        let clash = wanted_of(&[
+            ("shop", Some("shop-new")),
+            ("team", Some("team-below")),
+            ("zoo", Some("team-below")),
+        ]);
+        let refused = apply(&mut m, "c1", &clash, &idle);
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert_eq!(refused[0].reason, "LowerNamespaceTaken");
+        assert_eq!(m.current("zoo"), Some("zoo-c1"));
+
+        // A bad annotation: the default, and a refusal.
+        let bad = wanted_of(&[("shop", Some("Bad_Name"))]);
+        let refused = apply(&mut m, "c1", &bad, &idle);
+        assert_eq!(refused[0].reason, "LowerNamespaceInvalid");
+        assert_eq!(m.current("shop"), Some("shop-c1"));
+        // Namespaces gone from the upper cluster are forgotten.
+        assert_eq!(m.current("team"), None);
+    }
+}
