@@ -35,8 +35,8 @@ use crate::translate::pod::service_account_name;
 
 /// Workers requesting tokens at once.
 const WORKERS: u16 = 4;
-/// How soon to look again for a lower pod the store has yet to show.
-const NOT_YET_SEEN: Duration = Duration::from_secs(1);
+/// How soon to look again at a Secret changed by someone else while it was written.
+const CHANGED_MEANWHILE: Duration = Duration::from_secs(1);
 /// The ConfigMap of the upper cluster's CA in every namespace.
 const ROOT_CA_CONFIG_MAP: &str = "kube-root-ca.crt";
 /// Reason of the Warning on an upper pod whose tokens could not be issued or stored.
@@ -137,13 +137,10 @@ async fn reconcile(
 ) -> Option<Duration> {
     let namespace = key.namespace.as_deref().unwrap_or_default();
     let Some(lower) = stores.lower.get(namespace, &key.name) else {
+        // Gone, or not created yet: the pod controller wakes this pod when it sees the
+        // lower pod.
         tokens.due().remove(key);
-        // Created and not yet seen, or gone: only an upper pod still bound says which.
-        return stores
-            .upper
-            .get(namespace, &key.name)
-            .filter(|u| u.meta.deletion_timestamp.is_none())
-            .map(|_| NOT_YET_SEEN);
+        return None;
     };
     let lower_uid = lower.meta.uid.clone().unwrap_or_default();
     let now = Instant::now();
@@ -298,7 +295,7 @@ async fn ensure(
         // Written or replaced meanwhile: look again soon.
         Err(e) if is_status(&e, 409) || is_status(&e, 404) => {
             debug!(object = %secret_key, kind = "Secret", cluster = "lower", "changed meanwhile");
-            Ok(Some(NOT_YET_SEEN))
+            Ok(Some(CHANGED_MEANWHILE))
         }
         Err(e) => Err(fail(api_error(
             Side::Lower,

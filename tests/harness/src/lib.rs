@@ -26,6 +26,7 @@ pub mod pki;
 pub mod ports;
 pub mod process;
 pub mod rbac;
+pub mod real_node;
 pub mod virtual_node;
 pub mod wait;
 
@@ -35,5 +36,6 @@ pub use cluster::{
     KWOK_PREVIOUS_LOG_LINE, NodeShape, client_for, cri_log_line, node_is_ready, rfc3339,
 };
 pub use pair::{ClusterPair, PairOptions, TestNamespace};
+pub use real_node::{RealNode, real_node_placement};
 pub use virtual_node::{VirtualNode, VirtualNodeOptions};
 pub use wait::wait_for;

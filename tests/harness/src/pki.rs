@@ -257,6 +257,25 @@ impl Pki {
         )
     }
 
+    /// Issues a serving certificate for `name` valid for `sans` (addresses or DNS names),
+    /// signed by the cluster CA: a real kubelet's, which the API server verifies.
+    pub fn issue_serving(&self, name: &str, sans: &[&str]) -> Result<ClientCert> {
+        let key_pem = std::fs::read_to_string(&self.ca_key)
+            .with_context(|| format!("reading {}", self.ca_key.display()))?;
+        let ca = Ca {
+            issuer: Issuer::new(ca_params(&self.name)?, KeyPair::from_pem(&key_pem)?),
+        };
+        let file = format!(
+            "serving-{}",
+            name.replace(|c: char| !c.is_ascii_alphanumeric(), "-")
+        );
+        write_pair(
+            &self.dir,
+            &file,
+            ca.issue(name, &[], sans, ExtendedKeyUsagePurpose::ServerAuth)?,
+        )
+    }
+
     /// Issues a client certificate for `user` that expired in 2001 (signed by the cluster
     /// CA, so only its dates are wrong).
     pub fn issue_expired_client(&self, user: &str) -> Result<ClientCert> {

@@ -31,8 +31,11 @@ impl Reaper {
     /// directory after killing them.
     pub fn start(pid_file: &Path, remove: Option<&Path>) -> Result<Self> {
         File::create(pid_file).with_context(|| format!("creating {}", pid_file.display()))?;
+        // A previous harness's commands (same directory) are not this one's.
+        let _ = std::fs::remove_file(pid_file.with_extension("on-exit"));
         let script = r#"cat >/dev/null
 for pid in $(cat "$1"); do kill -9 "$pid" 2>/dev/null; done
+if [ -f "$1.on-exit" ]; then sh "$1.on-exit" >/dev/null 2>&1; fi
 if [ -n "$2" ]; then sleep 0.5; rm -rf "$2"; fi"#;
         let mut child = Command::new("sh")
             .arg("-c")
@@ -53,6 +56,19 @@ if [ -n "$2" ]; then sleep 0.5; rm -rf "$2"; fi"#;
             _child: child,
             _pipe: pipe,
         })
+    }
+
+    /// Has the reaper run the shell command `command` after killing the PIDs (e.g. to
+    /// remove what a component leaves outside the state directory).
+    pub fn on_exit(&self, command: &str) -> Result<()> {
+        let _guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let path = self.pid_file.with_extension("on-exit");
+        let mut file = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        writeln!(file, "{command}").with_context(|| format!("writing {}", path.display()))
     }
 
     fn record(&self, pid: u32) -> Result<()> {

@@ -3,7 +3,9 @@
 //! `up --dir DIR` starts the pair and keeps it running until Ctrl-C / SIGTERM (or
 //! `down --dir DIR`); `DIR/ready` appears once both API servers serve and every kwok node
 //! is Ready. `--lower-clusters N` starts N lower clusters and joins each, through
-//! `virtual-node join`, as a member of one virtual-node process.
+//! `virtual-node join`, as a member of one virtual-node process. `--real-node` adds a real
+//! node (kubelet, containerd, runc) to the lower cluster and runs the example workload on
+//! it, so `kubectl exec -it vk-demo -- sh` through the virtual node is a real shell.
 
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
@@ -17,9 +19,10 @@ use kube::api::Api;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tensile_harness::metrics_server::USAGE_CPU_ANNOTATION;
+use tensile_harness::real_node::BUSYBOX_IMAGE;
 use tensile_harness::{
-    Cluster, ClusterOptions, ClusterPair, PairOptions, VirtualNode, VirtualNodeOptions,
-    node_is_ready, wait_for,
+    Cluster, ClusterOptions, ClusterPair, PairOptions, RealNode, VirtualNode, VirtualNodeOptions,
+    node_is_ready, real_node_placement, wait_for,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::signal::unix::{SignalKind, signal};
@@ -55,6 +58,11 @@ enum Command {
         /// `<node-name>`, `<node-name>-2`, ...
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=20))]
         lower_clusters: u8,
+        /// Also start a real node (kubelet, containerd, runc; built by
+        /// tests/k8s/real-node/build.sh on first use) in the lower cluster, and run the
+        /// example workload on it (busybox made locally). With one lower cluster.
+        #[arg(long, conflicts_with = "lower_clusters")]
+        real_node: bool,
     },
     /// Stop a pair started by `up` with the same directory.
     Down {
@@ -84,12 +92,14 @@ async fn main() -> ExitCode {
             node_name,
             clusters_only,
             lower_clusters,
+            real_node,
         } => {
             let node = (!clusters_only).then_some(node_name);
             let shape = Shape {
                 lower_nodes,
                 upper_nodes,
                 lower_clusters: usize::from(lower_clusters),
+                real_node,
             };
             up(&dir, shape, node.as_deref()).await
         }
@@ -109,6 +119,7 @@ struct Shape {
     lower_nodes: usize,
     upper_nodes: usize,
     lower_clusters: usize,
+    real_node: bool,
 }
 
 /// The namespace of the member Secrets with more than one lower cluster.
@@ -183,6 +194,18 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
         _ = sigterm.recv() => bail!("interrupted while starting"),
         _ = sigint.recv() => bail!("interrupted while starting"),
     };
+    let real_node = if shape.real_node {
+        eprintln!(
+            "starting a real node ({REAL_NODE}: kubelet, containerd, runc) in the lower cluster ..."
+        );
+        Some(tokio::select! {
+            node = pair.start_real_node(REAL_NODE) => node?,
+            _ = sigterm.recv() => bail!("interrupted while starting"),
+            _ = sigint.recv() => bail!("interrupted while starting"),
+        })
+    } else {
+        None
+    };
     let members: Vec<(String, &Cluster)> = node
         .map(|node| {
             let names = std::iter::once(node.to_owned())
@@ -196,7 +219,7 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
         None
     } else {
         Some(tokio::select! {
-            started = join_and_demo(&pair, &members) => started?,
+            started = join_and_demo(&pair, &members, real_node.is_some()) => started?,
             _ = sigterm.recv() => bail!("interrupted while starting"),
             _ = sigint.recv() => bail!("interrupted while starting"),
         })
@@ -209,6 +232,7 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
         started.elapsed(),
         &nodes,
         virtual_node.as_ref(),
+        real_node.as_ref(),
     );
 
     tokio::select! {
@@ -217,6 +241,7 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
     }
     eprintln!("stopping ...");
     let _ = std::fs::remove_file(dir.join(READY_FILE));
+    drop(real_node);
     for cluster in &extra_clusters {
         cluster.stop();
     }
@@ -231,11 +256,43 @@ const DEMO: &str = include_str!("../../../../deploy/examples/vk-demo.yaml");
 
 const WAIT: Duration = Duration::from_secs(120);
 
+/// The name of the real node (`--real-node`) in the lower cluster.
+const REAL_NODE: &str = "lower-real-0";
+
+/// The example workload for the real node: the busybox image made locally, a command that
+/// prints (for `kubectl logs`) and stays, and the placement onto the real node stashed in
+/// `clusterSelector`, which the virtual node restores below.
+fn demo_on_real_node() -> Result<String> {
+    let placement = serde_json::to_string(&real_node_placement())?;
+    let mut demo = DEMO.to_owned();
+    for (from, to) in [
+        ("image: busybox:1.27", format!("image: {BUSYBOX_IMAGE}")),
+        (
+            r#"command: ["/bin/sh", "-c", "tail -f /dev/null"]"#,
+            r#"command: ["/bin/sh", "-c", "echo hello from vk-demo on $(hostname), a real container; exec tail -f /dev/null"]"#.to_owned(),
+        ),
+        (
+            "  name: vk-demo\n",
+            format!("  name: vk-demo\n  annotations:\n    clusterSelector: '{placement}'\n"),
+        ),
+    ] {
+        if !demo.contains(from) {
+            bail!("deploy/examples/vk-demo.yaml no longer has {from:?}: update demo_on_real_node");
+        }
+        demo = demo.replacen(from, &to, 1);
+    }
+    Ok(demo)
+}
+
 /// Starts virtual-node (built next to this binary) for `members` (node name, lower
 /// cluster), waits for every Node to be Ready, applies the example workload and waits for
 /// its pod to run. One member is the single-cluster flags, as tensile-kube runs; more are
 /// joined by `virtual-node join` and served by one process.
-async fn join_and_demo(pair: &ClusterPair, members: &[(String, &Cluster)]) -> Result<VirtualNode> {
+async fn join_and_demo(
+    pair: &ClusterPair,
+    members: &[(String, &Cluster)],
+    real_node: bool,
+) -> Result<VirtualNode> {
     let binary = std::env::current_exe()?.with_file_name("virtual-node");
     if !binary.exists() {
         bail!(
@@ -273,7 +330,15 @@ async fn join_and_demo(pair: &ClusterPair, members: &[(String, &Cluster)]) -> Re
         .await?;
     }
 
-    eprintln!("applying the example workload (deploy/examples/vk-demo.yaml) ...");
+    let demo = if real_node {
+        eprintln!(
+            "applying the example workload (deploy/examples/vk-demo.yaml), on the real node ..."
+        );
+        demo_on_real_node()?
+    } else {
+        eprintln!("applying the example workload (deploy/examples/vk-demo.yaml) ...");
+        DEMO.to_owned()
+    };
     let mut kubectl = tokio::process::Command::new(pair.bin("kubectl"))
         .arg("--kubeconfig")
         .arg(&pair.upper.kubeconfig)
@@ -282,7 +347,7 @@ async fn join_and_demo(pair: &ClusterPair, members: &[(String, &Cluster)]) -> Re
         .stdout(std::process::Stdio::null())
         .spawn()?;
     if let Some(mut stdin) = kubectl.stdin.take() {
-        stdin.write_all(DEMO.as_bytes()).await?;
+        stdin.write_all(demo.as_bytes()).await?;
     }
     let status = kubectl.wait().await?;
     if !status.success() {
@@ -316,6 +381,7 @@ fn print_summary(
     elapsed: Duration,
     nodes: &[&str],
     virtual_node: Option<&VirtualNode>,
+    real_node: Option<&RealNode>,
 ) {
     println!(
         "\nready in {:.1}s (Kubernetes {})",
@@ -361,16 +427,41 @@ fn print_summary(
         println!("  {lower} get pods,cm,secrets -o wide   # ... and really in the lower cluster");
         println!("  {upper} describe node {node}");
         println!("  {upper} logs vk-demo               # the kubelet API, served by {node}");
-        println!("  {upper} exec vk-demo -- echo hi   # commands run inside kwok here");
-        println!("  {upper} port-forward pod/vk-demo 8080:80   # kwok echoes what you send");
-        println!(
-            "  {upper} annotate pod vk-demo {USAGE_CPU_ANNOTATION}=250m   # kwok's simulated CPU use below ..."
-        );
-        println!(
-            "  {upper} top pod vk-demo; {upper} top node {node}   # ... in kubectl top within a minute"
-        );
+        if real_node.is_some() {
+            println!(
+                "  {upper} exec -it vk-demo -- sh   # a real shell in the container on {REAL_NODE}"
+            );
+            println!(
+                "  {upper} exec vk-demo -- httpd -p 8080 -h /etc/foo; {upper} port-forward pod/vk-demo 8080 &   # a real listener ..."
+            );
+            println!(
+                "  curl http://127.0.0.1:8080/username   # ... serving the mirrored ConfigMap"
+            );
+            println!(
+                "  {upper} top pod vk-demo   # the container's real usage (lower kubelet -> metrics-server -> {node} -> upper metrics-server), within a minute"
+            );
+        } else {
+            println!("  {upper} exec vk-demo -- echo hi   # commands run inside kwok here");
+            println!("  {upper} port-forward pod/vk-demo 8080:80   # kwok echoes what you send");
+            println!(
+                "  {upper} annotate pod vk-demo {USAGE_CPU_ANNOTATION}=250m   # kwok's simulated CPU use below ..."
+            );
+            println!(
+                "  {upper} top pod vk-demo; {upper} top node {node}   # ... in kubectl top within a minute"
+            );
+        }
     }
     println!("  {lower} get nodes,pods -A");
+    if let Some(real) = real_node {
+        println!(
+            "real node {} ({}:{}): {}, {}",
+            real.name,
+            real.node_ip,
+            real.kubelet_port,
+            real.kubelet_log().display(),
+            real.containerd_log().display()
+        );
+    }
     if let Some(vn) = virtual_node {
         let port = vn.metrics_port;
         println!(

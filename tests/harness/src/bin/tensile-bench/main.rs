@@ -80,6 +80,10 @@ struct Args {
     /// its lower cluster running metrics-server.
     #[arg(long, value_delimiter = ',')]
     scrape: Vec<usize>,
+    /// A further flag for the single-cluster scenarios' virtual-node (repeatable), e.g.
+    /// `--node-arg=--lower-namespace=prefixed` to measure a mode's cost.
+    #[arg(long, allow_hyphen_values = true)]
+    node_arg: Vec<String>,
 }
 
 const NODE: &str = "vk-bench";
@@ -727,6 +731,7 @@ async fn start_node(
     ]
     .iter()
     .map(ToString::to_string)
+    .chain(args.node_arg.iter().cloned())
     .collect();
     let vn = pair.start_virtual_node(&options)?;
     let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(pair.upper.client().await?);

@@ -1,0 +1,683 @@
+//! The kubelet API through the virtual node against a REAL kubelet: a real node
+//! (kubelet, containerd, runc, the CNI bridge; `tensile_harness::real_node`) in the lower
+//! cluster beside the kwok nodes, pods placed on it through the virtual node, and each
+//! kubectl command run upstairs (through the virtual node) and straight to the lower
+//! cluster, with the same result. Its own test binary: its pair runs a real node and
+//! metrics-servers. Nothing here is skipped: a machine that cannot run the real node fails
+//! these tests with the reason.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
+
+mod common;
+
+use std::path::Path;
+use std::process::{Output, Stdio};
+use std::time::Duration;
+
+use common::{TIMEOUT, start_node};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams, PostParams};
+use serde_json::{Value, json};
+use tensile_harness::fixtures::{bound_pod, merge};
+use tensile_harness::real_node::BUSYBOX_IMAGE;
+use tensile_harness::{
+    ClusterPair, PairOptions, RealNode, TestNamespace, VirtualNode, real_node_placement, wait_for,
+};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::process::Command;
+use tokio::sync::OnceCell;
+
+const NODE: &str = "vk-real";
+const REAL_NODE: &str = "lower-real-0";
+/// Usage goes through metrics-server's 10 s resolution (twice upstairs).
+const METRICS_TIMEOUT: Duration = Duration::from_secs(240);
+
+/// The pair, its real node and the virtual node, shared by this binary's tests.
+struct Setup {
+    pair: ClusterPair,
+    real: RealNode,
+    _vk: VirtualNode,
+}
+
+static SETUP: OnceCell<Setup> = OnceCell::const_new();
+
+async fn setup() -> &'static Setup {
+    SETUP
+        .get_or_init(|| async {
+            let mut options = PairOptions::default();
+            options.upper.metrics = true;
+            options.lower.metrics = true;
+            let pair = ClusterPair::start(options).await.unwrap();
+            let real = pair.start_real_node(REAL_NODE).await.unwrap_or_else(|error| {
+                panic!("the real node did not start (see tests/harness/src/real_node.rs): {error:#}")
+            });
+            let vk = start_node(&pair, NODE, &[]).await;
+            Setup {
+                pair,
+                real,
+                _vk: vk,
+            }
+        })
+        .await
+}
+
+/// A pod bound to the virtual node whose lower copy goes to the real node (the placement
+/// stashed in `clusterSelector`, as the webhook would), running `script` in busybox;
+/// `extra` is merged into its spec (a list replaces the list).
+fn real_pod(name: &str, script: &str, extra: Value) -> Pod {
+    let mut pod = bound_pod(name, NODE);
+    pod.metadata.annotations = Some(
+        [(
+            "clusterSelector".to_owned(),
+            real_node_placement().to_string(),
+        )]
+        .into(),
+    );
+    let mut spec = serde_json::to_value(pod.spec.take().unwrap()).unwrap();
+    merge(
+        &mut spec,
+        json!({
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{
+                "name": "app",
+                "image": BUSYBOX_IMAGE,
+                "command": ["sh", "-c", script],
+            }],
+        }),
+    );
+    merge(&mut spec, extra);
+    pod.spec = Some(serde_json::from_value(spec).unwrap());
+    pod
+}
+
+/// Creates `pods` upstairs in a new namespace and waits until each runs on the real node
+/// below and is Running upstairs.
+async fn run_on_real_node(setup: &Setup, prefix: &str, pods: Vec<Pod>) -> TestNamespace {
+    let upper = setup.pair.upper.client().await.unwrap();
+    let lower = setup.pair.lower.client().await.unwrap();
+    let ns = TestNamespace::create(&upper, prefix).await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper, &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower, &ns.name);
+    let names: Vec<String> = pods
+        .iter()
+        .map(|p| p.metadata.name.clone().unwrap())
+        .collect();
+    for pod in pods {
+        upper_pods
+            .create(&PostParams::default(), &pod)
+            .await
+            .unwrap();
+    }
+    for name in &names {
+        let ran = wait_for(
+            &format!("{}/{name} Running on {REAL_NODE} and upstairs", ns.name),
+            TIMEOUT,
+            || async {
+                let below = lower_pods.get_opt(name).await?;
+                let on_real = below.as_ref().is_some_and(|p| {
+                    p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(REAL_NODE)
+                        && common::running(p)
+                });
+                let above = upper_pods.get_opt(name).await?;
+                Ok((on_real && above.as_ref().is_some_and(common::running)).then_some(()))
+            },
+        )
+        .await;
+        if let Err(error) = ran {
+            let below = lower_pods.get_opt(name).await.ok().flatten();
+            panic!(
+                "{error:#}\nlower pod: {}\n{}",
+                serde_json::to_string(&below.map(|p| p.status)).unwrap(),
+                setup.real.logs_tail(30)
+            );
+        }
+    }
+    ns
+}
+
+/// Runs kubectl of the pinned release with `kubeconfig`, feeding `stdin`.
+async fn kubectl(pair: &ClusterPair, kubeconfig: &Path, args: &[&str], stdin: &[u8]) -> Output {
+    let mut child = Command::new(pair.bin("kubectl"))
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    input.write_all(stdin).await.unwrap();
+    drop(input);
+    tokio::time::timeout(TIMEOUT, child.wait_with_output())
+        .await
+        .unwrap_or_else(|_| panic!("kubectl {args:?} timed out"))
+        .unwrap()
+}
+
+/// The same kubectl command upstairs (through the virtual node) and straight below.
+async fn both(setup: &Setup, args: &[&str], stdin: &[u8]) -> [(&'static str, Output); 2] {
+    let pair = &setup.pair;
+    [
+        (
+            "upper",
+            kubectl(pair, pair.upper_kubeconfig(), args, stdin).await,
+        ),
+        (
+            "lower",
+            kubectl(pair, pair.lower_kubeconfig(), args, stdin).await,
+        ),
+    ]
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[tokio::test]
+async fn exec_exit_code_stdin_and_tty_size_through_the_virtual_node() {
+    let setup = setup().await;
+    let ns = run_on_real_node(
+        setup,
+        "real-exec",
+        vec![real_pod("shell", "exec sleep 3600", json!({}))],
+    )
+    .await;
+    let n = ns.name.as_str();
+
+    // The command's exit code comes back as kubectl's.
+    for (cluster, out) in both(
+        setup,
+        &[
+            "-n",
+            n,
+            "exec",
+            "shell",
+            "--",
+            "sh",
+            "-c",
+            "echo out; echo err >&2; exit 3",
+        ],
+        b"",
+    )
+    .await
+    {
+        assert_eq!(out.status.code(), Some(3), "{cluster}: {out:?}");
+        assert_eq!(text(&out.stdout), "out\n", "{cluster}: {out:?}");
+        assert!(text(&out.stderr).contains("err\n"), "{cluster}: {out:?}");
+    }
+    // Stdin piped in comes back out, to its end (the container sees the end of input).
+    let input: String = (0..2000).map(|i| format!("line {i}\n")).collect();
+    for (cluster, out) in both(
+        setup,
+        &[
+            "-n",
+            n,
+            "exec",
+            "-i",
+            "shell",
+            "--",
+            "sh",
+            "-c",
+            "cat; echo done",
+        ],
+        input.as_bytes(),
+    )
+    .await
+    {
+        assert!(out.status.success(), "{cluster}: {out:?}");
+        assert_eq!(text(&out.stdout), format!("{input}done\n"), "{cluster}");
+    }
+    // A TTY: kubectl in a pseudo-terminal (`script`) whose size is 33x77 sends that size,
+    // which the container's terminal takes (the size travels apart from the start of the
+    // command, so the command waits for it, up to 30 s); output comes back through the
+    // TTY (CRLF).
+    for kubeconfig in [setup.pair.upper_kubeconfig(), setup.pair.lower_kubeconfig()] {
+        let kubectl = setup.pair.bin("kubectl");
+        let inner = format!(
+            "stty rows 33 cols 77; exec {} --kubeconfig {} -n {n} exec -it shell -- timeout 30 sh -c 'until [ \"$(stty size)\" = \"33 77\" ]; do usleep 20000; done; stty size; tty; exit 4'",
+            kubectl.display(),
+            kubeconfig.display()
+        );
+        let out = tokio::time::timeout(
+            TIMEOUT,
+            Command::new("script")
+                .args(["-qefc", &inner, "/dev/null"])
+                .stdin(Stdio::null())
+                .output(),
+        )
+        .await
+        .expect("kubectl exec -it in time")
+        .expect("running script (util-linux)");
+        let shown = text(&out.stdout);
+        assert!(
+            shown.contains("33 77\r\n"),
+            "{}: {shown:?} {out:?}",
+            kubeconfig.display()
+        );
+        assert!(
+            shown.contains("/dev/pts/"),
+            "{}: {shown:?}",
+            kubeconfig.display()
+        );
+        assert_eq!(
+            out.status.code(),
+            Some(4),
+            "{}: {out:?}",
+            kubeconfig.display()
+        );
+    }
+    // A resize during the session reaches the container.
+    for (cluster, client) in [
+        ("upper", setup.pair.upper.client().await.unwrap()),
+        ("lower", setup.pair.lower.client().await.unwrap()),
+    ] {
+        tty_resize(client, n, "shell").await;
+        println!("{cluster}: resize seen");
+    }
+    ns.delete().await.unwrap();
+}
+
+/// A TTY session resized after it started (what kubectl does on SIGWINCH): the container
+/// sees the new size. Through the API server's WebSocket with kube's client.
+async fn tty_resize(client: kube::Client, ns: &str, name: &str) {
+    use futures::SinkExt;
+    use kube::api::{AttachParams, TerminalSize};
+    let pods: Api<Pod> = Api::namespaced(client, ns);
+    let mut process = pods
+        .exec(
+            name,
+            ["sh", "-c", "while read -r line; do stty size; done"],
+            &AttachParams::interactive_tty(),
+        )
+        .await
+        .unwrap();
+    let mut size = process.terminal_size().unwrap();
+    let mut stdin = process.stdin().unwrap();
+    let mut stdout = process.stdout().unwrap();
+    for (height, width) in [(33, 77), (41, 99)] {
+        size.send(TerminalSize { width, height }).await.unwrap();
+        // A resize travels apart from the input, so ask again until the new size shows.
+        let want = format!("{height} {width}");
+        let mut seen = String::new();
+        let mut buf = [0; 256];
+        let deadline = tokio::time::Instant::now() + TIMEOUT;
+        while !seen.contains(&want) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "TTY size {want} never shown: {seen:?}"
+            );
+            stdin.write_all(b"go\n").await.unwrap();
+            if let Ok(read) =
+                tokio::time::timeout(Duration::from_millis(500), stdout.read(&mut buf)).await
+            {
+                let n = read.unwrap();
+                assert!(n > 0, "TTY closed before the size: {seen:?}");
+                seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+            }
+        }
+    }
+    // End of input (^D on the TTY) ends the loop, and the command, successfully.
+    let status = process.take_status().unwrap();
+    stdin.write_all(&[4]).await.unwrap();
+    drop(stdin);
+    let status = tokio::time::timeout(TIMEOUT, status)
+        .await
+        .expect("the command ends at the end of input");
+    assert_eq!(
+        status.as_ref().and_then(|s| s.status.as_deref()),
+        Some("Success"),
+        "{status:?}"
+    );
+    process.join().await.unwrap();
+}
+
+/// A kubectl command that streams (`logs -f`, `port-forward`), read line by line.
+struct Streaming {
+    child: tokio::process::Child,
+    lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+}
+
+impl Streaming {
+    fn start(pair: &ClusterPair, kubeconfig: &Path, args: &[&str]) -> Self {
+        let mut child = Command::new(pair.bin("kubectl"))
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        Self { child, lines }
+    }
+
+    /// The next line, failing with kubectl's stderr if it ends first.
+    async fn next_line(&mut self) -> String {
+        let line = tokio::time::timeout(TIMEOUT, self.lines.next_line())
+            .await
+            .expect("a line in time")
+            .unwrap();
+        match line {
+            Some(line) => line,
+            None => {
+                let mut err = String::new();
+                let mut stderr = self.child.stderr.take().unwrap();
+                stderr.read_to_string(&mut err).await.unwrap();
+                panic!("kubectl ended: {err}");
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn logs_follow_and_previous_through_the_virtual_node() {
+    let setup = setup().await;
+    let ticker = "i=0; while true; do echo tick $i; i=$((i+1)); sleep 1; done";
+    // Each run counts itself in an emptyDir (it outlives the container) and fails.
+    let crasher = "n=$(($(cat /data/runs 2>/dev/null || echo 0) + 1)); echo $n >/data/runs; echo run $n; exit 1";
+    let volume = json!({
+        "restartPolicy": "Always",
+        "volumes": [{"name": "data", "emptyDir": {}}],
+        "containers": [{"name": "app", "image": BUSYBOX_IMAGE, "command": ["sh", "-c", crasher],
+            "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
+    });
+    let upper = setup.pair.upper.client().await.unwrap();
+    let ns = run_on_real_node(
+        setup,
+        "real-logs",
+        vec![real_pod("ticker", ticker, json!({}))],
+    )
+    .await;
+    let n = ns.name.as_str();
+
+    // -f follows: three consecutive lines as the container prints them, a second apart.
+    for kubeconfig in [setup.pair.upper_kubeconfig(), setup.pair.lower_kubeconfig()] {
+        let mut follow = Streaming::start(
+            &setup.pair,
+            kubeconfig,
+            &["-n", n, "logs", "-f", "--tail=1", "ticker"],
+        );
+        let first = follow.next_line().await;
+        let start: u64 = first.strip_prefix("tick ").unwrap().parse().unwrap();
+        for i in 1..=3 {
+            assert_eq!(
+                follow.next_line().await,
+                format!("tick {}", start + i),
+                "{}",
+                kubeconfig.display()
+            );
+        }
+        follow.child.kill().await.unwrap();
+    }
+    // Plain logs: the same lines both ways (up to what each read).
+    let [(_, up), (_, down)] =
+        both(setup, &["-n", n, "logs", "ticker", "--limit-bytes=60"], b"").await;
+    assert!(
+        up.status.success() && down.status.success(),
+        "{up:?} {down:?}"
+    );
+    assert!(text(&up.stdout).starts_with("tick 0\ntick 1\n"), "{up:?}");
+    assert_eq!(text(&up.stdout), text(&down.stdout));
+
+    // --previous after a real restart: the previous run's output.
+    let pods: Api<Pod> = Api::namespaced(upper, n);
+    let crashing = real_pod("crasher", crasher, volume);
+    pods.create(&PostParams::default(), &crashing)
+        .await
+        .unwrap();
+    let restarts = |pod: &Pod| -> i32 {
+        pod.status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .and_then(|cs| cs.first())
+            .map_or(0, |c| c.restart_count)
+    };
+    wait_for(
+        "crasher restarted (reflected upstairs)",
+        TIMEOUT,
+        || async {
+            Ok(pods
+                .get_opt("crasher")
+                .await?
+                .filter(|p| restarts(p) >= 1)
+                .map(|_| ()))
+        },
+    )
+    .await
+    .unwrap();
+    // The two reads agree unless it restarted between them (back-off: 10 s, then 20 s ...).
+    let agreed = wait_for(
+        "kubectl logs --previous to agree above and below",
+        TIMEOUT,
+        || async {
+            let [(_, up), (_, down)] =
+                both(setup, &["-n", n, "logs", "--previous", "crasher"], b"").await;
+            let (up, down) = (text(&up.stdout), text(&down.stdout));
+            Ok((!up.is_empty() && up == down).then_some(up))
+        },
+    )
+    .await
+    .unwrap();
+    let run: u32 = agreed.trim().strip_prefix("run ").unwrap().parse().unwrap();
+    assert!(run >= 1, "{agreed:?}");
+    ns.delete().await.unwrap();
+}
+
+#[tokio::test]
+async fn port_forward_to_a_real_listener_through_the_virtual_node() {
+    let setup = setup().await;
+    // busybox nc: a persistent server that runs `cat` (an echo) for each connection.
+    let ns = run_on_real_node(
+        setup,
+        "real-forward",
+        vec![real_pod("echo", "exec nc -ll -p 8080 -e cat", json!({}))],
+    )
+    .await;
+    let n = ns.name.as_str();
+    for kubeconfig in [setup.pair.upper_kubeconfig(), setup.pair.lower_kubeconfig()] {
+        let mut forward = Streaming::start(
+            &setup.pair,
+            kubeconfig,
+            &[
+                "-n",
+                n,
+                "port-forward",
+                "pod/echo",
+                ":8080",
+                "--address=127.0.0.1",
+            ],
+        );
+        // "Forwarding from 127.0.0.1:40123 -> 8080"
+        let line = forward.next_line().await;
+        let port: u16 = line
+            .strip_prefix("Forwarding from 127.0.0.1:")
+            .and_then(|rest| rest.split(' ').next())
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("{line:?}"));
+        for connection in 0..10 {
+            let mut conn = tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .unwrap();
+            // More than one read's worth, both ways.
+            let message: String = (0..200)
+                .map(|i| format!("connection {connection} line {i}\n"))
+                .collect();
+            let (mut read, mut write) = conn.split();
+            let send = async {
+                write.write_all(message.as_bytes()).await.unwrap();
+            };
+            let mut back = vec![0; message.len()];
+            let receive = tokio::time::timeout(TIMEOUT, read.read_exact(&mut back));
+            let ((), received) = tokio::join!(send, receive);
+            received.expect("the echo in time").unwrap();
+            assert_eq!(
+                text(&back),
+                message,
+                "{} connection {connection}",
+                kubeconfig.display()
+            );
+        }
+        forward.child.kill().await.unwrap();
+    }
+    ns.delete().await.unwrap();
+}
+
+#[tokio::test]
+async fn kubectl_cp_both_ways_through_the_virtual_node() {
+    let setup = setup().await;
+    let ns = run_on_real_node(
+        setup,
+        "real-cp",
+        vec![real_pod("files", "exec sleep 3600", json!({}))],
+    )
+    .await;
+    let n = ns.name.as_str();
+    let local = tempfile::tempdir().unwrap();
+    let content: String = (0..5000).map(|i| format!("{i} of the file\n")).collect();
+    let sent = local.path().join("sent.txt");
+    std::fs::write(&sent, &content).unwrap();
+    let pair = &setup.pair;
+    for (cluster, kubeconfig) in [
+        ("upper", pair.upper_kubeconfig()),
+        ("lower", pair.lower_kubeconfig()),
+    ] {
+        // Up to the container ...
+        let to = format!("{n}/files:/tmp/{cluster}.txt");
+        let out = kubectl(pair, kubeconfig, &["cp", sent.to_str().unwrap(), &to], b"").await;
+        assert!(out.status.success(), "{cluster}: {out:?}");
+        // ... and back.
+        let back = local.path().join(format!("back-{cluster}.txt"));
+        let from = format!("{n}/files:/tmp/{cluster}.txt");
+        let out = kubectl(
+            pair,
+            kubeconfig,
+            &["cp", &from, back.to_str().unwrap()],
+            b"",
+        )
+        .await;
+        assert!(out.status.success(), "{cluster}: {out:?}");
+        assert_eq!(
+            std::fs::read_to_string(&back).unwrap(),
+            content,
+            "{cluster}"
+        );
+    }
+    // What went up through the virtual node is in the container, as seen from below.
+    let out = kubectl(
+        pair,
+        pair.lower_kubeconfig(),
+        &[
+            "-n",
+            n,
+            "exec",
+            "files",
+            "--",
+            "md5sum",
+            "/tmp/upper.txt",
+            "/tmp/lower.txt",
+        ],
+        b"",
+    )
+    .await;
+    let sums: Vec<&str> = std::str::from_utf8(&out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| l.split(' ').next().unwrap())
+        .collect();
+    assert_eq!(sums.len(), 2, "{out:?}");
+    assert_eq!(sums[0], sums[1], "{out:?}");
+    ns.delete().await.unwrap();
+}
+
+/// A pod's CPU in millicores from `cluster`'s metrics API (`None` until it has a sample).
+async fn pod_cpu(client: &kube::Client, ns: &str, name: &str) -> Option<u64> {
+    let request = http::Request::get(format!(
+        "/apis/metrics.k8s.io/v1beta1/namespaces/{ns}/pods/{name}"
+    ))
+    .body(Vec::new())
+    .unwrap();
+    let metrics: Value = client.request(request).await.ok()?;
+    let cpu = metrics["containers"][0]["usage"]["cpu"].as_str()?;
+    if let Some(n) = cpu.strip_suffix('n') {
+        return n.parse::<u64>().ok().map(|n| n / 1_000_000);
+    }
+    if let Some(u) = cpu.strip_suffix('u') {
+        return u.parse::<u64>().ok().map(|u| u / 1000);
+    }
+    if let Some(m) = cpu.strip_suffix('m') {
+        return m.parse().ok();
+    }
+    cpu.parse::<u64>().ok().map(|c| c * 1000)
+}
+
+#[tokio::test]
+async fn metrics_show_the_cpu_of_a_real_container_rising() {
+    let setup = setup().await;
+    // Idle until /tmp/burn exists, then burning a core.
+    let burner = "while true; do if [ -e /tmp/burn ]; then :; else sleep 1; fi; done";
+    let ns = run_on_real_node(
+        setup,
+        "real-metrics",
+        vec![real_pod("burner", burner, json!({}))],
+    )
+    .await;
+    let n = ns.name.as_str();
+    let lower = setup.pair.lower.client().await.unwrap();
+    let upper = setup.pair.upper.client().await.unwrap();
+    // Idle first: the lower metrics-server has read the real kubelet's /metrics/resource.
+    let idle = wait_for(
+        "an idle sample of burner below",
+        METRICS_TIMEOUT,
+        || async { Ok(pod_cpu(&lower, n, "burner").await.filter(|cpu| *cpu < 100)) },
+    )
+    .await;
+    if let Err(error) = idle {
+        panic!("{error:#}\n{}", setup.real.logs_tail(30));
+    }
+    let out = kubectl(
+        &setup.pair,
+        setup.pair.upper_kubeconfig(),
+        &["-n", n, "exec", "burner", "--", "touch", "/tmp/burn"],
+        b"",
+    )
+    .await;
+    assert!(out.status.success(), "{out:?}");
+    // Then burning, below and upstairs (the virtual node's /metrics/resource, read by the
+    // upper metrics-server, carries the lower usage up).
+    for (cluster, client) in [("lower", &lower), ("upper", &upper)] {
+        wait_for(
+            &format!("burner above 300m ({cluster})"),
+            METRICS_TIMEOUT,
+            || async { Ok(pod_cpu(client, n, "burner").await.filter(|cpu| *cpu >= 300)) },
+        )
+        .await
+        .unwrap();
+    }
+    let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(lower.clone());
+    let real = nodes.get(REAL_NODE).await.unwrap();
+    let labels = real.metadata.labels.unwrap_or_default();
+    assert_eq!(
+        labels
+            .get(tensile_harness::real_node::REAL_NODE_LABEL)
+            .map(String::as_str),
+        Some("true")
+    );
+    // Nothing else runs on the real node: only this binary's pods (the placement) land there.
+    let on_real = Api::<Pod>::all(lower)
+        .list(&ListParams::default().fields(&format!("spec.nodeName={REAL_NODE}")))
+        .await
+        .unwrap();
+    for pod in on_real.items {
+        let ns = pod.metadata.namespace.unwrap_or_default();
+        assert!(
+            ns.starts_with("real-"),
+            "{ns}/{:?} on the real node",
+            pod.metadata.name
+        );
+    }
+    ns.delete().await.unwrap();
+}
