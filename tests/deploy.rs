@@ -22,6 +22,11 @@ use tensile_harness::{Binaries, ClusterPair, wait_for};
 /// The namespace every upper-cluster base installs into.
 const NAMESPACE: &str = "tensile-system";
 
+/// Held by a test while it applies to [`NAMESPACE`] of the shared pair: a dry-run create
+/// answers AlreadyExists for an object another test created between kubectl's read and
+/// its create.
+static NAMESPACE_IN_USE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Every feature on: the shipped RBAC must allow whatever flags the user turns on.
 const ALL_FEATURES: Features = Features {
     services: true,
@@ -373,6 +378,7 @@ async fn install_test_crds(pair: &ClusterPair, client: &Client) {
 /// validation (an unknown or misspelt field fails).
 #[tokio::test]
 async fn every_kustomization_passes_a_server_side_dry_run() {
+    let _applying = NAMESPACE_IN_USE.lock().await;
     let pair = ClusterPair::shared().await.unwrap();
     let upper = pair.upper.client().await.unwrap();
     tensile_harness::pair::ensure_namespace(&upper, NAMESPACE)
@@ -530,6 +536,7 @@ fn virtual_node_accesses(side: Side) -> Vec<Access> {
 /// `deploy/all` does) virtual-node's.
 #[tokio::test]
 async fn each_identity_may_do_what_its_binary_does() {
+    let _applying = NAMESPACE_IN_USE.lock().await;
     let pair = ClusterPair::shared().await.unwrap();
     let upper = pair.upper.client().await.unwrap();
     let lower = pair.lower.client().await.unwrap();

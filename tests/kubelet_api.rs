@@ -5,10 +5,10 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Output, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
-use common::{TIMEOUT, start_node, wait_running};
+use common::{TIMEOUT, kubectl, start_node, wait_running};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use serde_json::json;
@@ -19,27 +19,6 @@ use tensile_harness::{
 };
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::process::Command;
-
-/// Runs kubectl of the pinned release with `kubeconfig`, feeding `stdin`.
-async fn kubectl(pair: &ClusterPair, kubeconfig: &Path, args: &[&str], stdin: &[u8]) -> Output {
-    let mut child = Command::new(pair.bin("kubectl"))
-        .arg("--kubeconfig")
-        .arg(kubeconfig)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut input = child.stdin.take().unwrap();
-    input.write_all(stdin).await.unwrap();
-    drop(input);
-    tokio::time::timeout(TIMEOUT, child.wait_with_output())
-        .await
-        .unwrap_or_else(|_| panic!("kubectl {args:?} timed out"))
-        .unwrap()
-}
 
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
@@ -275,24 +254,7 @@ async fn tty_and_resize(client: kube::Client, ns: &str, name: &str) {
     .unwrap();
     let mut stdin = process.stdin().unwrap();
     let mut stdout = process.stdout().unwrap();
-    // A resize travels apart from the input, so ask again until the new size shows.
-    let mut seen = String::new();
-    let mut buf = [0; 256];
-    let deadline = tokio::time::Instant::now() + TIMEOUT;
-    while !seen.contains("33 77") {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "TTY size never shown: {seen:?}"
-        );
-        stdin.write_all(b"go\n").await.unwrap();
-        if let Ok(read) =
-            tokio::time::timeout(Duration::from_millis(500), stdout.read(&mut buf)).await
-        {
-            let n = read.unwrap();
-            assert!(n > 0, "TTY closed before the size: {seen:?}");
-            seen.push_str(&String::from_utf8_lossy(&buf[..n]));
-        }
-    }
+    common::until_shown(&mut stdin, &mut stdout, "33 77").await;
     // kwok never closes a command's input, so the command is left to end with the
     // connection.
     process.abort();

@@ -6,19 +6,17 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
-use std::process::Stdio;
 
-use common::{TIMEOUT, gc_rounds, start_node, start_node_with, wait_running};
-use k8s_openapi::api::core::v1::{ConfigMap, Event, Namespace, Pod, ServiceAccount};
+use common::{TIMEOUT, gc_rounds, start_node, wait_running};
+use k8s_openapi::api::core::v1::{ConfigMap, Event, Namespace, Pod};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use tensile::translate::namespace::{LOWER_NAMESPACE_ANNOTATION, cluster_suffix, prefixed};
 use tensile_harness::fixtures::{bound_pod, config_map};
-use tensile_harness::{
-    ClusterOptions, ClusterPair, KWOK_LOG_LINES, TestNamespace, VirtualNodeOptions, wait_for,
-};
+use tensile_harness::{ClusterOptions, ClusterPair, KWOK_LOG_LINES, TestNamespace, wait_for};
 
 /// No Service mirroring: the shared pair's other tests own their Services.
 const NO_SERVICES: &str = "--enable-controllers=PVControllers";
@@ -62,26 +60,12 @@ async fn two_upper_clusters_with_a_namespace_of_one_name_share_a_lower_cluster_u
     );
     let flags = [NO_SERVICES, "--lower-namespace=prefixed"];
     let _first = start_node(pair, node, &flags).await;
-    let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), node);
-    options.args = flags.iter().map(ToString::to_string).collect();
-    options.upper_kubeconfig = Some(second.kubeconfig.clone());
-    let _second = start_node_with(pair, &options, &upper_2).await;
+    let _second = common::start_node_on(pair, &upper_2, &second.kubeconfig, node, &flags).await;
 
     // One namespace name in both upper clusters, each with its own ConfigMap and a pod of
     // one name.
     let ns = TestNamespace::create(&upper, "remap").await.unwrap();
-    let mut namespace = Namespace::default();
-    namespace.metadata.name = Some(ns.name.clone());
-    Api::<Namespace>::all(upper_2.clone())
-        .create(&PostParams::default(), &namespace)
-        .await
-        .unwrap();
-    let accounts: Api<ServiceAccount> = Api::namespaced(upper_2.clone(), &ns.name);
-    wait_for("the default ServiceAccount", TIMEOUT, || async {
-        Ok(accounts.get_opt("default").await?.map(|_| ()))
-    })
-    .await
-    .unwrap();
+    common::create_namespace(&upper_2, &ns.name, BTreeMap::new()).await;
     for (client, cluster) in [(&upper, "one"), (&upper_2, "two")] {
         Api::<ConfigMap>::namespaced(client.clone(), &ns.name)
             .create(
@@ -157,20 +141,7 @@ async fn two_upper_clusters_with_a_namespace_of_one_name_share_a_lower_cluster_u
 
 /// Runs kubectl of the pinned release against the upper cluster.
 async fn kubectl(pair: &ClusterPair, args: &[&str]) -> std::process::Output {
-    let child = tokio::process::Command::new(pair.bin("kubectl"))
-        .arg("--kubeconfig")
-        .arg(pair.upper_kubeconfig())
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    tokio::time::timeout(TIMEOUT, child.wait_with_output())
-        .await
-        .unwrap_or_else(|_| panic!("kubectl {args:?} timed out"))
-        .unwrap()
+    common::kubectl(pair, pair.upper_kubeconfig(), args, b"").await
 }
 
 #[tokio::test]
@@ -189,20 +160,12 @@ async fn an_annotated_namespace_maps_to_its_name_and_kubectl_reaches_its_pods() 
     let namespaces: Api<Namespace> = Api::all(upper.clone());
     let annotate =
         |name: String| json!({"metadata": {"annotations": {LOWER_NAMESPACE_ANNOTATION: name}}});
-    let mut namespace: Namespace =
-        serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
-    namespace.metadata.annotations =
-        Some([(LOWER_NAMESPACE_ANNOTATION.to_owned(), below.clone())].into());
-    namespaces
-        .create(&PostParams::default(), &namespace)
-        .await
-        .unwrap();
-    let accounts: Api<ServiceAccount> = Api::namespaced(upper.clone(), &name);
-    wait_for("the default ServiceAccount", TIMEOUT, || async {
-        Ok(accounts.get_opt("default").await?.map(|_| ()))
-    })
-    .await
-    .unwrap();
+    common::create_namespace(
+        &upper,
+        &name,
+        [(LOWER_NAMESPACE_ANNOTATION.to_owned(), below.clone())].into(),
+    )
+    .await;
     let pods: Api<Pod> = Api::namespaced(upper.clone(), &name);
     let mut pod = bound_pod("two", node);
     pod.spec = Some(

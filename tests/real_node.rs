@@ -13,7 +13,7 @@ use std::path::Path;
 use std::process::{Output, Stdio};
 use std::time::Duration;
 
-use common::{TIMEOUT, start_node};
+use common::{TIMEOUT, kubectl, start_node};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, PostParams};
 use serde_json::{Value, json};
@@ -133,27 +133,6 @@ async fn run_on_real_node(setup: &Setup, prefix: &str, pods: Vec<Pod>) -> TestNa
         }
     }
     ns
-}
-
-/// Runs kubectl of the pinned release with `kubeconfig`, feeding `stdin`.
-async fn kubectl(pair: &ClusterPair, kubeconfig: &Path, args: &[&str], stdin: &[u8]) -> Output {
-    let mut child = Command::new(pair.bin("kubectl"))
-        .arg("--kubeconfig")
-        .arg(kubeconfig)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut input = child.stdin.take().unwrap();
-    input.write_all(stdin).await.unwrap();
-    drop(input);
-    tokio::time::timeout(TIMEOUT, child.wait_with_output())
-        .await
-        .unwrap_or_else(|_| panic!("kubectl {args:?} timed out"))
-        .unwrap()
 }
 
 /// The same kubectl command upstairs (through the virtual node) and straight below.
@@ -298,25 +277,7 @@ async fn tty_resize(client: kube::Client, ns: &str, name: &str) {
     let mut stdout = process.stdout().unwrap();
     for (height, width) in [(33, 77), (41, 99)] {
         size.send(TerminalSize { width, height }).await.unwrap();
-        // A resize travels apart from the input, so ask again until the new size shows.
-        let want = format!("{height} {width}");
-        let mut seen = String::new();
-        let mut buf = [0; 256];
-        let deadline = tokio::time::Instant::now() + TIMEOUT;
-        while !seen.contains(&want) {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "TTY size {want} never shown: {seen:?}"
-            );
-            stdin.write_all(b"go\n").await.unwrap();
-            if let Ok(read) =
-                tokio::time::timeout(Duration::from_millis(500), stdout.read(&mut buf)).await
-            {
-                let n = read.unwrap();
-                assert!(n > 0, "TTY closed before the size: {seen:?}");
-                seen.push_str(&String::from_utf8_lossy(&buf[..n]));
-            }
-        }
+        common::until_shown(&mut stdin, &mut stdout, &format!("{height} {width}")).await;
     }
     // End of input (^D on the TTY) ends the loop, and the command, successfully.
     let status = process.take_status().unwrap();

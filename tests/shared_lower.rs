@@ -9,7 +9,7 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 
-use common::{TIMEOUT, gc_rounds, metric, start_node, start_node_with, wait_running};
+use common::{TIMEOUT, gc_rounds, metric, start_node, wait_running};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -19,7 +19,7 @@ use tensile::translate::meta::{
     OWNER_NODE_LABEL, Owner, UPPER_CLUSTER_LABEL, UPPER_UID_ANNOTATION,
 };
 use tensile_harness::fixtures::bound_pod;
-use tensile_harness::{ClusterOptions, ClusterPair, TestNamespace, VirtualNodeOptions, wait_for};
+use tensile_harness::{ClusterOptions, ClusterPair, TestNamespace, wait_for};
 
 /// No Service mirroring: the shared pair's other tests own their Services.
 const NO_SERVICES: &str = "--enable-controllers=PVControllers";
@@ -59,26 +59,12 @@ async fn two_upper_clusters_with_nodes_of_one_name_share_a_lower_cluster() {
     let (id, id_2) = (cluster_id(&upper).await, cluster_id(&upper_2).await);
     assert_ne!(id, id_2);
     let first_vn = start_node(pair, node, &[NO_SERVICES]).await;
-    let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), node);
-    options.args = vec![NO_SERVICES.to_owned()];
-    options.upper_kubeconfig = Some(second.kubeconfig.clone());
-    let second_vn = start_node_with(pair, &options, &upper_2).await;
+    let second_vn =
+        common::start_node_on(pair, &upper_2, &second.kubeconfig, node, &[NO_SERVICES]).await;
 
     // The same namespace in both upper clusters, so both nodes mirror into one below.
     let ns = TestNamespace::create(&upper, "shared").await.unwrap();
-    let mut namespace = Namespace::default();
-    namespace.metadata.name = Some(ns.name.clone());
-    Api::<Namespace>::all(upper_2.clone())
-        .create(&PostParams::default(), &namespace)
-        .await
-        .unwrap();
-    let default_sa: Api<k8s_openapi::api::core::v1::ServiceAccount> =
-        Api::namespaced(upper_2.clone(), &ns.name);
-    wait_for("the default ServiceAccount", TIMEOUT, || async {
-        Ok(default_sa.get_opt("default").await?.map(|_| ()))
-    })
-    .await
-    .unwrap();
+    common::create_namespace(&upper_2, &ns.name, BTreeMap::new()).await;
 
     let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), &ns.name);
     let mut lower_uids = BTreeMap::new();

@@ -45,6 +45,16 @@ fn token(secret: &Secret, key: &str) -> String {
     String::from_utf8(value.0.clone()).unwrap()
 }
 
+/// Creates the ServiceAccount `robot` in `namespace`.
+async fn create_robot(upper: &Client, namespace: &str) {
+    let mut robot = ServiceAccount::default();
+    robot.metadata.name = Some("robot".into());
+    Api::<ServiceAccount>::namespaced(upper.clone(), namespace)
+        .create(&PostParams::default(), &robot)
+        .await
+        .unwrap();
+}
+
 /// A pod bound to `node` running as `robot`, mounting the token the upper admission adds
 /// and one of its own for the audience `vault` (600 s, the shortest the API allows).
 fn pod_with_tokens(name: &str, node: &str) -> Pod {
@@ -86,12 +96,7 @@ async fn an_offloaded_pod_gets_upper_tokens_bound_to_it_renewed_and_refused_once
         pair.lower.client().await.unwrap(),
     );
     let ns = TestNamespace::create(&upper, "identity").await.unwrap();
-    let mut robot = ServiceAccount::default();
-    robot.metadata.name = Some("robot".into());
-    Api::<ServiceAccount>::namespaced(upper.clone(), &ns.name)
-        .create(&PostParams::default(), &robot)
-        .await
-        .unwrap();
+    create_robot(&upper, &ns.name).await;
     let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
     let created = upper_pods
         .create(&PostParams::default(), &pod_with_tokens("worker", node))
@@ -222,12 +227,7 @@ async fn without_the_flag_the_lower_cluster_gives_its_own_token() {
         pair.lower.client().await.unwrap(),
     );
     let ns = TestNamespace::create(&upper, "no-identity").await.unwrap();
-    let mut robot = ServiceAccount::default();
-    robot.metadata.name = Some("robot".into());
-    Api::<ServiceAccount>::namespaced(upper.clone(), &ns.name)
-        .create(&PostParams::default(), &robot)
-        .await
-        .unwrap();
+    create_robot(&upper, &ns.name).await;
     let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
     upper_pods
         .create(&PostParams::default(), &pod_with_tokens("worker", node))

@@ -237,3 +237,97 @@ pub async fn fast_pair_and_second_lower(
         .unwrap();
     (pair, b)
 }
+
+/// Runs kubectl of the pinned release with `kubeconfig`, feeding `stdin`.
+pub async fn kubectl(
+    pair: &ClusterPair,
+    kubeconfig: &std::path::Path,
+    args: &[&str],
+    stdin: &[u8],
+) -> std::process::Output {
+    use tokio::io::AsyncWriteExt;
+    let mut child = tokio::process::Command::new(pair.bin("kubectl"))
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    input.write_all(stdin).await.unwrap();
+    drop(input);
+    tokio::time::timeout(TIMEOUT, child.wait_with_output())
+        .await
+        .unwrap_or_else(|_| panic!("kubectl {args:?} timed out"))
+        .unwrap()
+}
+
+/// Starts `virtual-node` as `node` with `args` against `upper` (a second upper cluster of
+/// `pair`, its kubeconfig `kubeconfig`) and the pair's lower cluster.
+pub async fn start_node_on(
+    pair: &ClusterPair,
+    upper: &Client,
+    kubeconfig: &std::path::Path,
+    node: &str,
+    args: &[&str],
+) -> VirtualNode {
+    let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), node);
+    options.args = args.iter().map(ToString::to_string).collect();
+    options.upper_kubeconfig = Some(kubeconfig.to_owned());
+    start_node_with(pair, &options, upper).await
+}
+
+/// Creates the Namespace `namespace` (with `annotations`) in `client`'s cluster and waits
+/// for its `default` ServiceAccount, which pods need.
+pub async fn create_namespace(
+    client: &Client,
+    namespace: &str,
+    annotations: std::collections::BTreeMap<String, String>,
+) {
+    use kube::api::PostParams;
+    let mut object = k8s_openapi::api::core::v1::Namespace::default();
+    object.metadata.name = Some(namespace.to_owned());
+    object.metadata.annotations = (!annotations.is_empty()).then_some(annotations);
+    Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
+        .create(&PostParams::default(), &object)
+        .await
+        .unwrap();
+    let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+        Api::namespaced(client.clone(), namespace);
+    wait_for("the default ServiceAccount", TIMEOUT, || async {
+        Ok(accounts.get_opt("default").await?.map(|_| ()))
+    })
+    .await
+    .unwrap();
+}
+
+/// Writes a line to a TTY session's `stdin` until what it prints on `stdout` contains
+/// `want` (a resize travels apart from the input, so the command is asked again until the
+/// new size shows).
+pub async fn until_shown(
+    stdin: &mut (impl tokio::io::AsyncWrite + Unpin),
+    stdout: &mut (impl tokio::io::AsyncRead + Unpin),
+    want: &str,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut seen = String::new();
+    let mut buf = [0; 256];
+    let deadline = tokio::time::Instant::now() + TIMEOUT;
+    while !seen.contains(want) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "TTY output {want:?} never shown: {seen:?}"
+        );
+        stdin.write_all(b"go\n").await.unwrap();
+        if let Ok(read) =
+            tokio::time::timeout(Duration::from_millis(500), stdout.read(&mut buf)).await
+        {
+            let n = read.unwrap();
+            assert!(n > 0, "TTY closed before {want:?}: {seen:?}");
+            seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    }
+}

@@ -85,9 +85,14 @@ pub fn build_script() -> PathBuf {
 }
 
 fn build() -> Result<PathBuf> {
-    let script = build_script();
+    run_build_script(&build_script())
+}
+
+/// Runs a build script of `tests/k8s` (its progress to stderr) and answers the directory
+/// its last line of stdout names.
+pub(crate) fn run_build_script(script: &Path) -> Result<PathBuf> {
     let output = Command::new("bash")
-        .arg(&script)
+        .arg(script)
         .stdin(Stdio::null())
         .stderr(Stdio::inherit())
         .output()

@@ -113,25 +113,7 @@ pub fn build_script() -> PathBuf {
 }
 
 fn build() -> Result<PathBuf> {
-    let script = build_script();
-    let output = Command::new("bash")
-        .arg(&script)
-        .stdin(Stdio::null())
-        .stderr(Stdio::inherit())
-        .output()
-        .with_context(|| format!("running {}", script.display()))?;
-    if !output.status.success() {
-        bail!(
-            "{} failed ({}); see its output above",
-            script.display(),
-            output.status
-        );
-    }
-    let stdout = String::from_utf8(output.stdout)?;
-    match stdout.lines().last() {
-        Some(dir) if !dir.trim().is_empty() => Ok(PathBuf::from(dir.trim())),
-        _ => bail!("{} printed no directory", script.display()),
-    }
+    crate::binaries::run_build_script(&build_script())
 }
 
 /// A running real node. Dropping it kills every process of it and removes its cgroups and
