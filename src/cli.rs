@@ -258,8 +258,8 @@ pub struct Args {
     #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true")]
     pub upper_identity: bool,
 
-    /// With --upper-identity (required then): HOST:PORT at which pods in the lower cluster
-    /// reach the upper API server (its serving certificate must name HOST).
+    /// With --upper-identity (required then): IP:PORT at which pods in the lower cluster
+    /// reach the upper API server (its serving certificate must name the IP).
     #[arg(long)]
     pub upper_api_address: Option<String>,
 
@@ -355,7 +355,7 @@ impl Args {
             return Ok(None);
         }
         let address = self.upper_api_address.as_deref().ok_or(
-            "--upper-identity needs --upper-api-address: the HOST:PORT at which pods in the \
+            "--upper-identity needs --upper-api-address: the IP:PORT at which pods in the \
              lower cluster reach the upper API server",
         )?;
         let api = address

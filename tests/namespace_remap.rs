@@ -1,7 +1,7 @@
 //! `--lower-namespace`: two upper clusters with a namespace of one name share one lower
 //! cluster without meeting (`prefixed`); an annotated namespace maps to the name it gives,
 //! kubectl logs and exec reach its pods, and a change of its mapping under running pods is
-//! refused with an Event; `same` (the default) leaves an existing node's pods untouched.
+//! refused with an Event, across a restart too; `same` (the default) leaves an existing node's pods untouched.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
 
 mod common;
@@ -148,7 +148,7 @@ async fn kubectl(pair: &ClusterPair, args: &[&str]) -> std::process::Output {
 async fn an_annotated_namespace_maps_to_its_name_and_kubectl_reaches_its_pods() {
     let pair = ClusterPair::shared().await.unwrap();
     let node = "vk-annotated";
-    let _vn = start_node(pair, node, &[NO_SERVICES, "--lower-namespace=annotation"]).await;
+    let mut vn = start_node(pair, node, &[NO_SERVICES, "--lower-namespace=annotation"]).await;
     let (upper, lower) = (
         pair.upper.client().await.unwrap(),
         pair.lower.client().await.unwrap(),
@@ -236,6 +236,25 @@ async fn an_annotated_namespace_maps_to_its_name_and_kubectl_reaches_its_pods() 
     assert!(
         still.metadata.deletion_timestamp.is_none(),
         "the pod below stays"
+    );
+
+    // The same across a restart: the new process finds the pod in its lower namespace and
+    // keeps the mapping there, rather than taking the pod for an orphan of another
+    // namespace (deleted) and making it again under the annotation's name.
+    vn.stop().unwrap();
+    let vn = start_node(pair, node, &[NO_SERVICES, "--lower-namespace=annotation"]).await;
+    gc_rounds(&vn, 2).await;
+    let after = lower_pods.get("two").await.unwrap();
+    assert_eq!(after.uid(), still.uid(), "the pod below is the same one");
+    assert!(after.metadata.deletion_timestamp.is_none(), "and stays");
+    let moved = format!("{}-moved", base.name);
+    assert!(
+        Api::<Pod>::namespaced(lower.clone(), &moved)
+            .get_opt("two")
+            .await
+            .unwrap()
+            .is_none(),
+        "nothing was made under the refused name"
     );
     namespaces
         .delete(&name, &DeleteParams::default())

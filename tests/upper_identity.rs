@@ -265,9 +265,11 @@ async fn without_the_flag_the_lower_cluster_gives_its_own_token() {
 fn the_mode_needs_the_upper_api_address() {
     for (extra, message) in [
         (None, "--upper-identity needs --upper-api-address"),
+        (Some("--upper-api-address=203.0.113.10"), "is not IP:PORT"),
+        // A name: kubernetes.default could not be pointed at it.
         (
-            Some("--upper-api-address=api.example.com"),
-            "is not HOST:PORT",
+            Some("--upper-api-address=api.example.com:443"),
+            "is not IP:PORT",
         ),
     ] {
         let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_virtual-node"));

@@ -5,12 +5,13 @@
 //! applied: it takes effect once they are gone. Two upper namespaces asking for one lower
 //! namespace: the one mapped first keeps it, the other gets its default name and an Event.
 
+use std::cell::OnceCell;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Namespace, ObjectReference};
+use k8s_openapi::api::core::v1::{Namespace, ObjectReference, Pod};
 use kube::api::{Api, ListParams};
 use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
@@ -22,7 +23,9 @@ use super::pod_store::PodStore;
 use super::stores::{Ready, reflected};
 use crate::lower_view::NamespaceView;
 use crate::side::Side;
+use crate::translate::meta::Owner;
 use crate::translate::namespace::{LOWER_NAMESPACE_ANNOTATION, Mapping, desired};
+use crate::translate::pod::upper_uid;
 
 /// How often a refused change is looked at again (its pods may have gone).
 const RETRY: Duration = Duration::from_secs(5);
@@ -114,15 +117,78 @@ fn apply(
     refused
 }
 
+/// Where this node's pods are below now: each upper namespace with pods of this node (by
+/// the upper pods' UIDs) and the lower namespace that holds their lower copies (marked
+/// with those UIDs). Pure: `upper` is (namespace, UID) of the node's upper pods, `lower`
+/// (lower namespace, upper UID) of the lower pods it owns.
+fn in_place<'a>(
+    upper: impl Iterator<Item = (&'a str, &'a str)>,
+    lower: impl Iterator<Item = (&'a str, &'a str)>,
+) -> BTreeMap<String, String> {
+    let below: BTreeMap<&str, &str> = lower.map(|(ns, uid)| (uid, ns)).collect();
+    let mut placed = BTreeMap::new();
+    for (namespace, uid) in upper {
+        if let Some(lower) = below.get(uid) {
+            placed
+                .entry(namespace.to_owned())
+                .or_insert_with(|| (*lower).to_owned());
+        }
+    }
+    placed
+}
+
 /// Fills `view` from the upper Namespaces as they are now (before the member's lower
-/// client is used).
-pub async fn load(upper: &Client, view: &NamespaceView, suffix: &str) -> Result<(), String> {
+/// client is used). Upper namespaces whose pods already run below keep the lower namespace
+/// they run in (read with `lower`, a client without the view), so a mapping changed while
+/// virtual-node was down is refused as it is at run time, not applied under them.
+pub async fn load(
+    upper: &Client,
+    lower: &Client,
+    owner: &Owner,
+    view: &NamespaceView,
+    suffix: &str,
+) -> Result<(), String> {
     let list = Api::<Namespace>::all(upper.clone())
         .list(&ListParams::default())
         .await
         .map_err(|e| format!("upper cluster: listing Namespaces: {e}"))?;
+    let upper_pods = Api::<Pod>::all(upper.clone())
+        .list_metadata(&ListParams::default().fields(&format!("spec.nodeName={}", owner.node)))
+        .await
+        .map_err(|e| {
+            format!(
+                "upper cluster: listing the pods of node {}: {e}",
+                owner.node
+            )
+        })?;
+    let lower_pods = Api::<Pod>::all(lower.clone())
+        .list_metadata(&ListParams::default().labels(&owner.selector()))
+        .await
+        .map_err(|e| {
+            format!(
+                "lower cluster: listing the pods of node {}: {e}",
+                owner.node
+            )
+        })?;
+    let placed = in_place(
+        upper_pods
+            .items
+            .iter()
+            .filter_map(|p| Some((p.metadata.namespace.as_deref()?, p.metadata.uid.as_deref()?))),
+        lower_pods
+            .items
+            .iter()
+            .filter_map(|p| Some((p.metadata.namespace.as_deref()?, upper_uid(&p.metadata)?))),
+    );
     let mut mapping = view.write();
-    for refusal in apply(&mut mapping, suffix, &wanted(list.items.iter()), &|_| false) {
+    for (namespace, lower) in &placed {
+        if let Err(holder) = mapping.set(namespace, lower) {
+            warn!(namespace = %namespace, lower = %lower, holder = %holder,
+                "pods of two upper namespaces run in one lower namespace");
+        }
+    }
+    let in_use = |ns: &str| placed.contains_key(ns);
+    for refusal in apply(&mut mapping, suffix, &wanted(list.items.iter()), &in_use) {
         warn!(namespace = %refusal.namespace, reason = refusal.reason, "{}", refusal.note);
     }
     Ok(())
@@ -158,13 +224,23 @@ pub async fn run(
         }
         let namespaces = store.state();
         let wanted = wanted(namespaces.iter().map(AsRef::as_ref));
-        let used: BTreeSet<Box<str>> = lower_pods
-            .state()
-            .iter()
-            .map(|p| p.meta.namespace.clone())
-            .collect();
         let before = view.read().clone();
-        let refused = apply(&mut view.write(), &suffix, &wanted, &|ns| used.contains(ns));
+        let refused = {
+            // Which namespaces have pods below: read from the store (every pod) only when
+            // a mapping is about to change.
+            let used: OnceCell<BTreeSet<Box<str>>> = OnceCell::new();
+            let in_use = |ns: &str| {
+                used.get_or_init(|| {
+                    lower_pods
+                        .state()
+                        .iter()
+                        .map(|p| p.meta.namespace.clone())
+                        .collect()
+                })
+                .contains(ns)
+            };
+            apply(&mut view.write(), &suffix, &wanted, &in_use)
+        };
         let after = view.read().clone();
         for namespace in wanted.keys() {
             if before.current(namespace) != after.current(namespace) {
@@ -243,5 +319,46 @@ mod tests {
         assert_eq!(m.current("shop"), Some("shop-c1"));
         // Namespaces gone from the upper cluster are forgotten.
         assert_eq!(m.current("team"), None);
+    }
+
+    #[test]
+    fn pods_running_below_keep_their_lower_namespace() {
+        // (upper namespace, upper UID) of the node's upper pods; (lower namespace, upper
+        // UID) of the lower pods it owns.
+        let cases: &[(&[(&str, &str)], &[(&str, &str)], &[(&str, &str)])] = &[
+            (&[], &[], &[]),
+            // Moved by an annotation while down: the pods' namespace wins.
+            (
+                &[("shop", "u1")],
+                &[("shop-old", "u1")],
+                &[("shop", "shop-old")],
+            ),
+            // An upper pod not mirrored yet, a lower pod whose upper pod is gone.
+            (&[("shop", "u1")], &[("shop-c1", "u2")], &[]),
+            (
+                &[("a", "u1"), ("a", "u2"), ("b", "u3")],
+                &[("a-c1", "u1"), ("a-c1", "u2"), ("team", "u3")],
+                &[("a", "a-c1"), ("b", "team")],
+            ),
+        ];
+        for (upper, lower, want) in cases {
+            let got = in_place(upper.iter().copied(), lower.iter().copied());
+            let want: BTreeMap<String, String> = want
+                .iter()
+                .map(|(u, l)| ((*u).to_owned(), (*l).to_owned()))
+                .collect();
+            assert_eq!(got, want, "upper {upper:?} lower {lower:?}");
+        }
+    }
+
+    #[test]
+    fn a_placed_namespace_keeps_its_lower_name_against_its_annotation() {
+        let mut m = Mapping::new(Mode::Prefixed, "c1".into());
+        m.set("shop", "shop-old").expect("free");
+        let in_use = |ns: &str| ns == "shop";
+        let refused = apply(&mut m, "c1", &wanted_of(&[("shop", None)]), &in_use);
+        assert_eq!(refused.len(), 1, "{refused:?}");
+        assert_eq!(refused[0].reason, "LowerNamespaceChangeRefused");
+        assert_eq!(m.current("shop"), Some("shop-old"));
     }
 }

@@ -19,7 +19,7 @@ use kube::ResourceExt;
 use kube::api::{Api, PostParams};
 use kube::runtime::reflector::ObjectRef;
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, debug, info, info_span};
+use tracing::{Instrument, debug, info, info_span, warn};
 
 use super::pod_watch::{PodQueue, PodStores, same_name};
 use super::queue;
@@ -28,8 +28,8 @@ use crate::api::is_status;
 use crate::side::Side;
 use crate::translate::TranslateError;
 use crate::translate::identity::{
-    TOKEN_NODE_LABEL, TokenSecret, TokenSource, UpperApi, is_token_secret_of, renew_after,
-    renewal_due, token_secret, token_secret_name, token_sources,
+    CA_KEY, ROOT_CA_CONFIG_MAP, TOKEN_NODE_LABEL, TokenSecret, TokenSource, UpperApi,
+    is_token_secret_of, renew_after, renewal_due, token_secret, token_secret_name, token_sources,
 };
 use crate::translate::pod::service_account_name;
 
@@ -37,8 +37,8 @@ use crate::translate::pod::service_account_name;
 const WORKERS: u16 = 4;
 /// How soon to look again at a Secret changed by someone else while it was written.
 const CHANGED_MEANWHILE: Duration = Duration::from_secs(1);
-/// The ConfigMap of the upper cluster's CA in every namespace.
-const ROOT_CA_CONFIG_MAP: &str = "kube-root-ca.crt";
+/// How soon a token Secret written without the upper CA is written again.
+const CA_MISSING: Duration = Duration::from_secs(5);
 /// Reason of the Warning on an upper pod whose tokens could not be issued or stored.
 const TOKEN_FAILED: &str = "UpperTokenFailed";
 
@@ -261,8 +261,18 @@ async fn ensure(
         renew_in = Some(renew_in.map_or(after, |r| r.min(after)));
         issued.insert(source.key.clone(), token);
     }
-    let renew_in = renew_in.unwrap_or_default();
     let ca = upper_ca(ctx, namespace).await.map_err(fail)?;
+    let renew_in = match &ca {
+        Some(_) => renew_in.unwrap_or_default(),
+        // Not published in the namespace yet (the upper root-ca publisher writes it after
+        // the namespace appears): the volume needs it, so look again soon, not at renewal.
+        None => {
+            warn!(pod = %pod, namespace = %namespace, "upper ConfigMap {ROOT_CA_CONFIG_MAP} \
+                is missing: the token Secret is written without ca.crt and rewritten in {}s",
+                CA_MISSING.as_secs());
+            renew_in.unwrap_or_default().min(CA_MISSING)
+        }
+    };
     let renew_at = Timestamp::now()
         .checked_add(renew_in)
         .unwrap_or_else(|_| Timestamp::now());
@@ -376,7 +386,5 @@ async fn upper_ca(ctx: &Context, namespace: &str) -> Result<Option<String>, Erro
             "ConfigMap",
             &format!("{namespace}/{ROOT_CA_CONFIG_MAP}"),
         ))?;
-    Ok(ca
-        .and_then(|c| c.data)
-        .and_then(|mut d| d.remove(crate::translate::identity::CA_KEY)))
+    Ok(ca.and_then(|c| c.data).and_then(|mut d| d.remove(CA_KEY)))
 }

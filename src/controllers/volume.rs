@@ -27,6 +27,7 @@ use super::{Context, Error, api_error};
 use crate::api::{Deleted, delete_exact, is_status};
 use crate::side::Side;
 use crate::translate::config::SYSTEM_NAMESPACE;
+use crate::translate::namespace::is_unmapped;
 use crate::translate::pod::{is_owned_by, upper_uid};
 use crate::translate::volume::{
     bound_volume, is_reflected_by, missing_storage_class, pv_patch, reflected_from,
@@ -247,6 +248,14 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, vc: &VolumeContext) -> Res
             ))?;
             match live.filter(|u| u.metadata.uid.as_deref() == origin) {
                 Some(upper) => Arc::new(upper),
+                None if is_unmapped(&namespace) => {
+                    // Its upper namespace moved to another lower namespace (no pod was
+                    // left here): the claim may still be the upper claim's, and its data
+                    // is not ours to drop.
+                    warn!(object = %key, cluster = "lower",
+                        "claim in a lower namespace no upper namespace maps to any more: kept");
+                    return Ok(Action::await_change());
+                }
                 None => {
                     delete_lower_claim(ctx, lower, &key).await?;
                     return Ok(Action::await_change());

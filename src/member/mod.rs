@@ -172,6 +172,7 @@ async fn run_member(
 ) -> Result<(), String> {
     let args = &shared.args;
     let upper = &shared.upper;
+    let owner = Owner::new(spec.node.clone(), shared.cluster_id.clone());
     // --lower-namespace: the lower client speaks upper namespace names, mapped from the
     // upper Namespaces as they are before anything is read below.
     let namespaces = match args.lower_namespace {
@@ -179,7 +180,10 @@ async fn run_member(
         mode => {
             let suffix = cluster_suffix(&shared.cluster_id);
             let view = NamespaceView::new(Mapping::new(mode, suffix.clone()));
-            controllers::namespace::load(&upper.client, &view, &suffix)
+            // Without the view: where this node's pods are below, in lower names.
+            let raw = kube::Client::try_from(spec.lower.clone())
+                .map_err(|e| format!("node {}: lower cluster client: {e}", spec.node))?;
+            controllers::namespace::load(&upper.client, &raw, &owner, &view, &suffix)
                 .await
                 .map_err(|e| format!("node {}: {e}", spec.node))?;
             Some((view, suffix))
@@ -198,7 +202,6 @@ async fn run_member(
     clusters::check_permissions(&lower, &lower_needs)
         .await
         .map_err(|e| format!("node {}: {e}", spec.node))?;
-    let owner = Owner::new(spec.node.clone(), shared.cluster_id.clone());
     if shared.leading.is_none() {
         adopt(upper, &lower, &owner, &shared.optional).await?;
     }

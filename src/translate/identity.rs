@@ -5,7 +5,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::hash::{DefaultHasher, Hash, Hasher};
 use std::net::IpAddr;
 use std::str::FromStr;
 use std::time::Duration;
@@ -16,6 +15,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
+use super::config::fnv1a;
 use super::meta::UPPER_UID_ANNOTATION;
 
 /// Data key of the upper cluster's CA certificate in a token Secret (and the file name the
@@ -24,7 +24,7 @@ pub const CA_KEY: &str = "ca.crt";
 /// Data key of the upper namespace in a token Secret.
 pub const NAMESPACE_KEY: &str = "namespace";
 /// The ConfigMap of the cluster CA the ServiceAccount admission projects into every pod.
-const ROOT_CA_CONFIG_MAP: &str = "kube-root-ca.crt";
+pub const ROOT_CA_CONFIG_MAP: &str = "kube-root-ca.crt";
 /// Annotation on a token Secret: when its tokens are renewed (RFC 3339).
 pub const RENEW_AT_ANNOTATION: &str = "tensile.dev/renew-at";
 /// Label on a token Secret: the virtual node that keeps it (not the owner marks: it is
@@ -42,11 +42,11 @@ const PORT_ENV: &str = "KUBERNETES_SERVICE_PORT";
 /// The names of the API server's Service a hostAlias points at the upper API server.
 const API_SERVICE_NAMES: [&str; 3] = ["kubernetes", "kubernetes.default", "kubernetes.default.svc"];
 
-/// Where lower pods reach the upper API server: `--upper-api-address`, `HOST:PORT`
+/// Where lower pods reach the upper API server: `--upper-api-address`, `IP:PORT`
 /// (`[v6]:PORT` for IPv6).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UpperApi {
-    /// A host name or an IP address (without brackets).
+    /// An IP address (without brackets).
     pub host: String,
     /// The port.
     pub port: u16,
@@ -56,9 +56,12 @@ impl FromStr for UpperApi {
     type Err = String;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
+        // An IP address, not a name: `kubernetes.default` is pointed at it by a hostAlias,
+        // which takes only addresses, and a name left to the lower DNS would send the upper
+        // token to the lower API server.
         let bad = || {
             format!(
-                "{s:?} is not HOST:PORT (an address lower pods reach the upper API server at, e.g. 203.0.113.10:6443)"
+                "{s:?} is not IP:PORT (the address lower pods reach the upper API server at, e.g. 203.0.113.10:6443 or [2001:db8::1]:6443)"
             )
         };
         let (host, port) = s.rsplit_once(':').ok_or_else(bad)?;
@@ -67,12 +70,7 @@ impl FromStr for UpperApi {
             .and_then(|h| h.strip_suffix(']'))
             .unwrap_or(host);
         let port: u16 = port.parse().map_err(|_| bad())?;
-        let valid_name = !host.is_empty()
-            && host.len() <= MAX_NAME
-            && host
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '.');
-        if port == 0 || !(host.parse::<IpAddr>().is_ok() || valid_name) {
+        if port == 0 || host.parse::<IpAddr>().is_err() {
             return Err(bad());
         }
         Ok(Self {
@@ -109,9 +107,7 @@ pub fn token_secret_name(pod: &str) -> String {
     if pod.len() + SECRET_SUFFIX.len() <= MAX_NAME {
         return format!("{pod}{SECRET_SUFFIX}");
     }
-    let mut hasher = DefaultHasher::new();
-    pod.hash(&mut hasher);
-    let hash = format!("-{:016x}", hasher.finish());
+    let hash = format!("-{:016x}", fnv1a(pod.as_bytes()));
     let keep = MAX_NAME - SECRET_SUFFIX.len() - hash.len();
     // Names are ASCII: any byte is a char boundary.
     let cut = pod[..keep].trim_end_matches(['-', '.']);
@@ -251,12 +247,10 @@ pub fn give_upper_identity(spec: &mut PodSpec, secret: &str, api: &UpperApi) {
             }
         }
     }
-    if api.host.parse::<IpAddr>().is_ok() {
-        spec.host_aliases.get_or_insert_default().push(HostAlias {
-            ip: api.host.clone(),
-            hostnames: Some(API_SERVICE_NAMES.iter().map(|&n| n.to_owned()).collect()),
-        });
-    }
+    spec.host_aliases.get_or_insert_default().push(HostAlias {
+        ip: api.host.clone(),
+        hostnames: Some(API_SERVICE_NAMES.iter().map(|&n| n.to_owned()).collect()),
+    });
 }
 
 /// What a token Secret holds and whose it is.
@@ -353,10 +347,8 @@ pub fn renewal_due(
 /// kubelet renews at 80 %), spread by `seed` (the pod's UID) so that pods started together
 /// do not all renew at once, and never later than `max_age`.
 pub fn renew_after(lifetime: Duration, seed: &str, max_age: Option<Duration>) -> Duration {
-    let mut hasher = DefaultHasher::new();
-    seed.hash(&mut hasher);
     // A fraction in [0.7, 0.8), in thousandths.
-    let thousandths = 700 + u32::try_from(hasher.finish() % 100).unwrap_or(0);
+    let thousandths = 700 + u32::try_from(fnv1a(seed.as_bytes()) % 100).unwrap_or(0);
     let after = lifetime * thousandths / 1000;
     match max_age {
         Some(max) => after.min(max),
@@ -407,7 +399,7 @@ mod tests {
     fn parses_the_upper_api_address() {
         let cases = [
             ("203.0.113.10:6443", Some(("203.0.113.10", 6443))),
-            ("api.example.com:443", Some(("api.example.com", 443))),
+            ("api.example.com:443", None),
             ("[2001:db8::1]:6443", Some(("2001:db8::1", 6443))),
             ("api.example.com", None),
             ("api.example.com:0", None),
@@ -439,6 +431,11 @@ mod tests {
             assert!(name.ends_with(SECRET_SUFFIX), "{name}");
         }
         assert_ne!(a, b, "two long names share no Secret");
+        // Lower pods mount it by this name after an upgrade: the hash must never change.
+        assert_eq!(
+            a,
+            format!("{}-8e8f6581e0ff9e30-upper-token", "a".repeat(224))
+        );
         let fits = "p".repeat(MAX_NAME - SECRET_SUFFIX.len());
         assert_eq!(token_secret_name(&fits), format!("{fits}{SECRET_SUFFIX}"));
     }
@@ -498,11 +495,6 @@ mod tests {
             serde_json::to_value(&got).unwrap(),
             serde_json::to_value(&want).unwrap()
         );
-
-        // A host name gets no hostAlias (it needs an address).
-        let mut by_name = admitted();
-        give_upper_identity(&mut by_name, "s", &"api.example.com:443".parse().unwrap());
-        assert_eq!(by_name.host_aliases, None);
     }
 
     #[test]

@@ -5,10 +5,11 @@
 //! back to upper names, so controllers never see a lower namespace name.
 
 use std::collections::HashMap;
-use std::hash::{DefaultHasher, Hash, Hasher};
 use std::str::FromStr;
 
 use serde_json::Value;
+
+use super::config::fnv1a;
 
 /// Annotation on an upper Namespace: the lower namespace its objects go to
 /// (`--lower-namespace=prefixed` or `annotation`).
@@ -56,10 +57,10 @@ pub fn is_namespace_name(name: &str) -> bool {
         && !name.ends_with('-')
 }
 
+/// 8 hex digits of a hash stable across releases (names built with it must not change on
+/// an upgrade).
 fn hash8(text: &str) -> String {
-    let mut hasher = DefaultHasher::new();
-    text.hash(&mut hasher);
-    format!("{:08x}", hasher.finish() & 0xffff_ffff)
+    format!("{:08x}", fnv1a(text.as_bytes()) & 0xffff_ffff)
 }
 
 /// The upper cluster's identity, short, for `prefixed` names: itself when it is a short
@@ -216,6 +217,12 @@ impl Mapping {
     }
 }
 
+/// Whether `view` is how the controllers see a lower namespace no upper namespace maps to
+/// ([`Mapping::to_view`]).
+pub fn is_unmapped(view: &str) -> bool {
+    view.ends_with(UNMAPPED_SUFFIX)
+}
+
 /// Whether a request path names the Namespace resource itself (`/api/v1/namespaces` or
 /// `/api/v1/namespaces/<name>`, with a `status` or `finalize` subresource), whose objects'
 /// names are namespace names.
@@ -310,16 +317,19 @@ fn rewrite_object(object: &mut Value, kind: &str, namespaces: bool, map: &dyn Fn
             }
         }
         "Endpoints" => {
-            for subset in object["subsets"].as_array_mut().into_iter().flatten() {
+            let subsets = object.get_mut("subsets").and_then(Value::as_array_mut);
+            for subset in subsets.into_iter().flatten() {
                 for key in ["addresses", "notReadyAddresses"] {
-                    for address in subset[key].as_array_mut().into_iter().flatten() {
+                    let addresses = subset.get_mut(key).and_then(Value::as_array_mut);
+                    for address in addresses.into_iter().flatten() {
                         reference(address, "targetRef");
                     }
                 }
             }
         }
         "EndpointSlice" => {
-            for endpoint in object["endpoints"].as_array_mut().into_iter().flatten() {
+            let endpoints = object.get_mut("endpoints").and_then(Value::as_array_mut);
+            for endpoint in endpoints.into_iter().flatten() {
                 reference(endpoint, "targetRef");
             }
         }
@@ -373,6 +383,12 @@ mod tests {
             assert!(name.ends_with("-5b0c2f9e"), "{name}");
         }
         assert_ne!(a, b);
+        // Lower namespaces are found by these names after an upgrade: the hash (FNV-1a,
+        // not `std`'s hasher) must never change.
+        assert_eq!(
+            prefixed(&"n".repeat(63), "c1"),
+            format!("{}-233bc6a9-c1", "n".repeat(51))
+        );
     }
 
     #[test]

@@ -504,6 +504,8 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             "cgroupsPerQOS": true,
             "enforceNodeAllocatable": [],
             "failSwapOn": false,
+            // Nothing in the host's iptables (the node is on the host's network).
+            "makeIPTablesUtilChains": false,
             "containerRuntimeEndpoint": format!("unix://{}", p(&socket)),
             "podLogsDir": dir.join("pod-logs"),
             "resolvConf": "",
@@ -537,10 +539,11 @@ mount -t tmpfs -o mode=0755 tensile-run /run
 mount -t tmpfs -o mode=0755 tensile-var /var
 ln -s /run /var/run
 mkdir -p /var/lib/kubelet /var/log
-# The values the kubelet sets at start, bound over /proc/sys so that it changes nothing
+# The values the kubelet sets at start (and the bridge plugin's ip_forward, which no pod
+# here needs: they talk over the bridge), bound over /proc/sys so that it changes nothing
 # on the host.
 for kv in vm/overcommit_memory=1 vm/panic_on_oom=0 kernel/panic=10 kernel/panic_on_oops=1 \
-  kernel/keys/root_maxkeys=1000000 kernel/keys/root_maxbytes=25000000; do
+  kernel/keys/root_maxkeys=1000000 kernel/keys/root_maxbytes=25000000 net/ipv4/ip_forward=1; do
   key=${{kv%=*}}
   file=$dir/sysctl/${{key//\//.}}
   echo "${{kv#*=}}" >"$file"
