@@ -5,10 +5,9 @@
 mod common;
 
 use std::path::Path;
-use std::process::Stdio;
 use std::time::Duration;
 
-use common::{TIMEOUT, kubectl, start_node, wait_running};
+use common::{Streaming, TIMEOUT, kubectl, start_node, wait_running};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use serde_json::json;
@@ -17,7 +16,7 @@ use tensile_harness::{
     ClusterPair, KWOK_FOLLOW_CONTAINER, KWOK_LOG_LINES, KWOK_PREVIOUS_LOG_LINE, TestNamespace,
     cri_log_line, rfc3339, wait_for,
 };
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::Command;
 
 fn text(bytes: &[u8]) -> String {
@@ -167,68 +166,6 @@ fn keep_appending(path: std::path::PathBuf, marker: String) -> tokio::task::Join
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     })
-}
-
-/// A kubectl command that streams (`logs -f`, `attach`, `port-forward`), read line by line.
-struct Streaming {
-    child: tokio::process::Child,
-    lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
-    seen: Vec<String>,
-}
-
-impl Streaming {
-    fn start(pair: &ClusterPair, kubeconfig: &Path, args: &[String]) -> Self {
-        let mut child = Command::new(pair.bin("kubectl"))
-            .arg("--kubeconfig")
-            .arg(kubeconfig)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        Self {
-            child,
-            lines,
-            seen: Vec::new(),
-        }
-    }
-
-    /// The next line, failing with kubectl's stderr if it ends first.
-    async fn next_line(&mut self) -> String {
-        let line = tokio::time::timeout(TIMEOUT, self.lines.next_line())
-            .await
-            .unwrap_or_else(|_| panic!("no line in time; seen {:?}", self.seen))
-            .unwrap();
-        match line {
-            Some(line) => {
-                self.seen.push(line.clone());
-                line
-            }
-            None => {
-                let mut err = String::new();
-                let mut stderr = self.child.stderr.take().unwrap();
-                stderr.read_to_string(&mut err).await.unwrap();
-                panic!("kubectl ended after {:?}: {err}", self.seen);
-            }
-        }
-    }
-
-    /// Reads until a line containing `text`.
-    async fn wait_for_line(&mut self, text: &str) -> String {
-        loop {
-            let line = self.next_line().await;
-            if line.contains(text) {
-                return line;
-            }
-        }
-    }
-
-    async fn stop(mut self) {
-        self.child.kill().await.unwrap();
-    }
 }
 
 /// A TTY and a resize reach the command (kubectl only asks for a TTY from a terminal, so

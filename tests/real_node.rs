@@ -9,11 +9,10 @@
 
 mod common;
 
-use std::path::Path;
 use std::process::{Output, Stdio};
 use std::time::Duration;
 
-use common::{TIMEOUT, kubectl, start_node};
+use common::{Streaming, TIMEOUT, kubectl, start_node};
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, PostParams};
 use serde_json::{Value, json};
@@ -22,7 +21,7 @@ use tensile_harness::real_node::BUSYBOX_IMAGE;
 use tensile_harness::{
     ClusterPair, PairOptions, RealNode, TestNamespace, VirtualNode, real_node_placement, wait_for,
 };
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::process::Command;
 use tokio::sync::OnceCell;
 
@@ -292,46 +291,6 @@ async fn tty_resize(client: kube::Client, ns: &str, name: &str) {
         "{status:?}"
     );
     process.join().await.unwrap();
-}
-
-/// A kubectl command that streams (`logs -f`, `port-forward`), read line by line.
-struct Streaming {
-    child: tokio::process::Child,
-    lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
-}
-
-impl Streaming {
-    fn start(pair: &ClusterPair, kubeconfig: &Path, args: &[&str]) -> Self {
-        let mut child = Command::new(pair.bin("kubectl"))
-            .arg("--kubeconfig")
-            .arg(kubeconfig)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap();
-        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
-        Self { child, lines }
-    }
-
-    /// The next line, failing with kubectl's stderr if it ends first.
-    async fn next_line(&mut self) -> String {
-        let line = tokio::time::timeout(TIMEOUT, self.lines.next_line())
-            .await
-            .expect("a line in time")
-            .unwrap();
-        match line {
-            Some(line) => line,
-            None => {
-                let mut err = String::new();
-                let mut stderr = self.child.stderr.take().unwrap();
-                stderr.read_to_string(&mut err).await.unwrap();
-                panic!("kubectl ended: {err}");
-            }
-        }
-    }
 }
 
 #[tokio::test]

@@ -325,7 +325,8 @@ mod tests {
     fn pods_running_below_keep_their_lower_namespace() {
         // (upper namespace, upper UID) of the node's upper pods; (lower namespace, upper
         // UID) of the lower pods it owns.
-        let cases: &[(&[(&str, &str)], &[(&str, &str)], &[(&str, &str)])] = &[
+        type Pairs = &'static [(&'static str, &'static str)];
+        let cases: &[(Pairs, Pairs, Pairs)] = &[
             (&[], &[], &[]),
             // Moved by an annotation while down: the pods' namespace wins.
             (

@@ -2,6 +2,9 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::BTreeSet;
+use std::ffi::OsStr;
+use std::path::Path;
+use std::process::Stdio;
 use std::time::Duration;
 
 use k8s_openapi::ByteString;
@@ -10,6 +13,8 @@ use kube::Client;
 use kube::api::{Api, ListParams};
 use tensile::member::spec::{KUBECONFIG_KEY, MEMBER_LABEL, NODE_NAME_ANNOTATION};
 use tensile_harness::{ClusterPair, VirtualNode, VirtualNodeOptions, node_is_ready, wait_for};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
+use tokio::process::Command;
 
 pub mod descheduler;
 pub mod ha;
@@ -329,5 +334,67 @@ pub async fn until_shown(
             assert!(n > 0, "TTY closed before {want:?}: {seen:?}");
             seen.push_str(&String::from_utf8_lossy(&buf[..n]));
         }
+    }
+}
+
+/// A kubectl command that streams (`logs -f`, `attach`, `port-forward`), read line by line.
+pub struct Streaming {
+    pub child: tokio::process::Child,
+    lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+    seen: Vec<String>,
+}
+
+impl Streaming {
+    pub fn start(pair: &ClusterPair, kubeconfig: &Path, args: &[impl AsRef<OsStr>]) -> Self {
+        let mut child = Command::new(pair.bin("kubectl"))
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        Self {
+            child,
+            lines,
+            seen: Vec::new(),
+        }
+    }
+
+    /// The next line, failing with kubectl's stderr if it ends first.
+    pub async fn next_line(&mut self) -> String {
+        let line = tokio::time::timeout(TIMEOUT, self.lines.next_line())
+            .await
+            .unwrap_or_else(|_| panic!("no line in time; seen {:?}", self.seen))
+            .unwrap();
+        match line {
+            Some(line) => {
+                self.seen.push(line.clone());
+                line
+            }
+            None => {
+                let mut err = String::new();
+                let mut stderr = self.child.stderr.take().unwrap();
+                stderr.read_to_string(&mut err).await.unwrap();
+                panic!("kubectl ended after {:?}: {err}", self.seen);
+            }
+        }
+    }
+
+    /// Reads until a line containing `text`.
+    pub async fn wait_for_line(&mut self, text: &str) -> String {
+        loop {
+            let line = self.next_line().await;
+            if line.contains(text) {
+                return line;
+            }
+        }
+    }
+
+    pub async fn stop(mut self) {
+        self.child.kill().await.unwrap();
     }
 }
