@@ -535,6 +535,81 @@ async fn pod_cpu(client: &kube::Client, ns: &str, name: &str) -> Option<u64> {
     cpu.parse::<u64>().ok().map(|c| c * 1000)
 }
 
+/// `--upper-identity` with a real kubelet: the lower pod mounts the token Secret the
+/// virtual node keeps (kwok mounts nothing), and what the container reads is an upper
+/// token of its upper ServiceAccount bound to its upper pod, the upper CA and the upper
+/// namespace, with `kubernetes.default` and the service variables pointing upstairs.
+#[tokio::test]
+async fn upper_identity_tokens_are_what_a_real_container_reads() {
+    let setup = setup().await;
+    let pair = &setup.pair;
+    let node = "vk-real-identity";
+    let address = pair.upper.server.trim_start_matches("https://").to_owned();
+    let _vk = start_node(
+        pair,
+        node,
+        &[
+            "--upper-identity",
+            &format!("--upper-api-address={address}"),
+        ],
+    )
+    .await;
+    let script = "d=/var/run/secrets/kubernetes.io/serviceaccount; \
+        echo \"token $(cat $d/token)\"; echo \"namespace $(cat $d/namespace)\"; \
+        echo \"ca $(head -n 1 $d/ca.crt)\"; \
+        echo \"api $KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT\"; \
+        echo \"alias $(grep -c kubernetes.default /etc/hosts)\"; exec sleep 3600";
+    let pod = real_pod(
+        "reader",
+        script,
+        json!({"nodeName": node, "nodeSelector": {"kubernetes.io/hostname": node},
+            "automountServiceAccountToken": true}),
+    );
+    let ns = run_on_real_node(setup, "real-identity", vec![pod]).await;
+    let n = ns.name.as_str();
+    let upper = pair.upper.client().await.unwrap();
+    let upper_pod = Api::<Pod>::namespaced(upper.clone(), n)
+        .get("reader")
+        .await
+        .unwrap();
+
+    let out = kubectl(
+        pair,
+        pair.upper_kubeconfig(),
+        &["-n", n, "logs", "reader"],
+        b"",
+    )
+    .await;
+    assert!(out.status.success(), "{out:?}");
+    let printed = text(&out.stdout);
+    let read = |what: &str| -> String {
+        printed
+            .lines()
+            .find_map(|l| l.strip_prefix(what)?.strip_prefix(' '))
+            .unwrap_or_else(|| panic!("no {what} line in {printed:?}"))
+            .to_owned()
+    };
+    assert_eq!(read("namespace"), n);
+    assert_eq!(read("ca"), "-----BEGIN CERTIFICATE-----");
+    assert_eq!(read("api"), address);
+    assert_ne!(read("alias"), "0", "a hostAlias for kubernetes.default");
+    let status = common::review(&upper, &read("token"), None).await;
+    assert_eq!(status.authenticated, Some(true), "{status:?}");
+    let user = status.user.unwrap();
+    assert_eq!(
+        user.username.as_deref(),
+        Some(format!("system:serviceaccount:{n}:default").as_str())
+    );
+    let bound = user
+        .extra
+        .as_ref()
+        .and_then(|e| e.get("authentication.kubernetes.io/pod-uid"))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(bound, vec![upper_pod.metadata.uid.unwrap()], "{user:?}");
+    ns.delete().await.unwrap();
+}
+
 #[tokio::test]
 async fn metrics_show_the_cpu_of_a_real_container_rising() {
     let setup = setup().await;

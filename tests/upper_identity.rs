@@ -9,8 +9,7 @@ mod common;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use common::{TIMEOUT, start_node, wait_running};
-use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec, TokenReviewStatus};
+use common::{TIMEOUT, review, start_node, wait_running};
 use k8s_openapi::api::core::v1::{Pod, Secret, ServiceAccount};
 use kube::api::{Api, DeleteParams, PostParams};
 use kube::{Client, ResourceExt};
@@ -19,23 +18,6 @@ use tensile_harness::{ClusterPair, TestNamespace, wait_for};
 
 /// No Service mirroring: the shared pair's other tests own their Services.
 const NO_SERVICES: &str = "--enable-controllers=PVControllers";
-
-/// What the upper API server says of `token` for `audience` (`None`: its own).
-async fn review(upper: &Client, token: &str, audience: Option<&str>) -> TokenReviewStatus {
-    let review = TokenReview {
-        spec: TokenReviewSpec {
-            token: token.to_owned(),
-            audiences: audience.map(|a| vec![a.to_owned()]),
-        },
-        ..TokenReview::default()
-    };
-    Api::<TokenReview>::all(upper.clone())
-        .create(&PostParams::default(), &review)
-        .await
-        .unwrap()
-        .status
-        .unwrap()
-}
 
 fn token(secret: &Secret, key: &str) -> String {
     let data = secret.data.as_ref().expect("the token Secret has data");

@@ -398,3 +398,25 @@ impl Streaming {
         self.child.kill().await.unwrap();
     }
 }
+
+/// What the upper API server says of `token` for `audience` (`None`: its own).
+pub async fn review(
+    upper: &Client,
+    token: &str,
+    audience: Option<&str>,
+) -> k8s_openapi::api::authentication::v1::TokenReviewStatus {
+    use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+    let review = TokenReview {
+        spec: TokenReviewSpec {
+            token: token.to_owned(),
+            audiences: audience.map(|a| vec![a.to_owned()]),
+        },
+        ..TokenReview::default()
+    };
+    Api::<TokenReview>::all(upper.clone())
+        .create(&kube::api::PostParams::default(), &review)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+}
