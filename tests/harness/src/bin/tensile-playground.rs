@@ -524,3 +524,30 @@ fn down(dir: &Path) -> Result<()> {
     );
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
+
+    use super::*;
+
+    /// `up --real-node` edits the example workload: every edit still applies, and the
+    /// result is a pod placed on the real node with the local busybox image.
+    #[test]
+    fn the_example_workload_goes_to_the_real_node() {
+        let demo = demo_on_real_node().unwrap();
+        let pod = serde_saphyr::from_multiple::<serde_json::Value>(&demo)
+            .unwrap()
+            .into_iter()
+            .find(|d| d["kind"] == "Pod")
+            .unwrap();
+        assert_eq!(pod["spec"]["containers"][0]["image"], BUSYBOX_IMAGE);
+        let stash: serde_json::Value = serde_json::from_str(
+            pod["metadata"]["annotations"]["clusterSelector"]
+                .as_str()
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(stash, real_node_placement());
+    }
+}
