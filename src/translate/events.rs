@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::Event;
 use k8s_openapi::jiff::Timestamp;
 
-use super::config::fnv1a;
+use super::hash::fnv1a;
 
 /// Longest note an events.k8s.io Event accepts.
 const MAX_NOTE: usize = 1024;

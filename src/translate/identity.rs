@@ -15,7 +15,7 @@ use k8s_openapi::api::core::v1::{
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 
-use super::config::fnv1a;
+use super::hash::fnv1a;
 use super::meta::UPPER_UID_ANNOTATION;
 
 /// Data key of the upper cluster's CA certificate in a token Secret (and the file name the

@@ -3,6 +3,7 @@
 pub mod config;
 pub mod deps;
 pub mod events;
+pub(crate) mod hash;
 pub mod identity;
 pub mod meta;
 pub mod namespace;

@@ -9,7 +9,7 @@ use std::str::FromStr;
 
 use serde_json::Value;
 
-use super::config::fnv1a;
+use super::hash::fnv1a;
 
 /// Annotation on an upper Namespace: the lower namespace its objects go to
 /// (`--lower-namespace=prefixed` or `annotation`).
