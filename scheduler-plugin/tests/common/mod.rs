@@ -12,7 +12,9 @@ use kube::Client;
 use kube::api::{Api, ListParams};
 use serde_json::{Value, json};
 use tensile_harness::fixtures::{merge, pod, virtual_node_toleration};
-use tensile_harness::{ClusterPair, VirtualNode, VirtualNodeOptions, node_is_ready, wait_for};
+use tensile_harness::{
+    ClusterPair, VirtualNode, VirtualNodeOptions, node_is_schedulable, wait_for,
+};
 use tensile_scheduler_extender::extender::Extender;
 use tensile_scheduler_extender::metrics::Metrics;
 use tensile_scheduler_extender::server::{self, App};
@@ -151,8 +153,14 @@ pub async fn start_virtual_node(
         .start_virtual_node(&VirtualNodeOptions::new(binary, VK))
         .unwrap();
     let nodes: Api<Node> = Api::all(upper.clone());
-    wait_for("vk-node Ready", TIMEOUT, || async {
-        Ok(nodes.get_opt(VK).await?.filter(node_is_ready).map(|_| ()))
+    // Schedulable too: a burst created while the not-ready taint is still on would meet
+    // it (FailedScheduling "untolerated taint"), not the extender.
+    wait_for("vk-node Ready and schedulable", TIMEOUT, || async {
+        Ok(nodes
+            .get_opt(VK)
+            .await?
+            .filter(node_is_schedulable)
+            .map(|_| ()))
     })
     .await
     .unwrap();

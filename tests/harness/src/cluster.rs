@@ -696,6 +696,22 @@ pub fn node_is_ready(node: &Node) -> bool {
         .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
+/// Whether a node is Ready and the node lifecycle controller has taken its taints off
+/// (`node.kubernetes.io/not-ready`, put on at registration, goes a moment after Ready):
+/// until then the scheduler places nothing there that does not tolerate them.
+pub fn node_is_schedulable(node: &Node) -> bool {
+    let tainted = node
+        .spec
+        .as_ref()
+        .and_then(|s| s.taints.as_ref())
+        .is_some_and(|taints| {
+            taints
+                .iter()
+                .any(|t| t.key.starts_with("node.kubernetes.io/"))
+        });
+    node_is_ready(node) && !tainted
+}
+
 /// A client from a kubeconfig file.
 pub async fn client_for(kubeconfig: &Path) -> Result<Client> {
     let kc = Kubeconfig::read_from(kubeconfig)

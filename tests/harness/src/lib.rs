@@ -33,7 +33,8 @@ pub mod wait;
 pub use binaries::Binaries;
 pub use cluster::{
     Cluster, ClusterOptions, Component, KWOK_FOLLOW_CONTAINER, KWOK_LOG_LINES,
-    KWOK_PREVIOUS_LOG_LINE, NodeShape, client_for, cri_log_line, node_is_ready, rfc3339,
+    KWOK_PREVIOUS_LOG_LINE, NodeShape, client_for, cri_log_line, node_is_ready,
+    node_is_schedulable, rfc3339,
 };
 pub use pair::{ClusterPair, PairOptions, TestNamespace};
 pub use real_node::{RealNode, real_node_placement};

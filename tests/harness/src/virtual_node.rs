@@ -174,18 +174,6 @@ pub async fn join_member(
     Ok(())
 }
 
-/// Whether the node lifecycle controller has tainted `node` (not ready, unreachable, ...).
-fn lifecycle_tainted(node: &k8s_openapi::api::core::v1::Node) -> bool {
-    node.spec
-        .as_ref()
-        .and_then(|s| s.taints.as_ref())
-        .is_some_and(|taints| {
-            taints
-                .iter()
-                .any(|t| t.key.starts_with("node.kubernetes.io/"))
-        })
-}
-
 impl ClusterPair {
     /// Joins each (node, lower cluster kubeconfig) of `members` with `virtual-node join`
     /// (of `binary`) into the upper members namespace `namespace`, then
@@ -237,7 +225,7 @@ impl ClusterPair {
                     Ok(upper
                         .get_opt(node)
                         .await?
-                        .filter(|n| crate::node_is_ready(n) && !lifecycle_tainted(n))
+                        .filter(crate::node_is_schedulable)
                         .map(|_| ()))
                 },
             )
