@@ -103,10 +103,60 @@ pub struct Cluster {
     /// connections of its own, so a renewal never waits behind the controllers' requests
     /// (under a low `--kube-api-qps`, long past the renew deadline).
     pub unthrottled: Client,
+    /// Makes the clients of the node heartbeat (Lease renewals, node status, the lower
+    /// health probe): see [`HeartbeatClients`].
+    pub heartbeat: HeartbeatClients,
     /// Its API server's URL, for messages.
     pub server: String,
     /// Its Kubernetes version (`v1.36.3`), which the virtual node reports as kubelet version.
     pub version: String,
+}
+
+/// How long one heartbeat call (a Lease renewal, a node status write, the lower health
+/// probe) may take before it counts as failed and its connection is dropped: half the
+/// renew interval, so a renewal that fails is tried again within the same interval, and a
+/// 40 s Lease outlives several failures.
+pub const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// TCP keepalive on every connection to an API server (Go's dialer sends its first probe
+/// after 15 s and then every 15 s): an idle pooled connection whose peer vanished (a
+/// rebooted load balancer, a NAT entry expired) is found dead within about a minute,
+/// instead of when the next request on it times out after the kernel's retransmissions
+/// (~15 min).
+const TCP_KEEPALIVE: Duration = Duration::from_secs(15);
+const TCP_KEEPALIVE_RETRIES: u32 = 3;
+
+/// Makes the clients of the node heartbeat, as the kubelet makes its heartbeat client
+/// (kubernetes#48638): not rate limited, so a renewal never waits behind the controllers'
+/// requests (under `--kube-api-qps=1`, minutes of them); with connections of their own, so
+/// a half-open connection of the shared pool never holds it; with a read timeout of
+/// [`HEARTBEAT_TIMEOUT`]. The heartbeat makes a fresh one (new connections) after a
+/// failed or timed-out call, dropping the old one's connections.
+#[derive(Clone)]
+pub struct HeartbeatClients {
+    config: Config,
+    count: CountRequests,
+}
+
+impl HeartbeatClients {
+    fn new(mut config: Config, count: CountRequests) -> Self {
+        config.read_timeout = Some(HEARTBEAT_TIMEOUT);
+        config.write_timeout = Some(HEARTBEAT_TIMEOUT);
+        config.connect_timeout = Some(HEARTBEAT_TIMEOUT);
+        Self { config, count }
+    }
+
+    /// Which cluster.
+    pub fn side(&self) -> Side {
+        self.count.side
+    }
+
+    /// A new client, with connections of its own.
+    pub fn build(&self) -> Result<Client, kube::Error> {
+        Ok(client_builder(self.config.clone())?
+            .with_layer(&self.count)
+            .build())
+    }
 }
 
 /// Requests per second and burst for one client.
@@ -169,6 +219,7 @@ pub async fn connect(
         .map_err(|source| StartupError::Client { side, source })?
         .with_layer(&limit.layer())
         .with_layer(&count);
+    let heartbeat = HeartbeatClients::new(config.clone(), count.clone());
     let plain = client_builder(config)
         .map_err(|source| StartupError::Client { side, source })?
         .with_layer(&count);
@@ -204,6 +255,7 @@ pub async fn connect(
         side,
         client,
         unthrottled,
+        heartbeat,
         server,
         version: version.git_version,
     })
@@ -231,6 +283,9 @@ fn client_builder(config: Config) -> Result<ClientBuilder<GenericService>, kube:
     // As Go (client-go) does: a small write (a port-forward message, a request) goes out at
     // once instead of waiting for the ACK of the one before it (Nagle).
     http.set_nodelay(true);
+    http.set_keepalive(Some(TCP_KEEPALIVE));
+    http.set_keepalive_interval(Some(TCP_KEEPALIVE));
+    http.set_keepalive_retries(Some(TCP_KEEPALIVE_RETRIES));
     let mut connector = TimeoutConnector::new(config.rustls_https_connector_with_connector(http)?);
     connector.set_connect_timeout(config.connect_timeout);
     connector.set_read_timeout(config.read_timeout);

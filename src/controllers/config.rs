@@ -385,6 +385,7 @@ fn resolve(references: &References, pods: &PodStores) -> (BTreeSet<Reference>, B
 }
 
 /// A copy that may go: what it is and which one (UID).
+#[derive(Clone, Debug, PartialEq, Eq)]
 struct Unreferenced {
     reference: Reference,
     uid: Option<String>,
@@ -435,11 +436,23 @@ async fn remove_unreferenced(
         synced = synced => if synced.is_err() { return },
     }
     let mut since: HashMap<Reference, Instant> = HashMap::new();
+    // Copies a pod came to reference while they were being deleted, whose re-creation
+    // failed: tried again each round while a pod references them.
+    let mut to_restore: BTreeSet<Reference> = BTreeSet::new();
     let mut tick = tokio::time::interval(SWEEP_INTERVAL);
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
             _ = tick.tick() => {}
+        }
+        let retried = std::mem::take(&mut to_restore);
+        for reference in retried {
+            if ctx.references.references(&reference)
+                && let Err(error) = restore_copy(&ctx, &reference).await
+            {
+                warn!(%error, namespace = %reference.1, cluster = "lower", "re-creating a copy a pod references");
+                to_restore.insert(reference);
+            }
         }
         let (referenced, _) = resolve(&ctx.references, &pods);
         let mut candidates = unreferenced(&config_maps, &referenced, &ctx.owner);
@@ -456,7 +469,7 @@ async fn remove_unreferenced(
             }
         }
         for (namespace, copies) in due {
-            if let Err(error) = remove_in(&ctx, &pods, &namespace, copies).await {
+            if let Err(error) = remove_in(&ctx, &pods, &namespace, copies, &mut to_restore).await {
                 warn!(%error, namespace, cluster = "lower", "removing unreferenced copies");
             }
         }
@@ -466,12 +479,14 @@ async fn remove_unreferenced(
 /// Deletes `copies` in `namespace` unless a pod references them: any lower pod there
 /// (listed now; this node's teach [`References`] what they use), or a pod of this node
 /// (looked up again just before). While a pod of this node there has unknown references
-/// (an upper pod not yet mirrored since a restart), nothing there goes.
+/// (an upper pod not yet mirrored since a restart), nothing there goes. A copy whose
+/// re-creation ([`sweep`]) failed is added to `to_restore`.
 async fn remove_in(
     ctx: &Context,
     pods: &PodStores,
     namespace: &str,
     copies: Vec<Unreferenced>,
+    to_restore: &mut BTreeSet<Reference>,
 ) -> Result<(), Error> {
     let all_pods: Api<Pod> = Api::namespaced(ctx.lower.clone(), namespace);
     let in_namespace = all_pods
@@ -492,29 +507,243 @@ async fn remove_in(
         );
         return Ok(());
     }
+    let copies = copies.into_iter().filter(|copy| {
+        !used_below.contains(&copy.reference) && !used_here.contains(&copy.reference)
+    });
+    let outcome = sweep(
+        &ctx.references,
+        copies,
+        |copy| delete_unreferenced(ctx, copy),
+        |copy| async move { restore_copy(ctx, &copy.reference).await },
+    )
+    .await;
+    to_restore.extend(outcome.unrestored);
+    outcome.result
+}
+
+/// What [`sweep`] did.
+struct Swept {
+    /// The first failure, which ended the sweep.
+    result: Result<(), Error>,
+    /// Copies a pod came to reference while they were being deleted, that could not be
+    /// made again.
+    unrestored: Vec<Reference>,
+}
+
+/// Deletes each of `copies` in turn unless a pod came to reference it since they were
+/// resolved (a pod ensured meanwhile records its references in `references` before it
+/// checks that its copies exist). Checked again after each delete: a pod that came to
+/// reference the copy while it was being deleted may have found it still there and been
+/// created without it (its pod would wait for it in ContainerCreating), so it is made
+/// again (`restore`). Stops at the first failed delete.
+async fn sweep<D, DF, R, RF>(
+    references: &References,
+    copies: impl IntoIterator<Item = Unreferenced>,
+    mut delete: D,
+    mut restore: R,
+) -> Swept
+where
+    D: FnMut(Unreferenced) -> DF,
+    DF: Future<Output = Result<(), Error>>,
+    R: FnMut(Unreferenced) -> RF,
+    RF: Future<Output = Result<(), Error>>,
+{
+    let mut unrestored = Vec::new();
     for copy in copies {
-        if used_below.contains(&copy.reference) || used_here.contains(&copy.reference) {
+        if references.references(&copy.reference) {
+            let (_, namespace, name) = &copy.reference;
+            debug!(object = %format!("{namespace}/{name}"), kind = kind_of(copy.reference.0),
+                cluster = "lower", "a pod references the copy now; kept");
             continue;
         }
-        let (kind, _, name) = &copy.reference;
-        let key = format!("{namespace}/{name}");
-        let kind_name = kind_of(*kind);
-        let uid = copy.uid.clone();
-        let result = match kind {
-            crate::translate::deps::DependencyKind::ConfigMap => {
-                let api = Api::<ConfigMap>::namespaced(ctx.lower.clone(), namespace);
-                delete_exact(&api, name, uid, None).await
+        if let Err(error) = delete(copy.clone()).await {
+            return Swept {
+                result: Err(error),
+                unrestored,
+            };
+        }
+        if references.references(&copy.reference) {
+            let reference = copy.reference.clone();
+            if let Err(error) = restore(copy).await {
+                warn!(%error, namespace = %reference.1, cluster = "lower",
+                    "re-creating a copy a pod came to reference while it was deleted");
+                unrestored.push(reference);
             }
-            _ => {
-                let api = Api::<Secret>::namespaced(ctx.lower.clone(), namespace);
-                delete_exact(&api, name, uid, None).await
-            }
-        };
-        ctx.known_present.forget(kind_name, namespace, name);
-        if result.map_err(api_error(Side::Lower, "deleting", kind_name, &key))? == Deleted::Now {
-            info!(object = %key, kind = kind_name, cluster = "lower",
-                "deleted a copy no pod references any more");
         }
     }
+    Swept {
+        result: Ok(()),
+        unrestored,
+    }
+}
+
+/// Deletes one unreferenced copy (only that one: its UID as a precondition) and drops it
+/// from the presence cache.
+async fn delete_unreferenced(ctx: &Context, copy: Unreferenced) -> Result<(), Error> {
+    let (kind, namespace, name) = &copy.reference;
+    let key = format!("{namespace}/{name}");
+    let kind_name = kind_of(*kind);
+    let uid = copy.uid.clone();
+    let result = match kind {
+        DependencyKind::ConfigMap => {
+            let api = Api::<ConfigMap>::namespaced(ctx.lower.clone(), namespace);
+            delete_exact(&api, name, uid, None).await
+        }
+        _ => {
+            let api = Api::<Secret>::namespaced(ctx.lower.clone(), namespace);
+            delete_exact(&api, name, uid, None).await
+        }
+    };
+    ctx.known_present.forget(kind_name, namespace, name);
+    if result.map_err(api_error(Side::Lower, "deleting", kind_name, &key))? == Deleted::Now {
+        info!(object = %key, kind = kind_name, cluster = "lower",
+            "deleted a copy no pod references any more");
+    }
     Ok(())
+}
+
+/// Makes the copy `reference` names again from its upper original (if there is one).
+async fn restore_copy(ctx: &Context, reference: &Reference) -> Result<(), Error> {
+    match reference.0 {
+        DependencyKind::ConfigMap => restore::<ConfigMap>(ctx, &reference.1, &reference.2).await,
+        _ => restore::<Secret>(ctx, &reference.1, &reference.2).await,
+    }
+}
+
+async fn restore<K: Kept>(ctx: &Context, namespace: &str, name: &str) -> Result<(), Error> {
+    let kind = kind_of(K::DEPENDENCY);
+    let key = format!("{namespace}/{name}");
+    let upper_api: Api<K> = Api::namespaced(ctx.upper.clone(), namespace);
+    let Some(original) =
+        upper_api
+            .get_opt(name)
+            .await
+            .map_err(api_error(Side::Upper, "reading", kind, &key))?
+    else {
+        return Ok(());
+    };
+    let copy = stamped_copy(&original, &ctx.owner)?;
+    let lower_api: Api<K> = Api::namespaced(ctx.lower.clone(), namespace);
+    match lower_api.create(&PostParams::default(), &copy).await {
+        Ok(_) => {
+            info!(object = %key, kind, cluster = "lower",
+                "a pod came to reference the copy while it was deleted; made it again");
+            Ok(())
+        }
+        Err(e) if is_status(&e, 409) => Ok(()),
+        Err(e) => Err(api_error(Side::Lower, "re-creating", kind, &key)(e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use tokio::sync::oneshot;
+
+    fn copy(name: &str) -> Unreferenced {
+        Unreferenced {
+            reference: (DependencyKind::ConfigMap, "ns".to_owned(), name.to_owned()),
+            uid: Some(format!("uid-{name}")),
+        }
+    }
+
+    /// A pod of `ns` that mounts the ConfigMap `config_map`.
+    fn pod(name: &str, config_map: &str) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "ns"},
+            "spec": {"containers": [{"name": "c", "image": "i"}],
+                     "volumes": [{"name": "v", "configMap": {"name": config_map}}]},
+        }))
+        .unwrap()
+    }
+
+    /// The first DELETE is held; meanwhile a pod that references the second copy is
+    /// ensured (its references recorded); once the DELETE is let through, the second copy
+    /// is kept.
+    #[tokio::test]
+    async fn a_pod_ensured_while_a_delete_is_held_keeps_its_copy() {
+        let references = References::default();
+        let (held_tx, held_rx) = oneshot::channel::<()>();
+        let (release_tx, release_rx) = oneshot::channel::<()>();
+        let deleted = Mutex::new(Vec::new());
+        let restored = Mutex::new(Vec::new());
+        let mut held = Some((held_tx, release_rx));
+        let sweeping = sweep(
+            &references,
+            [copy("first"), copy("second")],
+            |c| {
+                let hold = held.take();
+                let deleted = &deleted;
+                async move {
+                    if let Some((held, release)) = hold {
+                        held.send(()).unwrap();
+                        release.await.unwrap();
+                    }
+                    deleted.lock().unwrap().push(c.reference.2);
+                    Ok(())
+                }
+            },
+            |c| {
+                restored.lock().unwrap().push(c.reference.2);
+                async { Ok(()) }
+            },
+        );
+        let pod_ensured = async {
+            held_rx.await.unwrap();
+            references.record(&pod("new", "second"), true);
+            release_tx.send(()).unwrap();
+        };
+        let (swept, ()) = tokio::join!(sweeping, pod_ensured);
+        swept.result.unwrap();
+        assert_eq!(*deleted.lock().unwrap(), ["first"]);
+        assert!(restored.lock().unwrap().is_empty());
+        assert!(swept.unrestored.is_empty());
+    }
+
+    /// A pod that comes to reference a copy while its DELETE is on the wire (it may have
+    /// found the copy still there) gets the copy made again; one whose re-creation fails is
+    /// handed back to be tried again.
+    #[tokio::test]
+    async fn a_pod_ensured_during_the_delete_gets_its_copy_again() {
+        for restore_fails in [false, true] {
+            let references = References::default();
+            let deleted = Mutex::new(Vec::new());
+            let restored = Mutex::new(Vec::new());
+            let swept = sweep(
+                &references,
+                [copy("first"), copy("second")],
+                |c| {
+                    if c.reference.2 == "first" {
+                        references.record(&pod("new", "first"), true);
+                    }
+                    deleted.lock().unwrap().push(c.reference.2);
+                    async { Ok(()) }
+                },
+                |c| {
+                    restored.lock().unwrap().push(c.reference.2);
+                    async move {
+                        if restore_fails {
+                            Err(Error::Conflict {
+                                key: "ns/first".into(),
+                                node: "vk".into(),
+                            })
+                        } else {
+                            Ok(())
+                        }
+                    }
+                },
+            )
+            .await;
+            swept.result.unwrap();
+            assert_eq!(*deleted.lock().unwrap(), ["first", "second"]);
+            assert_eq!(*restored.lock().unwrap(), ["first"]);
+            let want: Vec<Reference> = if restore_fails {
+                vec![copy("first").reference]
+            } else {
+                vec![]
+            };
+            assert_eq!(swept.unrestored, want, "restore fails: {restore_fails}");
+        }
+    }
 }

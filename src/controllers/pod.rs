@@ -91,6 +91,71 @@ pub fn decide(upper: &Pod, lower: Option<&Pod>, owner: &Owner) -> Step {
     }
 }
 
+/// Which pods a destructive step must be confirmed against, read from the API servers
+/// rather than the stores (which may lag: a new leader's upper store may still hold the
+/// UID a StatefulSet pod had before the old leader replaced it, a lower store may not yet
+/// hold a copy made a moment ago).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LiveReads {
+    /// The upper pod of the name.
+    pub upper: bool,
+    /// The lower pod of the name.
+    pub lower: bool,
+}
+
+/// What `step` (decided over the stores, `upper` and `lower` as they hold them) needs read
+/// live before it is taken: deleting a lower pod needs the upper pod, unless the lower
+/// pod carries the UID of the stored upper pod, which is being deleted (a deletion is
+/// never undone, so that copy goes whatever the store lags); finishing an upper deletion
+/// needs the lower pod. Every other step destroys nothing. Pure.
+pub fn live_reads(step: &Step, upper: &Pod, lower: Option<&Pod>) -> LiveReads {
+    match step {
+        Step::DeleteStale => LiveReads {
+            upper: true,
+            lower: false,
+        },
+        Step::DeleteLower { .. } => {
+            let mark = lower.and_then(|l| upper_uid(&l.metadata));
+            let own_copy = mark.is_some() && mark == upper.metadata.uid.as_deref();
+            LiveReads {
+                upper: !own_copy,
+                lower: false,
+            }
+        }
+        Step::FinishDeletion => LiveReads {
+            upper: false,
+            lower: true,
+        },
+        _ => LiveReads::default(),
+    }
+}
+
+/// The step to take now: `planned`, decided over the stores (`stored` the upper pod),
+/// decided again over the pods as read live (`live_upper`, `live_lower`: `None` is no pod
+/// of the name; the stored pods stand in for what [`live_reads`] did not ask for). When the
+/// upper pod of the name is gone or another one (another UID), or the live pods call for
+/// another kind of step, the stores lag: [`Step::Nothing`], and their watch events bring
+/// the next reconcile. Pure.
+pub fn confirm(
+    planned: &Step,
+    stored: &Pod,
+    live_upper: Option<&Pod>,
+    live_lower: Option<&Pod>,
+    owner: &Owner,
+) -> Step {
+    let Some(live) = live_upper
+        .filter(|live| live.metadata.uid.is_some() && live.metadata.uid == stored.metadata.uid)
+    else {
+        return Step::Nothing;
+    };
+    let now = decide(live, live_lower, owner);
+    if std::mem::discriminant(&now) == std::mem::discriminant(planned) {
+        now
+    } else {
+        Step::Nothing
+    }
+}
+
 fn is_terminal(pod: &Pod) -> bool {
     matches!(
         pod.status.as_ref().and_then(|s| s.phase.as_deref()),
@@ -267,8 +332,18 @@ async fn reconcile_pod(
     let lower = stored_lower.map(StoredPod::to_pod);
     let lower_api: Api<Pod> = Api::namespaced(ctx.lower.clone(), &namespace);
     let upper_api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &namespace);
-    let step = decide(upper, lower.as_ref(), &ctx.owner);
-    debug!(object = %key, kind = "Pod", cluster = "upper", ?step, "reconcile");
+    let planned = decide(upper, lower.as_ref(), &ctx.owner);
+    debug!(object = %key, kind = "Pod", cluster = "upper", step = ?planned, "reconcile");
+    let step = confirmed(
+        &planned,
+        upper,
+        lower.as_ref(),
+        &upper_api,
+        &lower_api,
+        ctx,
+        key,
+    )
+    .await?;
     match step {
         Step::Nothing | Step::WaitForLower => {}
         Step::FinishDeletion => {
@@ -307,6 +382,52 @@ async fn reconcile_pod(
         }
     }
     Ok(false)
+}
+
+/// `planned` if the pods as the API servers have them now call for it too (read as
+/// [`live_reads`] says, judged by [`confirm`]); [`Step::Nothing`] while a store lags.
+async fn confirmed(
+    planned: &Step,
+    upper: &Pod,
+    lower: Option<&Pod>,
+    upper_api: &Api<Pod>,
+    lower_api: &Api<Pod>,
+    ctx: &Context,
+    key: &str,
+) -> Result<Step, Error> {
+    let reads = live_reads(planned, upper, lower);
+    if reads == LiveReads::default() {
+        return Ok(planned.clone());
+    }
+    let name = upper.name_any();
+    let live_upper = if reads.upper {
+        read_upper_pod(upper_api, &name, key).await?
+    } else {
+        Some(upper.clone())
+    };
+    let live_lower = if reads.lower {
+        lower_api
+            .get_opt(&name)
+            .await
+            .map_err(api_error(Side::Lower, "reading", "Pod", key))?
+    } else {
+        lower.cloned()
+    };
+    let step = confirm(
+        planned,
+        upper,
+        live_upper.as_ref(),
+        live_lower.as_ref(),
+        &ctx.owner,
+    );
+    if step == Step::Nothing {
+        let cluster = if reads.upper { "upper" } else { "lower" };
+        info!(
+            object = %key, kind = "Pod", cluster, step = ?planned,
+            "the pod store lags the API server; not taking the step until its watch catches up"
+        );
+    }
+    Ok(step)
 }
 
 /// Ends the upper pod whose lower pod is gone, so that its controller replaces it.
@@ -650,6 +771,195 @@ mod tests {
         ];
         for (name, error, want) in cases {
             assert_eq!(is_replaced(&error), want, "{name}");
+        }
+    }
+
+    /// A destructive step decided over the stores is taken only when the pods as read live
+    /// call for it too, and reads only what it needs.
+    #[test]
+    fn destructive_steps_are_confirmed_live() {
+        let deleting =
+            json!({"deletionTimestamp": "2026-01-01T00:00:00Z", "deletionGracePeriodSeconds": 30});
+        let running =
+            json!({"phase": "Running", "hostIP": "10.0.0.1", "startTime": "2026-01-01T00:00:00Z"});
+        let scheduled =
+            json!({"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "True"}]});
+        let owner = Owner::new(NODE, CLUSTER);
+        let u1 = upper(json!({}), running.clone());
+        let u1_deleting = upper(deleting.clone(), running.clone());
+        let u1_deleting_now = upper(
+            json!({"deletionTimestamp": "2026-01-01T00:00:00Z", "deletionGracePeriodSeconds": 0}),
+            running.clone(),
+        );
+        let u2 = upper(json!({"uid": "u2"}), scheduled);
+        let copy_of = |uid: &str| lower(NODE, uid, false);
+        let going = lower(NODE, "u1", true);
+        let foreign = lower("vk-other", "u1", false);
+        // (name, stored upper, stored lower, planned, reads, live upper, live lower, step taken)
+        type Case<'a> = (
+            &'a str,
+            &'a Pod,
+            Option<Pod>,
+            Step,
+            LiveReads,
+            Option<&'a Pod>,
+            Option<Pod>,
+            Step,
+        );
+        let upper_read = LiveReads {
+            upper: true,
+            lower: false,
+        };
+        let lower_read = LiveReads {
+            upper: false,
+            lower: true,
+        };
+        let cases: Vec<Case> = vec![
+            (
+                "store U1, lower marked U2, API U2 (a takeover): no lower DELETE",
+                &u1,
+                Some(copy_of("u2")),
+                Step::DeleteStale,
+                upper_read,
+                Some(&u2),
+                Some(copy_of("u2")),
+                Step::Nothing,
+            ),
+            (
+                "store U1, lower marked U2, API U1: the lower pod is stale, delete it",
+                &u1,
+                Some(copy_of("u2")),
+                Step::DeleteStale,
+                upper_read,
+                Some(&u1),
+                Some(copy_of("u2")),
+                Step::DeleteStale,
+            ),
+            (
+                "store U1, lower marked U2, no upper pod in the API: nothing (its deletion event comes)",
+                &u1,
+                Some(copy_of("u2")),
+                Step::DeleteStale,
+                upper_read,
+                None,
+                Some(copy_of("u2")),
+                Step::Nothing,
+            ),
+            (
+                "store U1 deleting, lower marked U2, API U2: the new pod's copy is not deleted",
+                &u1_deleting,
+                Some(copy_of("u2")),
+                Step::DeleteLower { grace: Some(30) },
+                upper_read,
+                Some(&u2),
+                Some(copy_of("u2")),
+                Step::Nothing,
+            ),
+            (
+                "store U1 deleting, lower marked U2, API U1 deleting: delete the stale copy",
+                &u1_deleting,
+                Some(copy_of("u2")),
+                Step::DeleteLower { grace: Some(30) },
+                upper_read,
+                Some(&u1_deleting),
+                Some(copy_of("u2")),
+                Step::DeleteLower { grace: Some(30) },
+            ),
+            (
+                "store U1 deleting, lower marked U1: its own copy goes, nothing read",
+                &u1_deleting,
+                Some(copy_of("u1")),
+                Step::DeleteLower { grace: Some(30) },
+                LiveReads::default(),
+                Some(&u1_deleting),
+                Some(copy_of("u1")),
+                Step::DeleteLower { grace: Some(30) },
+            ),
+            (
+                "deleting, lower without a mark: read the upper pod, the live grace period wins",
+                &u1_deleting,
+                Some({
+                    let mut pod = copy_of("");
+                    pod.metadata.annotations = None;
+                    pod
+                }),
+                Step::DeleteLower { grace: Some(30) },
+                upper_read,
+                Some(&u1_deleting_now),
+                Some({
+                    let mut pod = copy_of("");
+                    pod.metadata.annotations = None;
+                    pod
+                }),
+                Step::DeleteLower { grace: Some(0) },
+            ),
+            (
+                "lower store lags: the copy still runs below, the upper pod is not force-deleted",
+                &u1_deleting,
+                None,
+                Step::FinishDeletion,
+                lower_read,
+                Some(&u1_deleting),
+                Some(copy_of("u1")),
+                Step::Nothing,
+            ),
+            (
+                "lower store lags: the copy is going below, still not finished",
+                &u1_deleting,
+                None,
+                Step::FinishDeletion,
+                lower_read,
+                Some(&u1_deleting),
+                Some(going),
+                Step::Nothing,
+            ),
+            (
+                "no pod below: finish the deletion",
+                &u1_deleting,
+                None,
+                Step::FinishDeletion,
+                lower_read,
+                Some(&u1_deleting),
+                None,
+                Step::FinishDeletion,
+            ),
+            (
+                "only another node's pod below: finish the deletion",
+                &u1_deleting,
+                None,
+                Step::FinishDeletion,
+                lower_read,
+                Some(&u1_deleting),
+                Some(foreign),
+                Step::FinishDeletion,
+            ),
+            (
+                "a step that destroys nothing reads nothing",
+                &u1,
+                Some(copy_of("u1")),
+                Step::Sync,
+                LiveReads::default(),
+                Some(&u1),
+                Some(copy_of("u1")),
+                Step::Sync,
+            ),
+        ];
+        for (name, stored, stored_lower, planned, reads, live_upper, live_lower, want) in cases {
+            assert_eq!(
+                decide(stored, stored_lower.as_ref(), &owner),
+                planned,
+                "{name}: planned"
+            );
+            assert_eq!(
+                live_reads(&planned, stored, stored_lower.as_ref()),
+                reads,
+                "{name}: reads"
+            );
+            assert_eq!(
+                confirm(&planned, stored, live_upper, live_lower.as_ref(), &owner),
+                want,
+                "{name}"
+            );
         }
     }
 

@@ -56,6 +56,17 @@ impl References {
         pods.pods.insert(name.into(), list);
     }
 
+    /// Whether a pod recorded in `reference`'s namespace references it: one recorded since
+    /// the last [`References::resolve`] too (and one gone since, until that forgets it).
+    pub(crate) fn references(&self, reference: &Reference) -> bool {
+        self.lock().get(&reference.1).is_some_and(|known| {
+            known
+                .lists
+                .iter()
+                .any(|list| list.iter().any(|r| r == reference))
+        })
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, ByNamespace> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }

@@ -331,8 +331,8 @@ async fn run_member(
             tasks.spawn(
                 "node keep-alive",
                 node::keep_alive(
-                    upper.client.clone(),
-                    lower.client.clone(),
+                    upper.heartbeat.clone(),
+                    lower.heartbeat.clone(),
                     node_config,
                     args.enable_node_lease,
                     capacity_rx,

@@ -22,10 +22,12 @@ use kube::{Client, Resource};
 use serde_json::json;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use self::capacity::{LowerCapacity, PodFeed};
 use self::spec::{NodeConfig, merge_taints, new_node, node_labels, node_status};
+use crate::clusters::{HEARTBEAT_TIMEOUT, HeartbeatClients};
+use crate::side::Side;
 use crate::translate::meta::Owner;
 
 /// The Lease is renewed this often…
@@ -47,6 +49,36 @@ pub enum NodeError {
     Upper {
         /// What was being done.
         action: &'static str,
+        /// The node.
+        node: String,
+        /// The API error.
+        source: kube::Error,
+    },
+    /// A heartbeat call got no answer in time.
+    #[error("{side} cluster: {action} node {node}: no answer within {timeout:?}")]
+    Timeout {
+        /// Which cluster.
+        side: Side,
+        /// What was being done.
+        action: &'static str,
+        /// The node.
+        node: String,
+        /// How long it waited.
+        timeout: Duration,
+    },
+    /// A heartbeat client could not be made.
+    #[error("{side} cluster: making the heartbeat client of node {node}: {source}")]
+    Client {
+        /// Which cluster.
+        side: Side,
+        /// The node.
+        node: String,
+        /// What went wrong.
+        source: kube::Error,
+    },
+    /// The lower API server's health probe failed.
+    #[error("lower cluster: probing the API server for node {node}: {source}")]
+    Lower {
         /// The node.
         node: String,
         /// The API error.
@@ -212,19 +244,99 @@ where
     watcher::watcher(api, config).default_backoff()
 }
 
+/// One cluster's heartbeat client ([`HeartbeatClients`]), made anew after a failed call so
+/// that the next call never waits on a connection that stopped answering (the kubelet
+/// closes its heartbeat connections on a failure the same way, kubernetes#48638).
+struct Beat {
+    clients: HeartbeatClients,
+    client: Option<Client>,
+    node: String,
+}
+
+impl Beat {
+    fn new(clients: HeartbeatClients, node: &str) -> Self {
+        Self {
+            clients,
+            client: None,
+            node: node.to_owned(),
+        }
+    }
+
+    /// Runs `call` on the heartbeat client within [`HEARTBEAT_TIMEOUT`]; on a failure or a
+    /// timeout the client, and with it its connections, is dropped.
+    async fn call<T, F>(
+        &mut self,
+        action: &'static str,
+        call: impl FnOnce(Client) -> F,
+    ) -> Result<T, NodeError>
+    where
+        F: Future<Output = Result<T, NodeError>>,
+    {
+        let side = self.clients.side();
+        let client = match &self.client {
+            Some(client) => client.clone(),
+            None => {
+                let client = self.clients.build().map_err(|source| NodeError::Client {
+                    side,
+                    node: self.node.clone(),
+                    source,
+                })?;
+                self.client = Some(client.clone());
+                client
+            }
+        };
+        let outcome = tokio::time::timeout(HEARTBEAT_TIMEOUT, call(client))
+            .await
+            .unwrap_or_else(|_| {
+                Err(NodeError::Timeout {
+                    side,
+                    action,
+                    node: self.node.clone(),
+                    timeout: HEARTBEAT_TIMEOUT,
+                })
+            });
+        if outcome.is_err() {
+            self.client = None;
+        }
+        outcome
+    }
+
+    /// [`Beat::call`], tried once more on fresh connections if it fails.
+    async fn call_twice<T, F>(
+        &mut self,
+        action: &'static str,
+        call: impl Fn(Client) -> F,
+    ) -> Result<T, NodeError>
+    where
+        F: Future<Output = Result<T, NodeError>>,
+    {
+        match self.call(action, &call).await {
+            Ok(value) => Ok(value),
+            Err(error) => {
+                debug!(%error, node = %self.node, cluster = %self.clients.side(), "heartbeat call failed; trying once more on new connections");
+                self.call(action, &call).await
+            }
+        }
+    }
+}
+
 /// Keeps the node alive: renews the Lease every [`LEASE_RENEW`] while the lower API server
 /// answers (so the node goes NotReady through the lease path when it does not, and Ready
 /// again when it returns), and rewrites the status when capacity changes, after an outage,
-/// and every few minutes. Returns when `shutdown` fires.
+/// and every few minutes. Every call goes through the heartbeat clients (`upper`, `lower`:
+/// unthrottled, a timeout on each call, fresh connections after a failure), never behind
+/// the controllers' requests. Returns when `shutdown` fires.
 pub async fn keep_alive(
-    upper: Client,
-    lower: Client,
+    upper: HeartbeatClients,
+    lower: HeartbeatClients,
     config: NodeConfig,
     use_lease: bool,
     mut capacity: watch::Receiver<Option<BTreeMap<String, Quantity>>>,
     mut last: Node,
     shutdown: CancellationToken,
 ) {
+    let mut upper = Beat::new(upper, &config.name);
+    let mut lower = Beat::new(lower, &config.name);
     let mut tick = tokio::time::interval(LEASE_RENEW);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut lower_healthy = true;
@@ -235,14 +347,23 @@ pub async fn keep_alive(
         tokio::select! {
             () = shutdown.cancelled() => return,
             _ = tick.tick() => {
-                let healthy = tokio::time::timeout(LEASE_RENEW / 2, lower.apiserver_version())
-                    .await
-                    .is_ok_and(|r| r.is_ok());
+                let probe = lower
+                    .call_twice("probing the API server for", |client| {
+                        let node = config.name.clone();
+                        async move {
+                            client
+                                .apiserver_version()
+                                .await
+                                .map_err(|source| NodeError::Lower { node, source })
+                        }
+                    })
+                    .await;
+                let healthy = probe.is_ok();
                 if healthy != lower_healthy {
-                    if healthy {
-                        info!(node = %config.name, object = %config.name, kind = "Node", cluster = "lower", "lower API server answers again");
+                    if let Err(error) = probe {
+                        warn!(%error, node = %config.name, object = %config.name, kind = "Node", cluster = "lower", "lower API server does not answer; no longer renewing the node's lease");
                     } else {
-                        warn!(node = %config.name, object = %config.name, kind = "Node", cluster = "lower", "lower API server does not answer; no longer renewing the node's lease");
+                        info!(node = %config.name, object = %config.name, kind = "Node", cluster = "lower", "lower API server answers again");
                     }
                 }
                 // After an outage the node lifecycle controller has marked the node
@@ -253,8 +374,18 @@ pub async fn keep_alive(
                     continue;
                 }
                 if use_lease {
-                    if let Err(error) = renew_lease(&upper, &last).await {
-                        warn!(%error, node = %config.name, object = %format!("kube-node-lease/{}", config.name), kind = "Lease", cluster = "upper", "renewing the node lease");
+                    let renewed = upper
+                        .call_twice("renewing the lease of", |client| {
+                            let (last, node) = (&last, config.name.as_str());
+                            async move {
+                                renew_lease(&client, last)
+                                    .await
+                                    .map_err(upper_error("renewing the lease of", node))
+                            }
+                        })
+                        .await;
+                    if let Err(error) = renewed {
+                        warn!(%error, node = %config.name, object = %format!("{LEASE_NAMESPACE}/{}", config.name), kind = "Lease", cluster = "upper", "renewing the node lease");
                     }
                 } else {
                     write = true;
@@ -276,7 +407,13 @@ pub async fn keep_alive(
         let Some(current) = capacity.borrow().clone() else {
             continue;
         };
-        match write_status(&upper, &config, &current, last.status.as_ref()).await {
+        let written = upper
+            .call("writing the status of", |client| {
+                let (config, current, previous) = (&config, &current, last.status.as_ref());
+                async move { write_status(&client, config, current, previous).await }
+            })
+            .await;
+        match written {
             Ok(node) => {
                 last = node;
                 written_capacity = Some(current);
