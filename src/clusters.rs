@@ -129,9 +129,11 @@ const TCP_KEEPALIVE_RETRIES: u32 = 3;
 /// Makes the clients of the node heartbeat, as the kubelet makes its heartbeat client
 /// (kubernetes#48638): not rate limited, so a renewal never waits behind the controllers'
 /// requests (under `--kube-api-qps=1`, minutes of them); with connections of their own, so
-/// a half-open connection of the shared pool never holds it; with a read timeout of
-/// [`HEARTBEAT_TIMEOUT`]. The heartbeat makes a fresh one (new connections) after a
-/// failed or timed-out call, dropping the old one's connections.
+/// a half-open connection of the shared pool never holds it; connect and write timeouts of
+/// [`HEARTBEAT_TIMEOUT`]. The heartbeat bounds each call to [`HEARTBEAT_TIMEOUT`] and makes
+/// a fresh client (new connections) after a failed or timed-out call, dropping the old
+/// one's connections. (No read timeout on the connections: it would also end the idle
+/// connection between two heartbeats, a new TLS handshake every 10 s per node.)
 #[derive(Clone)]
 pub struct HeartbeatClients {
     config: Config,
@@ -140,7 +142,6 @@ pub struct HeartbeatClients {
 
 impl HeartbeatClients {
     fn new(mut config: Config, count: CountRequests) -> Self {
-        config.read_timeout = Some(HEARTBEAT_TIMEOUT);
         config.write_timeout = Some(HEARTBEAT_TIMEOUT);
         config.connect_timeout = Some(HEARTBEAT_TIMEOUT);
         Self { config, count }
