@@ -134,3 +134,81 @@ async fn a_lower_copy_of_the_new_uid_survives_an_upper_store_holding_the_old_one
     );
     ns.delete().await.unwrap();
 }
+
+/// What virtual-node logs when it force-finishes an upper pod's deletion.
+const FINISHED: &str = "lower pod gone; finished the deletion";
+
+/// The lower pod watch is held back: virtual-node creates a pod's lower copy, which its
+/// lower store never sees. The upper pod is then deleted: with no copy in the store it
+/// would finish the deletion at once while the copy still runs below; read live, the copy
+/// is there, so nothing is finished until the watch catches up, and then the copy goes
+/// first.
+#[tokio::test]
+async fn an_upper_deletion_is_not_finished_while_a_lagging_lower_store_misses_the_copy() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let node = "vk-stale-lower";
+    let (upper, lower) = (
+        pair.upper.client().await.unwrap(),
+        pair.lower.client().await.unwrap(),
+    );
+    let proxy = FaultProxy::start(lower.clone()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = proxy
+        .write_kubeconfig(&dir.path().join("lower.kubeconfig"))
+        .unwrap();
+    let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), node);
+    options.args = vec!["--enable-controllers=".into()];
+    options.lower_kubeconfig = Some(kubeconfig);
+    let vn = common::start_node_with(pair, &options, &upper).await;
+
+    let ns = TestNamespace::create(&upper, "stale-lower").await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), &ns.name);
+    let name = "web-0";
+    proxy.hold_watches("pods");
+    upper_pods
+        .create(&PostParams::default(), &bound_pod(name, node))
+        .await
+        .unwrap();
+    let copy = wait_for("web-0's copy below", TIMEOUT, || async {
+        Ok(lower_pods.get_opt(name).await?)
+    })
+    .await
+    .unwrap();
+
+    let log_before = std::fs::read_to_string(vn.log()).unwrap_or_default().len();
+    upper_pods
+        .delete(name, &DeleteParams::default())
+        .await
+        .unwrap();
+    let seen = wait_for("the reconcile of web-0's deletion", TIMEOUT, || async {
+        let log = std::fs::read_to_string(vn.log()).unwrap_or_default();
+        let new = log.get(log_before..).unwrap_or_default();
+        Ok([FINISHED, STORE_LAGS]
+            .into_iter()
+            .find(|line| new.contains(line)))
+    })
+    .await
+    .unwrap();
+    let upper_gone_early = upper_pods.get_opt(name).await.unwrap().is_none();
+    proxy.release_watches();
+    assert_eq!(
+        seen, STORE_LAGS,
+        "the upper deletion was finished while its copy ran below"
+    );
+    assert!(!upper_gone_early, "the upper pod went before its copy");
+
+    // Caught up: the copy goes, then the upper pod.
+    wait_for("the copy gone below", TIMEOUT, || async {
+        let now = lower_pods.get_opt(name).await?;
+        Ok((now.and_then(|p| p.metadata.uid) != copy.metadata.uid).then_some(()))
+    })
+    .await
+    .unwrap();
+    wait_for("the upper pod gone", TIMEOUT, || async {
+        Ok(upper_pods.get_opt(name).await?.is_none().then_some(()))
+    })
+    .await
+    .unwrap();
+    ns.delete().await.unwrap();
+}
