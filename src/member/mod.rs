@@ -115,16 +115,17 @@ impl MemberSpec {
     }
 }
 
-/// The member a Secret describes, its kubeconfig read (not yet contacted).
+/// The member a Secret describes, its kubeconfig read (not yet contacted). A kubeconfig
+/// that would run a command or read a file is refused ([`spec::lower_kubeconfig`]); no
+/// error quotes the kubeconfig's text.
 pub async fn member_spec(member: &spec::MemberSecret) -> Result<MemberSpec, String> {
-    let kubeconfig = kube::config::Kubeconfig::from_yaml(&member.kubeconfig)
-        .map_err(|e| format!("its kubeconfig cannot be read: {e}"))?;
+    let kubeconfig = spec::lower_kubeconfig(&member.kubeconfig).map_err(|e| e.to_string())?;
     let config = kube::Config::from_custom_kubeconfig(
         kubeconfig,
         &kube::config::KubeConfigOptions::default(),
     )
     .await
-    .map_err(|e| format!("its kubeconfig cannot be used: {e}"))?;
+    .map_err(|e| format!("its kubeconfig cannot be used: {}", unusable(&e)))?;
     Ok(MemberSpec {
         node: member.node.clone(),
         lower: config,
@@ -136,6 +137,27 @@ pub async fn member_spec(member: &spec::MemberSecret) -> Result<MemberSpec, Stri
         ignore_labels: member.ignore_labels.clone(),
         kubelet_port: member.kubelet_port,
     })
+}
+
+/// Why a member's kubeconfig (already checked by [`spec::lower_kubeconfig`]) cannot be
+/// used, without the errors that quote what they could not decode (a base64 or PEM error
+/// may show bytes of a key).
+fn unusable(error: &kube::config::KubeconfigError) -> String {
+    use kube::config::KubeconfigError as E;
+    match error {
+        E::LoadCertificateAuthority(_) => {
+            "certificate-authority-data is not base64 of a PEM certificate".into()
+        }
+        E::LoadClientCertificate(_) => {
+            "client-certificate-data is not base64 of a PEM certificate".into()
+        }
+        E::LoadClientKey(_) => "client-key-data is not base64 of a PEM key".into(),
+        E::ParseCertificates(_) => "a certificate is not valid PEM".into(),
+        E::ParseClusterUrl(_) => "the cluster's server is not a URL".into(),
+        E::ParseProxyUrl(_) => "the cluster's proxy-url is not a URL".into(),
+        // The others name a context, a cluster or a user, or nothing from the text.
+        other => other.to_string(),
+    }
 }
 
 /// The taint the flags give every node (none with `--disable-taint`).
