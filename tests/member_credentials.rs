@@ -6,7 +6,8 @@
 //! - a member Secret whose kubeconfig would have virtual-node run a command (`exec`) or read
 //!   one of its files (`tokenFile`) is refused with a `MemberInvalid` Event naming the field,
 //!   by the members controller and by `virtual-node check` alike: the command never runs,
-//!   and nothing is sent to the kubeconfig's server.
+//!   and nothing is sent to the kubeconfig's server; a kubeconfig with inline credentials is
+//!   served beside them.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
 
 mod common;
@@ -265,7 +266,15 @@ async fn a_member_kubeconfig_that_runs_a_command_or_reads_a_file_is_refused_and_
         &format!("https://127.0.0.1:{port}"),
         &json!({"tokenFile": canary}),
     );
-    for (name, config) in [("vk-cred-exec", &exec), ("vk-cred-token-file", &token_file)] {
+    // Beside them, a member as the harness writes kubeconfigs (a client certificate and
+    // the CA inline): accepted.
+    let inline: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&pair.lower.kubeconfig).unwrap()).unwrap();
+    for (name, config) in [
+        ("vk-cred-exec", &exec),
+        ("vk-cred-token-file", &token_file),
+        ("vk-cred-ok", &inline),
+    ] {
         secrets
             .create(&PostParams::default(), &member_secret(name, config))
             .await
@@ -296,6 +305,21 @@ async fn a_member_kubeconfig_that_runs_a_command_or_reads_a_file_is_refused_and_
         forbidden,
     )
     .await;
+    let nodes: Api<Node> = Api::all(upper.clone());
+    let ready = wait_for("node vk-cred-ok Ready", TIMEOUT, || async {
+        Ok(nodes
+            .get_opt("vk-cred-ok")
+            .await?
+            .filter(tensile_harness::node_is_ready)
+            .map(|_| ()))
+    })
+    .await;
+    if let Err(error) = ready {
+        panic!(
+            "{error:#}\n{}",
+            tensile_harness::process::tail(vn.log(), 30)
+        );
+    }
     vn.check_running().unwrap();
 
     // `check` reads the same Secrets the same way.
@@ -329,6 +353,16 @@ async fn a_member_kubeconfig_that_runs_a_command_or_reads_a_file_is_refused_and_
     assert_eq!(forbidden(), None, "after check");
 
     server.abort();
+    // The member leaves (its Node deleted) before the process stops.
+    secrets
+        .delete("vk-cred-ok", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_for("member vk-cred-ok left", TIMEOUT, || async {
+        Ok(secrets.get_opt("vk-cred-ok").await?.is_none().then_some(()))
+    })
+    .await
+    .unwrap();
     drop(vn);
     members.delete().await.unwrap();
 }
