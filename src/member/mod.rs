@@ -125,7 +125,9 @@ pub async fn member_spec(member: &spec::MemberSecret) -> Result<MemberSpec, Stri
         &kube::config::KubeConfigOptions::default(),
     )
     .await
-    .map_err(|e| format!("its kubeconfig cannot be used: {}", unusable(&e)))?;
+    // What fails here names a field or a context, never the data: the text was
+    // parsed already, and kube decodes base64 and PEM saying only where it failed.
+    .map_err(|e| format!("its kubeconfig cannot be used: {e}"))?;
     Ok(MemberSpec {
         node: member.node.clone(),
         lower: config,
@@ -137,27 +139,6 @@ pub async fn member_spec(member: &spec::MemberSecret) -> Result<MemberSpec, Stri
         ignore_labels: member.ignore_labels.clone(),
         kubelet_port: member.kubelet_port,
     })
-}
-
-/// Why a member's kubeconfig (already checked by [`spec::lower_kubeconfig`]) cannot be
-/// used, without the errors that quote what they could not decode (a base64 or PEM error
-/// may show bytes of a key).
-fn unusable(error: &kube::config::KubeconfigError) -> String {
-    use kube::config::KubeconfigError as E;
-    match error {
-        E::LoadCertificateAuthority(_) => {
-            "certificate-authority-data is not base64 of a PEM certificate".into()
-        }
-        E::LoadClientCertificate(_) => {
-            "client-certificate-data is not base64 of a PEM certificate".into()
-        }
-        E::LoadClientKey(_) => "client-key-data is not base64 of a PEM key".into(),
-        E::ParseCertificates(_) => "a certificate is not valid PEM".into(),
-        E::ParseClusterUrl(_) => "the cluster's server is not a URL".into(),
-        E::ParseProxyUrl(_) => "the cluster's proxy-url is not a URL".into(),
-        // The others name a context, a cluster or a user, or nothing from the text.
-        other => other.to_string(),
-    }
 }
 
 /// The taint the flags give every node (none with `--disable-taint`).
