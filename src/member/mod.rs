@@ -125,8 +125,8 @@ pub async fn member_spec(member: &spec::MemberSecret) -> Result<MemberSpec, Stri
         &kube::config::KubeConfigOptions::default(),
     )
     .await
-    // What fails here names a field or a context, never the data: the text was
-    // parsed already, and kube decodes base64 and PEM saying only where it failed.
+    // What fails here names a field or a context, never the text (parsed already): a
+    // base64 error shows at most the one byte it stopped at.
     .map_err(|e| format!("its kubeconfig cannot be used: {e}"))?;
     Ok(MemberSpec {
         node: member.node.clone(),
