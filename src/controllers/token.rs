@@ -211,6 +211,20 @@ async fn ensure(
         // Not this pod's copy (yet): the pod controller replaces it.
         return Ok(None);
     }
+    if let Some(why) = not_ours(&upper, &ctx.owner.node, &ctx.namespace) {
+        // The marks of a lower pod are anyone's to copy who may create pods below: only an
+        // upper pod bound to this node (and within --namespace) gets tokens, as
+        // NodeRestriction allows a kubelet only for its own pods.
+        let forged = format!(
+            "{}/{}",
+            lower.namespace().unwrap_or_default(),
+            lower.name_any()
+        );
+        warn!(object = %forged, kind = "Pod", cluster = "lower", upper_pod = %pod,
+            node = %ctx.owner.node, "refused the upper tokens lower pod {forged} asks for by \
+            its marks: upper pod {pod} {why}");
+        return Ok(None);
+    }
     let spec = upper.spec.as_ref().ok_or_else(|| {
         fail(Error::Translate(TranslateError::MissingField {
             kind: "Pod",
@@ -316,6 +330,21 @@ async fn ensure(
     }
 }
 
+/// Why the upper pod `upper` is not one of `node`'s to issue tokens for (`None`: it is):
+/// not bound to `node`, or outside `namespace` (`--namespace`; empty: all).
+fn not_ours(upper: &Pod, node: &str, namespace: &str) -> Option<String> {
+    let bound = upper.spec.as_ref().and_then(|s| s.node_name.as_deref());
+    if bound != Some(node) {
+        return Some(match bound {
+            Some(other) => format!("is bound to node {other}, not {node}"),
+            None => format!("is bound to no node, not {node}"),
+        });
+    }
+    let own = upper.namespace().unwrap_or_default();
+    (!namespace.is_empty() && own != namespace)
+        .then(|| format!("is in namespace {own}, outside --namespace {namespace}"))
+}
+
 /// How long until `at`; `None` once it has passed.
 fn until(at: Timestamp) -> Option<Duration> {
     let left = at.duration_since(Timestamp::now());
@@ -387,4 +416,55 @@ async fn upper_ca(ctx: &Context, namespace: &str) -> Result<Option<String>, Erro
             &format!("{namespace}/{ROOT_CA_CONFIG_MAP}"),
         ))?;
     Ok(ca.and_then(|c| c.data).and_then(|mut d| d.remove(CA_KEY)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(namespace: &str, node: Option<&str>) -> Pod {
+        let mut pod = Pod::default();
+        pod.metadata.name = Some("p".into());
+        pod.metadata.namespace = Some(namespace.into());
+        pod.spec = Some(k8s_openapi::api::core::v1::PodSpec {
+            node_name: node.map(str::to_owned),
+            ..Default::default()
+        });
+        pod
+    }
+
+    #[test]
+    fn tokens_only_for_upper_pods_bound_to_this_node_in_scope() {
+        // (case, upper pod, --namespace, refused because)
+        let cases = [
+            ("bound here", pod("a", Some("vk")), "", None),
+            (
+                "bound here, in --namespace",
+                pod("a", Some("vk")),
+                "a",
+                None,
+            ),
+            (
+                "on a real node",
+                pod("a", Some("worker-1")),
+                "",
+                Some("is bound to node worker-1, not vk"),
+            ),
+            (
+                "not scheduled",
+                pod("a", None),
+                "",
+                Some("is bound to no node, not vk"),
+            ),
+            (
+                "outside --namespace",
+                pod("b", Some("vk")),
+                "a",
+                Some("is in namespace b, outside --namespace a"),
+            ),
+        ];
+        for (case, upper, namespace, want) in cases {
+            assert_eq!(not_ours(&upper, "vk", namespace).as_deref(), want, "{case}");
+        }
+    }
 }

@@ -115,15 +115,18 @@ impl MemberSpec {
     }
 }
 
-/// The member a Secret describes, its kubeconfig read (not yet contacted).
+/// The member a Secret describes, its kubeconfig read (not yet contacted). A kubeconfig
+/// that would run a command or read a file is refused ([`spec::lower_kubeconfig`]); no
+/// error quotes the kubeconfig's text.
 pub async fn member_spec(member: &spec::MemberSecret) -> Result<MemberSpec, String> {
-    let kubeconfig = kube::config::Kubeconfig::from_yaml(&member.kubeconfig)
-        .map_err(|e| format!("its kubeconfig cannot be read: {e}"))?;
+    let kubeconfig = spec::lower_kubeconfig(&member.kubeconfig).map_err(|e| e.to_string())?;
     let config = kube::Config::from_custom_kubeconfig(
         kubeconfig,
         &kube::config::KubeConfigOptions::default(),
     )
     .await
+    // What fails here names a field or a context, never the text (parsed already): a
+    // base64 error shows at most the one byte it stopped at.
     .map_err(|e| format!("its kubeconfig cannot be used: {e}"))?;
     Ok(MemberSpec {
         node: member.node.clone(),

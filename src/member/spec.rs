@@ -17,10 +17,20 @@
 //!     tensile.dev/client-burst: "1000"         # optional
 //! data: { kubeconfig: <base64 kubeconfig of the lower cluster> }
 //! ```
+//!
+//! The kubeconfig is taken as `join` writes it and no further: credentials inline (a
+//! bearer `token`, or `client-certificate-data` and `client-key-data`), the CA inline
+//! (`certificate-authority-data`). Whoever may create a Secret in the members namespace
+//! must not get virtual-node to run a command (`exec`, `auth-provider`), read one of its
+//! files (`tokenFile`, `client-certificate`, `client-key`, `certificate-authority`: its
+//! own ServiceAccount token among them) or send anything but the Secret's own credentials
+//! ([`lower_kubeconfig`]). The single-cluster `--client-kubeconfig` is the operator's own
+//! file and is read as it is.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Secret, Taint};
+use kube::config::{AuthInfo, Kubeconfig, KubeconfigError};
 
 use crate::cli::parse_node_name;
 
@@ -104,6 +114,98 @@ pub enum BadMember {
         /// What is wrong.
         why: String,
     },
+    /// The kubeconfig is not one. Only where: the text may hold credentials, so none of
+    /// it is quoted (a YAML error message may quote the value it choked on).
+    #[error(
+        "its {KUBECONFIG_KEY:?} cannot be read as a kubeconfig{at} (not quoted: it may hold credentials)"
+    )]
+    Unreadable {
+        /// ` at line L, column C`, or empty where the parser knows no position.
+        at: String,
+    },
+    /// The kubeconfig asks for something a member Secret may not: a command run, a file
+    /// read, or credentials other than its own inline ones.
+    #[error("its {KUBECONFIG_KEY:?} sets {field}: {why}")]
+    Refused {
+        /// Where, as in the kubeconfig: `users[NAME].user.exec`.
+        field: String,
+        /// Why it is refused.
+        why: &'static str,
+    },
+}
+
+/// Why each refused kubeconfig field is.
+const RUNS_A_COMMAND: &str = "a member Secret may not have virtual-node run a command; put the credentials inline (virtual-node join does)";
+const READS_A_FILE: &str = "a member Secret may not have virtual-node read one of its files; put the data inline (the *-data field)";
+const BASIC_AUTH: &str = "basic authentication is refused (API servers dropped it in Kubernetes 1.19); use a token or a client certificate";
+const IMPERSONATES: &str = "impersonation is refused in a member Secret; give the identity's own token or client certificate";
+
+/// Reads the kubeconfig of a member Secret and refuses anything in it beyond what `join`
+/// writes: inline credentials (a bearer token, or a client certificate and key) and an
+/// inline CA. Every user and cluster is checked, not only the current context's, so that
+/// no later edit of `current-context` turns a refused entry on. The error quotes nothing
+/// of the text.
+pub fn lower_kubeconfig(text: &str) -> Result<Kubeconfig, BadMember> {
+    let kubeconfig = Kubeconfig::from_yaml(text).map_err(|error| BadMember::Unreadable {
+        at: match error {
+            KubeconfigError::Parse(error) => error
+                .location()
+                .filter(|l| l.line() > 0)
+                .map(|l| format!(" at line {}, column {}", l.line(), l.column()))
+                .unwrap_or_default(),
+            _ => String::new(),
+        },
+    })?;
+    let refused = |field: String, why: &'static str| BadMember::Refused { field, why };
+    for named in &kubeconfig.clusters {
+        let Some(cluster) = &named.cluster else {
+            continue;
+        };
+        if cluster.certificate_authority.is_some() {
+            let field = format!("clusters[{}].cluster.certificate-authority", named.name);
+            return Err(refused(field, READS_A_FILE));
+        }
+    }
+    for named in &kubeconfig.auth_infos {
+        if let Some(user) = &named.auth_info
+            && let Some((field, why)) = refused_user_field(user)
+        {
+            return Err(refused(format!("users[{}].user.{field}", named.name), why));
+        }
+    }
+    Ok(kubeconfig)
+}
+
+/// The first field of `user` a member Secret may not set, and why.
+fn refused_user_field(user: &AuthInfo) -> Option<(&'static str, &'static str)> {
+    [
+        ("exec", user.exec.is_some(), RUNS_A_COMMAND),
+        (
+            "auth-provider",
+            user.auth_provider.is_some(),
+            RUNS_A_COMMAND,
+        ),
+        ("tokenFile", user.token_file.is_some(), READS_A_FILE),
+        (
+            "client-certificate",
+            user.client_certificate.is_some(),
+            READS_A_FILE,
+        ),
+        ("client-key", user.client_key.is_some(), READS_A_FILE),
+        ("username", user.username.is_some(), BASIC_AUTH),
+        ("password", user.password.is_some(), BASIC_AUTH),
+        ("as", user.impersonate.is_some(), IMPERSONATES),
+        ("as-uid", user.impersonate_uid.is_some(), IMPERSONATES),
+        ("as-groups", user.impersonate_groups.is_some(), IMPERSONATES),
+        (
+            "as-user-extra",
+            user.impersonate_user_extra.is_some(),
+            IMPERSONATES,
+        ),
+    ]
+    .into_iter()
+    .find(|(_, set, _)| *set)
+    .map(|(field, _, why)| (field, why))
 }
 
 /// The node a member Secret names (its annotation, else the Secret's name), unchecked.
@@ -405,6 +507,183 @@ mod tests {
                 }
                 (got, want) => panic!("{case}: got {got:?}, want {want:?}"),
             }
+        }
+    }
+
+    /// A kubeconfig of one cluster and one user, with `cluster` and `user` as the fields
+    /// of each (YAML flow mappings).
+    fn kubeconfig(cluster: &str, user: &str) -> String {
+        format!(
+            "apiVersion: v1\nkind: Config\n\
+             clusters: [{{name: lower, cluster: {{server: 'https://203.0.113.1:6443', {cluster}}}}}]\n\
+             users: [{{name: vk, user: {{{user}}}}}]\n\
+             contexts: [{{name: lower, context: {{cluster: lower, user: vk}}}}]\n\
+             current-context: lower\n"
+        )
+    }
+
+    #[test]
+    fn a_member_kubeconfig_may_only_hold_inline_credentials() {
+        let ca = "certificate-authority-data: Q0E=";
+        // (case, cluster fields, user fields, the error's text or None for accepted)
+        let cases: [(&str, &str, &str, Option<&str>); 17] = [
+            ("join's: inline token and CA", ca, "token: abc", None),
+            (
+                "inline client certificate and key",
+                ca,
+                "client-certificate-data: Q0VSVA==, client-key-data: S0VZ",
+                None,
+            ),
+            ("no CA (system roots)", "", "token: abc", None),
+            (
+                "skip verify",
+                "insecure-skip-tls-verify: true",
+                "token: abc",
+                None,
+            ),
+            (
+                "exec",
+                ca,
+                "exec: {apiVersion: client.authentication.k8s.io/v1, command: sh, args: [-c, 'touch /tmp/x; exit 1']}",
+                Some(
+                    "users[vk].user.exec: a member Secret may not have virtual-node run a command",
+                ),
+            ),
+            (
+                "auth-provider",
+                ca,
+                "auth-provider: {name: gcp, config: {cmd-path: /bin/sh}}",
+                Some(
+                    "users[vk].user.auth-provider: a member Secret may not have virtual-node run a command",
+                ),
+            ),
+            (
+                "tokenFile",
+                ca,
+                "tokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token",
+                Some(
+                    "users[vk].user.tokenFile: a member Secret may not have virtual-node read one of its files",
+                ),
+            ),
+            (
+                "tokenFile beside a token",
+                ca,
+                "token: abc, tokenFile: /etc/shadow",
+                Some("users[vk].user.tokenFile"),
+            ),
+            (
+                "client-certificate path",
+                ca,
+                "client-certificate: /etc/kubernetes/pki/admin.crt, client-key-data: S0VZ",
+                Some(
+                    "users[vk].user.client-certificate: a member Secret may not have virtual-node read",
+                ),
+            ),
+            (
+                "client-key path",
+                ca,
+                "client-certificate-data: Q0VSVA==, client-key: /etc/kubernetes/pki/admin.key",
+                Some("users[vk].user.client-key: a member Secret may not have virtual-node read"),
+            ),
+            (
+                "certificate-authority path",
+                "certificate-authority: /var/run/secrets/kubernetes.io/serviceaccount/ca.crt",
+                "token: abc",
+                Some(
+                    "clusters[lower].cluster.certificate-authority: a member Secret may not have virtual-node read",
+                ),
+            ),
+            (
+                "basic auth",
+                ca,
+                "username: admin, password: hunter2",
+                Some("users[vk].user.username: basic authentication is refused"),
+            ),
+            (
+                "password alone",
+                ca,
+                "password: hunter2",
+                Some("users[vk].user.password"),
+            ),
+            (
+                "impersonation",
+                ca,
+                "token: abc, as: system:admin",
+                Some("users[vk].user.as: impersonation is refused"),
+            ),
+            (
+                "impersonated groups",
+                ca,
+                "token: abc, as-groups: [system:masters]",
+                Some("users[vk].user.as-groups"),
+            ),
+            (
+                "not YAML",
+                ca,
+                "token: [abc",
+                Some("cannot be read as a kubeconfig at line"),
+            ),
+            (
+                "not a kubeconfig",
+                ca,
+                "token: {a: b}",
+                Some("cannot be read as a kubeconfig"),
+            ),
+        ];
+        for (case, cluster, user, want) in cases {
+            let got = lower_kubeconfig(&kubeconfig(cluster, user));
+            match (got, want) {
+                (Ok(_), None) => {}
+                (Err(error), Some(needle)) => {
+                    assert!(error.to_string().contains(needle), "{case}: {error}");
+                }
+                (got, want) => panic!("{case}: got {got:?}, want {want:?}"),
+            }
+        }
+        // A user that no context names is checked too (a later current-context edit would
+        // turn it on).
+        let spare = format!(
+            "{}users: [{{name: vk, user: {{token: abc}}}}, {{name: spare, user: {{exec: {{command: sh}}}}}}]\n",
+            kubeconfig(ca, "token: abc").replace("users: [{name: vk, user: {token: abc}}]\n", "")
+        );
+        let error = lower_kubeconfig(&spare).unwrap_err().to_string();
+        assert!(error.contains("users[spare].user.exec"), "{error}");
+    }
+
+    #[test]
+    fn what_join_writes_is_accepted() {
+        let admin = Kubeconfig::from_yaml(&kubeconfig(
+            "certificate-authority: /etc/lower/ca.crt",
+            "client-certificate: /etc/lower/admin.crt, client-key: /etc/lower/admin.key",
+        ))
+        .unwrap();
+        let written = crate::member::join::member_kubeconfig(&admin, "abc", "tensile-vk", |_| {
+            Ok(b"-----BEGIN CERTIFICATE-----\n".to_vec())
+        })
+        .unwrap();
+        lower_kubeconfig(&written).unwrap();
+    }
+
+    #[test]
+    fn an_unreadable_kubeconfig_is_never_quoted() {
+        let token = "eyJhbGciOiJSUzI1NiJ9.c2VjcmV0LXRva2VuLXRleHQ";
+        for text in [
+            // Malformed YAML right after the token.
+            format!("users:\n- name: vk\n  user:\n    token: {token}\n  : [\n"),
+            // A token where a mapping belongs (a type error names what it found).
+            format!("users: {token}\n"),
+            format!("users:\n- name: vk\n  user: \"{token}\"\n"),
+            // Unterminated quoted token.
+            format!("users:\n- name: vk\n  user:\n    token: \"{token}\n"),
+            format!("clusters: [{{name: {token}, cluster: 7}}]\n"),
+        ] {
+            let error = lower_kubeconfig(&text).unwrap_err().to_string();
+            assert!(error.contains("cannot be read as a kubeconfig"), "{error}");
+            assert!(!error.contains(token), "the token is quoted: {error}");
+            assert!(
+                !error.contains("c2VjcmV0"),
+                "part of the token is quoted: {error}"
+            );
         }
     }
 

@@ -39,8 +39,16 @@ const DEFAULT_EXPIRATION_SECONDS: i64 = 3600;
 /// Environment variables in-cluster clients read to find the API server.
 const HOST_ENV: &str = "KUBERNETES_SERVICE_HOST";
 const PORT_ENV: &str = "KUBERNETES_SERVICE_PORT";
-/// The names of the API server's Service a hostAlias points at the upper API server.
-const API_SERVICE_NAMES: [&str; 3] = ["kubernetes", "kubernetes.default", "kubernetes.default.svc"];
+/// The names of the API server's Service a hostAlias points at the upper API server. A
+/// name left out is resolved by the lower DNS to the lower API server, which would then get
+/// the upper token; the fully qualified name is under `cluster.local`, the domain nearly
+/// every cluster keeps (the lower kubelets set pod DNS, and tensile is told no other).
+const API_SERVICE_NAMES: [&str; 4] = [
+    "kubernetes",
+    "kubernetes.default",
+    "kubernetes.default.svc",
+    "kubernetes.default.svc.cluster.local",
+];
 
 /// Where lower pods reach the upper API server: `--upper-api-address`, `IP:PORT`
 /// (`[v6]:PORT` for IPv6).
@@ -475,7 +483,13 @@ mod tests {
                 {"name": "KUBERNETES_SERVICE_HOST", "value": "203.0.113.10"},
                 {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"},
             ]}],
-            "hostAliases": [{"ip": "203.0.113.10", "hostnames": ["kubernetes", "kubernetes.default", "kubernetes.default.svc"]}],
+            // Every name of the API server's Service a client may use, the fully qualified
+            // one too: a name left out resolves to the lower API server, which would get the
+            // upper token.
+            "hostAliases": [{"ip": "203.0.113.10", "hostnames": [
+                "kubernetes", "kubernetes.default", "kubernetes.default.svc",
+                "kubernetes.default.svc.cluster.local",
+            ]}],
             "volumes": [
                 {"name": "kube-api-access-x7k2p", "projected": {"defaultMode": 420, "sources": [
                     secret(json!([{"key": "kube-api-access-x7k2p.0.token", "path": "token"}])),

@@ -299,7 +299,9 @@ impl Pki {
     }
 }
 
-/// Writes a kubeconfig (JSON, which every client reads as YAML) for `user` against `server`.
+/// Writes a kubeconfig (JSON, which every client reads as YAML) for `user` against `server`,
+/// the certificates and key inline (`*-data`), as `virtual-node join` writes them: a member
+/// Secret may hold no file paths.
 pub fn write_kubeconfig(
     path: &Path,
     cluster: &str,
@@ -307,16 +309,20 @@ pub fn write_kubeconfig(
     ca: &Path,
     user: &ClientCert,
 ) -> Result<()> {
+    let inline = |file: &Path| -> Result<serde_json::Value> {
+        let bytes = std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+        Ok(serde_json::to_value(k8s_openapi::ByteString(bytes))?)
+    };
     let config = serde_json::json!({
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": cluster, "cluster": {
             "server": server,
-            "certificate-authority": ca,
+            "certificate-authority-data": inline(ca)?,
         }}],
         "users": [{"name": cluster, "user": {
-            "client-certificate": user.cert,
-            "client-key": user.key,
+            "client-certificate-data": inline(&user.cert)?,
+            "client-key-data": inline(&user.key)?,
         }}],
         "contexts": [{"name": cluster, "context": {"cluster": cluster, "user": cluster}}],
         "current-context": cluster,
