@@ -402,6 +402,15 @@ async fn a_member_restarting_again_and_again_costs_no_list_of_upper_pods() {
         .await
         .unwrap();
     until_running(&pods, "b-before", &mut vn).await;
+    // A figure, not a bound (2 shared cores time nothing stably): A's pod created ->
+    // Running upstairs, B calm and B restarting.
+    let started = Instant::now();
+    pods.create(&PostParams::default(), &bound_pod("a-calm", a))
+        .await
+        .unwrap();
+    until_running(&pods, "a-calm", &mut vn).await;
+    let calm = started.elapsed();
+    let mut restarting = Vec::new();
     let before = proxy.requests();
 
     for restart in 1..=RESTARTS {
@@ -421,16 +430,22 @@ async fn a_member_restarting_again_and_again_costs_no_list_of_upper_pods() {
         .unwrap();
         // A's pods carry on while B restarts.
         let name = format!("a-{restart}");
+        let started = Instant::now();
         pods.create(&PostParams::default(), &bound_pod(&name, a))
             .await
             .unwrap();
         until_running(&pods, &name, &mut vn).await;
+        restarting.push(started.elapsed());
     }
     pods.create(&PostParams::default(), &bound_pod("b-after", b))
         .await
         .unwrap();
     until_running(&pods, "b-after", &mut vn).await;
     let during = proxy.requests().since(&before);
+    println!(
+        "member A: a pod created -> Running in {calm:?} with B calm, {:?} at most while B restarts",
+        restarting.iter().max()
+    );
     assert_eq!(
         during.count("list", "pods"),
         0,
