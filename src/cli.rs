@@ -59,6 +59,13 @@ pub struct Args {
     #[arg(long, env = "TENSILE_MEMBERS_NAMESPACE", value_parser = parse_node_name)]
     pub members_namespace: Option<String>,
 
+    /// How long a member's leave may take from its Secret's deletion: past it, pods the
+    /// member could not end (its lower cluster gone) are deleted upstairs with no grace
+    /// period, as Kubernetes does for pods of a lost node, and what stays below is said in
+    /// an Event. Long enough for pods' grace periods and PodDisruptionBudgets.
+    #[arg(long, value_parser = parse_period, default_value = "10m")]
+    pub leave_timeout: Duration,
+
     /// Requests per second to the lower cluster.
     #[arg(long, value_parser = parse_qps, default_value_t = 500.0)]
     pub client_qps: f64,

@@ -15,10 +15,12 @@
 //! A member is woken by the objects touched on a broadcast that never waits for a slow
 //! member: one that falls behind is handed every stored object again. Pods are routed on
 //! unbounded channels instead (a member's pod watch never drops a change); a member that
-//! (re)joins has the pod watch list again, which hands every member its pods anew.
+//! restarts is handed its node's pods from the router, which keeps them; only a node
+//! never had before makes the pod watch list again.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt::Debug;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -356,28 +358,115 @@ where
 }
 
 /// The one watch of upper pods bound to a node, routed by node to its member.
+///
+/// The pods of every node a member has had are kept too (without their managedFields), so
+/// that a member that starts again (a restart, a crash loop) is handed its node's pods at
+/// once: no list of every bound pod, which would hold back every member's pod events and
+/// then wake each member for each of its pods. Only a node never seen needs a list.
 #[derive(Default)]
 pub struct PodRouter {
-    /// Node → the member's channel.
-    routes: Mutex<HashMap<String, mpsc::UnboundedSender<watcher::Event<Pod>>>>,
-    /// A member joined: list again.
+    routing: Mutex<Routing>,
+    /// A node needs a list.
     relist: Notify,
+    /// Lists begun.
+    lists: AtomicU64,
+}
+
+type PodSender = mpsc::UnboundedSender<watcher::Event<Pod>>;
+
+/// A pod's namespace and name.
+type PodKey = (String, String);
+
+#[derive(Default)]
+struct Routing {
+    /// Node → the member's channel.
+    routes: HashMap<String, PodSender>,
+    /// Members that (re)joined during a list of their node's pods: handed it at its end.
+    waiting: HashMap<String, PodSender>,
+    /// Node → its pods, for every node a member has had.
+    nodes: HashMap<String, NodePods>,
+    /// Between a list's start and end.
+    listing: bool,
+}
+
+#[derive(Default)]
+struct NodePods {
+    /// As of the last complete list and the changes since.
+    pods: BTreeMap<PodKey, Pod>,
+    /// Whether a list has completed since the node was first had.
+    complete: bool,
+    /// The list under way, if it began after the node was first had.
+    next: Option<BTreeMap<PodKey, Pod>>,
+}
+
+impl NodePods {
+    /// Whether a list (complete or under way) covers the node.
+    fn covered(&self) -> bool {
+        self.complete || self.next.is_some()
+    }
+}
+
+fn pod_key(pod: &Pod) -> PodKey {
+    (
+        pod.metadata.namespace.clone().unwrap_or_default(),
+        pod.metadata.name.clone().unwrap_or_default(),
+    )
+}
+
+fn pod_node(pod: &Pod) -> Option<&str> {
+    pod.spec.as_ref().and_then(|s| s.node_name.as_deref())
+}
+
+/// `pod` as kept: without its managedFields, which no member reads.
+fn kept(pod: &Pod) -> Pod {
+    let mut pod = pod.clone();
+    pod.metadata.managed_fields = None;
+    pod
+}
+
+/// Hands `member` the node's `pods` as a list; whether it still listens.
+fn hand_list(member: &PodSender, pods: &BTreeMap<PodKey, Pod>) -> bool {
+    member.send(watcher::Event::Init).is_ok()
+        && pods
+            .values()
+            .all(|pod| member.send(watcher::Event::InitApply(pod.clone())).is_ok())
+        && member.send(watcher::Event::InitDone).is_ok()
 }
 
 impl PodRouter {
     /// The pod watch events of `node`, as a watch of `spec.nodeName=<node>` would have
-    /// them: from the next complete list on (which joining asks for), then every change.
-    /// A later subscription of the same node replaces this one.
+    /// them: a complete list first, then every change. A node had before is handed its
+    /// pods from the router (at the end of a list under way); a node never had, from the
+    /// next list on, which this asks for. A later subscription of the same node replaces
+    /// this one.
     pub fn subscribe(
         self: &Arc<Self>,
         node: &str,
     ) -> BoxStream<'static, Result<watcher::Event<Pod>, watcher::Error>> {
         let (sender, receiver) = mpsc::unbounded_channel();
-        self.routes
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(node.to_owned(), sender);
-        self.relist.notify_one();
+        let needs_list = {
+            let mut routing = self.routing.lock().unwrap_or_else(PoisonError::into_inner);
+            let routing = &mut *routing;
+            routing.routes.remove(node);
+            routing.waiting.remove(node);
+            let known = routing.nodes.entry(node.to_owned()).or_default();
+            if known.next.is_some() {
+                routing.waiting.insert(node.to_owned(), sender);
+                false
+            } else if known.complete && !routing.listing {
+                if hand_list(&sender, &known.pods) {
+                    routing.routes.insert(node.to_owned(), sender);
+                }
+                false
+            } else {
+                // Known from no list: from the next one on.
+                routing.routes.insert(node.to_owned(), sender);
+                !known.complete
+            }
+        };
+        if needs_list {
+            self.relist.notify_one();
+        }
         // Until a list begins, what arrives is a list's tail or changes with no list
         // before them: the store would not know what the list left out.
         futures::stream::unfold(
@@ -395,43 +484,126 @@ impl PodRouter {
         .boxed()
     }
 
-    /// Hands `event` to the member of its pod's node, or, for a list's start and end, to
-    /// every member. A member gone is forgotten.
+    /// How many lists of every bound pod began.
+    pub fn lists(&self) -> u64 {
+        self.lists.load(Ordering::Relaxed)
+    }
+
+    /// Whether a node was had that no list covers.
+    fn needs_list(&self) -> bool {
+        self.routing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .nodes
+            .values()
+            .any(|n| !n.covered())
+    }
+
+    /// Whether a list is under way.
+    fn listing(&self) -> bool {
+        self.routing
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .listing
+    }
+
+    /// Keeps `event` for its pod's node (if had) and hands it to that node's member, or,
+    /// for a list's start and end, to every member. A member gone is forgotten.
     fn route(&self, event: watcher::Event<Pod>) {
-        let mut routes = self.routes.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut routing = self.routing.lock().unwrap_or_else(PoisonError::into_inner);
+        let routing = &mut *routing;
         let node = match &event {
-            watcher::Event::Apply(pod)
-            | watcher::Event::InitApply(pod)
-            | watcher::Event::Delete(pod) => pod.spec.as_ref().and_then(|s| s.node_name.clone()),
-            watcher::Event::Init | watcher::Event::InitDone => {
-                routes.retain(|_, member| member.send(event.clone()).is_ok());
+            watcher::Event::Init => {
+                self.lists.fetch_add(1, Ordering::Relaxed);
+                routing.listing = true;
+                for known in routing.nodes.values_mut() {
+                    known.next = Some(BTreeMap::new());
+                }
+                routing
+                    .routes
+                    .retain(|_, member| member.send(watcher::Event::Init).is_ok());
                 return;
             }
+            watcher::Event::InitDone => {
+                routing.listing = false;
+                for known in routing.nodes.values_mut() {
+                    if let Some(listed) = known.next.take() {
+                        known.pods = listed;
+                        known.complete = true;
+                    }
+                }
+                routing
+                    .routes
+                    .retain(|_, member| member.send(watcher::Event::InitDone).is_ok());
+                for (node, member) in std::mem::take(&mut routing.waiting) {
+                    let pods = routing.nodes.get(&node).map(|n| &n.pods);
+                    if hand_list(&member, pods.unwrap_or(&BTreeMap::new())) {
+                        routing.routes.insert(node, member);
+                    }
+                }
+                return;
+            }
+            watcher::Event::InitApply(pod) => {
+                let node = pod_node(pod);
+                if let Some(next) = node
+                    .and_then(|n| routing.nodes.get_mut(n))
+                    .and_then(|n| n.next.as_mut())
+                {
+                    next.insert(pod_key(pod), kept(pod));
+                }
+                node
+            }
+            watcher::Event::Apply(pod) => {
+                let node = pod_node(pod);
+                if let Some(known) = node.and_then(|n| routing.nodes.get_mut(n)) {
+                    known.pods.insert(pod_key(pod), kept(pod));
+                }
+                node
+            }
+            watcher::Event::Delete(pod) => {
+                let node = pod_node(pod);
+                if let Some(known) = node.and_then(|n| routing.nodes.get_mut(n)) {
+                    known.pods.remove(&pod_key(pod));
+                }
+                node
+            }
         };
-        if let Some(node) = node
-            && let Some(member) = routes.get(&node)
+        if let Some(node) = node.map(str::to_owned)
+            && let Some(member) = routing.routes.get(&node)
             && member.send(event).is_err()
         {
-            routes.remove(&node);
+            routing.routes.remove(&node);
         }
     }
 
     /// Watches the pods of `api` bound to a node until `shutdown`, listing again (after
-    /// [`RELIST_SETTLE`]) whenever a member joins.
+    /// [`RELIST_SETTLE`], and after a list under way) when a node no list covers joins.
     async fn pump(self: Arc<Self>, api: Api<Pod>, shutdown: CancellationToken) {
         let bound = watcher::Config::default().fields("spec.nodeName!=");
         loop {
             let watch = watcher::watcher(api.clone(), bound.clone()).default_backoff();
             let mut events = errors_logged_as_events(watch);
+            let mut wanted = false;
             loop {
                 tokio::select! {
                     () = shutdown.cancelled() => return,
                     () = self.relist.notified() => {
-                        tokio::time::sleep(RELIST_SETTLE).await;
-                        break;
+                        if self.listing() {
+                            wanted = true;
+                        } else if self.needs_list() {
+                            tokio::time::sleep(RELIST_SETTLE).await;
+                            break;
+                        }
                     }
                     event = events.next() => match event {
-                        Some(event) => self.route(event),
+                        Some(event) => {
+                            let listed = matches!(event, watcher::Event::InitDone);
+                            self.route(event);
+                            if listed && std::mem::take(&mut wanted) && self.needs_list() {
+                                tokio::time::sleep(RELIST_SETTLE).await;
+                                break;
+                            }
+                        }
                         None => return,
                     },
                 }
@@ -486,7 +658,7 @@ mod tests {
         drop(router.subscribe("vk-a"));
         router.route(watcher::Event::Apply(pod("a3", "vk-a")));
         assert!(
-            router.routes.lock().unwrap().get("vk-a").is_none(),
+            !router.routing.lock().unwrap().routes.contains_key("vk-a"),
             "a member gone is forgotten"
         );
         drop(router);
@@ -502,6 +674,75 @@ mod tests {
             "replaced by a later subscription, the first one ends"
         );
         assert_eq!(seen(b).await, ["init", "list b1", "listed", "delete b1"]);
+    }
+
+    /// The first items `stream` has ready now, described.
+    fn ready_now(
+        stream: &mut BoxStream<'static, Result<watcher::Event<Pod>, watcher::Error>>,
+    ) -> Vec<String> {
+        let mut seen = Vec::new();
+        while let Some(Some(event)) = stream.next().now_or_never() {
+            seen.push(describe(&event.unwrap()));
+        }
+        seen
+    }
+
+    /// A member that restarts (its node's pods listed before) is handed its node's pods
+    /// from the router at once, with no new list of every bound pod (which would stall
+    /// every other member's pod events); the others are handed nothing.
+    #[tokio::test]
+    async fn a_restarted_member_is_served_without_a_list() {
+        let router = Arc::new(PodRouter::default());
+        let mut a = router.subscribe("vk-a");
+        let mut b = router.subscribe("vk-b");
+        router.route(watcher::Event::Init);
+        for (name, node) in [("a1", "vk-a"), ("b1", "vk-b"), ("real", "node-1")] {
+            router.route(watcher::Event::InitApply(pod(name, node)));
+        }
+        router.route(watcher::Event::InitDone);
+        router.route(watcher::Event::Apply(pod("a2", "vk-a")));
+        router.route(watcher::Event::Delete(pod("a1", "vk-a")));
+        assert_eq!(
+            ready_now(&mut a),
+            ["init", "list a1", "listed", "apply a2", "delete a1"]
+        );
+        assert_eq!(ready_now(&mut b), ["init", "list b1", "listed"]);
+        let lists = router.lists();
+
+        // Member A restarts, again and again.
+        for _ in 0..3 {
+            drop(a);
+            a = router.subscribe("vk-a");
+            assert_eq!(ready_now(&mut a), ["init", "list a2", "listed"]);
+        }
+        assert!(
+            !router.needs_list(),
+            "a restarted member's node is known: no list"
+        );
+        router.route(watcher::Event::Apply(pod("a3", "vk-a")));
+        assert_eq!(ready_now(&mut a), ["apply a3"]);
+        assert_eq!(
+            ready_now(&mut b),
+            Vec::<String>::new(),
+            "B is not disturbed"
+        );
+        assert_eq!(router.lists(), lists);
+
+        // Restarting while a list runs (the watch's own relist): handed that list's end.
+        router.route(watcher::Event::Init);
+        router.route(watcher::Event::InitApply(pod("a3", "vk-a")));
+        drop(a);
+        a = router.subscribe("vk-a");
+        router.route(watcher::Event::InitApply(pod("a4", "vk-a")));
+        assert_eq!(ready_now(&mut a), Vec::<String>::new());
+        router.route(watcher::Event::InitDone);
+        assert_eq!(ready_now(&mut a), ["init", "list a3", "list a4", "listed"]);
+        assert_eq!(ready_now(&mut b), ["init", "listed"]);
+
+        // A node never seen needs a list (its pods were dropped as they came).
+        let mut c = router.subscribe("vk-c");
+        assert!(router.needs_list());
+        assert_eq!(ready_now(&mut c), Vec::<String>::new());
     }
 
     /// A member that falls behind the broadcast is handed every object again; one that

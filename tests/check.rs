@@ -115,11 +115,23 @@ async fn join_then_leave_a_member_cluster() {
     let lower = pair.lower.client().await.unwrap();
     let members = TestNamespace::create(&upper, "joined").await.unwrap();
     let node = "vk-joined";
+    let upper_id = Api::<k8s_openapi::api::core::v1::Namespace>::all(upper.clone())
+        .get("kube-system")
+        .await
+        .unwrap()
+        .metadata
+        .uid
+        .unwrap();
+    let identity = LowerIdentity::of(node, &upper_id);
+    let bound_line = format!(
+        "ServiceAccount tensile-system/{} bound to ClusterRole tensile-virtual-node-lower",
+        identity.service_account
+    );
     for _ in 0..2 {
         let (output, said) = member_command(pair, "join", node, &members.name).await;
         assert!(output.status.success(), "{said}");
         for line in [
-            "ServiceAccount tensile-system/tensile-vk-joined bound to ClusterRole tensile-virtual-node-lower",
+            &bound_line,
             &format!("member Secret {}/{node}", members.name),
             "next: virtual-node check",
         ] {
@@ -180,7 +192,6 @@ async fn join_then_leave_a_member_cluster() {
         nodes.get_opt(node).await.unwrap().is_none(),
         "the node is gone once leave returns"
     );
-    let identity = LowerIdentity::of(node);
     assert!(
         Api::<ServiceAccount>::namespaced(lower.clone(), LOWER_NAMESPACE)
             .get_opt(&identity.service_account)

@@ -144,7 +144,14 @@ async fn a_member_answered_429_or_500_or_with_revoked_credentials_goes_not_ready
 
     // B's credentials revoked: its token Secret below deleted, so the lower API server
     // refuses the token (401) from then on.
-    let identity = LowerIdentity::of(B);
+    let upper_id = Api::<k8s_openapi::api::core::v1::Namespace>::all(upper.clone())
+        .get("kube-system")
+        .await
+        .unwrap()
+        .metadata
+        .uid
+        .unwrap();
+    let identity = LowerIdentity::of(B, &upper_id);
     let tokens: Api<Secret> = Api::namespaced(lower_b.clone(), LOWER_NAMESPACE);
     tokens
         .delete(&identity.token_secret, &DeleteParams::default())

@@ -6,6 +6,13 @@
 //! within seconds. `leave` deletes the member Secret, waits until the member has left
 //! (its node drained and deleted, its lower objects gone: the virtual-node does it, then
 //! drops the Secret's finalizer), and deletes the identity below. Both are idempotent.
+//!
+//! The identity below is per upper cluster (its names carry the upper cluster's identity,
+//! `--cluster-id` or the UID of the upper `kube-system`, and its objects are labelled
+//! with it), so two upper clusters that join one lower cluster under one node name each
+//! have their own, and one's `leave` never revokes the other's. An identity of the naming
+//! before (`tensile-<node>`, shared) is deleted by `leave` only when the member Secret
+//! being deleted holds its token: then it is this upper cluster's.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -25,6 +32,13 @@ use crate::api::is_status;
 use crate::cli::Args;
 use crate::clusters;
 use crate::side::Side;
+use crate::translate::namespace::cluster_suffix;
+
+/// The label of a joined identity's objects below: the node joined.
+pub const JOINED_NODE_LABEL: &str = "tensile.dev/joined-node";
+
+/// The label of a joined identity's objects below: the upper cluster that joined it.
+pub const JOINED_CLUSTER_LABEL: &str = "tensile.dev/joined-cluster";
 
 /// The lower RBAC a member's identity is bound to: the ClusterRole of
 /// `deploy/virtual-node-lower`, as shipped.
@@ -33,8 +47,11 @@ const LOWER_RBAC: &str = include_str!("../../deploy/virtual-node-lower/rbac.yaml
 /// The lower namespace of the members' ServiceAccounts and their token Secrets.
 pub const LOWER_NAMESPACE: &str = "tensile-system";
 
-/// How long `leave` waits for the member to have left.
+/// How long `leave` waits for the member to have left, at least.
 const LEAVE_WAIT: Duration = Duration::from_secs(300);
+
+/// How much longer than `--leave-timeout` `leave` waits for the member to have left.
+const LEAVE_WAIT_MARGIN: Duration = Duration::from_secs(60);
 
 /// How long `join` waits for the lower token controller to fill the token Secret.
 const TOKEN_WAIT: Duration = Duration::from_secs(60);
@@ -51,14 +68,74 @@ pub struct LowerIdentity {
 }
 
 impl LowerIdentity {
-    /// The identity of the member joined as `node`.
-    pub fn of(node: &str) -> Self {
+    /// The identity of the member joined as `node` by the upper cluster `upper_cluster`
+    /// (its identity, as on lower objects).
+    pub fn of(node: &str, upper_cluster: &str) -> Self {
+        let suffix = cluster_suffix(upper_cluster);
+        Self {
+            service_account: format!("tensile-{node}-{suffix}"),
+            token_secret: format!("tensile-{node}-{suffix}-token"),
+            binding: format!("tensile-virtual-node-lower-{node}-{suffix}"),
+        }
+    }
+
+    /// The identity of the member joined as `node` by a tensile before per-cluster
+    /// identities: one for every upper cluster that joined `node`.
+    pub fn legacy(node: &str) -> Self {
         Self {
             service_account: format!("tensile-{node}"),
             token_secret: format!("tensile-{node}-token"),
             binding: format!("tensile-virtual-node-lower-{node}"),
         }
     }
+}
+
+/// The labels of the identity joined as `node` by `upper_cluster`.
+fn identity_labels(node: &str, upper_cluster: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (JOINED_NODE_LABEL.to_owned(), node.to_owned()),
+        (JOINED_CLUSTER_LABEL.to_owned(), upper_cluster.to_owned()),
+    ])
+}
+
+/// The selector of the identity joined as `node` by `upper_cluster`.
+fn identity_selector(node: &str, upper_cluster: &str) -> String {
+    format!("{JOINED_NODE_LABEL}={node},{JOINED_CLUSTER_LABEL}={upper_cluster}")
+}
+
+/// The bearer tokens of the kubeconfig in the member Secret `secret` (none if it has none
+/// or cannot be read). Never logged.
+fn member_tokens(secret: &Secret) -> Vec<String> {
+    let Some(text) = secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get(KUBECONFIG_KEY))
+        .and_then(|k| std::str::from_utf8(&k.0).ok())
+    else {
+        return Vec::new();
+    };
+    let Ok(kubeconfig) = serde_saphyr::from_str::<serde_json::Value>(text) else {
+        return Vec::new();
+    };
+    kubeconfig["users"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|u| u["user"]["token"].as_str())
+        .filter(|t| !t.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Whether the legacy token Secret `token_secret` holds one of `tokens`: the legacy
+/// identity is then the one these member Secrets used.
+fn holds_one_of(token_secret: &Secret, tokens: &[String]) -> bool {
+    token_secret
+        .data
+        .as_ref()
+        .and_then(|d| d.get("token"))
+        .and_then(|t| std::str::from_utf8(&t.0).ok())
+        .is_some_and(|t| !t.is_empty() && tokens.iter().any(|m| m == t))
 }
 
 /// The shipped ClusterRole of `deploy/virtual-node-lower`.
@@ -135,6 +212,32 @@ pub fn member_secret(node: &str, namespace: &str, kubeconfig: String) -> Secret 
     secret
 }
 
+/// The names of the objects below that a leave deletes, by kind.
+#[derive(Default)]
+struct Doomed {
+    bindings: std::collections::BTreeSet<String>,
+    secrets: std::collections::BTreeSet<String>,
+    accounts: std::collections::BTreeSet<String>,
+}
+
+impl From<&LowerIdentity> for Doomed {
+    fn from(identity: &LowerIdentity) -> Self {
+        Self {
+            bindings: [identity.binding.clone()].into(),
+            secrets: [identity.token_secret.clone()].into(),
+            accounts: [identity.service_account.clone()].into(),
+        }
+    }
+}
+
+impl Doomed {
+    fn extend(&mut self, other: Self) {
+        self.bindings.extend(other.bindings);
+        self.secrets.extend(other.secrets);
+        self.accounts.extend(other.accounts);
+    }
+}
+
 /// What `join` and `leave` need of the flags: both clusters, the node and the members
 /// namespace.
 struct Target {
@@ -145,6 +248,8 @@ struct Target {
     lower_kubeconfig: Kubeconfig,
     node: String,
     namespace: String,
+    /// The upper cluster's identity: `--cluster-id`, or its `kube-system` namespace's UID.
+    upper_cluster: String,
 }
 
 async fn target(args: &Args, verb: &str) -> Result<Target, String> {
@@ -169,14 +274,32 @@ async fn target(args: &Args, verb: &str) -> Result<Target, String> {
     );
     let client =
         |config, side: Side| Client::try_from(config).map_err(|e| format!("{side} cluster: {e}"));
+    let upper = client(upper_config, Side::Upper)?;
+    let upper_cluster = match &args.cluster_id {
+        Some(id) => id.clone(),
+        None => Api::<Namespace>::all(upper.clone())
+            .get("kube-system")
+            .await
+            .map_err(|e| {
+                format!(
+                    "upper cluster {upper_server}: reading namespace kube-system, whose UID names the lower identity (or set --cluster-id): {e}"
+                )
+            })?
+            .metadata
+            .uid
+            .ok_or_else(|| {
+                format!("upper cluster {upper_server}: namespace kube-system has no UID; set --cluster-id")
+            })?,
+    };
     Ok(Target {
-        upper: client(upper_config, Side::Upper)?,
+        upper,
         upper_server,
         lower: client(lower_config, Side::Lower)?,
         lower_server,
         lower_kubeconfig,
         node: args.nodename.clone(),
         namespace,
+        upper_cluster,
     })
 }
 
@@ -195,7 +318,8 @@ where
 /// `virtual-node join`: the lines to print, or the one line saying what failed.
 pub async fn join(args: &Args) -> Result<Vec<String>, String> {
     let t = target(args, "join").await?;
-    let identity = LowerIdentity::of(&t.node);
+    let identity = LowerIdentity::of(&t.node, &t.upper_cluster);
+    let labels = identity_labels(&t.node, &t.upper_cluster);
     let lower = |e: String| format!("lower cluster {}: {e}", t.lower_server);
     let mut said = Vec::new();
 
@@ -227,6 +351,7 @@ pub async fn join(args: &Args) -> Result<Vec<String>, String> {
         .map_err(|e| lower(format!("applying ClusterRole {role_name}: {e}")))?;
     let mut account = ServiceAccount::default();
     account.metadata.name = Some(identity.service_account.clone());
+    account.metadata.labels = Some(labels.clone());
     create_once(
         &Api::namespaced(t.lower.clone(), LOWER_NAMESPACE),
         &account,
@@ -240,6 +365,7 @@ pub async fn join(args: &Args) -> Result<Vec<String>, String> {
     let binding = ClusterRoleBinding {
         metadata: kube::api::ObjectMeta {
             name: Some(identity.binding.clone()),
+            labels: Some(labels.clone()),
             ..Default::default()
         },
         role_ref: RoleRef {
@@ -265,7 +391,9 @@ pub async fn join(args: &Args) -> Result<Vec<String>, String> {
         "lower cluster {}: ServiceAccount {LOWER_NAMESPACE}/{} bound to ClusterRole {role_name} (deploy/virtual-node-lower)",
         t.lower_server, identity.service_account
     ));
-    let token = lower_token(&t.lower, &identity).await.map_err(lower)?;
+    let token = lower_token(&t.lower, &identity, &labels)
+        .await
+        .map_err(lower)?;
     said.push(format!(
         "lower cluster {}: its token in Secret {LOWER_NAMESPACE}/{}",
         t.lower_server, identity.token_secret
@@ -294,6 +422,17 @@ pub async fn join(args: &Args) -> Result<Vec<String>, String> {
     .await
     .map_err(upper)?;
     let secrets: Api<Secret> = Api::namespaced(t.upper.clone(), &t.namespace);
+    // Joined before with the naming before: that identity is this cluster's if the member
+    // Secret holds its token. Labelled as this cluster's, `leave` deletes it with the new.
+    let before = secrets
+        .get_opt(&t.node)
+        .await
+        .map_err(|e| upper(format!("reading Secret {}/{}: {e}", t.namespace, t.node)))?;
+    if let Some(before) = before
+        && let Some(adopted) = adopt_legacy(&t, &before, &labels).await.map_err(lower)?
+    {
+        said.push(adopted);
+    }
     let secret = member_secret(&t.node, &t.namespace, kubeconfig);
     let created = create_once(
         &secrets,
@@ -332,12 +471,74 @@ pub async fn join(args: &Args) -> Result<Vec<String>, String> {
     Ok(said)
 }
 
+/// Labels the identity of the naming before of `t.node` with `labels` when the member
+/// Secret `member` holds its token; what it did, if anything.
+async fn adopt_legacy(
+    t: &Target,
+    member: &Secret,
+    labels: &BTreeMap<String, String>,
+) -> Result<Option<String>, String> {
+    let legacy = LowerIdentity::legacy(&t.node);
+    let secrets: Api<Secret> = Api::namespaced(t.lower.clone(), LOWER_NAMESPACE);
+    let what = format!("Secret {LOWER_NAMESPACE}/{}", legacy.token_secret);
+    let Some(token) = secrets
+        .get_opt(&legacy.token_secret)
+        .await
+        .map_err(|e| format!("reading {what}: {e}"))?
+    else {
+        return Ok(None);
+    };
+    if !holds_one_of(&token, &member_tokens(member)) {
+        return Ok(None);
+    }
+    let patch = Patch::Merge(json!({"metadata": {"labels": labels}}));
+    let params = PatchParams::default();
+    let found = |result: Result<(), kube::Error>, what: String| match result {
+        Ok(()) => Ok(()),
+        Err(e) if is_status(&e, 404) => Ok(()),
+        Err(e) => Err(format!("labelling {what}: {e}")),
+    };
+    found(
+        secrets
+            .patch(&legacy.token_secret, &params, &patch)
+            .await
+            .map(|_| ()),
+        what,
+    )?;
+    found(
+        Api::<ServiceAccount>::namespaced(t.lower.clone(), LOWER_NAMESPACE)
+            .patch(&legacy.service_account, &params, &patch)
+            .await
+            .map(|_| ()),
+        format!(
+            "ServiceAccount {LOWER_NAMESPACE}/{}",
+            legacy.service_account
+        ),
+    )?;
+    found(
+        Api::<ClusterRoleBinding>::all(t.lower.clone())
+            .patch(&legacy.binding, &params, &patch)
+            .await
+            .map(|_| ()),
+        format!("ClusterRoleBinding {}", legacy.binding),
+    )?;
+    Ok(Some(format!(
+        "lower cluster {}: the identity of the naming before ({LOWER_NAMESPACE}/{}) is this upper cluster's: labelled so that leave deletes it",
+        t.lower_server, legacy.service_account
+    )))
+}
+
 /// The token of the member identity: its token Secret, once the lower token controller
 /// has filled it.
-async fn lower_token(lower: &Client, identity: &LowerIdentity) -> Result<String, String> {
+async fn lower_token(
+    lower: &Client,
+    identity: &LowerIdentity,
+    labels: &BTreeMap<String, String>,
+) -> Result<String, String> {
     let secrets: Api<Secret> = Api::namespaced(lower.clone(), LOWER_NAMESPACE);
     let mut secret = Secret::default();
     secret.metadata.name = Some(identity.token_secret.clone());
+    secret.metadata.labels = Some(labels.clone());
     secret.metadata.annotations = Some(
         [(
             "kubernetes.io/service-account.name".to_owned(),
@@ -374,7 +575,7 @@ async fn lower_token(lower: &Client, identity: &LowerIdentity) -> Result<String,
 /// `virtual-node leave`: the lines to print, or the one line saying what failed.
 pub async fn leave(args: &Args) -> Result<Vec<String>, String> {
     let t = target(args, "leave").await?;
-    let identity = LowerIdentity::of(&t.node);
+    let identity = LowerIdentity::of(&t.node, &t.upper_cluster);
     let mut said = Vec::new();
     let upper = |e: String| format!("upper cluster {}: {e}", t.upper_server);
     let secrets: Api<Secret> = Api::namespaced(t.upper.clone(), &t.namespace);
@@ -389,6 +590,17 @@ pub async fn leave(args: &Args) -> Result<Vec<String>, String> {
         .filter(|s| super::spec::node_name(s) == t.node)
         .filter_map(|s| s.metadata.name.clone())
         .collect();
+    // Read before they go: an identity of the naming before is this cluster's only if
+    // one of these holds its token.
+    let tokens: Vec<String> = members
+        .items
+        .iter()
+        .filter(|s| super::spec::node_name(s) == t.node)
+        .flat_map(member_tokens)
+        .collect();
+    // The member's own leave is bounded by the virtual-node's --leave-timeout (this
+    // flag's value is taken as the same): wait a little longer than that.
+    let leave_wait = LEAVE_WAIT.max(args.leave_timeout + LEAVE_WAIT_MARGIN);
     for name in &ours {
         match secrets.delete(name, &DeleteParams::default()).await {
             Ok(_) => {}
@@ -400,7 +612,7 @@ pub async fn leave(args: &Args) -> Result<Vec<String>, String> {
                 )));
             }
         }
-        let deadline = tokio::time::Instant::now() + LEAVE_WAIT;
+        let deadline = tokio::time::Instant::now() + leave_wait;
         while secrets
             .get_opt(name)
             .await
@@ -411,7 +623,7 @@ pub async fn leave(args: &Args) -> Result<Vec<String>, String> {
                 return Err(upper(format!(
                     "member Secret {}/{name} still there after {}s: the member has not left (is a virtual-node with --members-namespace {} running?); the lower identity is kept",
                     t.namespace,
-                    LEAVE_WAIT.as_secs(),
+                    leave_wait.as_secs(),
                     t.namespace
                 )));
             }
@@ -436,32 +648,98 @@ pub async fn leave(args: &Args) -> Result<Vec<String>, String> {
         Err(e) => Err(lower(format!("deleting {what}: {e}"))),
     };
     let bindings: Api<ClusterRoleBinding> = Api::all(t.lower.clone());
-    gone(
-        bindings
-            .delete(&identity.binding, &DeleteParams::default())
-            .await
-            .map(|_| ()),
-        format!("ClusterRoleBinding {}", identity.binding),
-    )?;
     let lower_secrets: Api<Secret> = Api::namespaced(t.lower.clone(), LOWER_NAMESPACE);
-    gone(
-        lower_secrets
-            .delete(&identity.token_secret, &DeleteParams::default())
-            .await
-            .map(|_| ()),
-        format!("Secret {LOWER_NAMESPACE}/{}", identity.token_secret),
-    )?;
     let accounts: Api<ServiceAccount> = Api::namespaced(t.lower.clone(), LOWER_NAMESPACE);
-    gone(
-        accounts
-            .delete(&identity.service_account, &DeleteParams::default())
+    // This cluster's identity: its names, and whatever carries its labels (an identity of
+    // the naming before that `join` adopted).
+    let labelled = ListParams::default().labels(&identity_selector(&t.node, &t.upper_cluster));
+    let list_error = |what: &str| {
+        let what = what.to_owned();
+        move |e: kube::Error| lower(format!("listing {what}: {e}"))
+    };
+    let mut doomed = Doomed::from(&identity);
+    let labelled_names = |items: Vec<Option<String>>| items.into_iter().flatten();
+    doomed.bindings.extend(labelled_names(
+        bindings
+            .list(&labelled)
             .await
-            .map(|_| ()),
-        format!(
-            "ServiceAccount {LOWER_NAMESPACE}/{}",
-            identity.service_account
+            .map_err(list_error("ClusterRoleBindings"))?
+            .items
+            .into_iter()
+            .map(|b| b.metadata.name)
+            .collect(),
+    ));
+    doomed.secrets.extend(labelled_names(
+        lower_secrets
+            .list(&labelled)
+            .await
+            .map_err(list_error("Secrets"))?
+            .items
+            .into_iter()
+            .map(|s| s.metadata.name)
+            .collect(),
+    ));
+    doomed.accounts.extend(labelled_names(
+        accounts
+            .list(&labelled)
+            .await
+            .map_err(list_error("ServiceAccounts"))?
+            .items
+            .into_iter()
+            .map(|a| a.metadata.name)
+            .collect(),
+    ));
+    let legacy = LowerIdentity::legacy(&t.node);
+    let legacy_token = lower_secrets
+        .get_opt(&legacy.token_secret)
+        .await
+        .map_err(|e| {
+            lower(format!(
+                "reading Secret {LOWER_NAMESPACE}/{}: {e}",
+                legacy.token_secret
+            ))
+        })?;
+    let legacy_said = match &legacy_token {
+        Some(secret) if holds_one_of(secret, &tokens) => {
+            doomed.extend(Doomed::from(&legacy));
+            format!(
+                "; the identity of the naming before ({LOWER_NAMESPACE}/{}) was this cluster's: deleted",
+                legacy.service_account
+            )
+        }
+        Some(_) => format!(
+            "; the identity of the naming before ({LOWER_NAMESPACE}/{}) kept: the member Secret did not hold its token (another upper cluster may use it; delete it there with `leave`)",
+            legacy.service_account
         ),
-    )?;
+        None => String::new(),
+    };
+    for name in &doomed.bindings {
+        gone(
+            bindings
+                .delete(name, &DeleteParams::default())
+                .await
+                .map(|_| ()),
+            format!("ClusterRoleBinding {name}"),
+        )?;
+    }
+    for name in &doomed.secrets {
+        gone(
+            lower_secrets
+                .delete(name, &DeleteParams::default())
+                .await
+                .map(|_| ()),
+            format!("Secret {LOWER_NAMESPACE}/{name}"),
+        )?;
+    }
+    for name in &doomed.accounts {
+        gone(
+            accounts
+                .delete(name, &DeleteParams::default())
+                .await
+                .map(|_| ()),
+            format!("ServiceAccount {LOWER_NAMESPACE}/{name}"),
+        )?;
+    }
     // The ClusterRole goes with its last binding (other members of other upper clusters
     // may share this lower cluster).
     let role_name = lower_cluster_role()?.metadata.name.unwrap_or_default();
@@ -482,9 +760,10 @@ pub async fn leave(args: &Args) -> Result<Vec<String>, String> {
         )?;
     }
     said.push(format!(
-        "lower cluster {}: ServiceAccount {LOWER_NAMESPACE}/{}, its token and binding deleted{}",
+        "lower cluster {}: ServiceAccount {LOWER_NAMESPACE}/{}, its token and binding deleted{}{}",
         t.lower_server,
         identity.service_account,
+        legacy_said,
         if still_bound {
             format!("; ClusterRole {role_name} kept (still bound)")
         } else {

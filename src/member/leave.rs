@@ -1,26 +1,53 @@
 //! A member leaving: its node cordoned, its pods evicted through the Eviction API
 //! (PodDisruptionBudgets respected, as `kubectl drain` does), then — once its member has
 //! stopped — everything tensile made for it below deleted, and its Node and node Lease.
+//!
+//! A leave is bounded (`--leave-timeout`, counted from the member Secret's deletion, so a
+//! restart does not start the count again): past it, the pods the member could not end
+//! (its lower cluster gone: only the member finishes an evicted pod) are deleted upstairs
+//! with no grace period, as Kubernetes' pod garbage collector does for pods of a lost node,
+//! and a lower cluster that cannot be cleaned is given up; both are said in an Event.
+//!
+//! Copies (ConfigMaps, Secrets, ServiceAccounts, PVCs) that a lower pod of another virtual
+//! node uses are not deleted: members on one lower cluster share them. They are handed to
+//! that node (its marks replace the leaving node's), which keeps them in step and removes
+//! them once no pod uses them.
 
+use std::collections::BTreeMap;
+use std::future::Future;
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{
-    ConfigMap, Endpoints, Node, PersistentVolumeClaim, Pod, Secret, Service, ServiceAccount,
+    ConfigMap, Endpoints, Node, ObjectReference, PersistentVolumeClaim, Pod, Secret, Service,
+    ServiceAccount,
 };
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, EvictParams, ListParams, Patch, PatchParams};
+use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Client, Resource, ResourceExt};
 use serde::de::DeserializeOwned;
 use serde_json::json;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::api::{delete_exact, is_status};
-use crate::translate::meta::Owner;
+use crate::duration::format_duration;
+use crate::translate::deps::{DependencyKind, pod_dependencies};
+use crate::translate::meta::{OWNER_NODE_LABEL, Owner, UPPER_CLUSTER_LABEL};
 
 /// How often a drain looks again at the pods left on the node.
 const DRAIN_POLL: Duration = Duration::from_secs(2);
+
+/// The least time the lower cleanup gets once the bound has passed (a leave tried again
+/// after its bound tries the lower cluster once more before giving it up).
+const LAST_TRY: Duration = Duration::from_secs(20);
+
+/// How many pod names an Event lists.
+const NAMED_IN_EVENT: usize = 10;
 
 /// Why a leave did not finish.
 #[derive(Debug, thiserror::Error)]
@@ -62,13 +89,75 @@ fn lower_error(action: &'static str, object: &str) -> impl FnOnce(kube::Error) -
     }
 }
 
+/// How long a leave may take (`--leave-timeout`), and when it is over.
+#[derive(Clone, Copy, Debug)]
+pub struct Bound {
+    /// When the leave must be over.
+    pub until: Instant,
+    /// `--leave-timeout`.
+    pub timeout: Duration,
+}
+
+impl Bound {
+    /// The bound of the leave of the member Secret `secret`: `timeout` from its deletion.
+    pub fn of(secret: &Secret, timeout: Duration) -> Self {
+        let left = time_left(
+            secret.metadata.deletion_timestamp.as_ref(),
+            timeout,
+            Timestamp::now(),
+        );
+        Self {
+            until: Instant::now() + left,
+            timeout,
+        }
+    }
+
+    fn passed(&self) -> bool {
+        Instant::now() >= self.until
+    }
+}
+
+/// What is left at `now` of `timeout` from `deleted` (all of it if not deleted; none if it
+/// passed; a deletion time ahead of this clock counts as now).
+fn time_left(deleted: Option<&Time>, timeout: Duration, now: Timestamp) -> Duration {
+    let Some(Time(deleted)) = deleted else {
+        return timeout;
+    };
+    let elapsed = Duration::try_from(now.duration_since(*deleted)).unwrap_or(Duration::ZERO);
+    timeout.saturating_sub(elapsed)
+}
+
+/// Says `note` in an Event of `reason` on the member Secret `object`.
+async fn say(
+    recorder: &Recorder,
+    object: &ObjectReference,
+    type_: EventType,
+    reason: &str,
+    note: String,
+) {
+    let event = Event {
+        type_,
+        reason: reason.into(),
+        note: Some(note),
+        action: "Membership".into(),
+        secondary: None,
+    };
+    if let Err(error) = recorder.publish(&event, object).await {
+        tracing::debug!(%error, cluster = "upper", "publishing an event on a member Secret");
+    }
+}
+
 /// Cordons `node` and evicts every pod bound to it but DaemonSet pods (which a Node's
 /// deletion ends), until none is left: a pod a PodDisruptionBudget protects is tried again
 /// every [`DRAIN_POLL`], as `kubectl drain` does. Its member must run meanwhile: it deletes
-/// each evicted pod's lower copy and then finishes the upper pod's deletion.
+/// each evicted pod's lower copy and then finishes the upper pod's deletion. Once `bound`
+/// has passed, the pods left are deleted with no grace period (their lower copies, if the
+/// lower cluster still answers, go with the lower cleanup), said in an Event on `object`.
 pub async fn drain(
     upper: &Client,
     node: &str,
+    bound: Bound,
+    (recorder, object): (&Recorder, &ObjectReference),
     shutdown: &CancellationToken,
 ) -> Result<(), LeaveError> {
     let nodes: Api<Node> = Api::all(upper.clone());
@@ -99,6 +188,31 @@ pub async fn drain(
             info!(%node, cluster = "upper", "member leaving: node drained");
             return Ok(());
         }
+        if bound.passed() {
+            let forced = force_delete(upper, node, &left).await?;
+            let mut named = forced
+                .iter()
+                .take(NAMED_IN_EVENT)
+                .cloned()
+                .collect::<Vec<_>>();
+            if forced.len() > NAMED_IN_EVENT {
+                named.push(format!("and {} more", forced.len() - NAMED_IN_EVENT));
+            }
+            say(
+                recorder,
+                object,
+                EventType::Warning,
+                "MemberLeaveForced",
+                format!(
+                    "node {node}: {} pods not ended within --leave-timeout ({}) deleted with no grace period (their member could not end them: is its lower cluster gone?): {}",
+                    forced.len(),
+                    format_duration(bound.timeout),
+                    named.join(", ")
+                ),
+            )
+            .await;
+            return Ok(());
+        }
         for pod in left
             .iter()
             .filter(|p| p.metadata.deletion_timestamp.is_none())
@@ -114,11 +228,29 @@ pub async fn drain(
                     "member leaving: evicting a pod failed; trying again"),
             }
         }
+        let next = (Instant::now() + DRAIN_POLL).min(bound.until);
         tokio::select! {
             () = shutdown.cancelled() => return Err(LeaveError::Shutdown),
-            () = tokio::time::sleep(DRAIN_POLL) => {}
+            () = tokio::time::sleep_until(next) => {}
         }
     }
+}
+
+/// Deletes `pods` (of `node`) with no grace period, each under its UID; their keys.
+async fn force_delete(upper: &Client, node: &str, pods: &[Pod]) -> Result<Vec<String>, LeaveError> {
+    let mut forced = Vec::new();
+    for pod in pods {
+        let (namespace, name) = (pod.namespace().unwrap_or_default(), pod.name_any());
+        let key = format!("{namespace}/{name}");
+        let api: Api<Pod> = Api::namespaced(upper.clone(), &namespace);
+        delete_exact(&api, &name, pod.uid(), Some(0))
+            .await
+            .map_err(upper_error("deleting with no grace period pod", &key))?;
+        warn!(pod = %key, %node, cluster = "upper",
+            "member leaving: pod not ended within --leave-timeout, deleted with no grace period");
+        forced.push(key);
+    }
+    Ok(forced)
 }
 
 fn is_daemon_set_pod(pod: &Pod) -> bool {
@@ -127,24 +259,119 @@ fn is_daemon_set_pod(pod: &Pod) -> bool {
         .any(|o| o.kind == "DaemonSet" && o.controller == Some(true))
 }
 
+/// Runs `clean` (the lower cleanup) within `bound`. Its error fails the leave (tried
+/// again later) until the bound has passed; past it (or with no answer by then) the lower
+/// cluster is given up: `None`, said in an Event on `object` with the label that finds
+/// what is left there.
+pub async fn within<T>(
+    bound: Bound,
+    owner: &Owner,
+    (recorder, object): (&Recorder, &ObjectReference),
+    clean: impl Future<Output = Result<T, String>>,
+) -> Result<Option<T>, String> {
+    let node = &owner.node;
+    let left = bound
+        .until
+        .saturating_duration_since(Instant::now())
+        .max(LAST_TRY);
+    let error = match tokio::time::timeout(left, clean).await {
+        Ok(Ok(done)) => return Ok(Some(done)),
+        Ok(Err(error)) => error,
+        Err(_) => format!(
+            "node {node}: the lower cluster was not cleaned within {}",
+            format_duration(left)
+        ),
+    };
+    if !bound.passed() {
+        return Err(error);
+    }
+    warn!(%node, cluster = "lower", %error,
+        "member leaving: the lower cluster not cleaned within --leave-timeout; given up");
+    say(
+        recorder,
+        object,
+        EventType::Warning,
+        "MemberLeftUncleaned",
+        format!(
+            "{error}; given up after --leave-timeout ({}): what tensile made there for this node is left, labelled {}",
+            format_duration(bound.timeout),
+            owner.selector()
+        ),
+    )
+    .await;
+    Ok(None)
+}
+
 /// Deletes every lower object that carries `owner`'s marks (pods, ConfigMaps, Secrets,
-/// ServiceAccounts, PVCs, Services, EndpointSlices, Endpoints), each under its UID. Run
-/// once the member has stopped, so nothing re-creates them.
+/// ServiceAccounts, PVCs, Services, EndpointSlices, Endpoints), each under its UID, but
+/// the copies that another node's lower pod uses: those are handed to that node. Run once
+/// the member has stopped, so nothing re-creates them. How many objects were deleted.
 pub async fn clean_lower(lower: &Client, owner: &Owner) -> Result<usize, LeaveError> {
     let selector = owner.selector();
+    let none = BTreeMap::new();
     let mut deleted = 0;
-    deleted += delete_marked::<Pod>(lower, &selector).await?;
-    deleted += delete_marked::<ConfigMap>(lower, &selector).await?;
-    deleted += delete_marked::<Secret>(lower, &selector).await?;
-    deleted += delete_marked::<ServiceAccount>(lower, &selector).await?;
-    deleted += delete_marked::<PersistentVolumeClaim>(lower, &selector).await?;
-    deleted += delete_marked::<Service>(lower, &selector).await?;
-    deleted += delete_marked::<EndpointSlice>(lower, &selector).await?;
-    deleted += delete_marked::<Endpoints>(lower, &selector).await?;
+    deleted += delete_marked::<Pod>(lower, &selector, None, &none).await?;
+    // Read once this node's pods are going: what any other pod below uses stays.
+    let everyone: Api<Pod> = Api::all(lower.clone());
+    let below = everyone
+        .list(&ListParams::default())
+        .await
+        .map_err(lower_error("listing", "every Pod"))?;
+    let used = users(&below.items, owner);
+    use DependencyKind as D;
+    deleted += delete_marked::<ConfigMap>(lower, &selector, Some(D::ConfigMap), &used).await?;
+    deleted += delete_marked::<Secret>(lower, &selector, Some(D::Secret), &used).await?;
+    deleted +=
+        delete_marked::<ServiceAccount>(lower, &selector, Some(D::ServiceAccount), &used).await?;
+    deleted += delete_marked::<PersistentVolumeClaim>(
+        lower,
+        &selector,
+        Some(D::PersistentVolumeClaim),
+        &used,
+    )
+    .await?;
+    deleted += delete_marked::<Service>(lower, &selector, None, &none).await?;
+    deleted += delete_marked::<EndpointSlice>(lower, &selector, None, &none).await?;
+    deleted += delete_marked::<Endpoints>(lower, &selector, None, &none).await?;
     Ok(deleted)
 }
 
-async fn delete_marked<K>(lower: &Client, selector: &str) -> Result<usize, LeaveError>
+/// An object a pod uses: kind, namespace, name.
+type Used = (DependencyKind, String, String);
+
+/// What the lower `pods` that are not `leaving`'s use, each with the node to hand it to:
+/// the first user's owner that is a tensile node, or `None` if only pods of no tensile
+/// node use it.
+fn users(pods: &[Pod], leaving: &Owner) -> BTreeMap<Used, Option<Owner>> {
+    let mut used: BTreeMap<Used, Option<Owner>> = BTreeMap::new();
+    for pod in pods {
+        let labels = pod.metadata.labels.as_ref();
+        if leaving.owns(labels) {
+            continue;
+        }
+        let label = |key: &str| labels.and_then(|l| l.get(key)).cloned();
+        let owner = label(OWNER_NODE_LABEL)
+            .zip(label(UPPER_CLUSTER_LABEL))
+            .map(|(node, cluster)| Owner::new(node, cluster));
+        let namespace = pod.namespace().unwrap_or_default();
+        for dependency in pod_dependencies(pod, true) {
+            let entry = used
+                .entry((dependency.kind, namespace.clone(), dependency.name))
+                .or_default();
+            if entry.is_none() {
+                entry.clone_from(&owner);
+            }
+        }
+    }
+    used
+}
+
+async fn delete_marked<K>(
+    lower: &Client,
+    selector: &str,
+    dependency: Option<DependencyKind>,
+    used: &BTreeMap<Used, Option<Owner>>,
+) -> Result<usize, LeaveError>
 where
     K: Resource<DynamicType = (), Scope = k8s_openapi::NamespaceResourceScope>
         + Clone
@@ -163,16 +390,53 @@ where
     let mut deleted = 0;
     for object in found.items {
         let (namespace, name) = (object.namespace().unwrap_or_default(), object.name_any());
+        let key = format!("{namespace}/{name}");
         let api: Api<K> = Api::namespaced(lower.clone(), &namespace);
-        delete_exact(&api, &name, object.uid(), None)
-            .await
-            .map_err(lower_error(
-                "deleting",
-                &format!("{kind} {namespace}/{name}"),
-            ))?;
-        deleted += 1;
+        let user = dependency.and_then(|d| used.get(&(d, namespace.clone(), name.clone())));
+        match user {
+            Some(Some(heir)) => {
+                hand_over(&api, &object, heir)
+                    .await
+                    .map_err(lower_error("handing over", &format!("{kind} {key}")))?;
+                info!(object = %key, %kind, to = %heir.node, cluster = "lower",
+                    "member leaving: a copy another node's pod uses handed to that node");
+            }
+            Some(None) => {
+                info!(object = %key, %kind, cluster = "lower",
+                    "member leaving: a copy a pod of no virtual node uses is kept");
+            }
+            None => {
+                delete_exact(&api, &name, object.uid(), None)
+                    .await
+                    .map_err(lower_error("deleting", &format!("{kind} {key}")))?;
+                deleted += 1;
+            }
+        }
     }
     Ok(deleted)
+}
+
+/// Marks `object` as `heir`'s (its UID a precondition).
+async fn hand_over<K>(api: &Api<K>, object: &K, heir: &Owner) -> Result<(), kube::Error>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    let mut labels = BTreeMap::new();
+    heir.mark(&mut labels);
+    let patch = json!({"metadata": {"uid": object.uid(), "labels": labels}});
+    match api
+        .patch(
+            &object.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+    {
+        Ok(_) => Ok(()),
+        // Gone, or another object of that name now (it is not this node's to hand over).
+        Err(e) if is_status(&e, 404) || is_status(&e, 409) || is_status(&e, 422) => Ok(()),
+        Err(e) => Err(e),
+    }
 }
 
 /// Deletes the Node `node` (under its UID, if it still is the one read) and its Lease in
@@ -200,4 +464,70 @@ pub async fn delete_node(upper: &Client, node: &str) -> Result<(), LeaveError> {
     }
     info!(%node, cluster = "upper", "member left: node deleted");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str, labels: &[(&str, &str)], config_map: &str) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "ns",
+                         "labels": labels.iter().copied().collect::<BTreeMap<_, _>>()},
+            "spec": {"containers": [{"name": "c", "image": "i",
+                "envFrom": [{"configMapRef": {"name": config_map}}]}]},
+        }))
+        .unwrap()
+    }
+
+    /// Copies another node's pod uses go to that node; a pod of no node keeps a copy
+    /// (with no heir); the leaving node's own pods keep nothing.
+    #[test]
+    fn what_other_pods_use_is_handed_to_their_node() {
+        let leaving = Owner::new("vk-a", "c1");
+        let (a, b, other_cluster) = (
+            [(OWNER_NODE_LABEL, "vk-a"), (UPPER_CLUSTER_LABEL, "c1")],
+            [(OWNER_NODE_LABEL, "vk-b"), (UPPER_CLUSTER_LABEL, "c1")],
+            [(OWNER_NODE_LABEL, "vk-a"), (UPPER_CLUSTER_LABEL, "c2")],
+        );
+        let pods = [
+            pod("a", &a, "only-a"),
+            pod("a2", &a, "shared"),
+            pod("native", &[], "shared"),
+            pod("b", &b, "shared"),
+            pod("native2", &[], "native-only"),
+            pod("c2", &other_cluster, "same-name-node"),
+        ];
+        let used = users(&pods, &leaving);
+        let at = |name: &str| used.get(&(DependencyKind::ConfigMap, "ns".into(), name.into()));
+        assert_eq!(at("only-a"), None);
+        assert_eq!(at("shared"), Some(&Some(Owner::new("vk-b", "c1"))));
+        assert_eq!(at("native-only"), Some(&None));
+        assert_eq!(
+            at("same-name-node"),
+            Some(&Some(Owner::new("vk-a", "c2"))),
+            "a node of the same name in another upper cluster is another node"
+        );
+    }
+
+    #[test]
+    fn a_leave_is_bounded_from_the_deletion() {
+        let now = Timestamp::from_second(1_000).unwrap();
+        let at = |second| Time(Timestamp::from_second(second).unwrap());
+        let timeout = Duration::from_secs(600);
+        let cases = [
+            (None, timeout),
+            (Some(at(1_000)), timeout),
+            (Some(at(900)), Duration::from_secs(500)),
+            (Some(at(100)), Duration::ZERO),
+            (Some(at(2_000)), timeout),
+        ];
+        for (deleted, want) in cases {
+            assert_eq!(
+                time_left(deleted.as_ref(), timeout, now),
+                want,
+                "{deleted:?}"
+            );
+        }
+    }
 }

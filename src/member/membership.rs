@@ -458,26 +458,32 @@ async fn leave_member(
         format!("node {node}: cordoned and drained before it leaves"),
     )
     .await;
-    if let Err(error) = leave::drain(&shared.upper.client, &node, shutdown).await {
+    let bound = leave::Bound::of(secret, shared.args.leave_timeout);
+    let say = (recorder, &object);
+    if let Err(error) = leave::drain(&shared.upper.client, &node, bound, say, shutdown).await {
         stop(running).await;
         return Err(error.to_string());
     }
     let spec = running.spec.clone();
     stop(running).await;
     shared.metrics.forget_member(&node);
-    let lower = crate::clusters::connect(
-        crate::side::Side::Lower,
-        spec.lower.clone(),
-        spec.lower_limit,
-        shared.metrics.clone(),
-        None,
-    )
-    .await
-    .map_err(|e| format!("node {node}: {e}"))?;
     let owner = Owner::new(node.clone(), shared.cluster_id.clone());
-    let deleted = leave::clean_lower(&lower.client, &owner)
+    let deleted = leave::within(bound, &owner, say, async {
+        let lower = crate::clusters::connect(
+            crate::side::Side::Lower,
+            spec.lower.clone(),
+            spec.lower_limit,
+            shared.metrics.clone(),
+            None,
+        )
         .await
         .map_err(|e| format!("node {node}: {e}"))?;
+        leave::clean_lower(&lower.client, &owner)
+            .await
+            .map_err(|e| format!("node {node}: {e}"))
+    })
+    .await?
+    .unwrap_or(0);
     leave::delete_node(&shared.upper.client, &node)
         .await
         .map_err(|e| e.to_string())?;

@@ -1,0 +1,700 @@
+//! Members leaving and restarting, and `join`/`leave` from two upper clusters:
+//! - a copy that another member's pod uses below stays when the member that made it
+//!   leaves (handed to the other member, which removes it once unused);
+//! - a leave ends within `--leave-timeout` even once the lower cluster is gone, its pods
+//!   deleted upstairs, said in an Event;
+//! - a member that restarts again and again costs no list of the upper pods, and the
+//!   other member's pods carry on;
+//! - two upper clusters that join one lower cluster under one node name each have their
+//!   own identity below: a `leave` from one leaves the other's working; an identity of
+//!   the naming before is deleted only by the upper cluster whose member Secret holds it.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
+
+mod common;
+
+use std::net::Ipv4Addr;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{TIMEOUT, member_secret, wait_running};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, EnvFromSource, Event, Namespace, Node, Pod, Secret, ServiceAccount,
+};
+use k8s_openapi::api::rbac::v1::{ClusterRoleBinding, RoleRef, Subject};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use tensile::member::join::{LOWER_NAMESPACE, LowerIdentity, member_kubeconfig};
+use tensile::member::spec::{CLIENT_QPS_ANNOTATION, KUBECONFIG_KEY};
+use tensile::translate::meta::{OWNER_NODE_LABEL, Owner};
+use tensile_harness::fault_proxy::{Fault, FaultProxy};
+use tensile_harness::fixtures::{bound_pod, config_map};
+use tensile_harness::ports::free_port;
+use tensile_harness::{
+    ClusterOptions, ClusterPair, TestNamespace, VirtualNode, VirtualNodeOptions,
+    node_is_schedulable, wait_for,
+};
+
+fn binary() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_virtual-node"))
+}
+
+/// The identity tensile gives an upper cluster by default: its kube-system namespace's UID.
+async fn cluster_id(upper: &Client) -> String {
+    Api::<Namespace>::all(upper.clone())
+        .get("kube-system")
+        .await
+        .unwrap()
+        .uid()
+        .unwrap()
+}
+
+/// Waits for an Event of `reason` on the member Secret `secret` whose message says `says`.
+async fn event_on(events: &Api<Event>, secret: &str, reason: &str, says: &str) {
+    wait_for(
+        &format!("a {reason} Event on the member Secret {secret} saying {says:?}"),
+        TIMEOUT,
+        || async {
+            let found = events.list(&ListParams::default()).await?.items;
+            Ok(found
+                .iter()
+                .any(|e| {
+                    e.involved_object.name.as_deref() == Some(secret)
+                        && e.reason.as_deref() == Some(reason)
+                        && e.message.as_deref().unwrap_or_default().contains(says)
+                })
+                .then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+}
+
+/// Waits until `pods` has `name` Running; the virtual node's log tail on failure.
+async fn until_running(pods: &Api<Pod>, name: &str, vn: &mut VirtualNode) {
+    let running = wait_for(&format!("pod {name} Running"), TIMEOUT, || async {
+        let pod = pods.get_opt(name).await?;
+        Ok(pod
+            .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+            .map(|_| ()))
+    })
+    .await;
+    if let Err(error) = running {
+        let _ = vn.check_running();
+        panic!(
+            "{error:#}\n{}",
+            tensile_harness::process::tail(vn.log(), 40)
+        );
+    }
+}
+
+/// Waits until the member Secret `name` and the Node `node` are gone (the member left).
+async fn until_left(
+    secrets: &Api<Secret>,
+    nodes: &Api<Node>,
+    name: &str,
+    node: &str,
+    within: Duration,
+) {
+    wait_for(&format!("member {node} left"), within, || async {
+        let left = secrets.get_opt(name).await?.is_none() && nodes.get_opt(node).await?.is_none();
+        Ok(left.then_some(()))
+    })
+    .await
+    .unwrap();
+}
+
+/// A pod bound to `node` that takes its environment from the ConfigMap `config_map`.
+fn pod_using(name: &str, node: &str, config_map: &str) -> Pod {
+    let mut pod = bound_pod(name, node);
+    pod.metadata.labels = Some([("app".to_owned(), name.to_owned())].into());
+    if let Some(spec) = pod.spec.as_mut() {
+        for container in &mut spec.containers {
+            container.env_from = Some(vec![EnvFromSource {
+                config_map_ref: Some(k8s_openapi::api::core::v1::ConfigMapEnvSource {
+                    name: config_map.to_owned(),
+                    optional: Some(false),
+                }),
+                ..Default::default()
+            }]);
+        }
+    }
+    pod
+}
+
+/// Two members on one lower cluster: B's pod uses the copy of a ConfigMap that A made.
+/// A leaves: the copy stays (now B's) and B's pod runs on; once B's pod is gone, B removes
+/// the copy.
+#[tokio::test]
+async fn a_copy_another_members_pod_uses_stays_when_its_maker_leaves() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let (a, b) = ("vk-share-a", "vk-share-b");
+    let upper = pair.upper.client().await.unwrap();
+    let lower = pair.lower.client().await.unwrap();
+    let id = cluster_id(&upper).await;
+    let members = TestNamespace::create(&upper, "share-members")
+        .await
+        .unwrap();
+    let secrets: Api<Secret> = Api::namespaced(upper.clone(), &members.name);
+    for node in [a, b] {
+        secrets
+            .create(
+                &PostParams::default(),
+                &member_secret(node, node, &pair.lower.kubeconfig),
+            )
+            .await
+            .unwrap();
+    }
+    let mut vn = pair
+        .serve_members(binary(), "vk-share", &members.name, &[a, b], &[])
+        .await
+        .unwrap();
+    let ns = TestNamespace::create(&upper, "share").await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower.clone(), &ns.name);
+    let lower_config_maps: Api<ConfigMap> = Api::namespaced(lower.clone(), &ns.name);
+    Api::<ConfigMap>::namespaced(upper.clone(), &ns.name)
+        .create(
+            &PostParams::default(),
+            &config_map("shared", json!({"GREETING": "hello"})),
+        )
+        .await
+        .unwrap();
+
+    upper_pods
+        .create(&PostParams::default(), &pod_using("on-a", a, "shared"))
+        .await
+        .unwrap();
+    until_running(&upper_pods, "on-a", &mut vn).await;
+    let copy = lower_config_maps.get("shared").await.unwrap();
+    assert_eq!(
+        copy.labels().get(OWNER_NODE_LABEL).map(String::as_str),
+        Some(a),
+        "A made the copy"
+    );
+    upper_pods
+        .create(&PostParams::default(), &pod_using("on-b", b, "shared"))
+        .await
+        .unwrap();
+    until_running(&upper_pods, "on-b", &mut vn).await;
+    let below_b = wait_running(&lower_pods, "app=on-b", 1).await;
+
+    secrets.delete(a, &DeleteParams::default()).await.unwrap();
+    let nodes: Api<Node> = Api::all(upper.clone());
+    until_left(&secrets, &nodes, a, a, Duration::from_secs(180)).await;
+
+    let kept = lower_config_maps.get_opt("shared").await.unwrap();
+    assert_eq!(
+        kept.as_ref().and_then(ResourceExt::uid),
+        copy.uid(),
+        "the copy B's pod uses stays"
+    );
+    assert!(
+        Owner::new(b, &id).owns(kept.as_ref().map(|c| c.labels())),
+        "the copy is B's now: {:?}",
+        kept.map(|c| c.labels().clone())
+    );
+    assert_eq!(
+        lower_pods.get("on-b").await.unwrap().uid(),
+        below_b[0].uid(),
+        "B's pod below runs on"
+    );
+    assert_eq!(
+        upper_pods
+            .get("on-b")
+            .await
+            .unwrap()
+            .status
+            .and_then(|s| s.phase)
+            .as_deref(),
+        Some("Running")
+    );
+
+    // B's now: B removes it once no pod uses it.
+    upper_pods
+        .delete("on-b", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_for("B removes the copy no pod uses", TIMEOUT, || async {
+        Ok(lower_config_maps
+            .get_opt("shared")
+            .await?
+            .is_none()
+            .then_some(()))
+    })
+    .await
+    .unwrap();
+    secrets.delete(b, &DeleteParams::default()).await.unwrap();
+    until_left(&secrets, &nodes, b, b, Duration::from_secs(180)).await;
+    vn.check_running().unwrap();
+    vn.stop().unwrap();
+    ns.delete().await.unwrap();
+    members.delete().await.unwrap();
+}
+
+/// A member whose lower cluster is gone (its API server answers nothing) leaves within
+/// `--leave-timeout`: its evicted pods, which only it could end, are deleted upstairs with
+/// no grace period, and Events say so.
+#[tokio::test]
+async fn a_leave_ends_within_the_leave_timeout_once_the_lower_cluster_is_gone() {
+    const TIMEOUT_FLAG: Duration = Duration::from_secs(15);
+    let pair = ClusterPair::shared().await.unwrap();
+    let node = "vk-gone";
+    let upper = pair.upper.client().await.unwrap();
+    let lower = pair.lower.client().await.unwrap();
+    let proxy = FaultProxy::start(lower.clone()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxied = proxy
+        .write_kubeconfig(&dir.path().join("proxy.kubeconfig"))
+        .unwrap();
+    let members = TestNamespace::create(&upper, "gone-members").await.unwrap();
+    let secrets: Api<Secret> = Api::namespaced(upper.clone(), &members.name);
+    secrets
+        .create(&PostParams::default(), &member_secret(node, node, &proxied))
+        .await
+        .unwrap();
+    let mut vn = pair
+        .serve_members(
+            binary(),
+            "vk-gone",
+            &members.name,
+            &[node],
+            &["--leave-timeout=15s".to_owned()],
+        )
+        .await
+        .unwrap();
+    let ns = TestNamespace::create(&upper, "gone").await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    for name in ["one", "two"] {
+        upper_pods
+            .create(&PostParams::default(), &bound_pod(name, node))
+            .await
+            .unwrap();
+    }
+    until_running(&upper_pods, "one", &mut vn).await;
+    until_running(&upper_pods, "two", &mut vn).await;
+
+    // The lower API server gone: every connection closed unanswered.
+    proxy.set(Fault::Reset, 100);
+    let deleted = Instant::now();
+    secrets
+        .delete(node, &DeleteParams::default())
+        .await
+        .unwrap();
+    let nodes: Api<Node> = Api::all(upper.clone());
+    // The bound, and the lower cluster's last try (20 s), the member's stop and a poll.
+    until_left(
+        &secrets,
+        &nodes,
+        node,
+        node,
+        TIMEOUT_FLAG + Duration::from_secs(60),
+    )
+    .await;
+    println!("left in {:?} with --leave-timeout 15s", deleted.elapsed());
+    // No sooner than the bound (from the deletion time, which has whole seconds).
+    assert!(
+        deleted.elapsed() >= TIMEOUT_FLAG - Duration::from_secs(1),
+        "forced no sooner than the bound"
+    );
+    for name in ["one", "two"] {
+        assert!(
+            upper_pods.get_opt(name).await.unwrap().is_none(),
+            "upper pod {name} is gone"
+        );
+    }
+    let events: Api<Event> = Api::namespaced(upper.clone(), &members.name);
+    event_on(
+        &events,
+        node,
+        "MemberLeaveForced",
+        "2 pods not ended within --leave-timeout (15s)",
+    )
+    .await;
+    event_on(
+        &events,
+        node,
+        "MemberLeftUncleaned",
+        "given up after --leave-timeout (15s)",
+    )
+    .await;
+    vn.check_running().unwrap();
+    vn.stop().unwrap();
+
+    // What stays below (named by the Event's label) is this test's to remove.
+    let id = cluster_id(&upper).await;
+    let owned = ListParams::default().labels(&Owner::new(node, &id).selector());
+    for pod in Api::<Pod>::all(lower.clone())
+        .list(&owned)
+        .await
+        .unwrap()
+        .items
+    {
+        Api::<Pod>::namespaced(lower.clone(), &pod.namespace().unwrap())
+            .delete(&pod.name_any(), &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+    ns.delete().await.unwrap();
+    members.delete().await.unwrap();
+}
+
+/// Lines of the virtual node's log that say `text`.
+fn said(vn: &VirtualNode, text: &str) -> usize {
+    std::fs::read_to_string(vn.log())
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(text))
+        .count()
+}
+
+/// Member B restarts again and again (its Secret changed each time): the shared upper pod
+/// watch is not listed again (the router hands B its pods), A's pods run meanwhile, and B
+/// works after.
+#[tokio::test]
+async fn a_member_restarting_again_and_again_costs_no_list_of_upper_pods() {
+    const RESTARTS: usize = 5;
+    let pair = ClusterPair::shared().await.unwrap();
+    let (a, b) = ("vk-loop-a", "vk-loop-b");
+    let upper = pair.upper.client().await.unwrap();
+    let proxy = FaultProxy::start(upper.clone()).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxied = proxy
+        .write_kubeconfig(&dir.path().join("upper.kubeconfig"))
+        .unwrap();
+    let members = TestNamespace::create(&upper, "loop-members").await.unwrap();
+    let secrets: Api<Secret> = Api::namespaced(upper.clone(), &members.name);
+    for node in [a, b] {
+        secrets
+            .create(
+                &PostParams::default(),
+                &member_secret(node, node, &pair.lower.kubeconfig),
+            )
+            .await
+            .unwrap();
+    }
+    let mut options = VirtualNodeOptions::new(binary(), "vk-loop");
+    options.flags_member = false;
+    options.upper_kubeconfig = Some(proxied);
+    options.args = vec!["--members-namespace".into(), members.name.clone()];
+    let mut vn = pair.start_virtual_node(&options).unwrap();
+    let nodes: Api<Node> = Api::all(upper.clone());
+    for node in [a, b] {
+        let ready = wait_for(&format!("node {node} schedulable"), TIMEOUT, || async {
+            Ok(nodes
+                .get_opt(node)
+                .await?
+                .filter(node_is_schedulable)
+                .map(|_| ()))
+        })
+        .await;
+        if let Err(error) = ready {
+            let _ = vn.check_running();
+            panic!(
+                "{error:#}\n{}",
+                tensile_harness::process::tail(vn.log(), 40)
+            );
+        }
+    }
+    let ns = TestNamespace::create(&upper, "loop").await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    pods.create(&PostParams::default(), &bound_pod("b-before", b))
+        .await
+        .unwrap();
+    until_running(&pods, "b-before", &mut vn).await;
+    // A figure, not a bound (2 shared cores time nothing stably): A's pod created ->
+    // Running upstairs, B calm and B restarting.
+    let started = Instant::now();
+    pods.create(&PostParams::default(), &bound_pod("a-calm", a))
+        .await
+        .unwrap();
+    until_running(&pods, "a-calm", &mut vn).await;
+    let calm = started.elapsed();
+    let mut restarting = Vec::new();
+    let before = proxy.requests();
+
+    for restart in 1..=RESTARTS {
+        let patch = json!({"metadata": {"annotations": {
+            CLIENT_QPS_ANNOTATION: format!("{}", 100 + restart)
+        }}});
+        secrets
+            .patch(b, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .unwrap();
+        wait_for(
+            &format!("member B restarted ({restart})"),
+            TIMEOUT,
+            || async { Ok((said(&vn, "restarting its member") >= restart).then_some(())) },
+        )
+        .await
+        .unwrap();
+        // A's pods carry on while B restarts.
+        let name = format!("a-{restart}");
+        let started = Instant::now();
+        pods.create(&PostParams::default(), &bound_pod(&name, a))
+            .await
+            .unwrap();
+        until_running(&pods, &name, &mut vn).await;
+        restarting.push(started.elapsed());
+    }
+    pods.create(&PostParams::default(), &bound_pod("b-after", b))
+        .await
+        .unwrap();
+    until_running(&pods, "b-after", &mut vn).await;
+    let during = proxy.requests().since(&before);
+    println!(
+        "member A: a pod created -> Running in {calm:?} with B calm, {:?} at most while B restarts",
+        restarting.iter().max()
+    );
+    assert_eq!(
+        during.count("list", "pods"),
+        0,
+        "no list of upper pods during {RESTARTS} restarts of member B: {during:?}"
+    );
+
+    for node in [a, b] {
+        secrets
+            .delete(node, &DeleteParams::default())
+            .await
+            .unwrap();
+    }
+    for node in [a, b] {
+        until_left(&secrets, &nodes, node, node, Duration::from_secs(180)).await;
+    }
+    vn.check_running().unwrap();
+    vn.stop().unwrap();
+    ns.delete().await.unwrap();
+    members.delete().await.unwrap();
+}
+
+/// Runs `virtual-node <verb>` for `node` in the members namespace `namespace` of the upper
+/// cluster of `upper`, with the pair's lower cluster; what it printed, and whether it
+/// succeeded.
+async fn member_command(
+    pair: &ClusterPair,
+    verb: &str,
+    upper: &Path,
+    node: &str,
+    namespace: &str,
+) -> (bool, String) {
+    let output = tokio::process::Command::new(binary())
+        .arg(verb)
+        .args(["--nodename", node, "--members-namespace", namespace])
+        .arg("--kubeconfig")
+        .arg(upper)
+        .arg("--client-kubeconfig")
+        .arg(pair.lower_kubeconfig())
+        .arg(format!("--metrics-addr=127.0.0.1:{}", free_port().unwrap()))
+        .output()
+        .await
+        .unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    (output.status.success(), said)
+}
+
+/// A client of the lower cluster as the kubeconfig `text` (a member Secret's).
+async fn client_of(text: &str) -> Client {
+    let kubeconfig = kube::config::Kubeconfig::from_yaml(text).unwrap();
+    let config = kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+        .await
+        .unwrap();
+    Client::try_from(config).unwrap()
+}
+
+/// The kubeconfig of the member Secret `name` in `namespace` of `upper`.
+async fn member_kubeconfig_of(upper: &Client, namespace: &str, name: &str) -> String {
+    let secret = Api::<Secret>::namespaced(upper.clone(), namespace)
+        .get(name)
+        .await
+        .unwrap();
+    String::from_utf8(secret.data.unwrap().remove(KUBECONFIG_KEY).unwrap().0).unwrap()
+}
+
+/// Whether `client` (a member identity) is still let in: 401 is no.
+async fn authenticates(client: &Client) -> bool {
+    match Api::<Pod>::namespaced(client.clone(), LOWER_NAMESPACE)
+        .list(&ListParams::default().limit(1))
+        .await
+    {
+        Ok(_) => true,
+        // Let in, and refused by its RBAC: authenticated all the same.
+        Err(kube::Error::Api(status)) if status.code == 403 => true,
+        Err(kube::Error::Api(status)) if status.code == 401 => false,
+        Err(error) => panic!("listing pods as a member identity: {error}"),
+    }
+}
+
+/// Two upper clusters join one lower cluster under one node name: each has its own
+/// identity below, and a `leave` from one leaves the other's kubeconfig working. An
+/// identity of the naming before (`tensile-<node>`) is kept by a `leave` from the cluster
+/// whose member Secret does not hold its token, and deleted by the one whose does.
+#[tokio::test]
+async fn two_upper_clusters_join_one_lower_cluster_and_leave_alone() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let second = pair
+        .start_cluster(ClusterOptions::new(
+            "upper-join",
+            0,
+            (Ipv4Addr::new(10, 98, 0, 0), 16),
+            "10.225.0.0/16",
+        ))
+        .await
+        .unwrap();
+    let (upper, upper_2, lower) = (
+        pair.upper.client().await.unwrap(),
+        second.client().await.unwrap(),
+        pair.lower.client().await.unwrap(),
+    );
+    let node = "vk-twice";
+    let members = TestNamespace::create(&upper, "twice").await.unwrap();
+    common::create_namespace(&upper_2, &members.name, Default::default()).await;
+    for kubeconfig in [&pair.upper.kubeconfig, &second.kubeconfig] {
+        let (ok, said) = member_command(pair, "join", kubeconfig, node, &members.name).await;
+        assert!(ok, "{said}");
+    }
+    let id_2 = cluster_id(&upper_2).await;
+    let two = LowerIdentity::of(node, &id_2);
+    let first_client = client_of(&member_kubeconfig_of(&upper, &members.name, node).await).await;
+    let second_client = client_of(&member_kubeconfig_of(&upper_2, &members.name, node).await).await;
+    assert!(authenticates(&first_client).await);
+    assert!(authenticates(&second_client).await);
+
+    let (ok, said) =
+        member_command(pair, "leave", &pair.upper.kubeconfig, node, &members.name).await;
+    assert!(ok, "{said}");
+    wait_for(
+        "the first upper cluster's identity revoked",
+        TIMEOUT,
+        || async { Ok((!authenticates(&first_client).await).then_some(())) },
+    )
+    .await
+    .unwrap();
+    assert!(
+        authenticates(&second_client).await,
+        "the second upper cluster's identity still lets it in"
+    );
+    let accounts: Api<ServiceAccount> = Api::namespaced(lower.clone(), LOWER_NAMESPACE);
+    assert!(
+        accounts
+            .get_opt(&two.service_account)
+            .await
+            .unwrap()
+            .is_some()
+    );
+
+    // An identity of the naming before, joined from the first upper cluster: its member
+    // Secret there holds its token.
+    let old = "vk-old";
+    let legacy = LowerIdentity::legacy(old);
+    let mut account = ServiceAccount::default();
+    account.metadata.name = Some(legacy.service_account.clone());
+    accounts
+        .create(&PostParams::default(), &account)
+        .await
+        .unwrap();
+    let lower_secrets: Api<Secret> = Api::namespaced(lower.clone(), LOWER_NAMESPACE);
+    let mut token_secret = Secret::default();
+    token_secret.metadata.name = Some(legacy.token_secret.clone());
+    token_secret.metadata.annotations = Some(
+        [(
+            "kubernetes.io/service-account.name".to_owned(),
+            legacy.service_account.clone(),
+        )]
+        .into(),
+    );
+    token_secret.type_ = Some("kubernetes.io/service-account-token".into());
+    lower_secrets
+        .create(&PostParams::default(), &token_secret)
+        .await
+        .unwrap();
+    let binding = ClusterRoleBinding {
+        metadata: kube::api::ObjectMeta {
+            name: Some(legacy.binding.clone()),
+            ..Default::default()
+        },
+        role_ref: RoleRef {
+            api_group: Some("rbac.authorization.k8s.io".into()),
+            kind: "ClusterRole".into(),
+            name: "tensile-virtual-node-lower".into(),
+        },
+        subjects: Some(vec![Subject {
+            kind: "ServiceAccount".into(),
+            name: legacy.service_account.clone(),
+            namespace: Some(LOWER_NAMESPACE.into()),
+            ..Default::default()
+        }]),
+    };
+    Api::<ClusterRoleBinding>::all(lower.clone())
+        .create(&PostParams::default(), &binding)
+        .await
+        .unwrap();
+    let token = wait_for("the legacy token filled", TIMEOUT, || async {
+        Ok(lower_secrets
+            .get(&legacy.token_secret)
+            .await?
+            .data
+            .and_then(|mut d| d.remove("token"))
+            .map(|t| String::from_utf8(t.0).unwrap()))
+    })
+    .await
+    .unwrap();
+    let admin = kube::config::Kubeconfig::read_from(pair.lower_kubeconfig()).unwrap();
+    let kubeconfig = member_kubeconfig(&admin, &token, &legacy.service_account, |p| {
+        std::fs::read(p)
+    })
+    .unwrap();
+    let kubeconfig_file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(kubeconfig_file.path(), &kubeconfig).unwrap();
+    Api::<Secret>::namespaced(upper.clone(), &members.name)
+        .create(
+            &PostParams::default(),
+            &member_secret(old, old, kubeconfig_file.path()),
+        )
+        .await
+        .unwrap();
+
+    let (ok, said) = member_command(pair, "leave", &second.kubeconfig, old, &members.name).await;
+    assert!(ok, "{said}");
+    assert!(said.contains("kept"), "{said}");
+    assert!(
+        accounts
+            .get_opt(&legacy.service_account)
+            .await
+            .unwrap()
+            .is_some(),
+        "not the second cluster's to delete"
+    );
+    let (ok, said) =
+        member_command(pair, "leave", &pair.upper.kubeconfig, old, &members.name).await;
+    assert!(ok, "{said}");
+    assert!(said.contains("was this cluster's: deleted"), "{said}");
+    assert!(
+        accounts
+            .get_opt(&legacy.service_account)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(
+        Api::<ClusterRoleBinding>::all(lower.clone())
+            .get_opt(&legacy.binding)
+            .await
+            .unwrap()
+            .is_none()
+    );
+
+    let (ok, said) = member_command(pair, "leave", &second.kubeconfig, node, &members.name).await;
+    assert!(ok, "{said}");
+    assert!(
+        accounts
+            .get_opt(&two.service_account)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    members.delete().await.unwrap();
+}
