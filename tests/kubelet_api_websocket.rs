@@ -17,8 +17,12 @@ use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
-use tensile_harness::fixtures::bound_pod;
-use tensile_harness::{ClusterPair, TestNamespace};
+use tensile_harness::fixtures::{bound_pod, merge};
+use tensile_harness::real_node::BUSYBOX_IMAGE;
+use tensile_harness::{
+    ClusterPair, PairOptions, TestNamespace, cri_log_line, real_node_placement, rfc3339, wait_for,
+};
+use tokio::io::AsyncWriteExt;
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::handshake::client::generate_key;
@@ -105,21 +109,18 @@ fn frame(protocol: &str, channel: u8, payload: &[u8]) -> Message {
     }
 }
 
-/// Runs one call: sends `stdin` (then, under v5, closes it), reads every channel until the
-/// server closes.
-async fn run(client: &kube::Client, path: &str, protocol: &str, stdin: Option<&[u8]>) -> Session {
+/// Runs one call: sends `input` (channel, payload: stdin 0, resize 4, v5's close 255),
+/// reads every channel until the server closes.
+async fn run(client: &kube::Client, path: &str, protocol: &str, input: &[(u8, &[u8])]) -> Session {
     let (mut socket, chosen) = open(client, path, protocol)
         .await
         .unwrap_or_else(|(code, body)| panic!("{protocol} {path}: {code} {body}"));
     assert_eq!(chosen.as_deref(), Some(protocol), "{path}");
-    if let Some(input) = stdin {
-        socket.send(frame(protocol, 0, input)).await.unwrap();
-        if protocol == "v5.channel.k8s.io" {
-            socket
-                .send(Message::Binary(Bytes::from_static(&[255, 0])))
-                .await
-                .unwrap();
-        }
+    for (channel, payload) in input {
+        socket
+            .send(frame(protocol, *channel, payload))
+            .await
+            .unwrap();
     }
     let mut session = Session::default();
     let read = async {
@@ -174,6 +175,52 @@ fn exec_path(ns: &str, pod: &str, command: &[&str], streams: &str) -> String {
         })
         .collect();
     format!("/api/v1/namespaces/{ns}/pods/{pod}/exec?container=app&{streams}{command}")
+}
+
+/// Attaches to `path` over `protocol` (binary) until stdout shows `want`, then leaves.
+async fn attach_shows(client: &kube::Client, path: &str, protocol: &str, want: &str) {
+    let (mut socket, chosen) = open(client, path, protocol)
+        .await
+        .unwrap_or_else(|(code, body)| panic!("{protocol} {path}: {code} {body}"));
+    assert_eq!(chosen.as_deref(), Some(protocol));
+    let mut stdout = String::new();
+    let shown = tokio::time::timeout(TIMEOUT, async {
+        while let Some(Ok(message)) = socket.next().await {
+            if let Message::Binary(bytes) = message
+                && let Some((1, payload)) = bytes.split_first()
+            {
+                stdout.push_str(&String::from_utf8_lossy(payload));
+                if stdout.contains(want) {
+                    return true;
+                }
+            }
+        }
+        false
+    })
+    .await;
+    assert_eq!(shown, Ok(true), "{protocol} {path}: {stdout:?}");
+    let _ = socket.close(None).await;
+}
+
+/// Appends a line with `marker` to kwok's attach log every 200 ms until aborted.
+fn keep_appending(path: std::path::PathBuf, marker: String) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_secs();
+            let mut file = tokio::fs::OpenOptions::new()
+                .append(true)
+                .open(&path)
+                .await
+                .unwrap();
+            file.write_all(cri_log_line(&rfc3339(now), &marker).as_bytes())
+                .await
+                .unwrap();
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    })
 }
 
 /// A virtual node and a pod bound to it, Running.
@@ -231,7 +278,7 @@ async fn exec_over_websockets_reaches_a_pod_on_the_virtual_node_as_it_does_below
                 &["echo", "remote execution test"],
                 "stdout=1&stderr=1",
             );
-            let ok = run(client, &echo, protocol, None).await;
+            let ok = run(client, &echo, protocol, &[]).await;
             assert_eq!(ok.stdout, "remote execution test\n", "{cluster} {protocol}");
             assert_eq!(ok.stderr, "", "{cluster} {protocol}");
             if v4 {
@@ -242,7 +289,7 @@ async fn exec_over_websockets_reaches_a_pod_on_the_virtual_node_as_it_does_below
             // A failing command: its output on both channels, and a Failure verdict.
             let script = "echo out; echo err >&2; exit 3";
             let failing = exec_path(n, "ws", &["sh", "-c", script], "stdout=1&stderr=1");
-            let failed = run(client, &failing, protocol, None).await;
+            let failed = run(client, &failing, protocol, &[]).await;
             assert_eq!(
                 (failed.stdout.as_str(), failed.stderr.as_str()),
                 ("out\n", "err\n"),
@@ -260,7 +307,7 @@ async fn exec_over_websockets_reaches_a_pod_on_the_virtual_node_as_it_does_below
             }
             // stdin reaches the command (`head -n 1`: kwok never closes a command's input).
             let head = exec_path(n, "ws", &["head", "-n", "1"], "stdin=1&stdout=1&stderr=1");
-            let echoed = run(client, &head, protocol, Some(b"hello websocket\n")).await;
+            let echoed = run(client, &head, protocol, &[(0, b"hello websocket\n")]).await;
             assert_eq!(echoed.stdout, "hello websocket\n", "{cluster} {protocol}");
             seen.push((ok, failed, echoed));
         }
@@ -293,6 +340,155 @@ async fn exec_over_websockets_reaches_a_pod_on_the_virtual_node_as_it_does_below
             summary(&seen[1]),
             "{protocol}: upper vs lower"
         );
+    }
+    // attach: what the container prints from then on, on stdout.
+    let marker = format!("attached over a WebSocket {n}");
+    let appending = keep_appending(pair.lower.kwok_follow_log(), marker.clone());
+    let attach = format!("/api/v1/namespaces/{n}/pods/ws/attach?container=app&stdout=1");
+    for protocol in ["channel.k8s.io", "v4.channel.k8s.io"] {
+        for (_, client) in &clients {
+            attach_shows(client, &attach, protocol, &marker).await;
+        }
+    }
+    appending.abort();
+    ns.delete().await.unwrap();
+}
+
+/// A pod bound to `node` whose lower copy runs on the real node (the placement in
+/// `clusterSelector`, as the webhook stashes it), sleeping in busybox.
+fn real_pod(name: &str, node: &str) -> Pod {
+    let mut pod = bound_pod(name, node);
+    pod.metadata.annotations = Some(
+        [(
+            "clusterSelector".to_owned(),
+            real_node_placement().to_string(),
+        )]
+        .into(),
+    );
+    let mut spec = serde_json::to_value(pod.spec.take().unwrap()).unwrap();
+    merge(
+        &mut spec,
+        json!({
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{
+                "name": "app",
+                "image": BUSYBOX_IMAGE,
+                "command": ["sh", "-c", "exec sleep 3600"],
+            }],
+        }),
+    );
+    pod.spec = Some(serde_json::from_value(spec).unwrap());
+    pod
+}
+
+/// Against a real kubelet (containerd, runc) below: the exit code in the v4 Status, a
+/// TTY resized over the resize channel, stdin closed by v5's close signal; the same
+/// upstairs (through the virtual node) as straight below.
+#[tokio::test]
+async fn exec_over_websockets_carries_exit_codes_tty_resize_and_stdin_close_on_a_real_node() {
+    const NODE: &str = "vk-real-ws";
+    let pair = ClusterPair::start(PairOptions::default()).await.unwrap();
+    let real = pair
+        .start_real_node("lower-real-ws")
+        .await
+        .unwrap_or_else(|error| panic!("the real node did not start: {error:#}"));
+    let _vk = start_node(&pair, NODE, &[]).await;
+    let upper = pair.upper.client().await.unwrap();
+    let lower = pair.lower.client().await.unwrap();
+    let ns = TestNamespace::create(&upper, "kubelet-ws-real")
+        .await
+        .unwrap();
+    let n = ns.name.as_str();
+    Api::<Pod>::namespaced(upper.clone(), n)
+        .create(&PostParams::default(), &real_pod("shell", NODE))
+        .await
+        .unwrap();
+    let (upper_pods, lower_pods) = (
+        Api::<Pod>::namespaced(upper.clone(), n),
+        Api::<Pod>::namespaced(lower.clone(), n),
+    );
+    let ran = wait_for("shell Running below and upstairs", TIMEOUT, || async {
+        let below = lower_pods.get_opt("shell").await?;
+        let above = upper_pods.get_opt("shell").await?;
+        Ok((below.as_ref().is_some_and(common::running)
+            && above.as_ref().is_some_and(common::running))
+        .then_some(()))
+    })
+    .await;
+    if let Err(error) = ran {
+        panic!("{error:#}\n{}", real.logs_tail(30));
+    }
+    for (cluster, client) in [("upper", &upper), ("lower", &lower)] {
+        // The exit code: v4's Status, and before v4 the kubelet's message.
+        let failing = exec_path(
+            n,
+            "shell",
+            &["sh", "-c", "echo out; exit 3"],
+            "stdout=1&stderr=1",
+        );
+        for protocol in [
+            "v4.channel.k8s.io",
+            "v4.base64.channel.k8s.io",
+            "v5.channel.k8s.io",
+        ] {
+            let failed = run(client, &failing, protocol, &[]).await;
+            assert_eq!(failed.stdout, "out\n", "{cluster} {protocol}");
+            let status = failed.status();
+            assert_eq!(
+                (&status["status"], &status["reason"]),
+                (&json!("Failure"), &json!("NonZeroExitCode")),
+                "{cluster} {protocol}: {status}"
+            );
+            assert_eq!(
+                status["details"]["causes"],
+                json!([{"reason": "ExitCode", "message": "3"}]),
+                "{cluster} {protocol}: {status}"
+            );
+        }
+        let failed = run(client, &failing, "channel.k8s.io", &[]).await;
+        assert!(
+            // The message's tail is the kubelet's below, and the lower API server's (which
+            // translates the virtual node's v5 call to SPDY) through the virtual node.
+            failed
+                .error
+                .starts_with("command terminated with non-zero exit code: ")
+                && failed.error.ends_with("exit code 3"),
+            "{cluster} channel.k8s.io: {failed:?}"
+        );
+        // A TTY, sized over the resize channel before the command looks.
+        let script =
+            "until [ \"$(stty size 2>/dev/null)\" = \"33 77\" ]; do usleep 20000; done; stty size";
+        let tty = exec_path(
+            n,
+            "shell",
+            &["timeout", "30", "sh", "-c", script],
+            "stdin=1&stdout=1&tty=1",
+        );
+        for protocol in ["v4.channel.k8s.io", "channel.k8s.io"] {
+            let sized = run(
+                client,
+                &tty,
+                protocol,
+                &[(4, br#"{"Width":77,"Height":33}"#)],
+            )
+            .await;
+            assert_eq!(sized.stdout, "33 77\r\n", "{cluster} {protocol}: {sized:?}");
+        }
+        // v5: stdin to its end, closed by the close signal; the command sees the end.
+        let cat = exec_path(
+            n,
+            "shell",
+            &["sh", "-c", "cat; echo done"],
+            "stdin=1&stdout=1&stderr=1",
+        );
+        let input: &[(u8, &[u8])] = &[(0, b"hello\n"), (0, b"again\n"), (255, &[0])];
+        let echoed = run(client, &cat, "v5.channel.k8s.io", input).await;
+        assert_eq!(
+            echoed.stdout, "hello\nagain\ndone\n",
+            "{cluster}: {echoed:?}"
+        );
+        assert_eq!(echoed.status()["status"], "Success", "{cluster}");
     }
     ns.delete().await.unwrap();
 }

@@ -1,7 +1,8 @@
 //! exec, attach and port-forward: the streams kube-apiserver opens on an SPDY connection
 //! (remotecommand v4, portforward.k8s.io) joined to the same call on the lower pod over
 //! WebSocket: exec and attach through kube's client, port-forward through
-//! [`lower_port_forward`], one WebSocket for each forwarded connection.
+//! [`lower_port_forward`], one WebSocket for each forwarded connection. exec and attach
+//! over a WebSocket ([`super::websocket`]) feed the same lower call ([`call_lower`]).
 
 use std::time::{Duration, Instant};
 
