@@ -322,7 +322,11 @@ pub async fn exec(
                         }
                     }
                     Ok(FromClient::Closed) => return,
-                    Ok(other) => debug!(?other, "exec/attach over WebSocket: message ignored"),
+                    Ok(FromClient::Data(channel, _) | FromClient::CloseStream(channel)) => {
+                        // Never the payload: it may be what the user types.
+                        debug!(channel, "exec/attach over WebSocket: message ignored");
+                    }
+                    Ok(FromClient::Nothing) => {}
                     Err(error) => debug!(%error, "exec/attach over WebSocket: message ignored"),
                 }
             }
