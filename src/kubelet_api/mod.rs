@@ -8,6 +8,7 @@ pub mod resource_scrape;
 pub mod route;
 pub mod spdy;
 pub mod streams;
+pub mod websocket;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -322,6 +323,12 @@ async fn handle(
                 return text(StatusCode::BAD_REQUEST, "missing command");
             }
             let (pod, container) = (lower_target(&target).name, target.container.clone());
+            if websocket::is_upgrade(req.headers()) {
+                return upgrade_websocket(&api, req, &target, move |socket, protocol, pods| {
+                    websocket::exec(socket, protocol, pods, pod, container, Some(command), flags)
+                })
+                .await;
+            }
             upgrade(
                 &api,
                 req,
@@ -333,6 +340,12 @@ async fn handle(
         }
         Route::Attach(target, flags) => {
             let (pod, container) = (lower_target(&target).name, target.container.clone());
+            if websocket::is_upgrade(req.headers()) {
+                return upgrade_websocket(&api, req, &target, move |socket, protocol, pods| {
+                    websocket::exec(socket, protocol, pods, pod, container, None, flags)
+                })
+                .await;
+            }
             upgrade(
                 &api,
                 req,
@@ -480,6 +493,7 @@ async fn logs(
 }
 
 /// Answers an SPDY upgrade with 101 and hands the connection to `serve`.
+/// (A WebSocket upgrade of exec and attach goes to [`upgrade_websocket`].)
 async fn upgrade<F, Fut>(
     api: &KubeletApi,
     mut req: Request<Incoming>,
@@ -499,7 +513,7 @@ where
     if !upgrade.eq_ignore_ascii_case("SPDY/3.1") {
         return text(
             StatusCode::BAD_REQUEST,
-            "this call needs an Upgrade: SPDY/3.1 connection",
+            "this call needs an Upgrade: SPDY/3.1 (or, for exec and attach, websocket) connection",
         );
     }
     let offered: Vec<String> = req
@@ -541,6 +555,62 @@ where
         "X-Stream-Protocol-Version",
         HeaderValue::from_static(protocol),
     );
+    response
+}
+
+/// Answers a WebSocket upgrade (exec, attach) with 101 and the protocol chosen, and hands
+/// the socket to `serve`.
+async fn upgrade_websocket<F, Fut>(
+    api: &KubeletApi,
+    mut req: Request<Incoming>,
+    target: &Target,
+    serve: F,
+) -> Response<Body>
+where
+    F: FnOnce(websocket::ClientSocket, websocket::Protocol, Api<Pod>) -> Fut + Send + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    let handshake = match websocket::handshake(req.headers()) {
+        Ok(handshake) => handshake,
+        Err((status, message)) => return text(status, message),
+    };
+    let pods = match mirrored(api, target).await {
+        Ok(pods) => pods,
+        Err(response) => return response,
+    };
+    let on_upgrade = hyper::upgrade::on(&mut req);
+    let span = info_span!(
+        "stream",
+        pod = %format!("{}/{}", target.namespace, target.pod),
+        protocol = handshake.protocol_name.unwrap_or("channel.k8s.io"),
+    );
+    let protocol = handshake.protocol;
+    tokio::spawn(
+        async move {
+            match on_upgrade.await {
+                Ok(upgraded) => {
+                    serve(websocket::server_socket(upgraded).await, protocol, pods).await
+                }
+                Err(error) => warn!(%error, "kubelet API: WebSocket upgrade failed"),
+            }
+        }
+        .instrument(span),
+    );
+    let mut response = text(StatusCode::SWITCHING_PROTOCOLS, String::new());
+    let headers = response.headers_mut();
+    headers.remove(header::CONTENT_TYPE);
+    headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+    headers.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+    match HeaderValue::from_str(&handshake.accept) {
+        Ok(accept) => headers.insert(header::SEC_WEBSOCKET_ACCEPT, accept),
+        Err(error) => return text(StatusCode::INTERNAL_SERVER_ERROR, error.to_string()),
+    };
+    if let Some(name) = handshake.protocol_name {
+        headers.insert(
+            header::SEC_WEBSOCKET_PROTOCOL,
+            HeaderValue::from_static(name),
+        );
+    }
     response
 }
 

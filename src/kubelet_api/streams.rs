@@ -1,7 +1,8 @@
 //! exec, attach and port-forward: the streams kube-apiserver opens on an SPDY connection
 //! (remotecommand v4, portforward.k8s.io) joined to the same call on the lower pod over
 //! WebSocket: exec and attach through kube's client, port-forward through
-//! [`lower_port_forward`], one WebSocket for each forwarded connection.
+//! [`lower_port_forward`], one WebSocket for each forwarded connection. exec and attach
+//! over a WebSocket ([`super::websocket`]) feed the same lower call ([`call_lower`]).
 
 use std::time::{Duration, Instant};
 
@@ -12,7 +13,7 @@ use hyper_util::rt::TokioIo;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Status;
 use kube::api::{Api, AttachParams, AttachedProcess, TerminalSize};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
@@ -110,42 +111,18 @@ pub async fn exec(
         return;
     }
     debug!(object = %pod, kind = "Pod", cluster = "lower", ?flags, "streams gathered; calling the lower pod");
-    let params = AttachParams {
-        container: Some(container),
-        stdin: flags.stdin,
-        stdout: flags.stdout,
-        stderr: flags.stderr && !flags.tty,
-        tty: flags.tty,
-        // kube's default is 1 KiB, a DATA frame per KiB: slow for `kubectl cp`.
-        max_stdin_buf_size: Some(STREAM_BUFFER),
-        max_stdout_buf_size: Some(STREAM_BUFFER),
-        max_stderr_buf_size: Some(STREAM_BUFFER),
+    let ends = ClientEnds {
+        stdin: streams.stdin.take(),
+        stdout: streams.stdout.take(),
+        stderr: streams.stderr.take(),
+        resize: streams.resize.take(),
     };
-    let started = match &command {
-        Some(command) => pods.exec(&pod, command.clone(), &params).await,
-        None => pods.attach(&pod, &params).await,
-    };
-    let status = match started {
-        Ok(process) => {
-            // The client may go away without a word (killed, network gone) while the
-            // command prints nothing: the end of the connection ends the lower call too.
-            let closed = async { while conn.accept().await.is_some() {} };
-            tokio::select! {
-                status = run_process(process, &mut streams) => status,
-                () = closed => {
-                    debug!(object = %pod, kind = "Pod", cluster = "lower", "exec/attach: the client went away; ending the lower call");
-                    return;
-                }
-            }
-        }
-        Err(kube::Error::Api(status)) => Status {
-            status: Some("Failure".into()),
-            message: Some(status.message.clone()),
-            reason: Some(status.reason.clone()),
-            code: Some(i32::from(status.code)),
-            ..Status::default()
-        },
-        Err(error) => failure(&format!("lower cluster: {error}")),
+    // The client may go away without a word (killed, network gone) while the command
+    // prints nothing: the end of the connection ends the lower call too.
+    let closed = async { while conn.accept().await.is_some() {} };
+    let Some(status) = call_lower(&pods, &pod, container, command, flags, ends, closed).await
+    else {
+        return;
     };
     if let Some(mut error) = streams.error.take() {
         // v4: Success is written too; the client reads it as a clean exit.
@@ -159,19 +136,90 @@ pub async fn exec(
     conn.close().await;
 }
 
-/// Joins the client's streams to the lower process until it ends; its status.
-async fn run_process(mut process: AttachedProcess, streams: &mut ExecStreams) -> Status {
+/// The client's ends of one exec or attach, whatever carries them (SPDY streams, or the
+/// channels of a WebSocket): what the command reads, and where its output goes.
+#[derive(Debug)]
+pub struct ClientEnds<I, O> {
+    /// Standard input, when asked for.
+    pub stdin: Option<I>,
+    /// Standard output, when asked for.
+    pub stdout: Option<O>,
+    /// Standard error, when asked for (never with a TTY).
+    pub stderr: Option<O>,
+    /// Terminal sizes (JSON `{"Width":…,"Height":…}` one after the other), with a TTY.
+    pub resize: Option<I>,
+}
+
+/// Starts `command` (or an attach, without one) in `container` of the lower pod and joins
+/// `ends` to it until it ends: the status for the client's error stream, or `None` when
+/// `gone` (the client went away) came first, which ends the lower call.
+pub async fn call_lower<I, O>(
+    pods: &Api<Pod>,
+    pod: &str,
+    container: String,
+    command: Option<Vec<String>>,
+    flags: StreamFlags,
+    ends: ClientEnds<I, O>,
+    gone: impl Future<Output = ()>,
+) -> Option<Status>
+where
+    I: AsyncRead + Unpin + Send + 'static,
+    O: AsyncWrite + Unpin,
+{
+    let params = AttachParams {
+        container: Some(container),
+        stdin: flags.stdin,
+        stdout: flags.stdout,
+        stderr: flags.stderr && !flags.tty,
+        tty: flags.tty,
+        // kube's default is 1 KiB, a DATA frame per KiB: slow for `kubectl cp`.
+        max_stdin_buf_size: Some(STREAM_BUFFER),
+        max_stdout_buf_size: Some(STREAM_BUFFER),
+        max_stderr_buf_size: Some(STREAM_BUFFER),
+    };
+    let started = match command {
+        Some(command) => pods.exec(pod, command, &params).await,
+        None => pods.attach(pod, &params).await,
+    };
+    let status = match started {
+        Ok(process) => {
+            tokio::select! {
+                status = run_process(process, ends) => status,
+                () = gone => {
+                    debug!(object = %pod, kind = "Pod", cluster = "lower", "exec/attach: the client went away; ending the lower call");
+                    return None;
+                }
+            }
+        }
+        Err(kube::Error::Api(status)) => Status {
+            status: Some("Failure".into()),
+            message: Some(status.message.clone()),
+            reason: Some(status.reason.clone()),
+            code: Some(i32::from(status.code)),
+            ..Status::default()
+        },
+        Err(error) => failure(&format!("lower cluster: {error}")),
+    };
+    Some(status)
+}
+
+/// Joins the client's ends to the lower process until it ends; its status.
+async fn run_process<I, O>(mut process: AttachedProcess, ends: ClientEnds<I, O>) -> Status
+where
+    I: AsyncRead + Unpin + Send + 'static,
+    O: AsyncWrite + Unpin,
+{
     let status = process.take_status();
-    let input = match (streams.stdin.take(), process.stdin()) {
+    let input = match (ends.stdin, process.stdin()) {
         (Some(from), Some(to)) => Some(tokio::spawn(pump(from, to, "stdin"))),
         _ => None,
     };
-    let resize = match (streams.resize.take(), process.terminal_size()) {
+    let resize = match (ends.resize, process.terminal_size()) {
         (Some(from), Some(to)) => Some(tokio::spawn(forward_resizes(from, to))),
         _ => None,
     };
-    let stdout = copy_out(process.stdout(), streams.stdout.take());
-    let stderr = copy_out(process.stderr(), streams.stderr.take());
+    let stdout = copy_out(process.stdout(), ends.stdout);
+    let stderr = copy_out(process.stderr(), ends.stderr);
     tokio::join!(stdout, stderr);
     // Output is done (or was never asked for): the status ends the call, so a command fed
     // only stdin keeps it until it exits.
@@ -196,7 +244,7 @@ async fn run_process(mut process: AttachedProcess, streams: &mut ExecStreams) ->
     }
 }
 
-async fn copy_out(from: Option<impl AsyncRead + Unpin>, to: Option<StreamWriter>) {
+async fn copy_out(from: Option<impl AsyncRead + Unpin>, to: Option<impl AsyncWrite + Unpin>) {
     if let (Some(from), Some(to)) = (from, to) {
         pump(from, to, "output").await;
     }
@@ -206,7 +254,7 @@ async fn copy_out(from: Option<impl AsyncRead + Unpin>, to: Option<StreamWriter>
 /// byte at a time and must not wait for more), then closes `to`.
 async fn pump(
     mut from: impl AsyncRead + Unpin,
-    mut to: impl tokio::io::AsyncWrite + Unpin,
+    mut to: impl AsyncWrite + Unpin,
     what: &'static str,
 ) {
     let mut buffer = vec![0u8; 32 * 1024];
@@ -229,7 +277,7 @@ async fn pump(
 
 /// The resize stream is a sequence of JSON objects `{"Width":…,"Height":…}`.
 async fn forward_resizes(
-    mut from: StreamReader,
+    mut from: impl AsyncRead + Unpin,
     mut to: futures::channel::mpsc::Sender<TerminalSize>,
 ) {
     let mut buffer = Vec::new();
