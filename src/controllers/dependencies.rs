@@ -241,3 +241,41 @@ fn kind_name(kind: DependencyKind) -> &'static str {
         DependencyKind::ServiceAccount => "ServiceAccount",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::translate::meta::UPPER_CLUSTER_LABEL;
+    use crate::translate::namespace::{Mapping, Mode};
+
+    /// When a pod is made below, its lower namespace is checked again as it is then:
+    /// another upper cluster or a user may have made it after the mapping was chosen.
+    #[test]
+    fn a_pods_lower_namespace_is_admitted_as_it_is_now() {
+        let owner = Owner::new("vk", "c1");
+        let mut mapping = Mapping::new(Mode::Prefixed, "c1".into());
+        mapping.set("shop", "shop-c1").unwrap();
+        mapping.set("team", "chosen").unwrap();
+        let view = NamespaceView::new(mapping);
+        let marked = |cluster: &str| BTreeMap::from([(UPPER_CLUSTER_LABEL.into(), cluster.into())]);
+        let unmarked = BTreeMap::new();
+        // (upper namespace, the lower namespace's labels, refused with)
+        let cases = [
+            ("shop", &marked("c1"), None),
+            ("shop", &unmarked, None),
+            ("shop", &marked("c2"), Some("LowerNamespaceNotOurs")),
+            ("team", &marked("c1"), None),
+            ("team", &unmarked, Some("LowerNamespaceNotOurs")),
+            ("team", &marked("c2"), Some("LowerNamespaceNotOurs")),
+        ];
+        for (namespace, labels, want) in cases {
+            let got = admitted(&view, namespace, &owner, Some(labels));
+            let reason = match &got {
+                Err(Error::NamespaceRefused { reason, .. }) => Some(*reason),
+                Err(other) => panic!("{other}"),
+                Ok(()) => None,
+            };
+            assert_eq!(reason, want, "{namespace} {labels:?}: {got:?}");
+        }
+    }
+}
