@@ -6,9 +6,9 @@
 //! namespace: the one mapped first keeps it, the other gets its default name and an Event.
 
 use std::cell::OnceCell;
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, ObjectReference, Pod};
@@ -281,27 +281,52 @@ pub async fn load(
     Ok(())
 }
 
-/// What the lower cluster holds under each of `names`, read with `lower` (a client without
-/// the view).
-async fn below_of(
-    lower: &Client,
-    cluster: &str,
-    names: BTreeSet<String>,
-) -> Result<BTreeMap<String, Below>, String> {
-    let api = Api::<Namespace>::all(lower.clone());
-    let mut found = BTreeMap::new();
-    for name in names {
-        let below = match api
-            .get_metadata_opt(&name)
-            .await
-            .map_err(|e| format!("lower cluster: reading Namespace {name}: {e}"))?
-        {
-            None => Below::Absent,
-            Some(ns) => Below::of(ns.metadata.labels.as_ref(), cluster),
-        };
-        found.insert(name, below);
+/// How long what a lower Namespace was read to hold is trusted: a refused namespace is
+/// looked at again every [`RETRY`], its lower Namespace read at most this often (a pod's
+/// namespace is read again anyway when the pod is made below).
+const BELOW_TTL: Duration = Duration::from_secs(30);
+
+/// What the lower cluster holds under the names a mapping may change to, as last read.
+#[derive(Default)]
+struct LowerNamespaces {
+    seen: HashMap<String, (Below, Instant)>,
+}
+
+impl LowerNamespaces {
+    /// Reads those of `names` not read within [`BELOW_TTL`] with `lower` (a client without
+    /// the view), and forgets the others.
+    async fn refresh(
+        &mut self,
+        lower: &Client,
+        cluster: &str,
+        names: BTreeSet<String>,
+    ) -> Result<(), String> {
+        self.seen
+            .retain(|name, (_, at)| names.contains(name) && at.elapsed() < BELOW_TTL);
+        let api = Api::<Namespace>::all(lower.clone());
+        for name in names {
+            if self.seen.contains_key(&name) {
+                continue;
+            }
+            let below = match api
+                .get_metadata_opt(&name)
+                .await
+                .map_err(|e| format!("lower cluster: reading Namespace {name}: {e}"))?
+            {
+                None => Below::Absent,
+                Some(ns) => Below::of(ns.metadata.labels.as_ref(), cluster),
+            };
+            self.seen.insert(name, (below, Instant::now()));
+        }
+        Ok(())
     }
-    Ok(found)
+
+    /// What `name` holds, as last read (absent if it was not).
+    fn get(&self, name: &str) -> Below {
+        self.seen
+            .get(name)
+            .map_or(Below::Absent, |(below, _)| below.clone())
+    }
 }
 
 /// Keeps `view` in step with the upper Namespaces until `shutdown`; `lower_pods` says
@@ -325,6 +350,7 @@ pub async fn run(
     let (store, mut stream, ready) = (reflected.store, reflected.stream, reflected.ready);
     let mut tick = tokio::time::interval(RETRY);
     let mut warned: HashSet<Refusal> = HashSet::new();
+    let mut lower_namespaces = LowerNamespaces::default();
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
@@ -338,20 +364,18 @@ pub async fn run(
         let wanted = wanted(namespaces.iter().map(AsRef::as_ref));
         let before = view.read().clone();
         // Read before the mapping is locked; only the names a mapping may change to.
-        let below = match below_of(
-            &lower,
-            &ctx.owner.cluster,
-            looked_at(&before, &suffix, &wanted),
-        )
-        .await
+        if let Err(error) = lower_namespaces
+            .refresh(
+                &lower,
+                &ctx.owner.cluster,
+                looked_at(&before, &suffix, &wanted),
+            )
+            .await
         {
-            Ok(below) => below,
-            Err(error) => {
-                warn!(error = %error, "namespace mapping: retried in {RETRY:?}");
-                continue;
-            }
-        };
-        let below = |name: &str| below.get(name).cloned().unwrap_or(Below::Absent);
+            warn!(error = %error, "namespace mapping: retried in {RETRY:?}");
+            continue;
+        }
+        let below = |name: &str| lower_namespaces.get(name);
         let refused = {
             // Which namespaces have pods below: read from the store (every pod) only when
             // a mapping is about to change.
