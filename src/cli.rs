@@ -66,20 +66,21 @@ pub struct Args {
     #[arg(long, value_parser = parse_period, default_value = "10m")]
     pub leave_timeout: Duration,
 
-    /// Requests per second to the lower cluster.
-    #[arg(long, value_parser = parse_qps, default_value_t = 500.0)]
+    /// Requests per second to the lower cluster, as client-go reads it: 0 is client-go's
+    /// default (5), a negative number no limit, a positive one at least 0.01.
+    #[arg(long, value_parser = parse_qps, default_value_t = 500.0, allow_negative_numbers = true)]
     pub client_qps: f64,
 
-    /// Burst of requests to the lower cluster.
-    #[arg(long, value_parser = value_parser!(u32).range(1..), default_value_t = 1000)]
+    /// Burst of requests to the lower cluster (0: client-go's default, 10).
+    #[arg(long, value_parser = parse_burst, default_value_t = 1000, allow_negative_numbers = true)]
     pub client_burst: u32,
 
-    /// Requests per second to the upper cluster.
-    #[arg(long, value_parser = parse_qps, default_value_t = 500.0)]
+    /// Requests per second to the upper cluster, as `--client-qps`.
+    #[arg(long, value_parser = parse_qps, default_value_t = 500.0, allow_negative_numbers = true)]
     pub kube_api_qps: f64,
 
-    /// Burst of requests to the upper cluster.
-    #[arg(long, value_parser = value_parser!(u32).range(1..), default_value_t = 1000)]
+    /// Burst of requests to the upper cluster, as `--client-burst`.
+    #[arg(long, value_parser = parse_burst, default_value_t = 1000, allow_negative_numbers = true)]
     pub kube_api_burst: u32,
 
     /// Pod labels removed before mirroring (kept in the `tripped-labels` annotation).
@@ -282,6 +283,21 @@ pub struct Args {
     /// `tensile.dev/lower-namespace: NAME` maps to NAME.
     #[arg(long, value_parser = parse_lower_namespace, default_value = "same")]
     pub lower_namespace: crate::translate::namespace::Mode,
+
+    /// Lower namespaces that `--lower-namespace=prefixed` or `annotation` never maps an
+    /// upper namespace to (comma-separated), besides `kube-*` and `tensile-system` (where
+    /// `virtual-node join` keeps member identities).
+    #[arg(long, value_delimiter = ',', value_parser = parse_reserved_namespace)]
+    pub reserved_lower_namespaces: Vec<String>,
+}
+
+fn parse_reserved_namespace(text: &str) -> Result<String, String> {
+    let name = text.trim();
+    if name.is_empty() || crate::translate::namespace::is_namespace_name(name) {
+        Ok(name.to_owned())
+    } else {
+        Err(format!("{name:?} is not a namespace name"))
+    }
 }
 
 fn parse_lower_namespace(text: &str) -> Result<crate::translate::namespace::Mode, String> {
@@ -439,16 +455,59 @@ pub fn parse_ttl(text: &str) -> Result<Duration, String> {
     duration_in(Duration::ZERO, MAX_DURATION)(text)
 }
 
-/// Requests per second: a positive, finite number.
+/// client-go's requests per second where a client's is 0 (`rest.DefaultQPS`).
+pub const CLIENT_GO_DEFAULT_QPS: f64 = 5.0;
+/// client-go's burst where a client's is 0 (`rest.DefaultBurst`).
+pub const CLIENT_GO_DEFAULT_BURST: u32 = 10;
+/// The fewest requests per second a limit may allow (one every 100 s): fewer would leave
+/// the node unable to keep its Lease, and the limiter's window (burst / qps) beyond what a
+/// timer can be set to.
+pub const MIN_QPS: f64 = 0.01;
+
+/// Requests per second (`--client-qps`, `--kube-api-qps`), read as client-go reads
+/// `rest.Config.QPS` so that tensile-kube's values keep their meaning: 0 is client-go's
+/// default ([`CLIENT_GO_DEFAULT_QPS`]), a negative number means no limit (answered as
+/// infinity), a positive one must be at least [`MIN_QPS`]; not a number, or not finite, is
+/// refused.
 pub fn parse_qps(text: &str) -> Result<f64, String> {
     let qps: f64 = text
         .trim()
         .parse()
         .map_err(|_| format!("invalid number {text:?}"))?;
-    if qps.is_finite() && qps > 0.0 {
-        Ok(qps)
+    if !qps.is_finite() {
+        return Err(format!(
+            "{text:?}: must be a finite number (0: client-go's default {CLIENT_GO_DEFAULT_QPS}, \
+             negative: no limit, else at least {MIN_QPS})"
+        ));
+    }
+    if qps == 0.0 {
+        Ok(CLIENT_GO_DEFAULT_QPS)
+    } else if qps < 0.0 {
+        Ok(f64::INFINITY)
+    } else if qps < MIN_QPS {
+        Err(format!(
+            "{text}: must be at least {MIN_QPS} requests per second (0: client-go's default \
+             {CLIENT_GO_DEFAULT_QPS}, negative: no limit)"
+        ))
     } else {
-        Err("must be a positive number".into())
+        Ok(qps)
+    }
+}
+
+/// A burst (`--client-burst`, `--kube-api-burst`), read as client-go reads
+/// `rest.Config.Burst`: 0 is client-go's default ([`CLIENT_GO_DEFAULT_BURST`]); negative,
+/// which makes client-go fail every request, is refused.
+pub fn parse_burst(text: &str) -> Result<u32, String> {
+    let burst: i64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("invalid whole number {text:?}"))?;
+    match burst {
+        0 => Ok(CLIENT_GO_DEFAULT_BURST),
+        b if b < 0 => Err(format!(
+            "{text}: must be 0 (client-go's default {CLIENT_GO_DEFAULT_BURST}) or more"
+        )),
+        b => u32::try_from(b).map_err(|_| format!("{text}: must be at most {}", u32::MAX)),
     }
 }
 
@@ -740,14 +799,95 @@ mod tests {
         let cases = [
             ("500", Some(500.0)),
             ("0.5", Some(0.5)),
-            ("0", None),
-            ("-1", None),
+            ("0.01", Some(0.01)),
+            // tensile-kube's values, as client-go reads them: 0 its default, below 0 none.
+            ("0", Some(CLIENT_GO_DEFAULT_QPS)),
+            ("-1", Some(f64::INFINITY)),
+            ("-0.5", Some(f64::INFINITY)),
+            // A window of burst / qps seconds no timer can be set to (it panicked).
+            ("1e-30", None),
+            ("0.009", None),
+            ("5e-324", None),
             ("NaN", None),
             ("inf", None),
+            ("-inf", None),
             ("fast", None),
+            ("", None),
         ];
         for (text, want) in cases {
             assert_eq!(parse_qps(text).ok(), want, "{text:?}");
+        }
+        let error = parse_qps("1e-30").unwrap_err();
+        assert!(error.contains("at least 0.01"), "{error}");
+    }
+
+    #[test]
+    fn reserved_lower_namespaces() {
+        let args = Args::try_parse_from([
+            "virtual-node",
+            "--client-kubeconfig",
+            "k",
+            "--reserved-lower-namespaces=infra, vault,",
+        ])
+        .unwrap();
+        let reserved =
+            crate::translate::namespace::Reserved::new(args.reserved_lower_namespaces.clone());
+        for name in ["infra", "vault", "kube-system", "tensile-system"] {
+            assert!(reserved.contains(name), "{name}");
+        }
+        assert!(!reserved.contains("shop"));
+        assert!(
+            Args::try_parse_from([
+                "virtual-node",
+                "--client-kubeconfig",
+                "k",
+                "--reserved-lower-namespaces=Not_A_Name",
+            ])
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn burst() {
+        let cases = [
+            ("1000", Some(1000)),
+            ("1", Some(1)),
+            ("0", Some(CLIENT_GO_DEFAULT_BURST)),
+            ("4294967295", Some(u32::MAX)),
+            ("4294967296", None),
+            ("-1", None),
+            ("1.5", None),
+            ("many", None),
+        ];
+        for (text, want) in cases {
+            assert_eq!(parse_burst(text).ok(), want, "{text:?}");
+        }
+    }
+
+    /// Every value a flag accepts makes a rate limit that does not panic.
+    #[test]
+    fn accepted_rates_make_a_limiter() {
+        for qps in ["0", "-1", "0.01", "1", "500", "1e300"] {
+            for burst in ["0", "1", "1000", "4294967295"] {
+                let args = Args::try_parse_from([
+                    "virtual-node",
+                    "--client-kubeconfig",
+                    "k",
+                    &format!("--client-qps={qps}"),
+                    &format!("--client-burst={burst}"),
+                    "--kube-api-qps",
+                    qps,
+                    "--kube-api-burst",
+                    burst,
+                ])
+                .unwrap_or_else(|e| panic!("{qps} {burst}: {e}"));
+                for (qps, burst) in [
+                    (args.client_qps, args.client_burst),
+                    (args.kube_api_qps, args.kube_api_burst),
+                ] {
+                    let _ = crate::clusters::RateLimit { qps, burst }.window();
+                }
+            }
         }
     }
 
@@ -762,11 +902,12 @@ mod tests {
             "--full-resync-period=-1m",
             "--pod-sync-workers=0",
             "--pod-sync-workers=-1",
-            "--client-qps=0",
-            "--client-qps=-5",
-            "--kube-api-qps=0",
-            "--client-burst=0",
-            "--kube-api-burst=0",
+            "--client-qps=1e-30",
+            "--client-qps=0.001",
+            "--kube-api-qps=1e-30",
+            "--kube-api-qps=NaN",
+            "--client-burst=-1",
+            "--kube-api-burst=-5",
             "--authorization-webhook-cache-authorized-ttl=-1s",
             "--authorization-webhook-cache-unauthorized-ttl=forever",
             // Written to the Lease in whole seconds.
@@ -789,9 +930,26 @@ mod tests {
             "--status-sync-workers=0",
             "--authorization-webhook-cache-authorized-ttl=0",
             "--client-qps=0.5",
+            // tensile-kube's int flags and node-cli's float ones, as client-go reads them.
+            "--kube-api-qps=0",
+            "--client-burst=0",
+            "--kube-api-burst=-0",
         ])
         .unwrap();
         assert_eq!(fine.full_resync_period, Duration::from_secs(60));
+        assert_eq!(fine.client_qps, 0.5);
+        assert_eq!(fine.kube_api_qps, CLIENT_GO_DEFAULT_QPS);
+        assert_eq!(fine.client_burst, CLIENT_GO_DEFAULT_BURST);
+        assert_eq!(fine.kube_api_burst, CLIENT_GO_DEFAULT_BURST);
+        let unlimited = Args::try_parse_from([
+            "virtual-node",
+            "--client-kubeconfig",
+            "k",
+            "--client-qps",
+            "-1",
+        ])
+        .unwrap();
+        assert!(unlimited.client_qps.is_infinite());
     }
 
     #[test]

@@ -160,6 +160,9 @@ impl HeartbeatClients {
     }
 }
 
+/// The longest rate-limit window: a year.
+const MAX_WINDOW: Duration = Duration::from_secs(365 * 24 * 3600);
+
 /// Requests per second and burst for one client.
 #[derive(Clone, Copy, Debug)]
 pub struct RateLimit {
@@ -173,10 +176,19 @@ impl RateLimit {
     /// `burst` requests per `burst / qps` seconds: the sustained rate is `qps`, and a quiet
     /// client can send `burst` at once.
     fn layer(self) -> RateLimitLayer {
+        RateLimitLayer::new(u64::from(self.burst.max(1)), self.window())
+    }
+
+    /// The limiter's window, `burst / qps` seconds: at least 1 ms (no limit: a `qps` of 0
+    /// or less, or infinite), at most a year (whatever `qps` a member's annotation or a
+    /// caller gives, never a `Duration` that overflows).
+    pub fn window(self) -> Duration {
         let burst = self.burst.max(1);
         let qps = if self.qps > 0.0 { self.qps } else { f64::MAX };
-        let window = Duration::from_secs_f64((f64::from(burst) / qps).max(0.001));
-        RateLimitLayer::new(u64::from(burst), window)
+        let seconds = (f64::from(burst) / qps).max(0.001);
+        Duration::try_from_secs_f64(seconds)
+            .unwrap_or(MAX_WINDOW)
+            .min(MAX_WINDOW)
     }
 }
 
@@ -710,6 +722,10 @@ pub const UPPER_IDENTITY_PERMISSIONS: &[Permission] = &[sub("create", "serviceac
 pub const UPPER_NAMESPACE_PERMISSIONS: &[Permission] =
     &[perm("list", "namespaces"), perm("watch", "namespaces")];
 
+/// What `--lower-namespace` other than `same` adds in the lower cluster: the Namespaces
+/// listed at start, to know which a mapping may choose (whose marks they carry).
+pub const LOWER_NAMESPACE_PERMISSIONS: &[Permission] = &[perm("list", "namespaces")];
+
 /// The member Secrets: watched, and their finalizer added and removed.
 const MEMBER_SECRET_VERBS: [&str; 4] = ["list", "watch", "get", "patch"];
 
@@ -758,6 +774,7 @@ pub fn needed_permissions(side: Side, features: Features) -> Vec<Permission> {
             (true, LOWER_PERMISSIONS),
             (features.services, LOWER_SERVICE_PERMISSIONS),
             (features.volumes, LOWER_PV_PERMISSIONS),
+            (features.namespaces, LOWER_NAMESPACE_PERMISSIONS),
         ],
     };
     let mut needed: Vec<Permission> = tables

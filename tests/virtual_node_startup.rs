@@ -211,7 +211,9 @@ fn nonsensical_flags_exit_2_with_one_line_naming_the_flag() {
     let cases: [(&str, &[&str], &str); 6] = [
         (virtual_node, &lower, "--full-resync-period=0"),
         (virtual_node, &lower, "--pod-sync-workers=0"),
-        (virtual_node, &lower, "--client-qps=-1"),
+        // A positive rate too small for a limiter (it panicked); -1, client-go's "no
+        // limit", is accepted since tensile-kube's command lines may say it.
+        (virtual_node, &lower, "--client-qps=1e-30"),
         (virtual_node, &lower, "--nodename=Not_A_Name"),
         (descheduler, &[], "--leader-elect-retry-period=0"),
         (descheduler, &[], "--descheduling-interval=1ns"),

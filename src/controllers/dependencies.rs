@@ -1,8 +1,12 @@
 //! Before a pod is created below, what it references must exist there: its Namespace and
 //! the ConfigMaps, Secrets, PVCs and ServiceAccount it names. Each is created from its
 //! upper original only when missing; an existing lower object (ours or not) is used as it
-//! is and never overwritten.
+//! is and never overwritten. Under namespace remapping, the lower namespace itself is used
+//! only when the mapping may choose it ([`crate::translate::namespace::admit`]), so a pod
+//! never meets the ServiceAccounts and Secrets of a namespace that is not this upper
+//! cluster's.
 
+use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::time::{Duration, Instant};
 
@@ -17,6 +21,7 @@ use serde::de::DeserializeOwned;
 
 use super::{Context, Error, api_error};
 use crate::api::is_status;
+use crate::lower_view::NamespaceView;
 use crate::side::Side;
 use crate::translate::TranslateError;
 use crate::translate::config::stamped_copy;
@@ -24,6 +29,7 @@ use crate::translate::deps::{
     Dependency, DependencyKind, lower_namespace, lower_pvc, lower_service_account, pod_dependencies,
 };
 use crate::translate::meta::{OWNER_NODE_LABEL, Owner};
+use crate::translate::namespace::Below;
 
 /// Ensures everything `pod` needs exists in the lower cluster. Fails naming every missing
 /// upper object at once.
@@ -68,19 +74,28 @@ pub async fn ensure_for_pod(ctx: &Context, pod: &Pod, pod_key: &str) -> Result<(
 
 /// Creates the lower namespace when missing; a namespace tensile creates is then given a
 /// moment for the lower controller-manager to add its `default` ServiceAccount, which pod
-/// admission needs.
+/// admission needs. Under `--lower-namespace` other than `same`, an existing lower namespace
+/// is used only if the mapping may choose it as it is now ([`admitted`]): between the
+/// mapping and the pod, another upper cluster may have made it, or a user.
 pub(crate) async fn ensure_namespace(ctx: &Context, namespace: &str) -> Result<(), Error> {
     let cache_key = format!("Namespace/{namespace}");
     if ctx.known_present.contains(&cache_key) {
         return Ok(());
     }
     let namespaces: Api<Namespace> = Api::all(ctx.lower.clone());
-    let exists = namespaces
+    let existing = namespaces
         .get_metadata_opt(namespace)
         .await
-        .map_err(api_error(Side::Lower, "reading", "Namespace", namespace))?
-        .is_some();
-    if !exists {
+        .map_err(api_error(Side::Lower, "reading", "Namespace", namespace))?;
+    if let (Some(existing), Some(view)) = (&existing, &ctx.namespaces) {
+        admitted(
+            view,
+            namespace,
+            &ctx.owner,
+            existing.metadata.labels.as_ref(),
+        )?;
+    }
+    if existing.is_none() {
         match namespaces
             .create(
                 &PostParams::default(),
@@ -109,6 +124,27 @@ pub(crate) async fn ensure_namespace(ctx: &Context, namespace: &str) -> Result<(
     }
     ctx.known_present.insert(cache_key);
     Ok(())
+}
+
+/// Whether the upper namespace `namespace` may use its lower namespace (in `view`), which
+/// exists with `labels`.
+fn admitted(
+    view: &NamespaceView,
+    namespace: &str,
+    owner: &Owner,
+    labels: Option<&BTreeMap<String, String>>,
+) -> Result<(), Error> {
+    let mapping = view.read();
+    let Some(lower) = mapping.to_lower(namespace) else {
+        // Read through the view already: not reached.
+        return Ok(());
+    };
+    mapping
+        .admit(namespace, &lower, &Below::of(labels, &owner.cluster))
+        .map_err(|refused| Error::NamespaceRefused {
+            reason: refused.reason,
+            note: refused.note,
+        })
 }
 
 /// Makes sure the lower copy of one dependency exists. `Ok(false)`: the upper original
@@ -203,5 +239,43 @@ fn kind_name(kind: DependencyKind) -> &'static str {
         DependencyKind::Secret => "Secret",
         DependencyKind::PersistentVolumeClaim => "PersistentVolumeClaim",
         DependencyKind::ServiceAccount => "ServiceAccount",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::translate::meta::UPPER_CLUSTER_LABEL;
+    use crate::translate::namespace::{Mapping, Mode};
+
+    /// When a pod is made below, its lower namespace is checked again as it is then:
+    /// another upper cluster or a user may have made it after the mapping was chosen.
+    #[test]
+    fn a_pods_lower_namespace_is_admitted_as_it_is_now() {
+        let owner = Owner::new("vk", "c1");
+        let mut mapping = Mapping::new(Mode::Prefixed, "c1".into());
+        mapping.set("shop", "shop-c1").unwrap();
+        mapping.set("team", "chosen").unwrap();
+        let view = NamespaceView::new(mapping);
+        let marked = |cluster: &str| BTreeMap::from([(UPPER_CLUSTER_LABEL.into(), cluster.into())]);
+        let unmarked = BTreeMap::new();
+        // (upper namespace, the lower namespace's labels, refused with)
+        let cases = [
+            ("shop", &marked("c1"), None),
+            ("shop", &unmarked, None),
+            ("shop", &marked("c2"), Some("LowerNamespaceNotOurs")),
+            ("team", &marked("c1"), None),
+            ("team", &unmarked, Some("LowerNamespaceNotOurs")),
+            ("team", &marked("c2"), Some("LowerNamespaceNotOurs")),
+        ];
+        for (namespace, labels, want) in cases {
+            let got = admitted(&view, namespace, &owner, Some(labels));
+            let reason = match &got {
+                Err(Error::NamespaceRefused { reason, .. }) => Some(*reason),
+                Err(other) => panic!("{other}"),
+                Ok(()) => None,
+            };
+            assert_eq!(reason, want, "{namespace} {labels:?}: {got:?}");
+        }
     }
 }

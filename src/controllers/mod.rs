@@ -35,6 +35,7 @@ use self::failure_backoff::FailureBackoff;
 use self::presence::PresenceCache;
 use self::references::References;
 use self::write_budget::{Admission, LONGEST_DELAY, QUIET, WriteBudget};
+use crate::lower_view::NamespaceView;
 use crate::metrics::Metrics;
 use crate::side::Side;
 use crate::translate::TranslateError;
@@ -88,6 +89,16 @@ pub enum Error {
         /// Our node.
         node: String,
     },
+    /// The lower namespace an upper namespace maps to may not be used
+    /// (`--lower-namespace`: a reserved one, or one tensile did not make for this upper
+    /// cluster).
+    #[error("lower cluster: {note}")]
+    NamespaceRefused {
+        /// The Event's reason.
+        reason: &'static str,
+        /// Which namespaces, and why.
+        note: String,
+    },
     /// The pod cannot be translated (e.g. a malformed annotation).
     #[error(transparent)]
     Translate(#[from] TranslateError),
@@ -103,6 +114,7 @@ impl Error {
             Self::Api { .. } => "api",
             Self::MissingDependencies { .. } => "missing_dependency",
             Self::Conflict { .. } | Self::Taken { .. } => "conflict",
+            Self::NamespaceRefused { .. } => "namespace_refused",
             Self::Translate(_) => "translate",
             Self::Shutdown => "shutdown",
         }
@@ -118,6 +130,7 @@ impl Error {
             Self::MissingDependencies { .. } => Some("MissingDependency"),
             Self::Conflict { .. } => Some("LowerPodConflict"),
             Self::Taken { .. } => Some("LowerObjectConflict"),
+            Self::NamespaceRefused { reason, .. } => Some(reason),
             Self::Translate(_) => Some("TranslationFailed"),
         }
     }
@@ -170,6 +183,9 @@ pub struct Context {
     pub upper_watches: Option<Arc<UpperWatches>>,
     /// With `--upper-identity`, the token controller's state; `None` without.
     pub tokens: Option<Arc<token::Tokens>>,
+    /// With `--lower-namespace` other than `same`, the mapping the lower client speaks
+    /// through; `None` without.
+    pub namespaces: Option<Arc<NamespaceView>>,
 }
 
 impl Context {
@@ -199,7 +215,14 @@ impl Context {
             references: References::default(),
             upper_watches: None,
             tokens: None,
+            namespaces: None,
         }
+    }
+
+    /// The same context, its lower client speaking through the namespace mapping `view`.
+    pub fn viewing(mut self, view: Option<Arc<NamespaceView>>) -> Self {
+        self.namespaces = view;
+        self
     }
 
     /// The same context, giving offloaded pods their upper identity (`--upper-identity`).

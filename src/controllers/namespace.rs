@@ -6,9 +6,9 @@
 //! namespace: the one mapped first keeps it, the other gets its default name and an Event.
 
 use std::cell::OnceCell;
-use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Namespace, ObjectReference, Pod};
@@ -24,7 +24,7 @@ use super::stores::{Ready, reflected};
 use crate::lower_view::NamespaceView;
 use crate::side::Side;
 use crate::translate::meta::Owner;
-use crate::translate::namespace::{LOWER_NAMESPACE_ANNOTATION, Mapping, desired};
+use crate::translate::namespace::{Below, LOWER_NAMESPACE_ANNOTATION, Mapping, Refused, desired};
 use crate::translate::pod::upper_uid;
 
 /// How often a refused change is looked at again (its pods may have gone).
@@ -52,13 +52,64 @@ struct Refusal {
     note: String,
 }
 
+impl Refusal {
+    fn new(namespace: &str, refused: Refused) -> Self {
+        Self {
+            namespace: namespace.to_owned(),
+            reason: refused.reason,
+            note: refused.note,
+        }
+    }
+}
+
+/// The lower namespaces [`apply`] may look at: those of the namespaces whose mapping it
+/// may change (their annotation's, and their default). Pure.
+fn looked_at(mapping: &Mapping, suffix: &str, wanted: &Wanted) -> BTreeSet<String> {
+    let mut names = BTreeSet::new();
+    for (namespace, annotated) in wanted {
+        let (target, _) = desired(mapping.mode(), namespace, annotated.as_deref(), suffix);
+        if mapping.current(namespace) != Some(target.as_str()) {
+            names.insert(desired(mapping.mode(), namespace, None, suffix).0);
+            names.insert(target);
+        }
+    }
+    names
+}
+
+/// Where `namespace` should map to: `wished` (its annotation's name, or its default),
+/// else (refused) its default, else (refused as well) nowhere; each refusal is added to
+/// `refused`.
+fn target(
+    mapping: &Mapping,
+    suffix: &str,
+    namespace: &str,
+    wished: String,
+    below: &dyn Fn(&str) -> Below,
+    refused: &mut Vec<Refusal>,
+) -> Option<String> {
+    let default = desired(mapping.mode(), namespace, None, suffix).0;
+    let mut candidates = vec![wished];
+    if candidates[0] != default {
+        candidates.push(default);
+    }
+    for candidate in candidates {
+        match mapping.admit(namespace, &candidate, &below(&candidate)) {
+            Ok(()) => return Some(candidate),
+            Err(why) => refused.push(Refusal::new(namespace, why)),
+        }
+    }
+    None
+}
+
 /// Brings `mapping` in step with `wanted`, given `in_use` (upper namespaces with pods
-/// below); what it refused. Pure: the tests below cover it.
+/// below) and `below` (what the lower cluster holds under a name, asked only of the names
+/// of [`looked_at`]); what it refused. Pure: the tests below cover it.
 fn apply(
     mapping: &mut Mapping,
     suffix: &str,
     wanted: &Wanted,
     in_use: &dyn Fn(&str) -> bool,
+    below: &dyn Fn(&str) -> Below,
 ) -> Vec<Refusal> {
     let mut refused = Vec::new();
     // Gone upper namespaces (their pods with them) free their lower names first.
@@ -73,7 +124,8 @@ fn apply(
         }
     }
     for (namespace, annotated) in wanted {
-        let (target, why) = desired(mapping.mode(), namespace, annotated.as_deref(), suffix);
+        let current = mapping.current(namespace).map(str::to_owned);
+        let (wished, why) = desired(mapping.mode(), namespace, annotated.as_deref(), suffix);
         if let Err(note) = why {
             refused.push(Refusal {
                 namespace: namespace.clone(),
@@ -81,7 +133,18 @@ fn apply(
                 note,
             });
         }
-        let current = mapping.current(namespace).map(str::to_owned);
+        if current.as_deref() == Some(wished.as_str()) {
+            // Admitted when it was mapped; a pod's namespace is looked at again when the
+            // pod is made below (controllers::dependencies).
+            continue;
+        }
+        let Some(target) = target(mapping, suffix, namespace, wished, below, &mut refused) else {
+            // Nowhere it may go: unmapped (its pods wait), unless its pods run below.
+            if current.is_some() && !in_use(namespace) {
+                mapping.remove(namespace);
+            }
+            continue;
+        };
         if current.as_deref() == Some(target.as_str()) {
             continue;
         }
@@ -110,7 +173,12 @@ fn apply(
             if current.is_none() {
                 let (fallback, _) = desired(mapping.mode(), namespace, None, suffix);
                 // Taken as well: left to the default rule of the view, unmapped.
-                let _ = mapping.set(namespace, &fallback);
+                if mapping
+                    .admit(namespace, &fallback, &below(&fallback))
+                    .is_ok()
+                {
+                    let _ = mapping.set(namespace, &fallback);
+                }
             }
         }
     }
@@ -170,6 +238,18 @@ pub async fn load(
                 owner.node
             )
         })?;
+    // Every lower namespace, once, rather than one read for each upper namespace.
+    let below: BTreeMap<String, Below> = Api::<Namespace>::all(lower.clone())
+        .list_metadata(&ListParams::default())
+        .await
+        .map_err(|e| format!("lower cluster: listing Namespaces: {e}"))?
+        .items
+        .into_iter()
+        .filter_map(|ns| {
+            let marks = Below::of(ns.metadata.labels.as_ref(), &owner.cluster);
+            Some((ns.metadata.name?, marks))
+        })
+        .collect();
     let placed = in_place(
         upper_pods
             .items
@@ -188,16 +268,73 @@ pub async fn load(
         }
     }
     let in_use = |ns: &str| placed.contains_key(ns);
-    for refusal in apply(&mut mapping, suffix, &wanted(list.items.iter()), &in_use) {
+    let below = |name: &str| below.get(name).cloned().unwrap_or(Below::Absent);
+    for refusal in apply(
+        &mut mapping,
+        suffix,
+        &wanted(list.items.iter()),
+        &in_use,
+        &below,
+    ) {
         warn!(namespace = %refusal.namespace, reason = refusal.reason, "{}", refusal.note);
     }
     Ok(())
 }
 
+/// How long what a lower Namespace was read to hold is trusted: a refused namespace is
+/// looked at again every [`RETRY`], its lower Namespace read at most this often (a pod's
+/// namespace is read again anyway when the pod is made below).
+const BELOW_TTL: Duration = Duration::from_secs(30);
+
+/// What the lower cluster holds under the names a mapping may change to, as last read.
+#[derive(Default)]
+struct LowerNamespaces {
+    seen: HashMap<String, (Below, Instant)>,
+}
+
+impl LowerNamespaces {
+    /// Reads those of `names` not read within [`BELOW_TTL`] with `lower` (a client without
+    /// the view), and forgets the others.
+    async fn refresh(
+        &mut self,
+        lower: &Client,
+        cluster: &str,
+        names: BTreeSet<String>,
+    ) -> Result<(), String> {
+        self.seen
+            .retain(|name, (_, at)| names.contains(name) && at.elapsed() < BELOW_TTL);
+        let api = Api::<Namespace>::all(lower.clone());
+        for name in names {
+            if self.seen.contains_key(&name) {
+                continue;
+            }
+            let below = match api
+                .get_metadata_opt(&name)
+                .await
+                .map_err(|e| format!("lower cluster: reading Namespace {name}: {e}"))?
+            {
+                None => Below::Absent,
+                Some(ns) => Below::of(ns.metadata.labels.as_ref(), cluster),
+            };
+            self.seen.insert(name, (below, Instant::now()));
+        }
+        Ok(())
+    }
+
+    /// What `name` holds, as last read (absent if it was not).
+    fn get(&self, name: &str) -> Below {
+        self.seen
+            .get(name)
+            .map_or(Below::Absent, |(below, _)| below.clone())
+    }
+}
+
 /// Keeps `view` in step with the upper Namespaces until `shutdown`; `lower_pods` says
-/// which namespaces have pods below.
+/// which namespaces have pods below; `lower` (a client without the view) reads the lower
+/// Namespaces a mapping may go to.
 pub async fn run(
     ctx: Arc<Context>,
+    lower: Client,
     view: Arc<NamespaceView>,
     suffix: String,
     lower_pods: PodStore,
@@ -213,6 +350,7 @@ pub async fn run(
     let (store, mut stream, ready) = (reflected.store, reflected.stream, reflected.ready);
     let mut tick = tokio::time::interval(RETRY);
     let mut warned: HashSet<Refusal> = HashSet::new();
+    let mut lower_namespaces = LowerNamespaces::default();
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
@@ -225,6 +363,19 @@ pub async fn run(
         let namespaces = store.state();
         let wanted = wanted(namespaces.iter().map(AsRef::as_ref));
         let before = view.read().clone();
+        // Read before the mapping is locked; only the names a mapping may change to.
+        if let Err(error) = lower_namespaces
+            .refresh(
+                &lower,
+                &ctx.owner.cluster,
+                looked_at(&before, &suffix, &wanted),
+            )
+            .await
+        {
+            warn!(error = %error, "namespace mapping: retried in {RETRY:?}");
+            continue;
+        }
+        let below = |name: &str| lower_namespaces.get(name);
         let refused = {
             // Which namespaces have pods below: read from the store (every pod) only when
             // a mapping is about to change.
@@ -239,7 +390,7 @@ pub async fn run(
                 })
                 .contains(ns)
             };
-            apply(&mut view.write(), &suffix, &wanted, &in_use)
+            apply(&mut view.write(), &suffix, &wanted, &in_use, &below)
         };
         let after = view.read().clone();
         for namespace in wanted.keys() {
@@ -266,7 +417,7 @@ pub async fn run(
 
 #[cfg(test)]
 mod tests {
-    use crate::translate::namespace::Mode;
+    use crate::translate::namespace::{Mode, Reserved};
 
     use super::*;
 
@@ -281,11 +432,13 @@ mod tests {
     fn maps_follows_and_refuses() {
         let mut m = Mapping::new(Mode::Prefixed, "c1".into());
         let idle = |_: &str| false;
+        let absent = |_: &str| Below::Absent;
         let refused = apply(
             &mut m,
             "c1",
             &wanted_of(&[("shop", None), ("team", Some("team-below"))]),
             &idle,
+            &absent,
         );
         assert!(refused.is_empty(), "{refused:?}");
         assert_eq!(m.current("shop"), Some("shop-c1"));
@@ -294,11 +447,11 @@ mod tests {
         // A change under running pods waits, with a refusal; applied once they are gone.
         let busy = |ns: &str| ns == "shop";
         let change = wanted_of(&[("shop", Some("shop-new")), ("team", Some("team-below"))]);
-        let refused = apply(&mut m, "c1", &change, &busy);
+        let refused = apply(&mut m, "c1", &change, &busy, &absent);
         assert_eq!(refused.len(), 1);
         assert_eq!(refused[0].reason, "LowerNamespaceChangeRefused");
         assert_eq!(m.current("shop"), Some("shop-c1"));
-        assert!(apply(&mut m, "c1", &change, &idle).is_empty());
+        assert!(apply(&mut m, "c1", &change, &idle, &absent).is_empty());
         assert_eq!(m.current("shop"), Some("shop-new"));
 
         // Two namespaces asking for one: the first keeps it.
@@ -307,18 +460,177 @@ mod tests {
             ("team", Some("team-below")),
             ("zoo", Some("team-below")),
         ]);
-        let refused = apply(&mut m, "c1", &clash, &idle);
+        let refused = apply(&mut m, "c1", &clash, &idle, &absent);
         assert_eq!(refused.len(), 1, "{refused:?}");
         assert_eq!(refused[0].reason, "LowerNamespaceTaken");
         assert_eq!(m.current("zoo"), Some("zoo-c1"));
 
         // A bad annotation: the default, and a refusal.
         let bad = wanted_of(&[("shop", Some("Bad_Name"))]);
-        let refused = apply(&mut m, "c1", &bad, &idle);
+        let refused = apply(&mut m, "c1", &bad, &idle, &absent);
         assert_eq!(refused[0].reason, "LowerNamespaceInvalid");
         assert_eq!(m.current("shop"), Some("shop-c1"));
         // Namespaces gone from the upper cluster are forgotten.
         assert_eq!(m.current("team"), None);
+    }
+
+    /// `tensile.dev/lower-namespace` may not name a system namespace, join's, or one tensile
+    /// did not make for this upper cluster: the default instead, with a Warning; where the
+    /// default is refused too (another upper cluster's), nowhere, and its pods wait.
+    #[test]
+    fn refuses_lower_namespaces_not_this_upper_clusters() {
+        let reserved = Reserved::new(["infra".to_owned()]);
+        let lower: BTreeMap<&str, Below> = [
+            ("kube-system", Below::Unmarked),
+            ("tensile-system", Below::Unmarked),
+            ("default", Below::Unmarked),
+            ("legacy", Below::Unmarked),
+            ("shop-c2", Below::Foreign("c2".into())),
+            ("team-c1", Below::Foreign("c2".into())),
+            ("mine", Below::Ours),
+        ]
+        .into();
+        let below = |name: &str| lower.get(name).cloned().unwrap_or(Below::Absent);
+        let idle = |_: &str| false;
+        // (mode, namespace, annotation, mapped to, refusals)
+        type Case<'a> = (
+            Mode,
+            &'a str,
+            Option<&'a str>,
+            Option<&'a str>,
+            &'a [&'a str],
+        );
+        let cases: &[Case] = &[
+            (
+                Mode::Prefixed,
+                "a",
+                Some("kube-system"),
+                Some("a-c1"),
+                &["LowerNamespaceReserved"],
+            ),
+            (
+                Mode::Prefixed,
+                "a",
+                Some("tensile-system"),
+                Some("a-c1"),
+                &["LowerNamespaceReserved"],
+            ),
+            (
+                Mode::Prefixed,
+                "a",
+                Some("kube-fresh"),
+                Some("a-c1"),
+                &["LowerNamespaceReserved"],
+            ),
+            (
+                Mode::Prefixed,
+                "a",
+                Some("infra"),
+                Some("a-c1"),
+                &["LowerNamespaceReserved"],
+            ),
+            (
+                Mode::Annotation,
+                "a",
+                Some("kube-system"),
+                Some("a"),
+                &["LowerNamespaceReserved"],
+            ),
+            (
+                Mode::Prefixed,
+                "a",
+                Some("shop-c2"),
+                Some("a-c1"),
+                &["LowerNamespaceNotOurs"],
+            ),
+            (
+                Mode::Prefixed,
+                "a",
+                Some("legacy"),
+                Some("a-c1"),
+                &["LowerNamespaceNotOurs"],
+            ),
+            (
+                Mode::Annotation,
+                "a",
+                Some("default"),
+                Some("a"),
+                &["LowerNamespaceNotOurs"],
+            ),
+            (Mode::Prefixed, "a", Some("mine"), Some("mine"), &[]),
+            (Mode::Prefixed, "a", Some("free"), Some("free"), &[]),
+            // Defaults: derived names may exist unmarked (an upgrade), never another's.
+            (Mode::Annotation, "default", None, Some("default"), &[]),
+            (
+                Mode::Prefixed,
+                "kube-system",
+                None,
+                Some("kube-system-c1"),
+                &[],
+            ),
+            (
+                Mode::Prefixed,
+                "team",
+                None,
+                None,
+                &["LowerNamespaceNotOurs"],
+            ),
+            (
+                Mode::Prefixed,
+                "team",
+                Some("kube-system"),
+                None,
+                &["LowerNamespaceReserved", "LowerNamespaceNotOurs"],
+            ),
+            (
+                Mode::Annotation,
+                "kube-system",
+                None,
+                None,
+                &["LowerNamespaceReserved"],
+            ),
+            (
+                Mode::Annotation,
+                "shop-c2",
+                None,
+                None,
+                &["LowerNamespaceNotOurs"],
+            ),
+        ];
+        for (mode, namespace, annotation, want, reasons) in cases {
+            let mut m = Mapping::new(*mode, "c1".into()).with_reserved(reserved.clone());
+            let wanted = wanted_of(&[(namespace, *annotation)]);
+            let looked = looked_at(&m, "c1", &wanted);
+            let asked = std::cell::RefCell::new(BTreeSet::new());
+            let below = |name: &str| {
+                asked.borrow_mut().insert(name.to_owned());
+                below(name)
+            };
+            let refused = apply(&mut m, "c1", &wanted, &idle, &below);
+            let case = format!("{mode:?} {namespace} {annotation:?}");
+            assert_eq!(m.current(namespace), *want, "{case}");
+            let got: Vec<&str> = refused.iter().map(|r| r.reason).collect();
+            assert_eq!(got, *reasons, "{case}: {refused:?}");
+            assert!(
+                asked.borrow().is_subset(&looked),
+                "{case}: read {asked:?} of {looked:?}"
+            );
+        }
+
+        // A mapping refused now is not kept: once it was mapped, a refused change leaves
+        // it where it is while its pods run, and unmaps it once they are gone.
+        let mut m = Mapping::new(Mode::Prefixed, "c1".into());
+        m.set("team", "team-c1").expect("free");
+        let wanted = wanted_of(&[("team", Some("kube-system"))]);
+        let busy = |ns: &str| ns == "team";
+        apply(&mut m, "c1", &wanted, &busy, &below);
+        assert_eq!(m.current("team"), Some("team-c1"), "pods run there");
+        apply(&mut m, "c1", &wanted, &idle, &below);
+        assert_eq!(m.current("team"), None, "nowhere it may go");
+        // Asked for nothing when nothing would change.
+        let mut m = Mapping::new(Mode::Prefixed, "c1".into());
+        m.set("a", "a-c1").expect("free");
+        assert!(looked_at(&m, "c1", &wanted_of(&[("a", None)])).is_empty());
     }
 
     #[test]
@@ -357,7 +669,14 @@ mod tests {
         let mut m = Mapping::new(Mode::Prefixed, "c1".into());
         m.set("shop", "shop-old").expect("free");
         let in_use = |ns: &str| ns == "shop";
-        let refused = apply(&mut m, "c1", &wanted_of(&[("shop", None)]), &in_use);
+        let absent = |_: &str| Below::Absent;
+        let refused = apply(
+            &mut m,
+            "c1",
+            &wanted_of(&[("shop", None)]),
+            &in_use,
+            &absent,
+        );
         assert_eq!(refused.len(), 1, "{refused:?}");
         assert_eq!(refused[0].reason, "LowerNamespaceChangeRefused");
         assert_eq!(m.current("shop"), Some("shop-old"));

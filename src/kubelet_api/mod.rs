@@ -131,6 +131,9 @@ pub struct KubeletApi {
     /// With `--lower-namespace`, the member's namespace mapping: `lower` speaks upper
     /// names, except in what the kubelets and the metrics API say.
     pub namespaces: Option<Arc<crate::lower_view::NamespaceView>>,
+    /// The member's lower pods, as its pod watch keeps them (what `/metrics/resource`
+    /// reads instead of listing them).
+    pub lower_pods: resource_scrape::LowerPods,
 }
 
 /// The lower pod an upper pod is mirrored to: the same namespace and name today. Every
@@ -307,7 +310,12 @@ async fn handle(
         Route::MetricsResource => {
             let body = api
                 .resource_metrics
-                .scrape(&api.lower, &api.owner, api.namespaces.as_deref())
+                .scrape(
+                    &api.lower,
+                    &api.owner,
+                    api.namespaces.as_deref(),
+                    &api.lower_pods,
+                )
                 .await;
             let mut response = text(StatusCode::OK, body);
             // The kubelet's content type: Prometheus text format 0.0.4.

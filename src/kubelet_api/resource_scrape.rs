@@ -1,6 +1,8 @@
 //! `/metrics/resource`: the lower kubelets that run this node's pods, read through the
 //! lower API server's node proxy, or the lower metrics API where the lower identity may
-//! not use it; turned into this node's series by [`super::resource_metrics`].
+//! not use it; turned into this node's series by [`super::resource_metrics`]. Which pods
+//! are this node's, and on which lower nodes, is read from the member's lower pod store
+//! (the pod controller's watch), never listed: a scrape costs no list of every pod.
 
 use crate::lower_view::NamespaceView;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
@@ -8,15 +10,16 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use http::Request;
-use k8s_openapi::api::core::v1::Pod;
 use kube::Client;
-use kube::api::{Api, ListParams};
 use tracing::{debug, info, warn};
 
 use super::resource_metrics::{
     self, Integrated, Mirrored, NodeCpu, NodeUsage, PodName, Sample, Usage,
 };
+use crate::controllers::pod_store::PodStore;
+use crate::controllers::stores::Ready;
 use crate::translate::meta::Owner;
+use crate::translate::stored::StoredPod;
 
 /// How many lower kubelets are read at once.
 const PARALLEL_KUBELETS: usize = 16;
@@ -32,8 +35,8 @@ const FALLBACK_RETRY: Duration = Duration::from_secs(600);
 /// Why some of this node's figures are missing from a scrape.
 #[derive(Debug, thiserror::Error)]
 pub enum ScrapeError {
-    /// The pods this node mirrors could not be listed.
-    #[error("listing this node's pods in the lower cluster: {0}")]
+    /// The pods this node mirrors are not known.
+    #[error("reading this node's pods in the lower cluster: {0}")]
     Pods(String),
     /// A lower kubelet could not be read.
     #[error(
@@ -100,28 +103,38 @@ fn now_ms() -> i64 {
     k8s_openapi::jiff::Timestamp::now().as_millisecond()
 }
 
-/// The lower pods `owner` owns, as [`Mirrored`]s.
-/// Listed through the member's namespace `view` (if any), each pod's lower name is its
-/// name in the lower cluster, as the kubelets and the metrics API give it.
-async fn mirrored(
-    lower: &Client,
+/// The member's lower pods as its pod controller's watch keeps them: every lower pod the
+/// node owns, under the names the controllers see (upper namespace names where the lower
+/// client speaks through a namespace view).
+#[derive(Clone)]
+pub struct LowerPods {
+    /// The pods.
+    pub store: PodStore,
+    /// Whether the watch has listed once.
+    pub synced: Ready,
+}
+
+impl std::fmt::Debug for LowerPods {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LowerPods")
+            .field("pods", &self.store.len())
+            .field("synced", &self.synced.is_ready())
+            .finish()
+    }
+}
+
+/// The pods of `pods` that `owner` owns, as [`Mirrored`]s. Each pod's lower name is its
+/// name in the lower cluster, as the kubelets and the metrics API give it: its namespace
+/// mapped back through the member's namespace `view` (if any). Pure.
+pub fn mirrored_of<'a>(
+    pods: impl IntoIterator<Item = &'a StoredPod>,
     owner: &Owner,
     view: Option<&NamespaceView>,
-) -> Result<Vec<Mirrored>, ScrapeError> {
-    let api = Api::<Pod>::all(lower.clone());
-    let params = ListParams::default().labels(&owner.selector());
-    let list = tokio::time::timeout(LOWER_TIMEOUT, api.list(&params))
-        .await
-        .map_err(|_| ScrapeError::Pods(format!("no answer in {LOWER_TIMEOUT:?}")))?
-        .map_err(|e| ScrapeError::Pods(e.to_string()))?;
-    Ok(list
-        .items
-        .iter()
+) -> Vec<Mirrored> {
+    pods.into_iter()
+        .filter(|pod| pod.is_owned_by(owner))
         .filter_map(|pod| {
-            let (namespace, name) = (
-                pod.metadata.namespace.as_deref()?,
-                pod.metadata.name.as_deref()?,
-            );
+            let (namespace, name) = (&*pod.meta.namespace, &*pod.meta.name);
             let seen = PodName::new(namespace, name);
             let lower = match view {
                 Some(view) => PodName::new(view.to_lower(namespace)?, name),
@@ -130,10 +143,31 @@ async fn mirrored(
             Some(Mirrored {
                 upper: super::upper_pod(&seen),
                 lower,
-                lower_node: pod.spec.as_ref().and_then(|s| s.node_name.clone()),
+                lower_node: pod.node_name(),
             })
         })
-        .collect())
+        .collect()
+}
+
+/// The lower pods `owner` owns, as [`Mirrored`]s, from the member's store (waiting for its
+/// first list at most [`LOWER_TIMEOUT`]).
+async fn mirrored(
+    pods: &LowerPods,
+    owner: &Owner,
+    view: Option<&NamespaceView>,
+) -> Result<Vec<Mirrored>, ScrapeError> {
+    if !pods.synced.is_ready() {
+        tokio::time::timeout(LOWER_TIMEOUT, pods.synced.wait())
+            .await
+            .map_err(|_| {
+                ScrapeError::Pods(format!(
+                    "the lower pod watch has not listed in {LOWER_TIMEOUT:?}"
+                ))
+            })?
+            .map_err(|_| ScrapeError::Pods("the lower pod watch has stopped".into()))?;
+    }
+    let state = pods.store.state();
+    Ok(mirrored_of(state.iter().map(AsRef::as_ref), owner, view))
 }
 
 /// `GET /api/v1/nodes/<node>/proxy/metrics/resource` in the lower cluster.
@@ -216,10 +250,11 @@ impl ResourceMetrics {
         lower: &Client,
         owner: &Owner,
         view: Option<&NamespaceView>,
+        lower_pods: &LowerPods,
     ) -> String {
         let mut state = self.state.lock().await;
         let mut errors: Vec<ScrapeError> = Vec::new();
-        let (pods, listed) = match mirrored(lower, owner, view).await {
+        let (pods, listed) = match mirrored(lower_pods, owner, view).await {
             Ok(pods) => (pods, true),
             Err(e) => {
                 errors.push(e);
@@ -331,5 +366,61 @@ impl ResourceMetrics {
             debug!(node = %owner.node, cluster = "lower", errors = %summary, "kubelet API: /metrics/resource still incomplete");
         }
         resource_metrics::render(&usage, &node, !errors.is_empty())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::core::v1::Pod;
+
+    use super::*;
+    use crate::translate::namespace::{Mapping, Mode};
+    use crate::translate::stored::SharedSpecs;
+
+    fn stored(namespace: &str, name: &str, node: Option<&str>, marks: &Owner) -> StoredPod {
+        let mut labels = BTreeMap::new();
+        marks.mark(&mut labels);
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": namespace, "name": name, "labels": labels},
+            "spec": {"nodeName": node, "containers": [{"name": "app", "image": "busybox"}]},
+        }))
+        .unwrap();
+        StoredPod::new(pod, &mut SharedSpecs::default())
+    }
+
+    /// The scrape's pods come from the store: this node's only, each with its lower node
+    /// and its lower name (through the namespace view).
+    #[test]
+    fn reads_the_nodes_pods_from_the_store() {
+        let owner = Owner::new("vk", "c1");
+        let pods = [
+            stored("shop", "a", Some("lower-1"), &owner),
+            stored("shop", "b", None, &owner),
+            stored("team", "c", Some("lower-2"), &owner),
+            // Another node's, another cluster's: not this node's figures.
+            stored("shop", "d", Some("lower-1"), &Owner::new("other", "c1")),
+            stored("shop", "e", Some("lower-1"), &Owner::new("vk", "c2")),
+        ];
+        let got = mirrored_of(&pods, &owner, None);
+        let want = [
+            ("shop", "a", Some("lower-1")),
+            ("shop", "b", None),
+            ("team", "c", Some("lower-2")),
+        ];
+        assert_eq!(got.len(), want.len(), "{got:?}");
+        for (m, (namespace, name, node)) in got.iter().zip(want) {
+            assert_eq!(m.upper, PodName::new(namespace, name));
+            assert_eq!(m.lower, m.upper);
+            assert_eq!(m.lower_node.as_deref(), node);
+        }
+
+        let mut mapping = Mapping::new(Mode::Prefixed, "c1".into());
+        mapping.set("shop", "shop-c1").unwrap();
+        let view = NamespaceView::new(mapping);
+        let got = mirrored_of(&pods, &owner, Some(&view));
+        // `team` is not mapped (yet): its pod is left out rather than guessed.
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert_eq!(got[0].upper, PodName::new("shop", "a"));
+        assert_eq!(got[0].lower, PodName::new("shop-c1", "a"));
     }
 }

@@ -32,7 +32,7 @@ use crate::node::{self, spec::NodeConfig};
 use crate::shutdown::Tasks;
 use crate::side::Side;
 use crate::translate::meta::Owner;
-use crate::translate::namespace::{Mapping, Mode, cluster_suffix};
+use crate::translate::namespace::{Mapping, Mode, Reserved, cluster_suffix};
 use crate::upper_watches::UpperWatches;
 
 /// The lower capacity as last computed; `None` until the lower watches have listed.
@@ -178,17 +178,21 @@ async fn run_member(
     let owner = Owner::new(spec.node.clone(), shared.cluster_id.clone());
     // --lower-namespace: the lower client speaks upper namespace names, mapped from the
     // upper Namespaces as they are before anything is read below.
+    let mut raw_lower = None;
     let namespaces = match args.lower_namespace {
         Mode::Same => None,
         mode => {
             let suffix = cluster_suffix(&shared.cluster_id);
-            let view = NamespaceView::new(Mapping::new(mode, suffix.clone()));
+            let reserved = Reserved::new(args.reserved_lower_namespaces.iter().cloned());
+            let view =
+                NamespaceView::new(Mapping::new(mode, suffix.clone()).with_reserved(reserved));
             // Without the view: where this node's pods are below, in lower names.
             let raw = kube::Client::try_from(spec.lower.clone())
                 .map_err(|e| format!("node {}: lower cluster client: {e}", spec.node))?;
             controllers::namespace::load(&upper.client, &raw, &owner, &view, &suffix)
                 .await
                 .map_err(|e| format!("node {}: {e}", spec.node))?;
+            raw_lower = Some(raw);
             Some((view, suffix))
         }
     };
@@ -208,8 +212,32 @@ async fn run_member(
     if shared.leading.is_none() {
         adopt(upper, &lower, &owner, &shared.optional).await?;
     }
-    let (kubelet_listener, kubelet_tls, kubelet_api) =
-        kubelet_api_setup(&shared, &spec, &owner, &lower.client, namespaces.as_ref()).await?;
+    let ctx = context(
+        &shared,
+        &spec,
+        owner.clone(),
+        &lower,
+        namespaces.as_ref().map(|(view, _)| view.clone()),
+    );
+    let controllers::pod_watch::PodWatches {
+        stores,
+        pump,
+        pods: pod_triggers,
+        status: status_triggers,
+    } = controllers::pod_watch::watches(&ctx);
+    let lower_pods = kubelet_api::resource_scrape::LowerPods {
+        store: stores.lower.clone(),
+        synced: stores.synced.clone(),
+    };
+    let (kubelet_listener, kubelet_tls, kubelet_api) = kubelet_api_setup(
+        &shared,
+        &spec,
+        &owner,
+        &lower.client,
+        namespaces.as_ref(),
+        lower_pods,
+    )
+    .await?;
     let kubelet_port = kubelet_listener
         .local_addr()
         .map(|a| a.port())
@@ -237,18 +265,12 @@ async fn run_member(
             shutdown.clone(),
         ),
     );
-    let ctx = context(&shared, &spec, owner.clone(), &lower);
-    let controllers::pod_watch::PodWatches {
-        stores,
-        pump,
-        pods: pod_triggers,
-        status: status_triggers,
-    } = controllers::pod_watch::watches(&ctx);
-    if let Some((view, suffix)) = namespaces {
+    if let (Some((view, suffix)), Some(raw_lower)) = (namespaces, raw_lower) {
         tasks.spawn(
             "namespace mapping",
             controllers::namespace::run(
                 ctx.clone(),
+                raw_lower,
                 view,
                 suffix,
                 stores.lower.clone(),
@@ -449,7 +471,13 @@ async fn register_node(
 }
 
 /// What every controller of the member shares.
-fn context(shared: &Shared, spec: &MemberSpec, owner: Owner, lower: &Cluster) -> Arc<Context> {
+fn context(
+    shared: &Shared,
+    spec: &MemberSpec,
+    owner: Owner,
+    lower: &Cluster,
+    namespaces: Option<Arc<NamespaceView>>,
+) -> Arc<Context> {
     let reporter = Reporter {
         controller: "tensile-virtual-node".into(),
         instance: Some(spec.node.clone()),
@@ -466,6 +494,7 @@ fn context(shared: &Shared, spec: &MemberSpec, owner: Owner, lower: &Cluster) ->
             shared.metrics.clone(),
         )
         .sharing(shared.upper_watches.clone())
+        .viewing(namespaces)
         // Checked at start: a bad address never gets this far.
         .with_upper_identity(shared.args.upper_identity().ok().flatten()),
     )
@@ -592,6 +621,7 @@ async fn kubelet_api_setup(
     owner: &Owner,
     lower: &kube::Client,
     namespaces: Option<&(Arc<NamespaceView>, String)>,
+    lower_pods: kubelet_api::resource_scrape::LowerPods,
 ) -> Result<
     (
         tokio::net::TcpListener,
@@ -629,6 +659,7 @@ async fn kubelet_api_setup(
         auth,
         resource_metrics: Default::default(),
         namespaces: namespaces.map(|(view, _)| view.clone()),
+        lower_pods,
     });
     Ok((listener, tls, api))
 }

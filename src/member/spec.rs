@@ -32,7 +32,7 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::{Secret, Taint};
 use kube::config::{AuthInfo, Kubeconfig, KubeconfigError};
 
-use crate::cli::parse_node_name;
+use crate::cli::{MIN_QPS, parse_node_name};
 
 /// The label that makes a Secret of `--members-namespace` a member.
 pub const MEMBER_LABEL: &str = "tensile.dev/lower-cluster";
@@ -273,12 +273,13 @@ pub fn read(secret: &Secret, defaults: &Defaults) -> Result<MemberSecret, BadMem
     let qps = match annotation(CLIENT_QPS_ANNOTATION) {
         None => defaults.qps,
         Some(value) => match value.parse::<f64>() {
-            Ok(qps) if qps.is_finite() && qps >= 0.0 => qps,
+            // Below MIN_QPS the limiter's window overflows a timer (1e-30 panicked).
+            Ok(qps) if qps.is_finite() && (qps == 0.0 || qps >= MIN_QPS) => qps,
             _ => {
                 return Err(bad(
                     CLIENT_QPS_ANNOTATION,
                     value,
-                    "must be a number, 0 or more (0: unlimited)".into(),
+                    format!("must be 0 (unlimited) or a number of at least {MIN_QPS}"),
                 ));
             }
         },
@@ -483,6 +484,11 @@ mod tests {
                 "bad qps",
                 secret("a", &[(CLIENT_QPS_ANNOTATION, "-1")], Some(config)),
                 Err("tensile.dev/client-qps"),
+            ),
+            (
+                "qps too small for a limiter",
+                secret("a", &[(CLIENT_QPS_ANNOTATION, "1e-30")], Some(config)),
+                Err("at least 0.01"),
             ),
             (
                 "bad burst",

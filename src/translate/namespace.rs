@@ -4,12 +4,13 @@
 //! every path and object it sends is rewritten to lower names and every object it receives
 //! back to upper names, so controllers never see a lower namespace name.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::str::FromStr;
 
 use serde_json::Value;
 
 use super::hash::fnv1a;
+use super::meta::UPPER_CLUSTER_LABEL;
 
 /// Annotation on an upper Namespace: the lower namespace its objects go to
 /// (`--lower-namespace=prefixed` or `annotation`).
@@ -117,11 +118,128 @@ pub fn desired(
     }
 }
 
+/// The lower namespace `virtual-node join` keeps member identities in (its ServiceAccounts
+/// and their token Secrets); `member::join::LOWER_NAMESPACE`.
+pub const JOIN_NAMESPACE: &str = "tensile-system";
+
+/// Lower namespaces no mapping may choose ([`Mapping::admit`]): the lower cluster's own
+/// (`kube-*`), the one `join` keeps member identities in ([`JOIN_NAMESPACE`]), and those of
+/// `--reserved-lower-namespaces`. A pod mapped there would run as their ServiceAccounts and
+/// mount their Secrets.
+#[derive(Clone, Debug, Default)]
+pub struct Reserved {
+    names: BTreeSet<String>,
+}
+
+impl Reserved {
+    /// The built-in names and `extra`.
+    pub fn new(extra: impl IntoIterator<Item = String>) -> Self {
+        Self {
+            names: extra.into_iter().filter(|n| !n.is_empty()).collect(),
+        }
+    }
+
+    /// Whether `lower` is reserved.
+    pub fn contains(&self, lower: &str) -> bool {
+        lower.starts_with("kube-") || lower == JOIN_NAMESPACE || self.names.contains(lower)
+    }
+}
+
+/// What the lower cluster holds under a namespace name, as far as mapping onto it goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Below {
+    /// No such namespace: tensile creates it, with its marks, when a pod needs it.
+    Absent,
+    /// A namespace tensile made for this upper cluster (its cluster mark).
+    Ours,
+    /// A namespace tensile made for another upper cluster (that cluster's identity).
+    Foreign(String),
+    /// A namespace tensile did not make for any upper cluster (the lower cluster's own, a
+    /// user's, or one a tensile release before cluster marks made: whose is undecidable).
+    Unmarked,
+}
+
+impl Below {
+    /// An existing lower Namespace with `labels`, to the upper cluster `cluster`.
+    pub fn of(labels: Option<&BTreeMap<String, String>>, cluster: &str) -> Self {
+        match labels.and_then(|l| l.get(UPPER_CLUSTER_LABEL)) {
+            Some(mark) if mark == cluster => Self::Ours,
+            Some(mark) => Self::Foreign(mark.clone()),
+            None => Self::Unmarked,
+        }
+    }
+}
+
+/// Why a lower namespace is not used for an upper one: the Warning's reason and note.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Refused {
+    /// The Event's reason.
+    pub reason: &'static str,
+    /// What it says.
+    pub note: String,
+}
+
+/// Whether the upper namespace `upper` may map onto the lower namespace `lower`, which holds
+/// `below`; `derived` says whether `lower` is the name the mode derives for `upper` rather
+/// than one its annotation chose. Pure: the table test below covers it.
+///
+/// Refused: under any mode but `same` (tensile-kube's, where each upper namespace is its
+/// lower namespace of one name), a namespace tensile made for another upper cluster (two
+/// upper clusters never meet in one); a reserved name ([`Reserved`]), unless `prefixed`
+/// derived it (`<namespace>-<cluster>` is tensile's own, whatever it starts with); and,
+/// for a name an annotation chose, a namespace that exists and that tensile did not make
+/// for this upper cluster (its ServiceAccounts and Secrets would be used as they are).
+pub fn admit(
+    mode: Mode,
+    upper: &str,
+    lower: &str,
+    derived: bool,
+    below: &Below,
+    reserved: &Reserved,
+) -> Result<(), Refused> {
+    if mode == Mode::Same {
+        return Ok(());
+    }
+    let chosen = if derived {
+        "its default lower namespace"
+    } else {
+        "the lower namespace its annotation names"
+    };
+    if !(derived && mode == Mode::Prefixed) && reserved.contains(lower) {
+        return Err(Refused {
+            reason: "LowerNamespaceReserved",
+            note: format!(
+                "namespace {upper} is not mapped to {chosen}, {lower}: it is reserved (kube-*, \
+                 {JOIN_NAMESPACE}, --reserved-lower-namespaces)"
+            ),
+        });
+    }
+    match below {
+        Below::Foreign(cluster) => Err(Refused {
+            reason: "LowerNamespaceNotOurs",
+            note: format!(
+                "namespace {upper} is not mapped to {chosen}, {lower}: tensile made it for \
+                 another upper cluster ({cluster})"
+            ),
+        }),
+        Below::Unmarked if !derived => Err(Refused {
+            reason: "LowerNamespaceNotOurs",
+            note: format!(
+                "namespace {upper} is not mapped to {chosen}, {lower}: it exists and tensile \
+                 did not make it for this upper cluster"
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
 /// Which lower namespace each upper namespace maps to, both ways (one to one).
 #[derive(Clone, Debug, Default)]
 pub struct Mapping {
     mode: Mode,
     suffix: String,
+    /// Lower namespaces no mapping may choose.
+    reserved: Reserved,
     /// Upper name to lower name, for every upper namespace known.
     forward: HashMap<String, String>,
     /// Lower name to upper name.
@@ -138,9 +256,22 @@ impl Mapping {
         }
     }
 
+    /// The same mapping, never choosing the lower namespaces `reserved`.
+    pub fn with_reserved(mut self, reserved: Reserved) -> Self {
+        self.reserved = reserved;
+        self
+    }
+
     /// The mode.
     pub fn mode(&self) -> Mode {
         self.mode
+    }
+
+    /// [`admit`] of `upper` onto `lower`, which holds `below`, under this mapping's mode
+    /// and reserved names (`lower` is derived when it is `upper`'s default name).
+    pub fn admit(&self, upper: &str, lower: &str, below: &Below) -> Result<(), Refused> {
+        let derived = self.default_lower(upper) == lower;
+        admit(self.mode, upper, lower, derived, below, &self.reserved)
     }
 
     /// The upper namespaces known.
@@ -408,6 +539,169 @@ mod tests {
             assert_eq!(got, want, "{mode:?} {annotation:?}");
             assert_eq!(why.is_err(), refused, "{mode:?} {annotation:?}: {why:?}");
         }
+    }
+
+    #[test]
+    fn admits_only_namespaces_of_this_upper_cluster() {
+        let reserved = Reserved::new(["infra".to_owned()]);
+        let ours = Below::Ours;
+        let foreign = Below::Foreign("c2".into());
+        let (absent, unmarked) = (Below::Absent, Below::Unmarked);
+        // (mode, lower, derived, below, refused with)
+        let cases = [
+            // tensile-kube's mode maps each namespace to its own name, whatever is there.
+            (Mode::Same, "kube-system", true, &unmarked, None),
+            // An annotation naming a system namespace, join's, or one of the flag.
+            (
+                Mode::Annotation,
+                "kube-system",
+                false,
+                &unmarked,
+                Some("LowerNamespaceReserved"),
+            ),
+            (
+                Mode::Prefixed,
+                "kube-system",
+                false,
+                &unmarked,
+                Some("LowerNamespaceReserved"),
+            ),
+            (
+                Mode::Prefixed,
+                "kube-public",
+                false,
+                &absent,
+                Some("LowerNamespaceReserved"),
+            ),
+            (
+                Mode::Prefixed,
+                "tensile-system",
+                false,
+                &absent,
+                Some("LowerNamespaceReserved"),
+            ),
+            (
+                Mode::Prefixed,
+                "tensile-system",
+                false,
+                &unmarked,
+                Some("LowerNamespaceReserved"),
+            ),
+            (
+                Mode::Annotation,
+                "infra",
+                false,
+                &absent,
+                Some("LowerNamespaceReserved"),
+            ),
+            // `annotation`'s default is the upper name: upper kube-system stays home.
+            (
+                Mode::Annotation,
+                "kube-system",
+                true,
+                &unmarked,
+                Some("LowerNamespaceReserved"),
+            ),
+            // `prefixed` derives `kube-system-c1`: tensile's own name.
+            (Mode::Prefixed, "kube-system-c1", true, &absent, None),
+            (Mode::Prefixed, "kube-system-c1", true, &ours, None),
+            // Another upper cluster's namespace, chosen or derived (cluster ids with dashes).
+            (
+                Mode::Prefixed,
+                "shop-c2",
+                false,
+                &foreign,
+                Some("LowerNamespaceNotOurs"),
+            ),
+            (
+                Mode::Prefixed,
+                "shop-c1",
+                true,
+                &foreign,
+                Some("LowerNamespaceNotOurs"),
+            ),
+            (
+                Mode::Annotation,
+                "shop",
+                true,
+                &foreign,
+                Some("LowerNamespaceNotOurs"),
+            ),
+            // A namespace tensile did not make: an annotation may not choose it; a default
+            // name may be one (`default` under `annotation`), as under `same`.
+            (
+                Mode::Annotation,
+                "default",
+                false,
+                &unmarked,
+                Some("LowerNamespaceNotOurs"),
+            ),
+            (
+                Mode::Prefixed,
+                "legacy",
+                false,
+                &unmarked,
+                Some("LowerNamespaceNotOurs"),
+            ),
+            (Mode::Annotation, "default", true, &unmarked, None),
+            // Free, or made by tensile for this upper cluster.
+            (Mode::Prefixed, "elsewhere", false, &absent, None),
+            (Mode::Annotation, "elsewhere", false, &ours, None),
+        ];
+        for (mode, lower, derived, below, want) in cases {
+            let got = admit(mode, "up", lower, derived, below, &reserved);
+            assert_eq!(
+                got.as_ref().err().map(|r| r.reason),
+                want,
+                "{mode:?} {lower} derived {derived} {below:?}: {got:?}"
+            );
+            if let Err(refused) = got {
+                assert!(refused.note.contains(lower), "{}", refused.note);
+            }
+        }
+        assert!(Reserved::default().contains("kube-node-lease"));
+        assert!(!Reserved::default().contains("kubeflow"));
+        assert!(!Reserved::new([String::new()]).contains(""));
+        assert_eq!(JOIN_NAMESPACE, crate::member::join::LOWER_NAMESPACE);
+    }
+
+    #[test]
+    fn reads_the_marks_of_a_lower_namespace() {
+        let labels = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect()
+        };
+        let node = crate::translate::meta::OWNER_NODE_LABEL;
+        let cases = [
+            (labels(&[]), Below::Unmarked),
+            // Made before cluster marks: whose is undecidable.
+            (labels(&[(node, "vk")]), Below::Unmarked),
+            (
+                labels(&[(node, "vk"), (UPPER_CLUSTER_LABEL, "c1")]),
+                Below::Ours,
+            ),
+            // Another member of this upper cluster made it: still this cluster's.
+            (
+                labels(&[(node, "other"), (UPPER_CLUSTER_LABEL, "c1")]),
+                Below::Ours,
+            ),
+            (
+                labels(&[(node, "vk"), (UPPER_CLUSTER_LABEL, "c2")]),
+                Below::Foreign("c2".into()),
+            ),
+        ];
+        for (labels, want) in cases {
+            assert_eq!(Below::of(Some(&labels), "c1"), want, "{labels:?}");
+        }
+        assert_eq!(Below::of(None, "c1"), Below::Unmarked);
+        let m = Mapping::new(Mode::Prefixed, "c1".into());
+        assert!(
+            m.admit("kube-system", "kube-system-c1", &Below::Absent)
+                .is_ok()
+        );
+        assert!(m.admit("shop", "kube-system", &Below::Absent).is_err());
     }
 
     #[test]

@@ -370,6 +370,17 @@ impl StoredPod {
         self.annotation(UPPER_UID_ANNOTATION)
     }
 
+    /// `spec.nodeName`: the node it is bound to, if any yet (read from the kept spec
+    /// alone, without building a `PodSpec`).
+    pub fn node_name(&self) -> Option<String> {
+        #[derive(serde::Deserialize)]
+        struct Bound {
+            #[serde(rename = "nodeName")]
+            node_name: Option<String>,
+        }
+        parsed::<Bound>(self.spec.as_deref()).and_then(|b| b.node_name)
+    }
+
     /// The status (only its [`status_summary`] for a pod stored [`StoredPod::summarized`]).
     pub fn status(&self) -> Option<PodStatus> {
         self.status.as_ref().and_then(PackedStatus::status)

@@ -44,6 +44,14 @@ struct Scrape {
     requests: BTreeMap<(String, String), f64>,
     /// virtual-node's CPU seconds meanwhile.
     cpu: f64,
+    /// virtual-node's resident memory (bytes) just before the scrape, and the most it
+    /// held during it (sampled every 5 ms).
+    rss_before: u64,
+    rss_peak: u64,
+}
+
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
 }
 
 impl Scrape {
@@ -116,7 +124,22 @@ struct Credentials {
 async fn scrape_once(vn: &VirtualNode, credentials: &Credentials, body: &Path) -> Result<Scrape> {
     let url = format!("https://127.0.0.1:{}/metrics/resource", vn.kubelet_port);
     let before = api_requests(&scrape(vn.metrics_port).await?);
-    let cpu_before = footprint(vn.pid())?.2;
+    let (rss_before, _, cpu_before) = footprint(vn.pid())?;
+    let pid = vn.pid();
+    let sampling = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = tokio::spawn({
+        let sampling = sampling.clone();
+        async move {
+            let mut peak = 0;
+            while sampling.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok((rss, _, _)) = footprint(pid) {
+                    peak = peak.max(rss);
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            peak
+        }
+    });
     let output = tokio::process::Command::new("curl")
         .arg("-sS")
         .arg("--cacert")
@@ -131,6 +154,8 @@ async fn scrape_once(vn: &VirtualNode, credentials: &Credentials, body: &Path) -
         .output()
         .await
         .context("running curl")?;
+    sampling.store(false, std::sync::atomic::Ordering::Relaxed);
+    let rss_peak = sampler.await.context("the memory sampler")?;
     let cpu_after = footprint(vn.pid())?.2;
     let after = api_requests(&scrape(vn.metrics_port).await?);
     let written = String::from_utf8_lossy(&output.stdout).into_owned();
@@ -164,6 +189,8 @@ async fn scrape_once(vn: &VirtualNode, credentials: &Credentials, body: &Path) -
         error,
         requests: delta(&after, &before),
         cpu: cpu_after - cpu_before,
+        rss_before,
+        rss_peak: rss_peak.max(rss_before),
     })
 }
 
@@ -285,26 +312,30 @@ pub async fn run(binary: &Path, counts: &[usize], args: &Args) -> Result<()> {
 
         let first = scrape_once(&vn, &credentials, &body).await?;
         eprintln!(
-            "  {made} pods, first scrape: {} ms, {} bytes, {} series, scrape_error {}, requests: {}, CPU {:.2} s",
+            "  {made} pods, first scrape: {} ms, {} bytes, {} series, scrape_error {}, requests: {}, CPU {:.2} s, RSS {} before, {} peak",
             ms(first.time),
             first.bytes,
             first.series,
             u8::from(first.error),
             first.requests_by_verb(),
-            first.cpu
+            first.cpu,
+            mib(first.rss_before),
+            mib(first.rss_peak)
         );
         let mut steady = Vec::new();
         for _ in 0..STEADY {
             tokio::time::sleep(Duration::from_secs(1)).await;
             let s = scrape_once(&vn, &credentials, &body).await?;
             eprintln!(
-                "  {made} pods, scrape: {} ms, {} bytes, {} series, scrape_error {}, requests: {}, CPU {:.2} s",
+                "  {made} pods, scrape: {} ms, {} bytes, {} series, scrape_error {}, requests: {}, CPU {:.2} s, RSS {} before, {} peak",
                 ms(s.time),
                 s.bytes,
                 s.series,
                 u8::from(s.error),
                 s.requests_by_verb(),
-                s.cpu
+                s.cpu,
+                mib(s.rss_before),
+                mib(s.rss_peak)
             );
             steady.push(s);
         }
@@ -377,6 +408,22 @@ pub async fn run(binary: &Path, counts: &[usize], args: &Args) -> Result<()> {
          requests over 2 s without a scrape)"
     );
     for (pods, first, steady, _) in &rows {
+        let peak = std::iter::once(first)
+            .chain(steady)
+            .map(|s| s.rss_peak.saturating_sub(s.rss_before))
+            .max()
+            .unwrap_or_default();
+        println!(
+            "  {pods} pods, virtual-node resident memory: {} before the first scrape, {} at its peak \
+             during a scrape, {} the most a scrape added",
+            mib(first.rss_before),
+            mib(std::iter::once(first)
+                .chain(steady)
+                .map(|s| s.rss_peak)
+                .max()
+                .unwrap_or_default()),
+            mib(peak)
+        );
         println!(
             "  {pods} pods, first scrape requests: {}",
             first.requests_by_verb()
