@@ -854,14 +854,25 @@ mod tests {
         for (series, want) in cases {
             assert_eq!(value(&out, series), Some(want), "{series} in\n{out}");
         }
-        assert_eq!(Arc::strong_count(&old_store), 1, "the old run's store is freed");
+        assert_eq!(
+            Arc::strong_count(&old_store),
+            1,
+            "the old run's store is freed"
+        );
         // A run that ended is forgotten (and its store freed) until the next registers.
         metrics.set_member_up("vk-a", false);
         metrics.forget_member_run("vk-a");
         let out = metrics.render();
-        assert_eq!(value(&out, "tensile_mirrored_objects{kind=\"pods\"}"), Some("1"));
+        assert_eq!(
+            value(&out, "tensile_mirrored_objects{kind=\"pods\"}"),
+            Some("1")
+        );
         assert_eq!(value(&out, "tensile_member_up{node=\"vk-a\"}"), Some("0"));
-        assert_eq!(Arc::strong_count(&new_store), 1, "the ended run's store is freed");
+        assert_eq!(
+            Arc::strong_count(&new_store),
+            1,
+            "the ended run's store is freed"
+        );
     }
 
     #[test]

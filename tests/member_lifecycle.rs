@@ -37,17 +37,21 @@ fn binary() -> &'static Path {
 
 /// Waits for an Event of `reason` on the member Secret `secret` whose note says `says`.
 async fn event_on(events: &Api<Event>, secret: &str, reason: &str, says: &str) -> String {
-    wait_for(&format!("a {reason} event on {secret}"), TIMEOUT, || async {
-        let found = events.list(&ListParams::default()).await?.items;
-        Ok(found
-            .into_iter()
-            .find(|e| {
-                e.involved_object.name.as_deref() == Some(secret)
-                    && e.reason.as_deref() == Some(reason)
-                    && e.message.as_deref().is_some_and(|m| m.contains(says))
-            })
-            .and_then(|e| e.message))
-    })
+    wait_for(
+        &format!("a {reason} event on {secret}"),
+        TIMEOUT,
+        || async {
+            let found = events.list(&ListParams::default()).await?.items;
+            Ok(found
+                .into_iter()
+                .find(|e| {
+                    e.involved_object.name.as_deref() == Some(secret)
+                        && e.reason.as_deref() == Some(reason)
+                        && e.message.as_deref().is_some_and(|m| m.contains(says))
+                })
+                .and_then(|e| e.message))
+        },
+    )
     .await
     .unwrap()
 }
@@ -127,9 +131,11 @@ async fn a_member_restarted_after_a_panic_counts_its_pods_once() {
     .await
     .unwrap();
     let nodes: Api<Node> = Api::all(upper.clone());
-    let mut first = serve_members(&pair, "vk-life-panic-1", &members.name, &[], &[]);
+    let mut first = serve_members(pair, "vk-life-panic-1", &members.name, &[], &[]);
     node_ready(&nodes, node, &mut first, TIMEOUT).await;
-    let ns = TestNamespace::create(&upper, "life-panic-pods").await.unwrap();
+    let ns = TestNamespace::create(&upper, "life-panic-pods")
+        .await
+        .unwrap();
     let pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
     common::ha::create_pods(&pods, node, (0..PODS).map(|i| format!("p{i}"))).await;
     common::wait_running(&pods, "", PODS).await;
@@ -146,7 +152,7 @@ async fn a_member_restarted_after_a_panic_counts_its_pods_once() {
     // The same member in a new process, where a task of it panics a moment after it
     // started: its pods are in its stores by then.
     let mut vn = serve_members(
-        &pair,
+        pair,
         "vk-life-panic-2",
         &members.name,
         &[],
@@ -285,9 +291,8 @@ async fn a_stuck_member_holds_up_no_other_join() {
     let mut stuck = Secret::default();
     stuck.metadata.name = Some("stuck".into());
     stuck.metadata.labels = Some([(MEMBER_LABEL.to_owned(), "true".to_owned())].into());
-    stuck.metadata.annotations = Some(
-        [(NODE_NAME_ANNOTATION.to_owned(), "vk-life-stuck".to_owned())].into(),
-    );
+    stuck.metadata.annotations =
+        Some([(NODE_NAME_ANNOTATION.to_owned(), "vk-life-stuck".to_owned())].into());
     stuck.data = Some(
         [(
             KUBECONFIG_KEY.to_owned(),
@@ -295,8 +300,11 @@ async fn a_stuck_member_holds_up_no_other_join() {
         )]
         .into(),
     );
-    secrets.create(&PostParams::default(), &stuck).await.unwrap();
-    let mut vn = serve_members(&pair, "vk-life-stuck-p", &members.name, &[], &[]);
+    secrets
+        .create(&PostParams::default(), &stuck)
+        .await
+        .unwrap();
+    let mut vn = serve_members(pair, "vk-life-stuck-p", &members.name, &[], &[]);
     wait_for("the stuck member's start-up hanging", TIMEOUT, || async {
         Ok((hanging.held.load(Ordering::Relaxed) > 0).then_some(()))
     })
@@ -360,14 +368,14 @@ async fn a_federated_standby_is_started_and_ready() {
         args.extend(FAST_LEASE.iter().map(ToString::to_string));
         args
     };
-    let mut leader = serve_members(&pair, "vk-life-standby-1", &members.name, &args("a"), &[]);
+    let mut leader = serve_members(pair, "vk-life-standby-1", &members.name, &args("a"), &[]);
     let leases: Api<Lease> = Api::namespaced(upper.clone(), LEASE_NAMESPACE);
     wait_for("the first process leading", TIMEOUT, || async {
         Ok((holder(&leases, lease).await.as_deref() == Some("a")).then_some(()))
     })
     .await
     .unwrap();
-    let mut standby = serve_members(&pair, "vk-life-standby-2", &members.name, &args("b"), &[]);
+    let mut standby = serve_members(pair, "vk-life-standby-2", &members.name, &args("b"), &[]);
     let ready = wait_for("the standby ready", Duration::from_secs(30), || async {
         Ok(reachable(standby.metrics_port, "/readyz")
             .await
@@ -413,7 +421,7 @@ async fn a_renamed_member_is_refused_and_keeps_its_node() {
     .await
     .unwrap();
     let nodes: Api<Node> = Api::all(upper.clone());
-    let mut vn = serve_members(&pair, "vk-life-rename-p", &members.name, &[], &[]);
+    let mut vn = serve_members(pair, "vk-life-rename-p", &members.name, &[], &[]);
     node_ready(&nodes, node, &mut vn, TIMEOUT).await;
     let uid = nodes.get(node).await.unwrap().uid();
     let ns = TestNamespace::create(&upper, "life-rename-pods")
@@ -449,7 +457,9 @@ async fn a_renamed_member_is_refused_and_keeps_its_node() {
     assert!(
         still.len() == 2
             && still.iter().all(common::running)
-            && still.iter().all(|p| p.metadata.deletion_timestamp.is_none()),
+            && still
+                .iter()
+                .all(|p| p.metadata.deletion_timestamp.is_none()),
         "the pods run on"
     );
     vn.check_running().unwrap();
@@ -458,4 +468,112 @@ async fn a_renamed_member_is_refused_and_keeps_its_node() {
     leave(&upper, &members.name, &[node], &[node, renamed]).await;
     vn.stop().unwrap();
     members.delete().await.unwrap();
+}
+
+/// Removing the member label from a joined member's Secret is a leave, as deleting it is:
+/// the node drained and deleted, the finalizer taken off (before, the member stopped, its
+/// Node stayed and the finalizer stranded the Secret).
+#[tokio::test]
+async fn an_unlabelled_member_leaves() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let upper = pair.upper.client().await.unwrap();
+    let node = "vk-life-unlabelled";
+    let members = TestNamespace::create(&upper, "life-unlabel").await.unwrap();
+    join_member(
+        binary(),
+        &pair.upper.kubeconfig,
+        &pair.lower.kubeconfig,
+        node,
+        &members.name,
+    )
+    .await
+    .unwrap();
+    let nodes: Api<Node> = Api::all(upper.clone());
+    let mut vn = serve_members(pair, "vk-life-unlabel-p", &members.name, &[], &[]);
+    node_ready(&nodes, node, &mut vn, TIMEOUT).await;
+    let secrets: Api<Secret> = Api::namespaced(upper.clone(), &members.name);
+    let unlabel = json!({"metadata": {"labels": {MEMBER_LABEL: null}}});
+    secrets
+        .patch(node, &PatchParams::default(), &Patch::Merge(&unlabel))
+        .await
+        .unwrap();
+    let left = wait_for(
+        "the unlabelled member left",
+        Duration::from_secs(120),
+        || async {
+            let gone = nodes.get_opt(node).await?.is_none();
+            let released = secrets
+                .get(node)
+                .await?
+                .finalizers()
+                .iter()
+                .all(|f| f != tensile::member::spec::MEMBER_FINALIZER);
+            Ok((gone && released).then_some(()))
+        },
+    )
+    .await;
+    if let Err(error) = left {
+        panic!(
+            "{error:#}\n{}",
+            tensile_harness::process::tail(vn.log(), 40)
+        );
+    }
+    vn.check_running().unwrap();
+    vn.stop().unwrap();
+    members.delete().await.unwrap();
+}
+
+/// Item 12 of issue 33, its other half: a member's kubeconfig that now reaches another
+/// lower cluster (here the upper cluster, joined as if it were a lower one) would fail
+/// every pod as `LowerPodGone` and leak the copies in the first. The member refuses to
+/// start there (a Warning Event says why) and creates nothing in the other cluster.
+#[tokio::test]
+async fn a_member_moved_to_another_lower_cluster_is_refused() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let upper = pair.upper.client().await.unwrap();
+    let node = "vk-life-moved";
+    let members = TestNamespace::create(&upper, "life-moved").await.unwrap();
+    let elsewhere = TestNamespace::create(&upper, "life-moved-other")
+        .await
+        .unwrap();
+    for (namespace, lower) in [
+        (&members.name, &pair.lower.kubeconfig),
+        (&elsewhere.name, &pair.upper.kubeconfig),
+    ] {
+        join_member(binary(), &pair.upper.kubeconfig, lower, node, namespace)
+            .await
+            .unwrap();
+    }
+    let nodes: Api<Node> = Api::all(upper.clone());
+    let mut vn = serve_members(pair, "vk-life-moved-p", &members.name, &[], &[]);
+    node_ready(&nodes, node, &mut vn, TIMEOUT).await;
+    let secrets: Api<Secret> = Api::namespaced(upper.clone(), &members.name);
+    wait_for("the lower cluster recorded", TIMEOUT, || async {
+        let secret = secrets.get(node).await?;
+        Ok(secret
+            .annotations()
+            .contains_key("tensile.dev/joined-lower-cluster")
+            .then_some(()))
+    })
+    .await
+    .unwrap();
+    // The kubeconfig `join` wrote for the other cluster, moved into the member's Secret.
+    let other: Api<Secret> = Api::namespaced(upper.clone(), &elsewhere.name);
+    let kubeconfig = other.get(node).await.unwrap().data.unwrap()[KUBECONFIG_KEY].clone();
+    let patch = json!({"data": {KUBECONFIG_KEY: kubeconfig}});
+    secrets
+        .patch(node, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .unwrap();
+    let events: Api<Event> = Api::namespaced(upper.clone(), &members.name);
+    let said = event_on(&events, node, "MemberFailed", "another lower cluster").await;
+    println!("refused: {said}");
+    vn.check_running().unwrap();
+
+    // Its leave cleans what carries its marks (nothing, in the other cluster) and deletes
+    // its Node.
+    leave(&upper, &members.name, &[node], &[node]).await;
+    vn.stop().unwrap();
+    members.delete().await.unwrap();
+    elsewhere.delete().await.unwrap();
 }

@@ -440,7 +440,11 @@ impl Membership {
         let running = self.running.remove(&name);
         let member = spec::read(&secret, &self.defaults).map(|mut member| {
             // The member leaves as the node it joined as, whatever the Secret names now.
-            let _ = joined_node(&secret, running.as_ref().map(|r| r.node.as_str()), &mut member);
+            let _ = joined_node(
+                &secret,
+                running.as_ref().map(|r| r.node.as_str()),
+                &mut member,
+            );
             member
         });
         let (shared, recorder, namespace) = (
@@ -627,7 +631,9 @@ async fn remove_finalizer(shared: &Shared, namespace: &str, secret: &Secret) {
             Err(error) if crate::api::is_status(&error, 404) => return,
             Err(error) => error,
         };
-        let retry = crate::api::is_status(&error, 409).then(|| delays.next()).flatten();
+        let retry = crate::api::is_status(&error, 409)
+            .then(|| delays.next())
+            .flatten();
         let Some(delay) = retry else {
             warn!(secret = %name, %error, cluster = "upper", "removing the member finalizer");
             return;
@@ -1033,7 +1039,11 @@ mod tests {
             let mut member = member(requested);
             let outcome = joined_node(&secret(recorded), running, &mut member);
             assert_eq!(member.node, want, "{recorded:?} {running:?} {requested}");
-            assert_eq!(outcome.is_err(), refused, "{recorded:?} {running:?} {requested}");
+            assert_eq!(
+                outcome.is_err(),
+                refused,
+                "{recorded:?} {running:?} {requested}"
+            );
             if let Err(renamed) = outcome {
                 let said = renamed.to_string();
                 assert!(said.contains(requested) && said.contains(want), "{said}");
@@ -1073,7 +1083,10 @@ mod tests {
             // Liqo's and Admiralty's virtual kubelets.
             (
                 node(
-                    &[("type", "virtual-kubelet"), ("liqo.io/type", "virtual-node")],
+                    &[
+                        ("type", "virtual-kubelet"),
+                        ("liqo.io/type", "virtual-node"),
+                    ],
                     Some("vk-v0.10.0"),
                 ),
                 false,
