@@ -1049,6 +1049,12 @@ mod tests {
                 assert!(said.contains(requested) && said.contains(want), "{said}");
             }
         }
+        // An annotation without the finalizer (copied from another Secret) says nothing.
+        let mut copied = secret(Some("vk-a"));
+        copied.metadata.finalizers = None;
+        let mut member = member("vk-b");
+        assert_eq!(joined_node(&copied, None, &mut member), Ok(()));
+        assert_eq!(member.node, "vk-b");
     }
 
     fn node(labels: &[(&str, &str)], runtime: Option<&str>) -> Node {
