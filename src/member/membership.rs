@@ -457,7 +457,7 @@ impl Membership {
             .as_ref()
             .map(|r| r.node.clone())
             .or_else(|| member.as_ref().ok().map(|m| m.node.clone()));
-        info!(secret = %name, node = ?node, "member Secret deleted: the member leaves");
+        info!(secret = %name, node = ?node, "member Secret deleted or unlabelled: the member leaves");
         let task = tokio::spawn(
             async move {
                 let outcome = leave_member(&shared, &secret, running, member, &recorder, &shutdown).await;
