@@ -182,8 +182,10 @@ enum ScrapeTarget {
 }
 
 /// Gauges set at scrape time, each to the sum of what its sources read: one source per
-/// member (its `scope`, the node's name), forgotten when the member leaves; a gauge whose
-/// sources are all gone reads 0.
+/// gauge and member (its `scope`, the node's name). A member that registers again (it was
+/// restarted) replaces its sources, never adds to them; they are forgotten when a run of
+/// the member ends and when it leaves, so a restarted member's old stores are freed. A
+/// gauge whose sources are all gone reads 0.
 #[derive(Default)]
 struct ScrapeSources(Mutex<SourcesInner>);
 
@@ -197,11 +199,31 @@ impl ScrapeSources {
     fn add(&self, target: ScrapeTarget, scope: &str, read: ReadAtScrape) {
         let mut inner = self.inner();
         inner.targets.insert(target);
-        inner.sources.push((target, scope.to_owned(), read));
+        let replaced = inner
+            .sources
+            .iter_mut()
+            .find(|(t, s, _)| *t == target && s == scope);
+        // The closure replaced (and what it holds: a store, a queue) is dropped with it.
+        let old = match replaced {
+            Some(source) => Some(std::mem::replace(&mut source.2, read)),
+            None => {
+                inner.sources.push((target, scope.to_owned(), read));
+                None
+            }
+        };
+        drop(inner);
+        drop(old);
     }
 
     fn forget(&self, scope: &str) {
-        self.inner().sources.retain(|(_, s, _)| s != scope);
+        let mut inner = self.inner();
+        let (gone, kept) = std::mem::take(&mut inner.sources)
+            .into_iter()
+            .partition(|(_, s, _)| s == scope);
+        inner.sources = kept;
+        drop(inner);
+        // Dropped outside the lock: what a closure holds may take a while to free.
+        drop::<Vec<_>>(gone);
     }
 
     /// Every target's sum now.
@@ -503,6 +525,13 @@ impl Metrics {
         self.read_at_scrape.forget(node);
     }
 
+    /// Forgets what the gauges read from one run of the member of `node` (it ended: failed,
+    /// panicked or stopped for a restart), so that the stores and queues that run held are
+    /// freed; its next run registers its own. `tensile_member_up{node}` stays.
+    pub fn forget_member_run(&self, node: &str) {
+        self.read_at_scrape.forget(node);
+    }
+
     /// Sets every gauge read at scrape to the sum of its sources.
     fn set_read_at_scrape(&self) {
         for (target, sum) in self.read_at_scrape.sums() {
@@ -799,6 +828,50 @@ mod tests {
                 "tensile_memory_bytes{owner=\"pod queue\"}"
             ),
             Some("4096")
+        );
+    }
+
+    /// A member restarted registers its gauges again: they replace the old run's (whose
+    /// stores are then freed), they never add to them.
+    #[test]
+    fn registering_a_member_twice_replaces_not_adds() {
+        let metrics = Metrics::default();
+        let old_store = Arc::new(vec![0u8; 16]);
+        let held = old_store.clone();
+        metrics.count_mirrored("vk-a", "pods", move || held.len());
+        metrics.measure_memory("vk-a", "lower pods", || 100);
+        metrics.count_mirrored("vk-b", "pods", || 1);
+        // The restart: the same member registers the same gauges again.
+        let new_store = Arc::new(vec![0u8; 16]);
+        let held = new_store.clone();
+        metrics.count_mirrored("vk-a", "pods", move || held.len());
+        metrics.measure_memory("vk-a", "lower pods", || 100);
+        let out = metrics.render();
+        let cases = [
+            ("tensile_mirrored_objects{kind=\"pods\"}", "17"),
+            ("tensile_memory_bytes{owner=\"lower pods\"}", "100"),
+        ];
+        for (series, want) in cases {
+            assert_eq!(value(&out, series), Some(want), "{series} in\n{out}");
+        }
+        assert_eq!(
+            Arc::strong_count(&old_store),
+            1,
+            "the old run's store is freed"
+        );
+        // A run that ended is forgotten (and its store freed) until the next registers.
+        metrics.set_member_up("vk-a", false);
+        metrics.forget_member_run("vk-a");
+        let out = metrics.render();
+        assert_eq!(
+            value(&out, "tensile_mirrored_objects{kind=\"pods\"}"),
+            Some("1")
+        );
+        assert_eq!(value(&out, "tensile_member_up{node=\"vk-a\"}"), Some("0"));
+        assert_eq!(
+            Arc::strong_count(&new_store),
+            1,
+            "the ended run's store is freed"
         );
     }
 

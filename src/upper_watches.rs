@@ -188,26 +188,49 @@ where
     R: Fn() -> Vec<T> + Send + Sync + 'static,
 {
     let receiver = touches.subscribe();
-    let first: VecDeque<T> = if ready.is_ready() {
-        replay().into()
+    // Subscribed before the watch's first list ended: what it listed before now went by
+    // unseen, so every object is handed over once it has.
+    let (first, until_listed): (VecDeque<T>, Option<Ready>) = if ready.is_ready() {
+        (replay().into(), None)
     } else {
-        VecDeque::new()
+        (VecDeque::new(), Some(ready.clone()))
     };
     futures::stream::unfold(
-        (receiver, first, replay, deleted),
-        |(mut receiver, mut pending, replay, deleted)| async move {
+        (receiver, first, replay, deleted, until_listed),
+        |(mut receiver, mut pending, replay, deleted, mut until_listed)| async move {
             loop {
                 if let Some(object) = pending.pop_front() {
-                    return Some((object, (receiver, pending, replay, deleted)));
+                    return Some((object, (receiver, pending, replay, deleted, until_listed)));
                 }
-                match receiver.recv().await {
+                let received = match &until_listed {
+                    Some(listed) => tokio::select! {
+                        biased;
+                        received = receiver.recv() => Err(received),
+                        listed = listed.wait() => Ok(listed.is_ok()),
+                    },
+                    None => Err(receiver.recv().await),
+                };
+                let received = match received {
+                    Ok(listed) => {
+                        until_listed = None;
+                        if listed {
+                            pending.extend(replay());
+                        }
+                        continue;
+                    }
+                    Err(received) => received,
+                };
+                match received {
                     Ok(touch) => {
                         if touch.deleted
                             && let Some(deleted) = &deleted
                         {
                             deleted.notify_one();
                         }
-                        return Some((touch.object, (receiver, pending, replay, deleted)));
+                        return Some((
+                            touch.object,
+                            (receiver, pending, replay, deleted, until_listed),
+                        ));
                     }
                     Err(broadcast::error::RecvError::Lagged(missed)) => {
                         debug!(
@@ -743,6 +766,33 @@ mod tests {
         let mut c = router.subscribe("vk-c");
         assert!(router.needs_list());
         assert_eq!(ready_now(&mut c), Vec::<String>::new());
+    }
+
+    /// A member that subscribes while the watch's first list is under way (part of it
+    /// broadcast before it listened) is handed every object once the list has ended, not
+    /// only at its next resync.
+    #[tokio::test]
+    async fn a_member_subscribed_during_the_first_list_is_handed_every_object() {
+        let (touches, _) = broadcast::channel(8);
+        let (ready_tx, ready_rx) = watch::channel(false);
+        let ready = Ready::listed(ready_rx);
+        let all = || vec!["x".to_owned(), "y".to_owned()];
+        let touch = |name: &str| Touch {
+            object: name.to_owned(),
+            deleted: false,
+        };
+        // Listed before the member subscribed: it never sees this touch.
+        let _ = touches.send(touch("x"));
+        let mut during = subscription(&touches, &ready, all, None);
+        touches.send(touch("y")).unwrap();
+        ready_tx.send_replace(true);
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            let next = tokio::time::timeout(Duration::from_secs(1), during.next()).await;
+            seen.push(next.ok().flatten());
+        }
+        let every = ["y", "x", "y"].map(|n| Some(n.to_owned()));
+        assert_eq!(seen, every, "the list's tail, then every object");
     }
 
     /// A member that falls behind the broadcast is handed every object again; one that

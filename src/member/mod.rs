@@ -161,57 +161,83 @@ pub async fn run(
     started: CancellationToken,
     shutdown: CancellationToken,
 ) -> Result<(), String> {
+    run_checked(shared, spec, None, started, shutdown).await
+}
+
+/// What the member of a member Secret checks of its lower cluster as it starts: that it is
+/// the one it joined, by its identity (the UID of its `kube-system` Namespace).
+#[derive(Clone, Debug, Default)]
+pub struct LowerCheck {
+    /// The identity of the lower cluster the member joined, if known: a kubeconfig that
+    /// now reaches another cluster is refused (every pod would be `LowerPodGone`, and the
+    /// copies in the old cluster leaked).
+    pub joined: Option<String>,
+    /// The identity found, once the member reached its lower cluster.
+    pub found: Arc<std::sync::Mutex<Option<String>>>,
+}
+
+/// [`run`], checking the lower cluster with `check` first.
+pub async fn run_checked(
+    shared: Arc<Shared>,
+    spec: MemberSpec,
+    check: Option<LowerCheck>,
+    started: CancellationToken,
+    shutdown: CancellationToken,
+) -> Result<(), String> {
     let span = info_span!("member", node = %spec.node);
-    run_member(shared, spec, started, shutdown)
+    run_member(shared, spec, check, started, shutdown)
         .instrument(span)
         .await
+}
+
+/// The identity of the lower cluster of `lower`: the UID of its `kube-system` Namespace,
+/// which lives as long as the cluster.
+async fn lower_identity(node: &str, lower: &kube::Client) -> Result<String, String> {
+    let namespaces: kube::Api<k8s_openapi::api::core::v1::Namespace> =
+        kube::Api::all(lower.clone());
+    namespaces
+        .get("kube-system")
+        .await
+        .map_err(|e| format!("node {node}: lower cluster: reading namespace kube-system (the cluster's identity): {e}"))?
+        .metadata
+        .uid
+        .ok_or_else(|| format!("node {node}: lower cluster: namespace kube-system has no UID"))
+}
+
+/// What a member's start-up prepared: its lower cluster and, under `--lower-namespace`,
+/// the namespace mapping with a lower client without it.
+struct Prepared {
+    namespaces: Option<(Arc<NamespaceView>, String)>,
+    raw_lower: Option<kube::Client>,
+    lower: Cluster,
 }
 
 async fn run_member(
     shared: Arc<Shared>,
     spec: MemberSpec,
+    check: Option<LowerCheck>,
     started: CancellationToken,
     shutdown: CancellationToken,
 ) -> Result<(), String> {
     let args = &shared.args;
     let upper = &shared.upper;
     let owner = Owner::new(spec.node.clone(), shared.cluster_id.clone());
-    // --lower-namespace: the lower client speaks upper namespace names, mapped from the
-    // upper Namespaces as they are before anything is read below.
-    let mut raw_lower = None;
-    let namespaces = match args.lower_namespace {
-        Mode::Same => None,
-        mode => {
-            let suffix = cluster_suffix(&shared.cluster_id);
-            let reserved = Reserved::new(args.reserved_lower_namespaces.iter().cloned());
-            let view =
-                NamespaceView::new(Mapping::new(mode, suffix.clone()).with_reserved(reserved));
-            // Without the view: where this node's pods are below, in lower names.
-            let raw = kube::Client::try_from(spec.lower.clone())
-                .map_err(|e| format!("node {}: lower cluster client: {e}", spec.node))?;
-            controllers::namespace::load(&upper.client, &raw, &owner, &view, &suffix)
-                .await
-                .map_err(|e| format!("node {}: {e}", spec.node))?;
-            raw_lower = Some(raw);
-            Some((view, suffix))
+    // The start-up's calls to the lower cluster may hang (a lower API server that answers
+    // `/version` and then nothing): a stop must not wait for them, or a restart of this
+    // member (and with it every membership change) would hang too.
+    let prepared = tokio::select! {
+        biased;
+        () = shutdown.cancelled() => {
+            info!(node = %spec.node, "stopped during start-up");
+            return Ok(());
         }
+        prepared = start_up(&shared, &spec, &owner, check.as_ref()) => prepared?,
     };
-    let lower = clusters::connect(
-        Side::Lower,
-        spec.lower.clone(),
-        spec.lower_limit,
-        shared.metrics.clone(),
-        namespaces.as_ref().map(|(view, _)| view.clone()),
-    )
-    .await
-    .map_err(|e| format!("node {}: {e}", spec.node))?;
-    let lower_needs = clusters::needed_permissions(Side::Lower, args.features());
-    clusters::check_permissions(&lower, &lower_needs)
-        .await
-        .map_err(|e| format!("node {}: {e}", spec.node))?;
-    if shared.leading.is_none() {
-        adopt(upper, &lower, &owner, &shared.optional).await?;
-    }
+    let Prepared {
+        namespaces,
+        raw_lower,
+        lower,
+    } = prepared;
     let ctx = context(
         &shared,
         &spec,
@@ -229,15 +255,22 @@ async fn run_member(
         store: stores.lower.clone(),
         synced: stores.synced.clone(),
     };
-    let (kubelet_listener, kubelet_tls, kubelet_api) = kubelet_api_setup(
+    let setup = kubelet_api_setup(
         &shared,
         &spec,
         &owner,
         &lower.client,
         namespaces.as_ref(),
         lower_pods,
-    )
-    .await?;
+    );
+    let (kubelet_listener, kubelet_tls, kubelet_api) = tokio::select! {
+        biased;
+        () = shutdown.cancelled() => {
+            info!(node = %spec.node, "stopped during start-up");
+            return Ok(());
+        }
+        setup = setup => setup?,
+    };
     let kubelet_port = kubelet_listener
         .local_addr()
         .map(|a| a.port())
@@ -324,7 +357,11 @@ async fn run_member(
                 },
             );
             if leads {
-                adopt(upper, &lower, &owner, &shared.optional).await?;
+                tokio::select! {
+                    biased;
+                    () = shutdown.cancelled() => {}
+                    adopted = adopt(upper, &lower, &owner, &shared.optional) => adopted?,
+                }
             }
             (pods, status)
         }
@@ -376,6 +413,79 @@ async fn run_member(
             }
         }
     }
+}
+
+/// A member's start-up, before its tasks run: the lower cluster reached (its namespaces
+/// mapped with `--lower-namespace`), its permissions checked, what it made under older
+/// marks adopted (unless a standby), its kubelet API bound.
+async fn start_up(
+    shared: &Shared,
+    spec: &MemberSpec,
+    owner: &Owner,
+    check: Option<&LowerCheck>,
+) -> Result<Prepared, String> {
+    let args = &shared.args;
+    let upper = &shared.upper;
+    // --lower-namespace: the lower client speaks upper namespace names, mapped from the
+    // upper Namespaces as they are before anything is read below.
+    let mut raw_lower = None;
+    let namespaces = match args.lower_namespace {
+        Mode::Same => None,
+        mode => {
+            let suffix = cluster_suffix(&shared.cluster_id);
+            let reserved = Reserved::new(args.reserved_lower_namespaces.iter().cloned());
+            let view =
+                NamespaceView::new(Mapping::new(mode, suffix.clone()).with_reserved(reserved));
+            // Without the view: where this node's pods are below, in lower names.
+            let raw = kube::Client::try_from(spec.lower.clone())
+                .map_err(|e| format!("node {}: lower cluster client: {e}", spec.node))?;
+            controllers::namespace::load(&upper.client, &raw, owner, &view, &suffix)
+                .await
+                .map_err(|e| format!("node {}: {e}", spec.node))?;
+            raw_lower = Some(raw);
+            Some((view, suffix))
+        }
+    };
+    let lower = clusters::connect(
+        Side::Lower,
+        spec.lower.clone(),
+        spec.lower_limit,
+        shared.metrics.clone(),
+        namespaces.as_ref().map(|(view, _)| view.clone()),
+    )
+    .await
+    .map_err(|e| format!("node {}: {e}", spec.node))?;
+    if let Some(check) = check {
+        // Without the namespace view: kube-system is the lower cluster's own.
+        let raw = kube::Client::try_from(spec.lower.clone())
+            .map_err(|e| format!("node {}: lower cluster client: {e}", spec.node))?;
+        let found = lower_identity(&spec.node, &raw).await?;
+        if let Some(joined) = check.joined.as_ref().filter(|j| **j != found) {
+            return Err(format!(
+                "node {}: refused: its kubeconfig now reaches another lower cluster \
+                 (kube-system UID {found}) than the one it joined ({joined}); its pods and \
+                 their copies are there. To move the member, delete its Secret (it leaves) \
+                 and join the other cluster under a Secret of its own",
+                spec.node
+            ));
+        }
+        *check
+            .found
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(found);
+    }
+    let lower_needs = clusters::needed_permissions(Side::Lower, args.features());
+    clusters::check_permissions(&lower, &lower_needs)
+        .await
+        .map_err(|e| format!("node {}: {e}", spec.node))?;
+    if shared.leading.is_none() {
+        adopt(upper, &lower, owner, &shared.optional).await?;
+    }
+    Ok(Prepared {
+        namespaces,
+        raw_lower,
+        lower,
+    })
 }
 
 /// The environment variable naming the members (nodes, comma-separated) in which a task
