@@ -10,7 +10,6 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::{Value, json};
 
-use super::deps::{DependencyKind, pod_dependencies};
 use super::meta::{LOWER_UID_ANNOTATION, OWNER_NODE_LABEL, SELECTED_NODE_ANNOTATION};
 use super::{TranslateError, object_ref};
 
@@ -224,8 +223,9 @@ pub fn selected_node_patch(
 /// `namespace/name` (`None`: it may). A lower claim's marks (owner labels, upper UID) are
 /// anyone's to copy who may create claims below, so they prove nothing: `node` acts only on
 /// an upper claim within `scope` (`--namespace`; empty: all) that an upper pod bound to
-/// `node` references (a `persistentVolumeClaim` volume, as
-/// [`pod_dependencies`] finds what goes below), the very pods it copies claims down for.
+/// `node` references through a `persistentVolumeClaim` volume: the very pods, and the
+/// very references, it copies claims down for (`deps::pod_dependencies`; an ephemeral
+/// volume's claim is made below, not copied).
 /// `pods`: upper pods (any node, any namespace; the others do not count).
 pub fn refused_claim<'a>(
     namespace: &str,
@@ -240,9 +240,12 @@ pub fn refused_claim<'a>(
     let uses = |pod: &Pod| {
         pod.metadata.namespace.as_deref() == Some(namespace)
             && pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
-            && pod_dependencies(pod, false)
+            && pod
+                .spec
                 .iter()
-                .any(|d| d.kind == DependencyKind::PersistentVolumeClaim && d.name == name)
+                .flat_map(|s| s.volumes.iter().flatten())
+                .filter_map(|v| v.persistent_volume_claim.as_ref())
+                .any(|claim| claim.claim_name == name)
     };
     (!pods.into_iter().any(uses)).then(|| format!("is used by no pod bound to node {node}"))
 }
