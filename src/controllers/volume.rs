@@ -6,15 +6,22 @@
 //! the virtual node, a storage class the lower cluster lacks is reported, and the lower
 //! claim is deleted once the upper one is gone (the lower cluster's own protection keeps
 //! it while a pod uses it). A reflected volume goes when its lower volume goes.
+//!
+//! A lower claim's marks (owner labels, upper UID) are anyone's to copy who may create
+//! claims below, so they alone never let it write upstairs: the selected-node annotation,
+//! an upper volume and a Warning go only onto an upper claim (within `--namespace`) that
+//! an upper pod bound to this node uses, as it is only for such pods that claims are copied
+//! down. Anything else is refused with a warning naming the lower claim (and a
+//! `LowerClaimRefused` Warning on the upper claim).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use k8s_openapi::api::storage::v1::StorageClass;
 use kube::ResourceExt;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::runtime::watcher;
@@ -31,11 +38,15 @@ use crate::translate::namespace::is_unmapped;
 use crate::translate::pod::{is_owned_by, upper_uid};
 use crate::translate::volume::{
     bound_volume, is_reflected_by, missing_storage_class, pv_patch, reflected_from,
-    reflections_selector, selected_node_patch, upper_pv,
+    reflections_selector, refused_claim, selected_node_patch, upper_pv,
 };
 
 /// How often reflected volumes are compared with the lower ones (in memory).
 pub const SWEEP_INTERVAL: Duration = Duration::from_secs(30);
+/// The page size of the upper pod list that tells whether a pod of this node uses a claim.
+const POD_PAGE: u32 = 500;
+/// The reason of the Warning on an upper claim a lower claim names without right.
+const CLAIM_REFUSED: &str = "LowerClaimRefused";
 
 /// The watches of the volume controller.
 pub struct VolumeWatches {
@@ -267,6 +278,9 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, vc: &VolumeContext) -> Res
         // The upper cluster keeps it while a pod uses it; it goes below once it is gone.
         return Ok(Action::await_change());
     }
+    // Asked (once) before the first write upstairs: in the steady state nothing is written
+    // and no pod is listed.
+    let mut gate = Gate::default();
 
     let class_exists = |class: &str| vc.lower_classes.get(&ObjectRef::new(class)).is_some();
     if let Some(class) = missing_storage_class(lower, class_exists) {
@@ -274,12 +288,17 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, vc: &VolumeContext) -> Res
             "lower cluster: storage class {class} does not exist, so PersistentVolumeClaim {key} cannot bind there"
         );
         warn!(object = %key, kind = "PersistentVolumeClaim", cluster = "lower", class, "storage class missing below");
-        ctx.warn_on(&*upper, "LowerStorageClassMissing", note).await;
+        if gate.allows(ctx, &upper, &key).await? {
+            ctx.warn_on(&*upper, "LowerStorageClassMissing", note).await;
+        }
         // The class appearing below wakes this claim.
         return Ok(Action::await_change());
     }
 
     if let Some(patch) = selected_node_patch(&upper, lower, &ctx.owner.node) {
+        if !gate.allows(ctx, &upper, &key).await? {
+            return Ok(Action::await_change());
+        }
         upper_api
             .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
@@ -324,6 +343,13 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, vc: &VolumeContext) -> Res
         .upper_volumes
         .get(&ObjectRef::new(volume))
         .filter(|pv| is_reflected_by(&pv.metadata, &ctx.owner.node));
+    let in_step = reflection.as_ref().is_some_and(|current| {
+        reflected_from(current) == lower_volume.metadata.uid.as_deref()
+            && pv_patch(&desired, current).is_none()
+    });
+    if in_step || !gate.allows(ctx, &upper, &key).await? {
+        return Ok(Action::await_change());
+    }
     match reflection {
         None => match volumes.create(&PostParams::default(), &desired).await {
             Ok(_) => {
@@ -378,6 +404,83 @@ async fn reflect_claim(lower: &PersistentVolumeClaim, vc: &VolumeContext) -> Res
         }
     }
     Ok(Action::await_change())
+}
+
+/// Whether this node may write onto an upper claim, found once per reconcile. A lower
+/// claim's marks are anyone's to copy who may create claims below: only an upper claim that
+/// a pod bound to this node uses (within `--namespace`) is reflected onto, as it is only for
+/// such pods that tensile copies claims down ([`refused_claim`]).
+#[derive(Default)]
+struct Gate(Option<bool>);
+
+impl Gate {
+    /// Whether the lower claim `key` may be reflected onto `upper`; a refusal is logged,
+    /// naming the lower claim, and put on the upper claim as a Warning.
+    async fn allows(
+        &mut self,
+        ctx: &Context,
+        upper: &PersistentVolumeClaim,
+        key: &str,
+    ) -> Result<bool, Error> {
+        if let Some(known) = self.0 {
+            return Ok(known);
+        }
+        let why = refusal(ctx, upper).await?;
+        if let Some(why) = &why {
+            let node = &ctx.owner.node;
+            let claim = format!(
+                "{}/{}",
+                upper.namespace().unwrap_or_default(),
+                upper.name_any()
+            );
+            warn!(object = %key, kind = "PersistentVolumeClaim", cluster = "lower",
+                upper_claim = %claim, node = %node,
+                "refused to reflect lower PersistentVolumeClaim {key} by its marks: upper \
+                 PersistentVolumeClaim {claim} {why}");
+            if ctx.namespace.is_empty() || ctx.namespace == upper.namespace().unwrap_or_default() {
+                let note = format!(
+                    "lower cluster: PersistentVolumeClaim {key} carries the marks of node {node} \
+                     and this claim's UID, but this claim {why}: nothing is reflected onto it"
+                );
+                ctx.warn_on(upper, CLAIM_REFUSED, note).await;
+            }
+        }
+        let allowed = why.is_none();
+        self.0 = Some(allowed);
+        Ok(allowed)
+    }
+}
+
+/// Why this node may not write onto `upper` (`None`: it may): the upper pods bound to this
+/// node in its namespace are read live, a page at a time, until one that uses it.
+async fn refusal(ctx: &Context, upper: &PersistentVolumeClaim) -> Result<Option<String>, Error> {
+    let namespace = upper.namespace().unwrap_or_default();
+    let name = upper.name_any();
+    let node = &ctx.owner.node;
+    let decide = |pods: &[Pod]| refused_claim(&namespace, &name, pods, node, &ctx.namespace);
+    if !ctx.namespace.is_empty() && namespace != ctx.namespace {
+        return Ok(decide(&[]));
+    }
+    let api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &namespace);
+    let mut params = ListParams::default()
+        .fields(&format!("spec.nodeName={node}"))
+        .limit(POD_PAGE);
+    loop {
+        let page = api.list(&params).await.map_err(api_error(
+            Side::Upper,
+            "listing",
+            "Pod",
+            &namespace,
+        ))?;
+        let why = decide(&page.items);
+        if why.is_none() {
+            return Ok(None);
+        }
+        match page.metadata.continue_.filter(|c| !c.is_empty()) {
+            Some(next) => params = params.continue_token(&next),
+            None => return Ok(why),
+        }
+    }
 }
 
 async fn delete_lower_claim(

@@ -5,7 +5,7 @@
 
 use k8s_openapi::api::core::v1::{
     NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, ObjectReference, PersistentVolume,
-    PersistentVolumeClaim, PersistentVolumeSpec, VolumeNodeAffinity,
+    PersistentVolumeClaim, PersistentVolumeSpec, Pod, VolumeNodeAffinity,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde_json::{Value, json};
@@ -219,6 +219,37 @@ pub fn selected_node_patch(
         .then(|| json!({"metadata": {"annotations": {SELECTED_NODE_ANNOTATION: node_name}}}))
 }
 
+/// Why the virtual node `node` must not reflect anything onto the upper claim
+/// `namespace/name` (`None`: it may). A lower claim's marks (owner labels, upper UID) are
+/// anyone's to copy who may create claims below, so they prove nothing: `node` acts only on
+/// an upper claim within `scope` (`--namespace`; empty: all) that an upper pod bound to
+/// `node` references through a `persistentVolumeClaim` volume: the very pods, and the
+/// very references, it copies claims down for (`deps::pod_dependencies`; an ephemeral
+/// volume's claim is made below, not copied).
+/// `pods`: upper pods (any node, any namespace; the others do not count).
+pub fn refused_claim<'a>(
+    namespace: &str,
+    name: &str,
+    pods: impl IntoIterator<Item = &'a Pod>,
+    node: &str,
+    scope: &str,
+) -> Option<String> {
+    if !scope.is_empty() && namespace != scope {
+        return Some(format!("is outside --namespace {scope}"));
+    }
+    let uses = |pod: &Pod| {
+        pod.metadata.namespace.as_deref() == Some(namespace)
+            && pod.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node)
+            && pod
+                .spec
+                .iter()
+                .flat_map(|s| s.volumes.iter().flatten())
+                .filter_map(|v| v.persistent_volume_claim.as_ref())
+                .any(|claim| claim.claim_name == name)
+    };
+    (!pods.into_iter().any(uses)).then(|| format!("is used by no pod bound to node {node}"))
+}
+
 /// The storage class a pending lower claim asks for that the lower cluster lacks.
 pub fn missing_storage_class(
     claim: &PersistentVolumeClaim,
@@ -400,6 +431,86 @@ mod tests {
             selected_node_patch(&not_selected, &not_selected, NODE),
             None
         );
+    }
+
+    #[test]
+    fn only_claims_used_by_a_pod_of_this_node_are_reflected() {
+        let pod = |namespace: &str, node: Option<&str>, claim: &str| -> Pod {
+            from(json!({
+                "metadata": {"name": "p", "namespace": namespace},
+                "spec": {"nodeName": node, "containers": [{"name": "c"}],
+                         "volumes": [{"name": "v", "persistentVolumeClaim": {"claimName": claim}}]},
+            }))
+        };
+        let ephemeral: Pod = from(json!({
+            "metadata": {"name": "p", "namespace": "ns"},
+            "spec": {"nodeName": NODE, "containers": [{"name": "c"}],
+                     "volumes": [{"name": "data", "ephemeral": {"volumeClaimTemplate": {"spec": {}}}}]},
+        }));
+        let no_pod = "is used by no pod bound to node vk";
+        // (case, upper pods, --namespace, refused because)
+        let cases = [
+            (
+                "a pod of this node uses it",
+                vec![pod("ns", Some(NODE), "data")],
+                "",
+                None,
+            ),
+            (
+                "one of several pods",
+                vec![
+                    pod("ns", Some("worker-1"), "data"),
+                    pod("ns", Some(NODE), "other"),
+                    pod("ns", Some(NODE), "data"),
+                ],
+                "ns",
+                None,
+            ),
+            ("no pod at all", vec![], "", Some(no_pod)),
+            (
+                "used by a pod on a real node",
+                vec![pod("ns", Some("worker-1"), "data")],
+                "",
+                Some(no_pod),
+            ),
+            (
+                "used by an unscheduled pod",
+                vec![pod("ns", None, "data")],
+                "",
+                Some(no_pod),
+            ),
+            (
+                "a pod of this node uses another claim",
+                vec![pod("ns", Some(NODE), "other")],
+                "",
+                Some(no_pod),
+            ),
+            (
+                "a pod of this node uses a claim of that name elsewhere",
+                vec![pod("other-ns", Some(NODE), "data")],
+                "",
+                Some(no_pod),
+            ),
+            (
+                "an ephemeral volume of the same name (not copied down)",
+                vec![ephemeral],
+                "",
+                Some(no_pod),
+            ),
+            (
+                "outside --namespace",
+                vec![pod("ns", Some(NODE), "data")],
+                "elsewhere",
+                Some("is outside --namespace elsewhere"),
+            ),
+        ];
+        for (case, pods, scope, want) in cases {
+            assert_eq!(
+                refused_claim("ns", "data", &pods, NODE, scope).as_deref(),
+                want,
+                "{case}"
+            );
+        }
     }
 
     #[test]
