@@ -14,6 +14,7 @@
 
 pub mod binaries;
 pub mod cluster;
+pub mod conformance;
 pub mod dashboard;
 pub mod fault_proxy;
 pub mod fixtures;

@@ -338,6 +338,23 @@ impl Cluster {
     /// Starts a real node named `name` in this cluster (see the module's documentation) and
     /// waits until it is Ready. Building its binaries on first use takes a while.
     pub async fn start_real_node(&self, name: &str, reaper: &Reaper) -> Result<RealNode> {
+        self.start_real_node_with(name, reaper, &[]).await
+    }
+
+    /// [`Cluster::start_real_node`], importing `extra_images` (docker-archive tarballs, as
+    /// `tests/k8s/e2e/build.sh` makes) into its containerd besides the build script's two,
+    /// before the kubelet starts: pods find them under their own names, never pulled.
+    pub async fn start_real_node_with(
+        &self,
+        name: &str,
+        reaper: &Reaper,
+        extra_images: &[PathBuf],
+    ) -> Result<RealNode> {
+        for image in extra_images {
+            if !image.is_file() {
+                bail!("image tarball {} is not a file", image.display());
+            }
+        }
         let bins = tokio::task::spawn_blocking(RealNodeBinaries::locate).await??;
         let started = std::time::Instant::now();
         if !Path::new("/proc/self/ns/pid").exists() {
@@ -556,7 +573,7 @@ until ctr -a "$dir/containerd.sock" version >/dev/null 2>&1; do
   kill -0 "$containerd" 2>/dev/null || {{ echo "containerd exited" >&2; exit 1; }}
   sleep 0.1
 done
-for image in {images}/pause.tar {images}/busybox.tar; do
+for image in {images}/pause.tar {images}/busybox.tar{extra_images}; do
   ctr -a "$dir/containerd.sock" -n k8s.io images import "$image"
 done
 kubelet --config "$dir/kubelet.json" --kubeconfig "$dir/kubelet.kubeconfig" \
@@ -571,6 +588,10 @@ exit 1
             dir = quote(&p(&dir)),
             bin = quote(&p(&bins.dir.join("bin"))),
             images = quote(&p(&bins.dir.join("images"))),
+            extra_images = extra_images
+                .iter()
+                .map(|image| format!(" {}", quote(&p(image))))
+                .collect::<String>(),
             name = quote(name),
             node_ip = node_ip_text,
             label = REAL_NODE_LABEL,
@@ -646,6 +667,18 @@ impl ClusterPair {
     /// Starts a real node named `name` in the lower cluster (see [`Cluster::start_real_node`]).
     pub async fn start_real_node(&self, name: &str) -> Result<RealNode> {
         self.lower.start_real_node(name, self.reaper()).await
+    }
+
+    /// Starts a real node in the lower cluster with more images
+    /// (see [`Cluster::start_real_node_with`]).
+    pub async fn start_real_node_with(
+        &self,
+        name: &str,
+        extra_images: &[PathBuf],
+    ) -> Result<RealNode> {
+        self.lower
+            .start_real_node_with(name, self.reaper(), extra_images)
+            .await
     }
 }
 

@@ -6,6 +6,8 @@
 //! `virtual-node join`, as a member of one virtual-node process. `--real-node` adds a real
 //! node (kubelet, containerd, runc) to the lower cluster and runs the example workload on
 //! it, so `kubectl exec -it vk-demo -- sh` through the virtual node is a real shell.
+//! `conformance` runs Kubernetes' node conformance tests through the virtual node and
+//! straight against the lower cluster, and prints both side by side (docs/conformance.md).
 
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
@@ -18,6 +20,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::Api;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
+use tensile_harness::conformance::{self, ConformanceOptions, Way};
 use tensile_harness::metrics_server::USAGE_CPU_ANNOTATION;
 use tensile_harness::real_node::BUSYBOX_IMAGE;
 use tensile_harness::{
@@ -64,6 +67,41 @@ enum Command {
         #[arg(long, conflicts_with = "lower_clusters")]
         real_node: bool,
     },
+    /// Run Kubernetes' node conformance tests (e2e.test of the pinned release, built with its
+    /// images by tests/k8s/e2e/build.sh on first use) through the virtual node and straight
+    /// against the lower cluster, and print both side by side (docs/conformance.md).
+    Conformance {
+        /// ginkgo's focus (a regular expression over the tests' full names).
+        #[arg(long, default_value = conformance::DEFAULT_FOCUS)]
+        focus: String,
+        /// ginkgo's skip.
+        #[arg(long, default_value = conformance::DEFAULT_SKIP)]
+        skip: String,
+        /// Where each way's JUnit report goes: DIR/vk-node/junit.xml, DIR/straight/junit.xml
+        /// (with ginkgo's output beside it, e2e.log).
+        #[arg(long, default_value = "conformance-results")]
+        junit_dir: PathBuf,
+        /// Parallel test processes (ginkgo -p --procs).
+        #[arg(long, default_value_t = 5)]
+        procs: u16,
+        /// Only straight against the lower cluster.
+        #[arg(long, conflicts_with = "vk_only")]
+        straight_only: bool,
+        /// Only through the virtual node.
+        #[arg(long)]
+        vk_only: bool,
+        /// Real nodes in the lower cluster (2 lets the straight run's tests that ask for two
+        /// schedulable nodes run; through vk-node there is one node either way).
+        #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=4))]
+        real_nodes: u8,
+        /// State directory of the pair (kubeconfigs, logs); default a temporary one, removed
+        /// at the end unless TENSILE_KEEP_STATE is set.
+        #[arg(long)]
+        dir: Option<PathBuf>,
+        /// ginkgo's --timeout for each way, in minutes.
+        #[arg(long, default_value_t = 180)]
+        timeout_minutes: u64,
+    },
     /// Stop a pair started by `up` with the same directory.
     Down {
         /// The directory given to `up`.
@@ -104,6 +142,37 @@ async fn main() -> ExitCode {
             up(&dir, shape, node.as_deref()).await
         }
         Command::Down { dir } => down(&dir),
+        Command::Conformance {
+            focus,
+            skip,
+            junit_dir,
+            procs,
+            straight_only,
+            vk_only,
+            real_nodes,
+            dir,
+            timeout_minutes,
+        } => {
+            let ways = match (straight_only, vk_only) {
+                (true, _) => vec![Way::Straight],
+                (_, true) => vec![Way::VirtualNode],
+                _ => vec![Way::VirtualNode, Way::Straight],
+            };
+            let options = ConformanceOptions {
+                focus,
+                skip,
+                junit_dir,
+                procs,
+                ways,
+                real_nodes,
+                dir,
+                virtual_node: std::env::current_exe()
+                    .map(|exe| exe.with_file_name("virtual-node"))
+                    .unwrap_or_default(),
+                timeout: Duration::from_secs(timeout_minutes * 60),
+            };
+            run_conformance(&options).await
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -471,6 +540,39 @@ fn print_summary(
     let dir = pair.dir.display();
     println!("logs: {dir}/{{upper,lower}}/*.log, {dir}/virtual-node-*.log");
     println!("\nCtrl-C (or `tensile-playground down --dir {dir}`) stops it.");
+}
+
+/// `conformance`: the whole run, interrupted cleanly by Ctrl-C / SIGTERM (the pair and its
+/// real nodes end with this process).
+async fn run_conformance(options: &ConformanceOptions) -> Result<()> {
+    if !options.virtual_node.exists() {
+        bail!(
+            "{} not found: build it first (`cargo build --workspace --bins`)",
+            options.virtual_node.display()
+        );
+    }
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigint = signal(SignalKind::interrupt())?;
+    let started = Instant::now();
+    let (comparison, times) = tokio::select! {
+        result = conformance::run(options) => result?,
+        _ = sigterm.recv() => bail!("interrupted"),
+        _ = sigint.recv() => bail!("interrupted"),
+    };
+    println!(
+        "\nfocus {:?}, skip {:?}, {} proc(s), {} real node(s); JUnit under {}",
+        options.focus,
+        options.skip,
+        options.procs,
+        options.real_nodes,
+        options.junit_dir.display()
+    );
+    for (way, elapsed) in &times {
+        println!("  {}: {:.0}s", way.label(), elapsed.as_secs_f64());
+    }
+    println!("total {:.0}s\n", started.elapsed().as_secs_f64());
+    print!("{}", comparison.render());
+    Ok(())
 }
 
 /// The PID of a playground still running for `dir`, if any.
