@@ -113,7 +113,7 @@ pub(crate) async fn ensure_namespace(ctx: &Context, namespace: &str) -> Result<(
 
 /// Makes sure the lower copy of one dependency exists. `Ok(false)`: the upper original
 /// does not exist either.
-async fn ensure<K>(
+pub(crate) async fn ensure<K>(
     ctx: &Context,
     namespace: &str,
     dependency: &Dependency,

@@ -56,6 +56,19 @@ impl References {
         pods.pods.insert(name.into(), list);
     }
 
+    /// Whether a pod recorded (and not yet forgotten) references `reference`: an upper
+    /// ConfigMap or Secret appearing under that name is to be copied below.
+    pub(crate) fn is_referenced(&self, reference: &Reference) -> bool {
+        let map = self.lock();
+        // A list the set alone holds is no present pod's any more.
+        map.get(&reference.1).is_some_and(|known| {
+            known
+                .lists
+                .iter()
+                .any(|list| Arc::strong_count(list) > 1 && list.contains(reference))
+        })
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, ByNamespace> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -145,6 +158,40 @@ mod tests {
         );
         assert_eq!(known.len(), 1);
         assert!(known.iter().all(|(_, _, name)| name == "settings"));
+    }
+
+    #[test]
+    fn what_a_recorded_pod_references_is_known_by_name() {
+        let references = References::default();
+        references.record(&pod("a", "p1", "settings"), true);
+        let config_map = |namespace: &str, name: &str| {
+            (
+                DependencyKind::ConfigMap,
+                namespace.to_owned(),
+                name.to_owned(),
+            )
+        };
+        // (case, reference, referenced)
+        let cases = [
+            ("the pod's ConfigMap", config_map("a", "settings"), true),
+            ("another name", config_map("a", "other"), false),
+            ("another namespace", config_map("b", "settings"), false),
+            (
+                "a Secret of that name",
+                (
+                    DependencyKind::Secret,
+                    "a".to_owned(),
+                    "settings".to_owned(),
+                ),
+                false,
+            ),
+        ];
+        for (name, reference, want) in cases {
+            assert_eq!(references.is_referenced(&reference), want, "{name}");
+        }
+        // Once the pod is gone, its references are forgotten.
+        references.resolve(std::iter::empty(), |_, _| false);
+        assert!(!references.is_referenced(&config_map("a", "settings")));
     }
 
     #[test]
