@@ -889,6 +889,85 @@ fn added_tolerations(
     Some(lower.iter().chain(added).cloned().collect())
 }
 
+/// Reason a kubelet gives a container it could not find when its pod was terminated.
+const CONTAINER_STATUS_UNKNOWN: &str = "ContainerStatusUnknown";
+
+/// The last status of a deleted upper pod whose lower copy is gone, as a kubelet writes it
+/// before it finishes the deletion: `last` (the lower pod's last status, reflected by
+/// [`upper_status`]) with every container terminated (one still shown otherwise was
+/// stopped unseen: [`CONTAINER_STATUS_UNKNOWN`], exit code 137, as the kubelet reports it),
+/// not ready, and a terminal phase (Succeeded when every container exited 0).
+pub fn terminated_status(last: PodStatus) -> PodStatus {
+    let terminate = |status: ContainerStatus| -> ContainerStatus {
+        let state = status.state.clone().unwrap_or_default();
+        if state.terminated.is_some() {
+            return ContainerStatus {
+                ready: false,
+                started: Some(false),
+                ..status
+            };
+        }
+        let started_at = state.running.and_then(|r| r.started_at);
+        ContainerStatus {
+            ready: false,
+            started: Some(false),
+            state: Some(ContainerState {
+                terminated: Some(ContainerStateTerminated {
+                    exit_code: KILLED_EXIT_CODE,
+                    reason: Some(CONTAINER_STATUS_UNKNOWN.to_owned()),
+                    message: Some(
+                        "The container could not be located when the pod was terminated".to_owned(),
+                    ),
+                    started_at,
+                    ..ContainerStateTerminated::default()
+                }),
+                ..ContainerState::default()
+            }),
+            ..status
+        }
+    };
+    let containers: Option<Vec<ContainerStatus>> = last
+        .container_statuses
+        .map(|c| c.into_iter().map(terminate).collect());
+    let init_containers: Option<Vec<ContainerStatus>> = last
+        .init_container_statuses
+        .map(|c| c.into_iter().map(terminate).collect());
+    let all_succeeded = containers.iter().flatten().all(|c| {
+        c.state
+            .as_ref()
+            .and_then(|s| s.terminated.as_ref())
+            .is_some_and(|t| t.exit_code == 0)
+    });
+    let phase = match last.phase.as_deref() {
+        Some("Succeeded" | "Failed") => last.phase,
+        _ if all_succeeded => Some("Succeeded".to_owned()),
+        _ => Some("Failed".to_owned()),
+    };
+    // Ready and ContainersReady as the lower kubelet last wrote them when it did write them
+    // False; otherwise False now.
+    let conditions = last.conditions.map(|conditions| {
+        conditions
+            .into_iter()
+            .map(|c| match c.type_.as_str() {
+                "Ready" | "ContainersReady" if c.status == "True" => PodCondition {
+                    status: "False".to_owned(),
+                    reason: Some("PodCompleted".to_owned()),
+                    message: None,
+                    ..c
+                },
+                _ => c,
+            })
+            .collect()
+    });
+    PodStatus {
+        phase,
+        conditions,
+        container_statuses: containers,
+        init_container_statuses: init_containers,
+        ..last
+    }
+}
+
 /// The status that ends an upper pod whose lower copy is gone (evicted or deleted out of
 /// band), so its controller replaces it.
 pub fn lower_gone_status(upper: &Pod, reason: &str, message: &str) -> PodStatus {
@@ -1715,6 +1794,94 @@ mod tests {
         let gated = pod(patched(gated, json!({"spec": {"nodeName": NODE}})));
         let lowered = lower_pod(&gated, &translation(&[])).unwrap();
         assert_eq!(lowered.spec.unwrap().readiness_gates, None);
+    }
+
+    /// What a deleted pod shows last, once its lower copy is gone.
+    #[test]
+    fn a_terminated_pod_shows_every_container_terminated() {
+        let container = |state: Value| {
+            json!({"name": "app", "image": "busybox", "imageID": "", "ready": true,
+                   "restartCount": 0, "started": true, "state": state})
+        };
+        let running = json!({"running": {"startedAt": "2024-01-01T00:00:04Z"}});
+        let exited = |code: i32| {
+            json!({"terminated": {"exitCode": code, "reason": "Completed",
+                   "startedAt": "2024-01-01T00:00:04Z", "finishedAt": "2024-01-01T00:00:09Z"}})
+        };
+        let status = |phase: &str, ready: &str, state: Value| -> PodStatus {
+            serde_json::from_value(json!({"phase": phase, "conditions": [
+                {"type": "Ready", "status": ready},
+                {"type": "ContainersReady", "status": ready},
+                {"type": "PodScheduled", "status": "True"},
+            ], "containerStatuses": [container(state)], "podIP": "10.0.0.5"}))
+            .unwrap()
+        };
+        // (case, the last status from below, the phase, the container's exit code and
+        // reason)
+        let cases = [
+            (
+                "written terminal below: kept",
+                status("Succeeded", "False", exited(0)),
+                "Succeeded",
+                0,
+                "Completed",
+            ),
+            (
+                "exited 0, phase not yet written",
+                status("Running", "False", exited(0)),
+                "Succeeded",
+                0,
+                "Completed",
+            ),
+            (
+                "exited 143",
+                status("Running", "False", exited(143)),
+                "Failed",
+                143,
+                "Completed",
+            ),
+            (
+                "still running when the copy went",
+                status("Running", "True", running.clone()),
+                "Failed",
+                137,
+                "ContainerStatusUnknown",
+            ),
+        ];
+        for (name, last, phase, code, reason) in cases {
+            let done = terminated_status(last.clone());
+            assert_eq!(done.phase.as_deref(), Some(phase), "{name}");
+            let c = &done.container_statuses.as_ref().unwrap()[0];
+            let terminated = c.state.as_ref().unwrap().terminated.as_ref().unwrap();
+            assert_eq!(
+                (terminated.exit_code, terminated.reason.as_deref(), c.ready),
+                (code, Some(reason), false),
+                "{name}"
+            );
+            let condition = |t: &str| {
+                done.conditions
+                    .iter()
+                    .flatten()
+                    .find(|c| c.type_ == t)
+                    .map(|c| c.status.clone())
+            };
+            assert_eq!(condition("Ready").as_deref(), Some("False"), "{name}");
+            assert_eq!(
+                condition("ContainersReady").as_deref(),
+                Some("False"),
+                "{name}"
+            );
+            assert_eq!(condition("PodScheduled").as_deref(), Some("True"), "{name}");
+            assert_eq!(done.pod_ip, last.pod_ip, "{name}: the rest as it was");
+        }
+        let started = status("Running", "True", running);
+        let done = terminated_status(started);
+        let terminated = done.container_statuses.unwrap()[0].state.clone().unwrap();
+        assert_eq!(
+            terminated.terminated.unwrap().started_at,
+            serde_json::from_value(json!("2024-01-01T00:00:04Z")).unwrap(),
+            "when it started is kept"
+        );
     }
 
     #[test]
