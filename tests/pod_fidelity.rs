@@ -219,3 +219,81 @@ async fn optional_config_maps_and_secrets_created_later_are_copied_down() {
     .unwrap();
     ns.delete().await.unwrap();
 }
+
+/// A pod naming a RuntimeClass runs below: the lower cluster lacks it, so it is copied from
+/// the upper one (handler and overhead as upstairs, marked as tensile's); one the lower
+/// cluster has is used as it is, never overwritten.
+#[tokio::test]
+async fn the_runtime_class_a_pod_names_is_there_below() {
+    use k8s_openapi::api::node::v1::RuntimeClass;
+    use kube::api::DeleteParams;
+    use tensile::translate::meta::OWNER_NODE_LABEL;
+
+    let pair = pair().await;
+    let upper = pair.upper.client().await.unwrap();
+    let lower = pair.lower.client().await.unwrap();
+    let ns = TestNamespace::create(&upper, "runtime").await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let upper_classes: Api<RuntimeClass> = Api::all(upper);
+    let lower_classes: Api<RuntimeClass> = Api::all(lower);
+    let pp = PostParams::default();
+    // Cluster-scoped: names of this test's own.
+    let (copied, existing) = (format!("{}-sandbox", ns.name), format!("{}-below", ns.name));
+    let class = |name: &str, handler: &str| -> RuntimeClass {
+        serde_json::from_value(json!({
+            "metadata": {"name": name},
+            "handler": handler,
+            "overhead": {"podFixed": {"cpu": "10m", "memory": "16Mi"}},
+        }))
+        .unwrap()
+    };
+    upper_classes
+        .create(&pp, &class(&copied, "runsc"))
+        .await
+        .unwrap();
+    upper_classes
+        .create(&pp, &class(&existing, "upper-handler"))
+        .await
+        .unwrap();
+    lower_classes
+        .create(&pp, &class(&existing, "lower-handler"))
+        .await
+        .unwrap();
+
+    for (name, runtime_class) in [("sandboxed", &copied), ("below", &existing)] {
+        let mut pod = pod_with(name, json!({"runtimeClassName": runtime_class}));
+        pod.metadata.labels = Some([("app".to_owned(), "runtime".to_owned())].into());
+        pods.create(&pp, &pod).await.unwrap();
+    }
+    wait_running(&pods, "app=runtime", 2).await;
+
+    let made = lower_classes.get(&copied).await.unwrap();
+    assert_eq!(made.handler, "runsc");
+    assert_eq!(
+        made.overhead.and_then(|o| o.pod_fixed).map(|f| f.len()),
+        Some(2)
+    );
+    assert_eq!(
+        made.metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(OWNER_NODE_LABEL))
+            .map(String::as_str),
+        Some(NODE),
+        "marked as this node's"
+    );
+    let kept = lower_classes.get(&existing).await.unwrap();
+    assert_eq!(kept.handler, "lower-handler", "never overwritten");
+    assert!(
+        kept.metadata
+            .labels
+            .as_ref()
+            .is_none_or(|l| !l.contains_key(OWNER_NODE_LABEL))
+    );
+
+    ns.delete().await.unwrap();
+    for name in [&copied, &existing] {
+        let _ = upper_classes.delete(name, &DeleteParams::default()).await;
+        let _ = lower_classes.delete(name, &DeleteParams::default()).await;
+    }
+}
