@@ -31,13 +31,14 @@ const DEPARTED_FOR: Duration = Duration::from_secs(120);
 /// Clones share the table.
 #[derive(Clone, Default)]
 pub struct Departed {
-    pods: Arc<Mutex<HashMap<(Box<str>, Box<str>), (Instant, Arc<StoredPod>)>>>,
+    pods: Arc<Mutex<DepartedPods>>,
 }
 
+/// Each departed pod by namespace and name, with when it was kept.
+type DepartedPods = HashMap<(Box<str>, Box<str>), (Instant, Arc<StoredPod>)>;
+
 impl Departed {
-    fn lock(
-        &self,
-    ) -> std::sync::MutexGuard<'_, HashMap<(Box<str>, Box<str>), (Instant, Arc<StoredPod>)>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, DepartedPods> {
         self.pods.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
