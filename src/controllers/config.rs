@@ -277,6 +277,11 @@ async fn copy_referenced<K: Kept>(
             ctx.succeeded(&backoff_key);
             None
         }
+        // Never mirrored (a service-account token Secret): the pods' own step reports it.
+        Err(error @ Error::Translate(_)) => {
+            debug!(object = %key, kind, cluster = "upper", %error, "not copied");
+            None
+        }
         Err(error) => {
             ctx.metrics.reconcile_failed(error.metric_label());
             warn!(object = %key, kind, cluster = "lower", %error,

@@ -932,12 +932,14 @@ pub fn terminated_status(last: PodStatus) -> PodStatus {
     let init_containers: Option<Vec<ContainerStatus>> = last
         .init_container_statuses
         .map(|c| c.into_iter().map(terminate).collect());
-    let all_succeeded = containers.iter().flatten().all(|c| {
-        c.state
-            .as_ref()
-            .and_then(|s| s.terminated.as_ref())
-            .is_some_and(|t| t.exit_code == 0)
-    });
+    // No container ever reported (a pod that never ran below) is not a success.
+    let all_succeeded = containers.as_ref().is_some_and(|c| !c.is_empty())
+        && containers.iter().flatten().all(|c| {
+            c.state
+                .as_ref()
+                .and_then(|s| s.terminated.as_ref())
+                .is_some_and(|t| t.exit_code == 0)
+        });
     let phase = match last.phase.as_deref() {
         Some("Succeeded" | "Failed") => last.phase,
         _ if all_succeeded => Some("Succeeded".to_owned()),
@@ -1841,6 +1843,18 @@ mod tests {
                 "Completed",
             ),
             (
+                "never ran: no container reported",
+                serde_json::from_value(json!({"phase": "Pending", "conditions": [
+                    {"type": "Ready", "status": "False"},
+                    {"type": "ContainersReady", "status": "False"},
+                    {"type": "PodScheduled", "status": "True"},
+                ], "podIP": "10.0.0.5"}))
+                .unwrap(),
+                "Failed",
+                -1,
+                "",
+            ),
+            (
                 "still running when the copy went",
                 status("Running", "True", running.clone()),
                 "Failed",
@@ -1851,13 +1865,16 @@ mod tests {
         for (name, last, phase, code, reason) in cases {
             let done = terminated_status(last.clone());
             assert_eq!(done.phase.as_deref(), Some(phase), "{name}");
-            let c = &done.container_statuses.as_ref().unwrap()[0];
-            let terminated = c.state.as_ref().unwrap().terminated.as_ref().unwrap();
-            assert_eq!(
-                (terminated.exit_code, terminated.reason.as_deref(), c.ready),
-                (code, Some(reason), false),
-                "{name}"
-            );
+            if let Some(c) = done.container_statuses.as_ref().and_then(|c| c.first()) {
+                let terminated = c.state.as_ref().unwrap().terminated.as_ref().unwrap();
+                assert_eq!(
+                    (terminated.exit_code, terminated.reason.as_deref(), c.ready),
+                    (code, Some(reason), false),
+                    "{name}"
+                );
+            } else {
+                assert_eq!(code, -1, "{name}: no container status");
+            }
             let condition = |t: &str| {
                 done.conditions
                     .iter()
