@@ -677,3 +677,135 @@ async fn metrics_show_the_cpu_of_a_real_container_rising() {
     }
     ns.delete().await.unwrap();
 }
+
+/// The status of a pod while it terminates reaches the upper pod, as a kubelet writes it:
+/// Ready turns False while the lower pod still runs (its readiness probe fails once it got
+/// TERM), and, the upper pod held by a finalizer, its container shows how it ended (exit
+/// code, finishedAt) once the lower pod is gone. Kubernetes' "should mark readiness on pods
+/// to false while pod is in progress of terminating" and the Lifecycle Sleep Hook tests.
+#[tokio::test]
+async fn a_terminating_pod_shows_not_ready_then_its_terminated_container() {
+    use k8s_openapi::api::core::v1::ContainerStateTerminated;
+    use kube::api::{DeleteParams, Patch, PatchParams};
+
+    const FINALIZER: &str = "example.com/hold";
+    let setup = setup().await;
+    // As Kubernetes' test has it: the probe starts after 5 s, and the pod is deleted
+    // once Ready.
+    // A TCP probe: this node's exec probes of a terminating container error (context
+    // canceled), which leaves readiness as it was.
+    let script = "nc -ll -p 8080 -e true & listener=$!; \
+                  trap 'kill $listener; sleep 15; exit 0' TERM; \
+                  while true; do sleep 1; done";
+    let mut pod = real_pod(
+        "ending",
+        script,
+        json!({
+            "terminationGracePeriodSeconds": 30,
+            "containers": [{
+                "name": "app",
+                "image": BUSYBOX_IMAGE,
+                "command": ["sh", "-c", script],
+                "readinessProbe": {"tcpSocket": {"port": 8080},
+                                   "initialDelaySeconds": 5, "periodSeconds": 2,
+                                   "failureThreshold": 1},
+            }],
+        }),
+    );
+    pod.metadata.finalizers = Some(vec![FINALIZER.to_owned()]);
+    let ns = run_on_real_node(setup, "real-ending", vec![pod]).await;
+    let upper = setup.pair.upper.client().await.unwrap();
+    let lower = setup.pair.lower.client().await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper, &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower, &ns.name);
+    let ready = |pod: &Pod| {
+        pod.status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .and_then(|c| c.iter().find(|c| c.type_ == "Ready"))
+            .map(|c| c.status.clone())
+    };
+    wait_for("the upper pod Ready", TIMEOUT, || async {
+        let pod = upper_pods.get("ending").await?;
+        Ok((ready(&pod).as_deref() == Some("True")).then_some(()))
+    })
+    .await
+    .unwrap();
+
+    upper_pods
+        .delete("ending", &DeleteParams::default())
+        .await
+        .unwrap();
+    // Not Ready upstairs while the container still runs below (15 s after TERM).
+    wait_for(
+        "the upper pod not Ready while the lower one runs",
+        TIMEOUT,
+        || async {
+            let pod = upper_pods.get("ending").await?;
+            if ready(&pod).as_deref() != Some("False") {
+                return Ok(None);
+            }
+            let below = lower_pods.get_opt("ending").await?;
+            let still_running = below.as_ref().is_some_and(|p| {
+                p.status
+                    .as_ref()
+                    .and_then(|s| s.container_statuses.as_ref())
+                    .is_some_and(|c| {
+                        c.iter()
+                            .any(|c| c.state.as_ref().is_some_and(|s| s.running.is_some()))
+                    })
+            });
+            assert!(
+                still_running,
+                "Ready False reached upstairs only once the container had stopped below: {:?}",
+                below.and_then(|p| p.status)
+            );
+            Ok(Some(()))
+        },
+    )
+    .await
+    .unwrap();
+
+    // The lower pod goes; the upper one stays for its finalizer, showing how it ended.
+    let terminated = wait_for("the upper container terminated", TIMEOUT, || async {
+        let pod = upper_pods.get("ending").await?;
+        let state: Option<ContainerStateTerminated> = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.container_statuses.as_ref())
+            .and_then(|c| c.first())
+            .and_then(|c| c.state.as_ref())
+            .and_then(|s| s.terminated.clone());
+        let gone_below = lower_pods.get_opt("ending").await?.is_none();
+        Ok(state.filter(|_| gone_below).map(|t| (t, pod)))
+    })
+    .await;
+    let (state, pod) = match terminated {
+        Ok(found) => found,
+        Err(error) => {
+            let pod = upper_pods.get("ending").await.unwrap();
+            panic!("{error:#}\nupper status: {:?}", pod.status);
+        }
+    };
+    assert_eq!(state.exit_code, 0, "{state:?}");
+    assert!(state.finished_at.is_some(), "{state:?}");
+    assert_eq!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Succeeded"),
+        "{:?}",
+        pod.status
+    );
+    assert_eq!(ready(&pod).as_deref(), Some("False"));
+
+    let release = json!({"metadata": {"finalizers": null}});
+    upper_pods
+        .patch("ending", &PatchParams::default(), &Patch::Merge(&release))
+        .await
+        .unwrap();
+    wait_for("the upper pod gone", TIMEOUT, || async {
+        Ok(upper_pods.get_opt("ending").await?.is_none().then_some(()))
+    })
+    .await
+    .unwrap();
+    ns.delete().await.unwrap();
+}

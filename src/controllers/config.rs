@@ -29,7 +29,9 @@ use serde::de::DeserializeOwned;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use super::dependencies::ensure;
 use super::pod_watch::PodStores;
+use super::queue::{self, WorkQueue};
 use super::references::References;
 use super::stores::{
     MetaIndex, ObjectStream, Ready, Reflected, every, indexed, log_outcome, reflected,
@@ -43,7 +45,7 @@ use crate::translate::config::{
     Copied, CopyState, Reference, SYSTEM_NAMESPACE, copy_state, holds, kind_of, referenced,
     replacement, stamped_copy,
 };
-use crate::translate::deps::DependencyKind;
+use crate::translate::deps::{Dependency, DependencyKind};
 use crate::translate::meta::Owner;
 use crate::translate::pod::is_owned_by;
 use crate::upper_watches::{SharedIndex, UpperWatches};
@@ -205,13 +207,26 @@ async fn control<K: Kept>(
         upper,
     } = watches;
     let copies = lower.store.clone();
-    // An upper event wakes the copy of the same name, if there is one; the rest of the
-    // upper cluster's objects cost nothing past the index.
+    let missing = Arc::new(WorkQueue::<(String, String)>::default());
+    let (wanted, present, references) = (missing.clone(), index.clone(), ctx.clone());
+    // An upper event wakes the copy of the same name, if there is one; an original that
+    // has none and that a pod of this node references (an optional one created after the
+    // pod, or created again) is queued to be copied. The rest of the upper cluster's
+    // objects cost nothing past the index.
     let wake_copy = move |original: PartialObjectMeta<K>| {
         let name = original.metadata.name?;
         let namespace = original.metadata.namespace?;
         let copy = ObjectRef::<K>::new(&name).within(&namespace);
-        copies.get(&copy).map(|_| copy)
+        if copies.get(&copy).is_some() {
+            return Some(copy);
+        }
+        let reference = (K::DEPENDENCY, namespace, name);
+        if present.get(&reference.1, &reference.2).is_some()
+            && references.references.references(&reference)
+        {
+            wanted.add((reference.1, reference.2));
+        }
+        None
     };
     let kc = Arc::new(KindContext {
         ctx,
@@ -219,13 +234,61 @@ async fn control<K: Kept>(
         ready,
         budget: Mutex::default(),
     });
-    Controller::for_stream(lower.stream, lower.store)
+    let copy_missing = queue::work(&missing, 1, &shutdown, |(namespace, name)| {
+        let kc = kc.clone();
+        async move { copy_referenced::<K>(&kc, &namespace, &name).await }
+    });
+    let controller = Controller::for_stream(lower.stream, lower.store)
         .watches_stream(upper, wake_copy)
         .reconcile_all_on(every(resync))
-        .graceful_shutdown_on(shutdown.cancelled_owned())
-        .run(reconcile::<K>, error_policy::<K>, kc)
-        .for_each(|result| log_outcome("copy reconcile", result))
-        .await;
+        .graceful_shutdown_on(shutdown.clone().cancelled_owned())
+        .run(reconcile::<K>, error_policy::<K>, kc.clone())
+        .for_each(|result| log_outcome("copy reconcile", result));
+    tokio::join!(controller, copy_missing);
+}
+
+/// Copies the upper `namespace/name` of kind `K` below while a pod of this node references
+/// it and no copy exists (the pods' dependency check makes copies only when a pod is
+/// created below: one referenced optionally may appear later, as a kubelet would then
+/// project it). When to try again, after a failure.
+async fn copy_referenced<K: Kept>(
+    kc: &KindContext,
+    namespace: &str,
+    name: &str,
+) -> Option<Duration> {
+    let ctx = &kc.ctx;
+    let kind = kind_of(K::DEPENDENCY);
+    let key = format!("{namespace}/{name}");
+    let backoff_key = format!("create:{kind}/{key}");
+    if kc.ready.wait().await.is_err() {
+        return None;
+    }
+    let reference = (K::DEPENDENCY, namespace.to_owned(), name.to_owned());
+    if !ctx.references.references(&reference) {
+        return None;
+    }
+    let dependency = Dependency {
+        kind: K::DEPENDENCY,
+        name: name.to_owned(),
+        optional: true,
+    };
+    match ensure::<K>(ctx, namespace, &dependency, stamped_copy).await {
+        Ok(_) => {
+            ctx.succeeded(&backoff_key);
+            None
+        }
+        // Never mirrored (a service-account token Secret): the pods' own step reports it.
+        Err(error @ Error::Translate(_)) => {
+            debug!(object = %key, kind, cluster = "upper", %error, "not copied");
+            None
+        }
+        Err(error) => {
+            ctx.metrics.reconcile_failed(error.metric_label());
+            warn!(object = %key, kind, cluster = "lower", %error,
+                "copying a referenced original that appeared upstairs; retrying with backoff");
+            Some(ctx.backoff(&backoff_key))
+        }
+    }
 }
 
 fn backoff_key<K: Kept>(copy: &K) -> String {

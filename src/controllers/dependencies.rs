@@ -14,6 +14,7 @@ use k8s_openapi::NamespaceResourceScope;
 use k8s_openapi::api::core::v1::{
     ConfigMap, Namespace, PersistentVolumeClaim, Pod, Secret, ServiceAccount,
 };
+use k8s_openapi::api::node::v1::RuntimeClass;
 use kube::Resource;
 use kube::api::{Api, PostParams};
 use serde::Serialize;
@@ -26,7 +27,8 @@ use crate::side::Side;
 use crate::translate::TranslateError;
 use crate::translate::config::stamped_copy;
 use crate::translate::deps::{
-    Dependency, DependencyKind, lower_namespace, lower_pvc, lower_service_account, pod_dependencies,
+    Dependency, DependencyKind, lower_namespace, lower_pvc, lower_runtime_class,
+    lower_service_account, pod_dependencies, runtime_class_name,
 };
 use crate::translate::meta::{OWNER_NODE_LABEL, Owner};
 use crate::translate::namespace::Below;
@@ -38,6 +40,7 @@ pub async fn ensure_for_pod(ctx: &Context, pod: &Pod, pod_key: &str) -> Result<(
     // Before any copy is made, so the clean-up of unreferenced copies never misses them.
     ctx.references.record(pod, ctx.with_service_account);
     ensure_namespace(ctx, namespace).await?;
+    ensure_runtime_class(ctx, pod, pod_key).await?;
     let mut missing = Vec::new();
     for dependency in pod_dependencies(pod, ctx.with_service_account) {
         let found = match dependency.kind {
@@ -149,7 +152,7 @@ fn admitted(
 
 /// Makes sure the lower copy of one dependency exists. `Ok(false)`: the upper original
 /// does not exist either.
-async fn ensure<K>(
+pub(crate) async fn ensure<K>(
     ctx: &Context,
     namespace: &str,
     dependency: &Dependency,
@@ -200,6 +203,53 @@ where
     }
     ctx.known_present.insert(cache_key);
     Ok(true)
+}
+
+/// Makes sure the RuntimeClass `pod` names exists below (the lower admission refuses the
+/// pod otherwise): one the lower cluster has is used as it is, never overwritten; a missing
+/// one is copied from the upper one ([`lower_runtime_class`]). Failing, the pod is not
+/// created and its Warning Event names the RuntimeClass.
+async fn ensure_runtime_class(ctx: &Context, pod: &Pod, pod_key: &str) -> Result<(), Error> {
+    let Some(name) = runtime_class_name(pod) else {
+        return Ok(());
+    };
+    let cache_key = format!("RuntimeClass/{name}");
+    if ctx.known_present.contains(&cache_key) {
+        return Ok(());
+    }
+    let lower: Api<RuntimeClass> = Api::all(ctx.lower.clone());
+    let exists = lower
+        .get_metadata_opt(name)
+        .await
+        .map_err(api_error(Side::Lower, "reading", "RuntimeClass", name))?
+        .is_some();
+    if !exists {
+        let upper: Api<RuntimeClass> = Api::all(ctx.upper.clone());
+        let Some(original) = upper.get_opt(name).await.map_err(api_error(
+            Side::Upper,
+            "reading",
+            "RuntimeClass",
+            name,
+        ))?
+        else {
+            return Err(Error::MissingDependencies {
+                pod: pod_key.to_owned(),
+                missing: format!("RuntimeClass {name}"),
+            });
+        };
+        let copy = lower_runtime_class(&original, &ctx.owner)?;
+        match lower.create(&PostParams::default(), &copy).await {
+            Ok(_) => {
+                tracing::info!(object = %name, kind = "RuntimeClass", cluster = "lower", "created the RuntimeClass a pod names")
+            }
+            Err(e) if is_status(&e, 409) => {}
+            Err(e) => {
+                return Err(api_error(Side::Lower, "creating", "RuntimeClass", name)(e));
+            }
+        }
+    }
+    ctx.known_present.insert(cache_key);
+    Ok(())
 }
 
 /// Whether a lower object carries a virtual node's owner mark (this node's, or another

@@ -178,6 +178,8 @@ pub struct Context {
     pub(crate) known_present: PresenceCache,
     /// What each pod references, kept apart from the pod stores (which may be pruned).
     pub(crate) references: References,
+    /// Lower pods deleted while their upper pods were being deleted, for the final status.
+    pub(crate) departed: pod_store::Departed,
     /// The upper watches this member shares with the others of a federated process; `None`:
     /// it watches the upper cluster itself.
     pub upper_watches: Option<Arc<UpperWatches>>,
@@ -213,6 +215,7 @@ impl Context {
             failures: Mutex::default(),
             known_present: PresenceCache::default(),
             references: References::default(),
+            departed: pod_store::Departed::default(),
             upper_watches: None,
             tokens: None,
             namespaces: None,

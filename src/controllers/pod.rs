@@ -25,7 +25,8 @@ use crate::translate::meta::Owner;
 use crate::translate::pod::{
     PodTranslation, ephemeral_containers_patch, is_copy_of, is_owned_by, lower_gone_status,
     lower_pod, lower_pod_update, missing_ephemeral_containers, pending_reason_patch,
-    upper_status_patch, upper_uid, was_mirrored, with_uid_precondition,
+    terminated_status, upper_status, upper_status_patch, upper_uid, was_mirrored,
+    with_uid_precondition,
 };
 use crate::translate::stored::StoredPod;
 use crate::translate::{TranslateError, object_ref};
@@ -156,6 +157,18 @@ pub fn confirm(
     }
 }
 
+/// Whether the status of `lower` is reflected onto `upper`: a pair in step ([`Step::Sync`]),
+/// or an upper pod being deleted and its own copy below (by the upper-UID mark) while that
+/// terminates: a kubelet keeps writing a terminating pod's status (not ready, containers
+/// terminated) until it finishes the deletion.
+pub fn reflects_status(upper: &Pod, lower: &Pod, owner: &Owner) -> bool {
+    let deleting_with_its_copy = upper.metadata.deletion_timestamp.is_some()
+        && is_owned_by(&lower.metadata, owner)
+        && upper_uid(&lower.metadata).is_some()
+        && upper_uid(&lower.metadata) == upper.metadata.uid.as_deref();
+    deleting_with_its_copy || decide(upper, Some(lower), owner) == Step::Sync
+}
+
 fn is_terminal(pod: &Pod) -> bool {
     matches!(
         pod.status.as_ref().and_then(|s| s.phase.as_deref()),
@@ -241,6 +254,7 @@ pub async fn write_upper_status(
 
 struct PodContext {
     ctx: Arc<Context>,
+    upper_pods: PodStore,
     lower_pods: PodStore,
     synced: Ready,
 }
@@ -256,6 +270,7 @@ pub async fn run(
 ) {
     let pod_ctx = Arc::new(PodContext {
         ctx,
+        upper_pods: stores.upper.clone(),
         lower_pods: stores.lower,
         synced: stores.synced,
     });
@@ -347,6 +362,7 @@ async fn reconcile_pod(
     match step {
         Step::Nothing | Step::WaitForLower => {}
         Step::FinishDeletion => {
+            write_final_status(upper, pc, &upper_api, key).await?;
             let deleted = delete_exact(&upper_api, &name, upper.metadata.uid.clone(), Some(0))
                 .await
                 .map_err(api_error(Side::Upper, "deleting", "Pod", key))?;
@@ -428,6 +444,46 @@ async fn confirmed(
         );
     }
     Ok(step)
+}
+
+/// Writes on the deleted upper pod the last status of its lower copy, gone now, with every
+/// container terminated ([`terminated_status`]), as a kubelet does before it finishes a
+/// deletion: a pod held by a finalizer shows how its containers ended. Unless the status
+/// reflector showed it already, or the lower pod's last version was not seen (a restart).
+async fn write_final_status(
+    upper: &Pod,
+    pc: &PodContext,
+    upper_api: &Api<Pod>,
+    key: &str,
+) -> Result<(), Error> {
+    let ctx = &pc.ctx;
+    let (namespace, name) = (upper.namespace().unwrap_or_default(), upper.name_any());
+    let Some(last) = ctx.departed.take(&namespace, &name) else {
+        return Ok(());
+    };
+    if last.upper_uid() != upper.metadata.uid.as_deref() {
+        return Ok(());
+    }
+    let status = terminated_status(upper_status(&last.to_pod(), upper));
+    let shown = pc
+        .upper_pods
+        .get(&namespace, &name)
+        .is_some_and(|stored| stored.status_in_sync(&status));
+    if shown {
+        return Ok(());
+    }
+    match write_upper_status(upper_api, upper, &status, key).await {
+        Ok(_) => {
+            ctx.metrics.status_writes.inc();
+            debug!(object = %key, kind = "Pod", cluster = "upper", phase = ?status.phase, "wrote the final status");
+            Ok(())
+        }
+        Err(error) => {
+            // Tried again with the step.
+            ctx.departed.keep(last);
+            Err(error)
+        }
+    }
 }
 
 /// Ends the upper pod whose lower pod is gone, so that its controller replaces it.
@@ -957,6 +1013,60 @@ mod tests {
             );
             assert_eq!(
                 confirm(&planned, stored, live_upper, live_lower.as_ref(), &owner),
+                want,
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn status_is_reflected_from_the_pods_own_copy_while_it_terminates() {
+        let deleting =
+            json!({"deletionTimestamp": "2026-01-01T00:00:00Z", "deletionGracePeriodSeconds": 30});
+        let running =
+            json!({"phase": "Running", "hostIP": "10.0.0.1", "startTime": "2026-01-01T00:00:00Z"});
+        // (case, upper, lower, reflected)
+        let cases = [
+            (
+                "a pair in step",
+                upper(json!({}), running.clone()),
+                lower(NODE, "u1", false),
+                true,
+            ),
+            (
+                "upper deleting, its copy not yet",
+                upper(deleting.clone(), running.clone()),
+                lower(NODE, "u1", false),
+                true,
+            ),
+            (
+                "upper deleting, its copy terminating",
+                upper(deleting.clone(), running.clone()),
+                lower(NODE, "u1", true),
+                true,
+            ),
+            (
+                "upper deleting, a copy of an older pod of the name",
+                upper(deleting.clone(), running.clone()),
+                lower(NODE, "u0", true),
+                false,
+            ),
+            (
+                "upper deleting, another node's pod",
+                upper(deleting, running.clone()),
+                lower("vk-other", "u1", true),
+                false,
+            ),
+            (
+                "a stale copy",
+                upper(json!({"uid": "u2"}), running),
+                lower(NODE, "u1", false),
+                false,
+            ),
+        ];
+        for (name, upper, lower, want) in cases {
+            assert_eq!(
+                reflects_status(&upper, &lower, &Owner::new(NODE, CLUSTER)),
                 want,
                 "{name}"
             );

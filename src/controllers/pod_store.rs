@@ -6,8 +6,10 @@
 //! as it is listed, so that a controller handed it finds it; the pods the relist did not
 //! list leave once it completes.
 
+use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
 
 use hashbrown::HashTable;
 use kube::runtime::watcher;
@@ -17,6 +19,47 @@ use crate::translate::stored::StoredPod;
 
 /// Below this many slots a table is never shrunk: not worth rebuilding.
 const KEEP: usize = 1024;
+
+/// How long a [`Departed`] pod is kept for a step that never comes (its upper pod gone
+/// meanwhile).
+const DEPARTED_FOR: Duration = Duration::from_secs(120);
+
+/// The last version of each lower pod deleted while its upper pod was being deleted: the
+/// final status the pod controller writes upstairs before it finishes the deletion (as a
+/// kubelet does), which the status reflector, keyed by the lower pods in the store, can no
+/// longer write. Each is taken once; one never taken is dropped after [`DEPARTED_FOR`].
+/// Clones share the table.
+#[derive(Clone, Default)]
+pub struct Departed {
+    pods: Arc<Mutex<DepartedPods>>,
+}
+
+/// Each departed pod by namespace and name, with when it was kept.
+type DepartedPods = HashMap<(Box<str>, Box<str>), (Instant, Arc<StoredPod>)>;
+
+impl Departed {
+    fn lock(&self) -> std::sync::MutexGuard<'_, DepartedPods> {
+        self.pods.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Keeps `pod`, just deleted, in place of any earlier one of its namespace and name.
+    pub fn keep(&self, pod: Arc<StoredPod>) {
+        let now = Instant::now();
+        let mut pods = self.lock();
+        pods.retain(|_, (since, _)| now.duration_since(*since) < DEPARTED_FOR);
+        let key = (pod.meta.namespace.clone(), pod.meta.name.clone());
+        pods.insert(key, (now, pod));
+        if let Some(to) = shrunk_capacity(pods.capacity(), pods.len(), KEEP) {
+            pods.shrink_to(to);
+        }
+    }
+
+    /// The lower pod of `namespace/name` kept since its deletion, once.
+    pub fn take(&self, namespace: &str, name: &str) -> Option<Arc<StoredPod>> {
+        let key: (Box<str>, Box<str>) = (namespace.into(), name.into());
+        self.lock().remove(&key).map(|(_, pod)| pod)
+    }
+}
 
 /// Pods by namespace and name; clones share the table.
 #[derive(Clone, Default)]
@@ -230,6 +273,28 @@ mod tests {
             .collect();
         pods.sort();
         pods
+    }
+
+    #[test]
+    fn a_departed_pod_is_taken_once() {
+        let departed = Departed::default();
+        departed.keep(Arc::new(pod("ns", "a", "u1")));
+        departed.keep(Arc::new(pod("ns", "a", "u2")));
+        departed.keep(Arc::new(pod("ns", "b", "u3")));
+        let uid =
+            |p: Option<Arc<StoredPod>>| p.and_then(|p| p.meta.uid.as_deref().map(str::to_owned));
+        assert_eq!(
+            uid(departed.take("ns", "a")).as_deref(),
+            Some("u2"),
+            "the latest"
+        );
+        assert_eq!(uid(departed.take("ns", "a")), None, "once");
+        assert_eq!(
+            uid(departed.take("other", "b")),
+            None,
+            "by namespace and name"
+        );
+        assert_eq!(uid(departed.take("ns", "b")).as_deref(), Some("u3"));
     }
 
     #[test]

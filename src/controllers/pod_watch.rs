@@ -17,7 +17,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::Context;
-use super::pod_store::{PodStore, Touched, Writer};
+use super::pod_store::{Departed, PodStore, Touched, Writer};
 use super::queue::{self, WorkQueue};
 use super::stores::{Ready, errors_logged_as, every};
 use crate::side::Side;
@@ -151,17 +151,47 @@ async fn fan_out(
     mut touched: PodStream,
     side: Side,
     lower: PodStore,
+    departed: Option<(PodStore, Departed)>,
     mut pods: mpsc::Sender<Arc<StoredPod>>,
     mut status: mpsc::Sender<Arc<StoredPod>>,
 ) {
     // Its errors were logged and left out: every item is a pod.
     while let Some(Ok(Touched { pod, status_only })) = touched.next().await {
         let lower_copy = || lower.get(&pod.meta.namespace, &pod.meta.name).is_some();
+        if let Some((upper, departed)) = &departed {
+            keep_if_departed(&pod, &lower, upper, departed);
+        }
         // Each send fails only once that controller has stopped.
         if wakes_pod_controller(side, status_only, lower_copy) {
             let _ = pods.send(pod.clone()).await;
         }
         let _ = status.send(pod).await;
+    }
+}
+
+/// Keeps `lower` (a lower pod the watch just touched) in `departed` if that touch was its
+/// deletion (`store` no longer has it) while its upper pod is being deleted: the pod
+/// controller writes its last status upstairs before finishing the deletion.
+fn keep_if_departed(
+    lower: &Arc<StoredPod>,
+    store: &PodStore,
+    upper: &PodStore,
+    departed: &Departed,
+) {
+    let (namespace, name) = (&lower.meta.namespace, &lower.meta.name);
+    if store.get(namespace, name).is_some() {
+        return;
+    }
+    let upper_deleting = upper.get(namespace, name).is_some_and(|upper| {
+        upper.meta.deletion_timestamp.is_some()
+            && upper
+                .meta
+                .uid
+                .as_deref()
+                .is_some_and(|uid| lower.upper_uid() == Some(uid))
+    });
+    if upper_deleting {
+        departed.keep(lower.clone());
     }
 }
 
@@ -214,6 +244,7 @@ pub fn watches(ctx: &Context) -> PodWatches {
             upper_stream,
             Side::Upper,
             lower_store.clone(),
+            None,
             pods_upper,
             status_upper,
         ),
@@ -221,6 +252,7 @@ pub fn watches(ctx: &Context) -> PodWatches {
             lower_stream,
             Side::Lower,
             lower_store.clone(),
+            Some((upper_store.clone(), ctx.departed.clone())),
             pods_lower,
             status_lower,
         ),

@@ -159,6 +159,40 @@ mod tests {
     }
 
     #[test]
+    fn what_a_recorded_pod_references_is_known_by_name() {
+        let references = References::default();
+        references.record(&pod("a", "p1", "settings"), true);
+        let config_map = |namespace: &str, name: &str| {
+            (
+                DependencyKind::ConfigMap,
+                namespace.to_owned(),
+                name.to_owned(),
+            )
+        };
+        // (case, reference, referenced)
+        let cases = [
+            ("the pod's ConfigMap", config_map("a", "settings"), true),
+            ("another name", config_map("a", "other"), false),
+            ("another namespace", config_map("b", "settings"), false),
+            (
+                "a Secret of that name",
+                (
+                    DependencyKind::Secret,
+                    "a".to_owned(),
+                    "settings".to_owned(),
+                ),
+                false,
+            ),
+        ];
+        for (name, reference, want) in cases {
+            assert_eq!(references.references(&reference), want, "{name}");
+        }
+        // Once the pod is gone, its references are forgotten.
+        references.resolve(std::iter::empty(), |_, _| false);
+        assert!(!references.references(&config_map("a", "settings")));
+    }
+
+    #[test]
     fn equal_lists_are_kept_once_and_dropped_with_their_pods() {
         let references = References::default();
         for name in ["p1", "p2", "p3"] {

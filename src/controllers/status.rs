@@ -14,7 +14,7 @@ use kube::api::Api;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
 
-use super::pod::{StatusWrite, Step, decide, write_upper_status};
+use super::pod::{StatusWrite, reflects_status, write_upper_status};
 use super::pod_watch::{PodQueue, PodStores, Triggers, run_controller};
 use super::{Context, Error};
 use crate::translate::pod::{status_is_informative, upper_status};
@@ -89,9 +89,9 @@ async fn reflect_status(
     }
     let stored_lower = lower;
     let (upper, lower) = (stored_upper.to_pod(), stored_lower.to_pod());
-    // Only for a pod mirrored by this node and not being deleted: the pod controller
+    // Only for a pod mirrored by this node (while it terminates too): the pod controller
     // owns every other step.
-    if decide(&upper, Some(&lower), &ctx.owner) != Step::Sync {
+    if !reflects_status(&upper, &lower, &ctx.owner) {
         return Ok(());
     }
     let desired = upper_status(&lower, &upper);

@@ -6,9 +6,13 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::core::v1::{
     ConfigMap, Namespace, PersistentVolumeClaim, Pod, Secret, ServiceAccount, Volume,
 };
+use k8s_openapi::api::node::v1::RuntimeClass;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
-use super::meta::{GLOBAL_ANNOTATION, LABEL_SELECTOR_ANNOTATION, Owner, SELECTED_NODE_ANNOTATION};
+use super::meta::{
+    GLOBAL_ANNOTATION, LABEL_SELECTOR_ANNOTATION, Owner, SELECTED_NODE_ANNOTATION,
+    UPPER_UID_ANNOTATION,
+};
 use super::pod::{DEFAULT_SERVICE_ACCOUNT, injected_token_volumes, service_account_name};
 use super::{TranslateError, copy_meta, object_ref};
 
@@ -279,10 +283,58 @@ pub fn lower_namespace(name: &str, owner: &Owner) -> Namespace {
     }
 }
 
+/// The RuntimeClass `pod` names (`spec.runtimeClassName`), if any.
+pub fn runtime_class_name(pod: &Pod) -> Option<&str> {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.runtime_class_name.as_deref())
+        .filter(|name| !name.is_empty())
+}
+
+/// The lower copy of a RuntimeClass a pod names, made when the lower cluster has none of
+/// that name (one it has is used as it is): handler, overhead and scheduling as upstairs,
+/// marked as tensile's (owner labels, the upper UID, `global`). Cluster-scoped, so built
+/// here rather than by [`copy_meta`].
+pub fn lower_runtime_class(
+    upper: &RuntimeClass,
+    owner: &Owner,
+) -> Result<RuntimeClass, TranslateError> {
+    let missing = |field| TranslateError::MissingField {
+        kind: "RuntimeClass",
+        object: object_ref(&upper.metadata),
+        field,
+    };
+    let name = upper
+        .metadata
+        .name
+        .clone()
+        .ok_or_else(|| missing("metadata.name"))?;
+    let uid = upper
+        .metadata
+        .uid
+        .clone()
+        .ok_or_else(|| missing("metadata.uid"))?;
+    let mut labels = upper.metadata.labels.clone().unwrap_or_default();
+    owner.mark(&mut labels);
+    let mut annotations = upper.metadata.annotations.clone().unwrap_or_default();
+    annotations.insert(UPPER_UID_ANNOTATION.to_owned(), uid);
+    annotations.insert(GLOBAL_ANNOTATION.to_owned(), "true".to_owned());
+    Ok(RuntimeClass {
+        metadata: ObjectMeta {
+            name: Some(name),
+            labels: Some(labels),
+            annotations: Some(annotations),
+            ..ObjectMeta::default()
+        },
+        handler: upper.handler.clone(),
+        overhead: upper.overhead.clone(),
+        scheduling: upper.scheduling.clone(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::translate::meta::UPPER_UID_ANNOTATION;
     use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL};
     use serde_json::{Value, json};
 
@@ -592,5 +644,68 @@ mod tests {
             "annotations": {GLOBAL_ANNOTATION: "true"},
         }}));
         assert_eq!(lower_namespace("team-a", &owner()), want);
+    }
+
+    #[test]
+    fn runtime_classes_go_down_as_they_are_upstairs_marked_as_ours() {
+        let upper: RuntimeClass = serde_json::from_value(json!({
+            "metadata": {"name": "gvisor", "uid": "rc-uid", "resourceVersion": "7",
+                         "labels": {"team": "a"}, "creationTimestamp": "2024-01-01T00:00:00Z"},
+            "handler": "runsc",
+            "overhead": {"podFixed": {"cpu": "250m", "memory": "64Mi"}},
+            "scheduling": {"nodeSelector": {"sandbox": "true"},
+                           "tolerations": [{"key": "sandbox", "operator": "Exists"}]},
+        }))
+        .unwrap();
+        let lower = lower_runtime_class(&upper, &owner()).unwrap();
+        assert_eq!(lower.handler, "runsc");
+        assert_eq!(lower.overhead, upper.overhead);
+        assert_eq!(lower.scheduling, upper.scheduling);
+        let meta = &lower.metadata;
+        assert_eq!(meta.name.as_deref(), Some("gvisor"));
+        assert_eq!(meta.namespace, None, "cluster-scoped");
+        assert_eq!(meta.uid, None);
+        assert_eq!(meta.resource_version, None);
+        assert_eq!(meta.creation_timestamp, None);
+        let labels = meta.labels.as_ref().unwrap();
+        assert_eq!(labels.get("team").map(String::as_str), Some("a"));
+        assert_eq!(labels.get(OWNER_NODE_LABEL).map(String::as_str), Some(NODE));
+        assert_eq!(
+            labels.get(UPPER_CLUSTER_LABEL).map(String::as_str),
+            Some(CLUSTER)
+        );
+        let annotations = meta.annotations.as_ref().unwrap();
+        assert_eq!(
+            annotations.get(UPPER_UID_ANNOTATION).map(String::as_str),
+            Some("rc-uid")
+        );
+        assert_eq!(
+            annotations.get(GLOBAL_ANNOTATION).map(String::as_str),
+            Some("true")
+        );
+
+        let mut nameless = upper.clone();
+        nameless.metadata.uid = None;
+        assert!(matches!(
+            lower_runtime_class(&nameless, &owner()),
+            Err(TranslateError::MissingField {
+                field: "metadata.uid",
+                ..
+            })
+        ));
+
+        // (case, runtimeClassName, named)
+        let cases = [
+            ("none", Value::Null, None),
+            ("empty", json!(""), None),
+            ("named", json!("gvisor"), Some("gvisor")),
+        ];
+        for (name, class, want) in cases {
+            let pod: Pod = serde_json::from_value(json!({
+                "spec": {"containers": [{"name": "c"}], "runtimeClassName": class},
+            }))
+            .unwrap();
+            assert_eq!(runtime_class_name(&pod), want, "{name}");
+        }
     }
 }

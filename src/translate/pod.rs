@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use k8s_openapi::api::core::v1::{
     Container, ContainerState, ContainerStateTerminated, ContainerStatus, EphemeralContainer, Pod,
-    PodCondition, PodSpec, PodStatus, Toleration, Volume,
+    PodCondition, PodReadinessGate, PodSpec, PodStatus, Toleration, Volume,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::{Deserialize, Serialize};
@@ -112,6 +112,9 @@ pub fn lower_pod(upper: &Pod, t: &PodTranslation) -> Result<Pod, TranslateError>
     spec.priority = None;
     spec.preemption_policy = None;
     spec.overhead = None;
+    // Nobody sets the gates' conditions below (the upper actors set them upstairs): the
+    // upper Ready counts them ([`upper_status`]), the lower pod runs without them.
+    spec.readiness_gates = None;
     // A pod cannot be created with ephemeral containers: they follow through the lower
     // pod's ephemeralcontainers subresource ([`missing_ephemeral_containers`]).
     spec.ephemeral_containers = None;
@@ -269,13 +272,14 @@ pub fn upper_status(lower: &Pod, upper: &Pod) -> PodStatus {
         // Generations count differently in the two clusters, so a lower one means
         // nothing above.
         conditions: from.conditions.map(|conditions| {
-            conditions
+            let conditions = conditions
                 .into_iter()
                 .map(|c| PodCondition {
                     observed_generation: None,
                     ..c
                 })
-                .collect()
+                .collect();
+            with_readiness_gates(conditions, upper)
         }),
         container_statuses: from.container_statuses,
         init_container_statuses: from.init_container_statuses,
@@ -291,6 +295,82 @@ pub fn upper_status(lower: &Pod, upper: &Pod) -> PodStatus {
         qos_class: upper.status.as_ref().and_then(|s| s.qos_class.clone()),
         ..PodStatus::default()
     }
+}
+
+/// Reason of the Ready condition while a readiness gate is not True (the kubelet's).
+pub const READINESS_GATES_NOT_READY: &str = "ReadinessGatesNotReady";
+
+/// The readiness gates of `pod`.
+fn readiness_gates(pod: &Pod) -> &[PodReadinessGate] {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.readiness_gates.as_deref())
+        .unwrap_or_default()
+}
+
+/// `lower` (the lower pod's conditions) with Ready as a kubelet computes it for `upper`'s
+/// readiness gates: the containers ready (the lower ContainersReady, else its Ready) and
+/// every gate's condition True on the upper pod, where the upper actors set them (the lower
+/// pod runs without the gates). When not ready for the containers, the containers' reason;
+/// for a gate, [`READINESS_GATES_NOT_READY`] and the kubelet's message. It changed when
+/// the last of its inputs did. A pod without gates: `lower` as it is.
+fn with_readiness_gates(mut lower: Vec<PodCondition>, upper: &Pod) -> Vec<PodCondition> {
+    let gates = readiness_gates(upper);
+    if gates.is_empty() {
+        return lower;
+    }
+    let find = |conditions: &[PodCondition], type_: &str| -> Option<PodCondition> {
+        conditions.iter().find(|c| c.type_ == type_).cloned()
+    };
+    let Some(containers) = find(&lower, "ContainersReady").or_else(|| find(&lower, "Ready")) else {
+        return lower;
+    };
+    let ready = if containers.status != "True" {
+        PodCondition {
+            type_: "Ready".to_owned(),
+            last_probe_time: None,
+            ..containers
+        }
+    } else {
+        let upper_conditions = upper
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_deref())
+            .unwrap_or_default();
+        let mut since = containers.last_transition_time;
+        let mut unready = Vec::new();
+        for gate in gates {
+            let type_ = &gate.condition_type;
+            match find(upper_conditions, type_) {
+                None => unready.push(format!(
+                    "corresponding condition of pod readiness gate {type_:?} does not exist."
+                )),
+                Some(condition) => {
+                    since = since.max(condition.last_transition_time);
+                    if condition.status != "True" {
+                        unready.push(format!(
+                            "the status of pod readiness gate {type_:?} is not \"True\", but {}",
+                            condition.status
+                        ));
+                    }
+                }
+            }
+        }
+        let ready = unready.is_empty();
+        PodCondition {
+            type_: "Ready".to_owned(),
+            status: if ready { "True" } else { "False" }.to_owned(),
+            reason: (!ready).then(|| READINESS_GATES_NOT_READY.to_owned()),
+            message: (!ready).then(|| unready.join(", ")),
+            last_transition_time: since,
+            ..PodCondition::default()
+        }
+    };
+    match lower.iter_mut().find(|c| c.type_ == "Ready") {
+        Some(condition) => *condition = ready,
+        None => lower.push(ready),
+    }
+    lower
 }
 
 /// Whether the upper pod ran below: its status carries [`MIRRORED_CONDITION`], written with
@@ -418,24 +498,39 @@ pub fn digest_in_sync(current: &StatusDigest, desired: &PodStatus) -> bool {
 /// What the pod controller reads of an upper pod's status between reconciles: phase,
 /// reason, message, qosClass, and whether it [`was_mirrored`] (as tensile's own
 /// [`MIRRORED_CONDITION`]). The rest is compared through its [`StatusDigest`]; a step that
-/// needs the whole status (marking the pod Failed) reads the pod again.
-pub fn status_summary(status: &PodStatus) -> PodStatus {
+/// needs the whole status (marking the pod Failed) reads the pod again. The conditions of
+/// the pod's readiness `gates` are kept (type, status, transition time): the upper Ready
+/// counts them ([`upper_status`]).
+pub fn status_summary(status: &PodStatus, gates: &[PodReadinessGate]) -> PodStatus {
     let mirrored = was_mirrored(&Pod {
         status: Some(status.clone()),
         ..Pod::default()
     });
+    let mut conditions: Vec<PodCondition> = status
+        .conditions
+        .iter()
+        .flatten()
+        .filter(|c| gates.iter().any(|g| g.condition_type == c.type_))
+        .map(|c| PodCondition {
+            type_: c.type_.clone(),
+            status: c.status.clone(),
+            last_transition_time: c.last_transition_time.clone(),
+            ..PodCondition::default()
+        })
+        .collect();
+    if mirrored {
+        conditions.push(PodCondition {
+            type_: MIRRORED_CONDITION.to_owned(),
+            status: "True".to_owned(),
+            ..PodCondition::default()
+        });
+    }
     PodStatus {
         phase: status.phase.clone(),
         reason: status.reason.clone(),
         message: status.message.clone(),
         qos_class: status.qos_class.clone(),
-        conditions: mirrored.then(|| {
-            vec![PodCondition {
-                type_: MIRRORED_CONDITION.to_owned(),
-                status: "True".to_owned(),
-                ..PodCondition::default()
-            }]
-        }),
+        conditions: (!conditions.is_empty()).then_some(conditions),
         ..PodStatus::default()
     }
 }
@@ -792,6 +887,87 @@ fn added_tolerations(
         return None;
     }
     Some(lower.iter().chain(added).cloned().collect())
+}
+
+/// Reason a kubelet gives a container it could not find when its pod was terminated.
+const CONTAINER_STATUS_UNKNOWN: &str = "ContainerStatusUnknown";
+
+/// The last status of a deleted upper pod whose lower copy is gone, as a kubelet writes it
+/// before it finishes the deletion: `last` (the lower pod's last status, reflected by
+/// [`upper_status`]) with every container terminated (one still shown otherwise was
+/// stopped unseen: [`CONTAINER_STATUS_UNKNOWN`], exit code 137, as the kubelet reports it),
+/// not ready, and a terminal phase (Succeeded when every container exited 0).
+pub fn terminated_status(last: PodStatus) -> PodStatus {
+    let terminate = |status: ContainerStatus| -> ContainerStatus {
+        let state = status.state.clone().unwrap_or_default();
+        if state.terminated.is_some() {
+            return ContainerStatus {
+                ready: false,
+                started: Some(false),
+                ..status
+            };
+        }
+        let started_at = state.running.and_then(|r| r.started_at);
+        ContainerStatus {
+            ready: false,
+            started: Some(false),
+            state: Some(ContainerState {
+                terminated: Some(ContainerStateTerminated {
+                    exit_code: KILLED_EXIT_CODE,
+                    reason: Some(CONTAINER_STATUS_UNKNOWN.to_owned()),
+                    message: Some(
+                        "The container could not be located when the pod was terminated".to_owned(),
+                    ),
+                    started_at,
+                    ..ContainerStateTerminated::default()
+                }),
+                ..ContainerState::default()
+            }),
+            ..status
+        }
+    };
+    let containers: Option<Vec<ContainerStatus>> = last
+        .container_statuses
+        .map(|c| c.into_iter().map(terminate).collect());
+    let init_containers: Option<Vec<ContainerStatus>> = last
+        .init_container_statuses
+        .map(|c| c.into_iter().map(terminate).collect());
+    // No container ever reported (a pod that never ran below) is not a success.
+    let all_succeeded = containers.as_ref().is_some_and(|c| !c.is_empty())
+        && containers.iter().flatten().all(|c| {
+            c.state
+                .as_ref()
+                .and_then(|s| s.terminated.as_ref())
+                .is_some_and(|t| t.exit_code == 0)
+        });
+    let phase = match last.phase.as_deref() {
+        Some("Succeeded" | "Failed") => last.phase,
+        _ if all_succeeded => Some("Succeeded".to_owned()),
+        _ => Some("Failed".to_owned()),
+    };
+    // Ready and ContainersReady as the lower kubelet last wrote them when it did write them
+    // False; otherwise False now.
+    let conditions = last.conditions.map(|conditions| {
+        conditions
+            .into_iter()
+            .map(|c| match c.type_.as_str() {
+                "Ready" | "ContainersReady" if c.status == "True" => PodCondition {
+                    status: "False".to_owned(),
+                    reason: Some("PodCompleted".to_owned()),
+                    message: None,
+                    ..c
+                },
+                _ => c,
+            })
+            .collect()
+    });
+    PodStatus {
+        phase,
+        conditions,
+        container_statuses: containers,
+        init_container_statuses: init_containers,
+        ..last
+    }
 }
 
 /// The status that ends an upper pod whose lower copy is gone (evicted or deleted out of
@@ -1477,6 +1653,254 @@ mod tests {
         assert_eq!(status, want);
     }
 
+    /// Ready as a kubelet computes it for a pod with readiness gates: the lower pod's
+    /// containers ready, and every gate's condition True on the upper pod (the lower pod
+    /// never has the gates: nobody sets their conditions below).
+    #[test]
+    fn ready_counts_the_upper_pods_readiness_gates() {
+        let gates = json!([{"conditionType": "example.com/a"}, {"conditionType": "example.com/b"}]);
+        let lower = |containers_ready: &str, ready: &str| -> Pod {
+            pod(json!({"status": {"phase": "Running", "conditions": [
+                {"type": "ContainersReady", "status": containers_ready,
+                 "reason": if containers_ready == "True" { Value::Null } else { json!("ContainersNotReady") },
+                 "message": if containers_ready == "True" { Value::Null } else { json!("containers with unready status: [app]") },
+                 "lastTransitionTime": "2024-01-01T00:00:05Z"},
+                {"type": "Ready", "status": ready,
+                 "reason": if ready == "True" { Value::Null } else { json!("ContainersNotReady") },
+                 "message": if ready == "True" { Value::Null } else { json!("containers with unready status: [app]") },
+                 "lastTransitionTime": "2024-01-01T00:00:05Z"},
+            ]}}))
+        };
+        let upper = |gates: Value, conditions: Value| -> Pod {
+            pod(
+                json!({"metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+                "spec": {"containers": [{"name": "app"}], "readinessGates": gates},
+                "status": {"conditions": conditions}}),
+            )
+        };
+        let a = |status: &str| json!({"type": "example.com/a", "status": status, "lastTransitionTime": "2024-01-01T00:00:07Z"});
+        let b = |status: &str| json!({"type": "example.com/b", "status": status, "lastTransitionTime": "2024-01-01T00:00:09Z"});
+        let ready = |status: &str, reason: Value, message: Value, at: &str| -> PodCondition {
+            serde_json::from_value(json!({"type": "Ready", "status": status, "reason": reason,
+                "message": message, "lastTransitionTime": at}))
+            .unwrap()
+        };
+        let not_ready = |message: &str| {
+            ready(
+                "False",
+                json!("ReadinessGatesNotReady"),
+                json!(message),
+                "2024-01-01T00:00:09Z",
+            )
+        };
+        // (case, lower pod, upper pod, the upper Ready condition wanted)
+        let cases: Vec<(&str, Pod, Pod, PodCondition)> = vec![
+            (
+                "no gates: the lower Ready as it is",
+                lower("True", "True"),
+                upper(Value::Null, json!([])),
+                ready("True", Value::Null, Value::Null, "2024-01-01T00:00:05Z"),
+            ),
+            (
+                "gates without conditions yet",
+                lower("True", "True"),
+                upper(gates.clone(), json!([])),
+                ready(
+                    "False",
+                    json!("ReadinessGatesNotReady"),
+                    json!(
+                        "corresponding condition of pod readiness gate \"example.com/a\" does not exist., \
+                     corresponding condition of pod readiness gate \"example.com/b\" does not exist."
+                    ),
+                    "2024-01-01T00:00:05Z",
+                ),
+            ),
+            (
+                "one gate True, the other False",
+                lower("True", "True"),
+                upper(gates.clone(), json!([a("True"), b("False")])),
+                not_ready(
+                    "the status of pod readiness gate \"example.com/b\" is not \"True\", but False",
+                ),
+            ),
+            (
+                "both gates True: Ready since the last of them",
+                lower("True", "True"),
+                upper(gates.clone(), json!([a("True"), b("True")])),
+                ready("True", Value::Null, Value::Null, "2024-01-01T00:00:09Z"),
+            ),
+            (
+                "a gate back to False",
+                lower("True", "True"),
+                upper(gates.clone(), json!([a("False"), b("True")])),
+                not_ready(
+                    "the status of pod readiness gate \"example.com/a\" is not \"True\", but False",
+                ),
+            ),
+            (
+                "both gates True, containers not ready: the containers' reason",
+                lower("False", "False"),
+                upper(gates.clone(), json!([a("True"), b("True")])),
+                ready(
+                    "False",
+                    json!("ContainersNotReady"),
+                    json!("containers with unready status: [app]"),
+                    "2024-01-01T00:00:05Z",
+                ),
+            ),
+            (
+                "gates kept below by an older copy: the lower Ready waits for them, ContainersReady counts",
+                lower("True", "False"),
+                upper(gates.clone(), json!([a("True"), b("True")])),
+                ready("True", Value::Null, Value::Null, "2024-01-01T00:00:09Z"),
+            ),
+        ];
+        for (name, lower, upper, want) in cases {
+            let status = upper_status(&lower, &upper);
+            let got: Vec<&PodCondition> = status
+                .conditions
+                .iter()
+                .flatten()
+                .filter(|c| c.type_ == "Ready")
+                .collect();
+            assert_eq!(got, [&want], "{name}");
+            let containers_ready = status
+                .conditions
+                .iter()
+                .flatten()
+                .find(|c| c.type_ == "ContainersReady");
+            assert_eq!(
+                containers_ready,
+                lower
+                    .status
+                    .as_ref()
+                    .unwrap()
+                    .conditions
+                    .as_ref()
+                    .unwrap()
+                    .first(),
+                "{name}: ContainersReady as below"
+            );
+            assert!(
+                !status
+                    .conditions
+                    .iter()
+                    .flatten()
+                    .any(|c| c.type_.starts_with("example.com")),
+                "{name}: the gates' own conditions are the upper actor's, never written"
+            );
+        }
+
+        // The lower pod never waits for gates nobody sets below.
+        let gated = serde_json::to_value(upper(gates.clone(), json!([]))).unwrap();
+        let gated = pod(patched(gated, json!({"spec": {"nodeName": NODE}})));
+        let lowered = lower_pod(&gated, &translation(&[])).unwrap();
+        assert_eq!(lowered.spec.unwrap().readiness_gates, None);
+    }
+
+    /// What a deleted pod shows last, once its lower copy is gone.
+    #[test]
+    fn a_terminated_pod_shows_every_container_terminated() {
+        let container = |state: Value| {
+            json!({"name": "app", "image": "busybox", "imageID": "", "ready": true,
+                   "restartCount": 0, "started": true, "state": state})
+        };
+        let running = json!({"running": {"startedAt": "2024-01-01T00:00:04Z"}});
+        let exited = |code: i32| {
+            json!({"terminated": {"exitCode": code, "reason": "Completed",
+                   "startedAt": "2024-01-01T00:00:04Z", "finishedAt": "2024-01-01T00:00:09Z"}})
+        };
+        let status = |phase: &str, ready: &str, state: Value| -> PodStatus {
+            serde_json::from_value(json!({"phase": phase, "conditions": [
+                {"type": "Ready", "status": ready},
+                {"type": "ContainersReady", "status": ready},
+                {"type": "PodScheduled", "status": "True"},
+            ], "containerStatuses": [container(state)], "podIP": "10.0.0.5"}))
+            .unwrap()
+        };
+        // (case, the last status from below, the phase, the container's exit code and
+        // reason)
+        let cases = [
+            (
+                "written terminal below: kept",
+                status("Succeeded", "False", exited(0)),
+                "Succeeded",
+                0,
+                "Completed",
+            ),
+            (
+                "exited 0, phase not yet written",
+                status("Running", "False", exited(0)),
+                "Succeeded",
+                0,
+                "Completed",
+            ),
+            (
+                "exited 143",
+                status("Running", "False", exited(143)),
+                "Failed",
+                143,
+                "Completed",
+            ),
+            (
+                "never ran: no container reported",
+                serde_json::from_value(json!({"phase": "Pending", "conditions": [
+                    {"type": "Ready", "status": "False"},
+                    {"type": "ContainersReady", "status": "False"},
+                    {"type": "PodScheduled", "status": "True"},
+                ], "podIP": "10.0.0.5"}))
+                .unwrap(),
+                "Failed",
+                -1,
+                "",
+            ),
+            (
+                "still running when the copy went",
+                status("Running", "True", running.clone()),
+                "Failed",
+                137,
+                "ContainerStatusUnknown",
+            ),
+        ];
+        for (name, last, phase, code, reason) in cases {
+            let done = terminated_status(last.clone());
+            assert_eq!(done.phase.as_deref(), Some(phase), "{name}");
+            if let Some(c) = done.container_statuses.as_ref().and_then(|c| c.first()) {
+                let terminated = c.state.as_ref().unwrap().terminated.as_ref().unwrap();
+                assert_eq!(
+                    (terminated.exit_code, terminated.reason.as_deref(), c.ready),
+                    (code, Some(reason), false),
+                    "{name}"
+                );
+            } else {
+                assert_eq!(code, -1, "{name}: no container status");
+            }
+            let condition = |t: &str| {
+                done.conditions
+                    .iter()
+                    .flatten()
+                    .find(|c| c.type_ == t)
+                    .map(|c| c.status.clone())
+            };
+            assert_eq!(condition("Ready").as_deref(), Some("False"), "{name}");
+            assert_eq!(
+                condition("ContainersReady").as_deref(),
+                Some("False"),
+                "{name}"
+            );
+            assert_eq!(condition("PodScheduled").as_deref(), Some("True"), "{name}");
+            assert_eq!(done.pod_ip, last.pod_ip, "{name}: the rest as it was");
+        }
+        let started = status("Running", "True", running);
+        let done = terminated_status(started);
+        let terminated = done.container_statuses.unwrap()[0].state.clone().unwrap();
+        assert_eq!(
+            terminated.terminated.unwrap().started_at,
+            serde_json::from_value(json!("2024-01-01T00:00:04Z")).unwrap(),
+            "when it started is kept"
+        );
+    }
+
     #[test]
     fn status_in_sync_compares_only_what_is_reflected() {
         let upper = pod(upper_json());
@@ -1580,7 +2004,7 @@ mod tests {
             ..Pod::default()
         };
         for (name, status) in statuses {
-            let summary = status_summary(&status);
+            let summary = status_summary(&status, &[]);
             assert_eq!(summary.phase, status.phase, "{name}");
             assert_eq!(summary.reason, status.reason, "{name}");
             assert_eq!(summary.message, status.message, "{name}");

@@ -214,6 +214,8 @@ fn compared_spec(spec: PodSpec) -> PodSpec {
         ),
         tolerations: spec.tolerations,
         active_deadline_seconds: spec.active_deadline_seconds,
+        // The upper Ready counts them (and their conditions, kept in the summary).
+        readiness_gates: spec.readiness_gates.filter(|g| !g.is_empty()),
         ..PodSpec::default()
     }
 }
@@ -299,11 +301,16 @@ impl StoredPod {
     /// (with the lower pod's) and a failing pod's step reads whole, from the API.
     pub fn summarized(mut pod: Pod, shared: &mut SharedSpecs) -> Self {
         let status = pod.status.take();
+        let gates = pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.readiness_gates.clone())
+            .unwrap_or_default();
         let mut stored = Self::new(pod, shared);
         stored.status_digest = Some(status_digest(status.as_ref()));
         stored.status = status
             .as_ref()
-            .map(status_summary)
+            .map(|status| status_summary(status, &gates))
             .as_ref()
             .and_then(PackedStatus::new);
         stored
@@ -706,6 +713,60 @@ mod tests {
             kept(&whole)
         );
         assert_eq!(summarized.to_pod().metadata, whole.to_pod().metadata);
+    }
+
+    /// What the upper Ready of a gated pod is computed from survives the store: the gates
+    /// and their conditions.
+    #[test]
+    fn a_summarized_pod_keeps_its_readiness_gates_and_their_conditions() {
+        let upper: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "web", "namespace": "ns", "uid": "u"},
+            "spec": {"nodeName": "vk", "containers": [{"name": "app", "image": "nginx:1"}],
+                     "readinessGates": [{"conditionType": "example.com/gate"}]},
+            "status": {"phase": "Running", "conditions": [
+                {"type": "Ready", "status": "False", "reason": "ReadinessGatesNotReady"},
+                {"type": "example.com/gate", "status": "True", "reason": "Set",
+                 "lastTransitionTime": "2024-01-01T00:00:09Z"},
+                {"type": "example.com/other", "status": "True"},
+            ]},
+        }))
+        .unwrap();
+        let lower: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "web", "namespace": "ns"},
+            "status": {"phase": "Running", "conditions": [
+                {"type": "ContainersReady", "status": "True", "lastTransitionTime": "2024-01-01T00:00:05Z"},
+                {"type": "Ready", "status": "True", "lastTransitionTime": "2024-01-01T00:00:05Z"},
+            ]},
+        }))
+        .unwrap();
+        let stored = StoredPod::summarized(upper.clone(), &mut SharedSpecs::default()).to_pod();
+        assert_eq!(
+            stored.spec.as_ref().unwrap().readiness_gates,
+            upper.spec.as_ref().unwrap().readiness_gates
+        );
+        let kept: Vec<(String, String)> = stored
+            .status
+            .iter()
+            .flat_map(|s| s.conditions.iter().flatten())
+            .map(|c| (c.type_.clone(), c.status.clone()))
+            .collect();
+        assert_eq!(
+            kept,
+            [("example.com/gate".to_owned(), "True".to_owned())],
+            "the gate's condition only"
+        );
+        let desired = super::super::pod::upper_status(&lower, &stored);
+        assert_eq!(
+            desired,
+            super::super::pod::upper_status(&lower, &upper),
+            "the same status from the stored pod as from the whole one"
+        );
+        let ready = desired
+            .conditions
+            .iter()
+            .flatten()
+            .find(|c| c.type_ == "Ready");
+        assert_eq!(ready.map(|c| c.status.as_str()), Some("True"));
     }
 
     #[test]
