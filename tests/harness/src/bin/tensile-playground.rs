@@ -90,6 +90,10 @@ enum Command {
         /// Only through the virtual node.
         #[arg(long)]
         vk_only: bool,
+        /// Exit 1 when a test passes straight and fails through vk-node, or (one way only,
+        /// as in CI) when any test fails through vk-node.
+        #[arg(long)]
+        require_parity: bool,
         /// Real nodes in the lower cluster (2 lets the straight run's tests that ask for two
         /// schedulable nodes run; through vk-node there is one node either way).
         #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=4))]
@@ -149,6 +153,7 @@ async fn main() -> ExitCode {
             procs,
             straight_only,
             vk_only,
+            require_parity,
             real_nodes,
             dir,
             timeout_minutes,
@@ -171,7 +176,7 @@ async fn main() -> ExitCode {
                     .unwrap_or_default(),
                 timeout: Duration::from_secs(timeout_minutes * 60),
             };
-            run_conformance(&options).await
+            run_conformance(&options, require_parity).await
         }
     };
     match result {
@@ -544,7 +549,7 @@ fn print_summary(
 
 /// `conformance`: the whole run, interrupted cleanly by Ctrl-C / SIGTERM (the pair and its
 /// real nodes end with this process).
-async fn run_conformance(options: &ConformanceOptions) -> Result<()> {
+async fn run_conformance(options: &ConformanceOptions, require_parity: bool) -> Result<()> {
     if !options.virtual_node.exists() {
         bail!(
             "{} not found: build it first (`cargo build --workspace --bins`)",
@@ -572,6 +577,10 @@ async fn run_conformance(options: &ConformanceOptions) -> Result<()> {
     }
     println!("total {:.0}s\n", started.elapsed().as_secs_f64());
     print!("{}", comparison.render());
+    let short = comparison.regressions.len() + comparison.vk_failures_unmatched.len();
+    if require_parity && short > 0 {
+        bail!("{short} test(s) fail through vk-node (--require-parity)");
+    }
     Ok(())
 }
 
