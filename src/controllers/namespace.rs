@@ -185,24 +185,131 @@ fn apply(
     refused
 }
 
-/// Where this node's pods are below now: each upper namespace with pods of this node (by
-/// the upper pods' UIDs) and the lower namespace that holds their lower copies (marked
-/// with those UIDs). Pure: `upper` is (namespace, UID) of the node's upper pods, `lower`
-/// (lower namespace, upper UID) of the lower pods it owns.
+/// An upper pod of this node, as [`in_place`] reads it: its namespace, name and UID.
+type UpperPod<'a> = (&'a str, &'a str, &'a str);
+
+/// A lower pod carrying this node's marks, as [`in_place`] reads it: its lower namespace,
+/// name and the upper UID it names.
+type LowerPod<'a> = (&'a str, &'a str, &'a str);
+
+/// A lower pod (or a lower namespace) [`in_place`] did not count, and why: logged as a
+/// warning, since the marks and the upper UID it carries are readable and copyable by
+/// anyone who may create pods below.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Ignored {
+    /// `lower namespace/name` of the pod, or the lower namespace.
+    what: String,
+    /// Why.
+    why: String,
+}
+
+/// Where this node's pods are below now: each upper namespace with pods of this node and
+/// the lower namespace that holds their lower copies; and the lower pods not believed.
+/// Pure: `upper` are the node's upper pods, `lower` the lower pods with its marks, `now`
+/// each upper namespace's lower namespace as the mapping gives it now, `admitted` whether
+/// an upper namespace may map onto a lower namespace ([`Mapping::admit`]).
+///
+/// A lower pod counts only when the upper UID it names is a pod of this node of its name,
+/// and its lower namespace is one the pod's upper namespace may map onto: its marks alone
+/// prove nothing. Of several lower namespaces claimed for one upper namespace, the one the
+/// mapping gives now wins; a lower namespace that is another upper namespace's now is never
+/// placed; where that leaves several, or two upper namespaces claim one lower namespace,
+/// none is placed (the mapping then follows the upper Namespaces alone).
 fn in_place<'a>(
-    upper: impl Iterator<Item = (&'a str, &'a str)>,
-    lower: impl Iterator<Item = (&'a str, &'a str)>,
-) -> BTreeMap<String, String> {
-    let below: BTreeMap<&str, &str> = lower.map(|(ns, uid)| (uid, ns)).collect();
-    let mut placed = BTreeMap::new();
-    for (namespace, uid) in upper {
-        if let Some(lower) = below.get(uid) {
-            placed
-                .entry(namespace.to_owned())
-                .or_insert_with(|| (*lower).to_owned());
+    upper: impl Iterator<Item = UpperPod<'a>>,
+    lower: impl Iterator<Item = LowerPod<'a>>,
+    now: &BTreeMap<String, String>,
+    admitted: &dyn Fn(&str, &str) -> bool,
+) -> (BTreeMap<String, String>, Vec<Ignored>) {
+    let by_uid: HashMap<&str, (&str, &str)> = upper
+        .map(|(namespace, name, uid)| (uid, (namespace, name)))
+        .collect();
+    // The upper namespace each lower namespace is the mapping of now.
+    let now_of: HashMap<&str, &str> = now
+        .iter()
+        .map(|(upper, lower)| (lower.as_str(), upper.as_str()))
+        .collect();
+    let mut ignored = Vec::new();
+    let mut claimed: BTreeMap<&str, BTreeSet<&str>> = BTreeMap::new();
+    for (lower_namespace, name, uid) in lower {
+        let what = format!("{lower_namespace}/{name}");
+        let Some(&(namespace, upper_name)) = by_uid.get(uid) else {
+            // Its upper pod is gone, or not this node's: the orphan collector's.
+            continue;
+        };
+        let why = if upper_name != name {
+            Some(format!(
+                "it names the upper UID {uid} of pod {namespace}/{upper_name}, whose copy is \
+                 named {upper_name}"
+            ))
+        } else if !admitted(namespace, lower_namespace) {
+            Some(format!(
+                "it names the upper UID {uid} of pod {namespace}/{upper_name}, whose namespace \
+                 may not map to lower namespace {lower_namespace}"
+            ))
+        } else {
+            now_of
+                .get(lower_namespace)
+                .filter(|other| **other != namespace)
+                .map(|other| {
+                    format!(
+                        "it names the upper UID {uid} of pod {namespace}/{upper_name}, but lower \
+                         namespace {lower_namespace} is upper namespace {other}'s"
+                    )
+                })
+        };
+        match why {
+            Some(why) => ignored.push(Ignored { what, why }),
+            None => {
+                claimed
+                    .entry(namespace)
+                    .or_default()
+                    .insert(lower_namespace);
+            }
         }
     }
-    placed
+    let mut chosen: BTreeMap<&str, &str> = BTreeMap::new();
+    for (namespace, lowers) in claimed {
+        let current = now.get(namespace).map(String::as_str);
+        let pick = match current {
+            Some(current) if lowers.contains(current) => Some(current),
+            _ if lowers.len() == 1 => lowers.first().copied(),
+            _ => None,
+        };
+        match pick {
+            Some(lower) => {
+                chosen.insert(namespace, lower);
+            }
+            None => ignored.push(Ignored {
+                what: lowers.iter().copied().collect::<Vec<_>>().join(", "),
+                why: format!(
+                    "lower pods in each of these claim pods of upper namespace {namespace}; \
+                     none is believed"
+                ),
+            }),
+        }
+    }
+    // One lower namespace claimed for two upper namespaces: the one it is the mapping of
+    // now keeps it (another's claims were dropped above); else neither.
+    let mut holders: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (namespace, lower) in &chosen {
+        holders.entry(lower).or_default().push(namespace);
+    }
+    let mut placed = BTreeMap::new();
+    for (lower, namespaces) in holders {
+        if let [namespace] = namespaces[..] {
+            placed.insert(namespace.to_owned(), lower.to_owned());
+        } else {
+            ignored.push(Ignored {
+                what: lower.to_owned(),
+                why: format!(
+                    "lower pods in it claim pods of upper namespaces {}; none is believed",
+                    namespaces.join(", ")
+                ),
+            });
+        }
+    }
+    (placed, ignored)
 }
 
 /// Fills `view` from the upper Namespaces as they are now (before the member's lower
@@ -250,17 +357,40 @@ pub async fn load(
             Some((ns.metadata.name?, marks))
         })
         .collect();
-    let placed = in_place(
-        upper_pods
-            .items
-            .iter()
-            .filter_map(|p| Some((p.metadata.namespace.as_deref()?, p.metadata.uid.as_deref()?))),
-        lower_pods
-            .items
-            .iter()
-            .filter_map(|p| Some((p.metadata.namespace.as_deref()?, upper_uid(&p.metadata)?))),
-    );
+    let wanted = wanted(list.items.iter());
     let mut mapping = view.write();
+    // Each upper namespace's lower namespace as the mapping would give it now.
+    let now: BTreeMap<String, String> = wanted
+        .iter()
+        .map(|(namespace, annotated)| {
+            let (lower, _) = desired(mapping.mode(), namespace, annotated.as_deref(), suffix);
+            (namespace.clone(), lower)
+        })
+        .collect();
+    let below_of = |name: &str| below.get(name).cloned().unwrap_or(Below::Absent);
+    let admitted = |upper: &str, lower: &str| mapping.admit(upper, lower, &below_of(lower)).is_ok();
+    let (placed, ignored) = in_place(
+        upper_pods.items.iter().filter_map(|p| {
+            Some((
+                p.metadata.namespace.as_deref()?,
+                p.metadata.name.as_deref()?,
+                p.metadata.uid.as_deref()?,
+            ))
+        }),
+        lower_pods.items.iter().filter_map(|p| {
+            Some((
+                p.metadata.namespace.as_deref()?,
+                p.metadata.name.as_deref()?,
+                upper_uid(&p.metadata)?,
+            ))
+        }),
+        &now,
+        &admitted,
+    );
+    for Ignored { what, why } in &ignored {
+        warn!(node = %owner.node, cluster = "lower", lower = %what,
+            "namespace mapping: a lower pod with this node's marks is not believed: {why}");
+    }
     for (namespace, lower) in &placed {
         if let Err(holder) = mapping.set(namespace, lower) {
             warn!(namespace = %namespace, lower = %lower, holder = %holder,
@@ -268,14 +398,7 @@ pub async fn load(
         }
     }
     let in_use = |ns: &str| placed.contains_key(ns);
-    let below = |name: &str| below.get(name).cloned().unwrap_or(Below::Absent);
-    for refusal in apply(
-        &mut mapping,
-        suffix,
-        &wanted(list.items.iter()),
-        &in_use,
-        &below,
-    ) {
+    for refusal in apply(&mut mapping, suffix, &wanted, &in_use, &below_of) {
         warn!(namespace = %refusal.namespace, reason = refusal.reason, "{}", refusal.note);
     }
     Ok(())
@@ -635,32 +758,119 @@ mod tests {
 
     #[test]
     fn pods_running_below_keep_their_lower_namespace() {
-        // (upper namespace, upper UID) of the node's upper pods; (lower namespace, upper
-        // UID) of the lower pods it owns.
+        // (upper namespace, name, UID) of the node's upper pods; (lower namespace, name,
+        // upper UID) of the lower pods with its marks; (upper, lower) placed; how many
+        // lower pods or namespaces are not believed.
+        type Upper = &'static [(&'static str, &'static str, &'static str)];
         type Pairs = &'static [(&'static str, &'static str)];
-        let cases: &[(Pairs, Pairs, Pairs)] = &[
-            (&[], &[], &[]),
+        // What the mapping gives now: `<namespace>-c1`, except `moved` (annotated).
+        let now: BTreeMap<String, String> = ["shop", "a", "b", "m", "n", "moved"]
+            .iter()
+            .map(|ns| {
+                let lower = if *ns == "moved" {
+                    "moved-new".to_owned()
+                } else {
+                    format!("{ns}-c1")
+                };
+                ((*ns).to_owned(), lower)
+            })
+            .collect();
+        // Lower namespaces no upper namespace may map onto: reserved, or a user's.
+        let admitted = |_: &str, lower: &str| !matches!(lower, "kube-system" | "users");
+        let cases: &[(Upper, Upper, Pairs, usize)] = &[
+            (&[], &[], &[], 0),
             // Moved by an annotation while down: the pods' namespace wins.
             (
-                &[("shop", "u1")],
-                &[("shop-old", "u1")],
+                &[("shop", "p", "u1")],
+                &[("shop-old", "p", "u1")],
                 &[("shop", "shop-old")],
+                0,
             ),
             // An upper pod not mirrored yet, a lower pod whose upper pod is gone.
-            (&[("shop", "u1")], &[("shop-c1", "u2")], &[]),
+            (&[("shop", "p", "u1")], &[("shop-c1", "q", "u2")], &[], 0),
             (
-                &[("a", "u1"), ("a", "u2"), ("b", "u3")],
-                &[("a-c1", "u1"), ("a-c1", "u2"), ("team", "u3")],
+                &[("a", "p", "u1"), ("a", "q", "u2"), ("b", "r", "u3")],
+                &[
+                    ("a-c1", "p", "u1"),
+                    ("a-c1", "q", "u2"),
+                    ("team", "r", "u3"),
+                ],
                 &[("a", "a-c1"), ("b", "team")],
+                0,
+            ),
+            // Forged: a lower pod in another upper namespace's lower namespace naming a
+            // pod of `n`, listed after the real copy: not believed.
+            (
+                &[("n", "p", "u1"), ("m", "x", "u2")],
+                &[
+                    ("m-c1", "x", "u2"),
+                    ("n-c1", "p", "u1"),
+                    ("m-c1", "p", "u1"),
+                ],
+                &[("m", "m-c1"), ("n", "n-c1")],
+                1,
+            ),
+            // ... listed before it.
+            (
+                &[("n", "p", "u1"), ("m", "x", "u2")],
+                &[
+                    ("m-c1", "p", "u1"),
+                    ("m-c1", "x", "u2"),
+                    ("n-c1", "p", "u1"),
+                ],
+                &[("m", "m-c1"), ("n", "n-c1")],
+                1,
+            ),
+            // ... with no real copy, and `m` with no pods of this node.
+            (&[("n", "p", "u1")], &[("m-c1", "p", "u1")], &[], 1),
+            // Forged in a lower namespace `n` may not map to (reserved, a user's).
+            (
+                &[("n", "p", "u1")],
+                &[("kube-system", "p", "u1"), ("users", "p", "u1")],
+                &[],
+                2,
+            ),
+            // Named otherwise than the pod whose UID it names.
+            (&[("n", "p", "u1")], &[("elsewhere", "other", "u1")], &[], 1),
+            // Two lower namespaces claimed, neither the one the mapping gives now: none.
+            (
+                &[("moved", "p", "u1"), ("moved", "q", "u2")],
+                &[("old-1", "p", "u1"), ("old-2", "q", "u2")],
+                &[],
+                1,
+            ),
+            // ... one of them the one it gives now: that one.
+            (
+                &[("moved", "p", "u1"), ("moved", "q", "u2")],
+                &[("old-1", "p", "u1"), ("moved-new", "q", "u2")],
+                &[("moved", "moved-new")],
+                0,
+            ),
+            // Two upper namespaces claiming one lower namespace neither maps to now.
+            (
+                &[("moved", "p", "u1"), ("other", "q", "u2")],
+                &[("spare", "p", "u1"), ("spare", "q", "u2")],
+                &[],
+                1,
             ),
         ];
-        for (upper, lower, want) in cases {
-            let got = in_place(upper.iter().copied(), lower.iter().copied());
+        for (upper, lower, want, ignored) in cases {
+            let (got, not_believed) = in_place(
+                upper.iter().copied(),
+                lower.iter().copied(),
+                &now,
+                &admitted,
+            );
             let want: BTreeMap<String, String> = want
                 .iter()
                 .map(|(u, l)| ((*u).to_owned(), (*l).to_owned()))
                 .collect();
             assert_eq!(got, want, "upper {upper:?} lower {lower:?}");
+            assert_eq!(
+                not_believed.len(),
+                *ignored,
+                "upper {upper:?} lower {lower:?}: {not_believed:?}"
+            );
         }
     }
 

@@ -404,17 +404,52 @@ async fn mirrored(api: &KubeletApi, target: &Target) -> Result<Api<Pod>, Respons
     };
     let meta = &pod.metadata;
     let ours = api.owner.owns(meta.labels.as_ref());
-    let uid_matches = target.uid.as_ref().is_none_or(|uid| {
-        meta.annotations
-            .as_ref()
-            .and_then(|a| a.get(UPPER_UID_ANNOTATION))
-            .is_some_and(|u| u == uid)
-    });
-    if ours && uid_matches {
+    let lower_uid = meta
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(UPPER_UID_ANNOTATION))
+        .map(String::as_str);
+    let stores = &api.lower_pods;
+    if !stores.synced.is_ready() {
+        match tokio::time::timeout(Duration::from_secs(5), stores.synced.wait()).await {
+            Ok(Ok(())) => {}
+            _ => {
+                return Err(text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!(
+                        "node {}: the pods bound to it are not known yet",
+                        api.owner.node
+                    ),
+                ));
+            }
+        }
+    }
+    let bound = stores
+        .upper
+        .get(&target.namespace, &target.pod)
+        .and_then(|p| p.meta.uid.clone());
+    if serves(ours, lower_uid, bound.as_deref(), target.uid.as_deref()) {
         Ok(pods)
     } else {
+        if ours && lower_uid.is_some() {
+            warn!(node = %api.owner.node, cluster = "lower",
+                pod = %format!("{}/{}", lower.namespace, lower.name), upper_uid = ?lower_uid,
+                bound_uid = ?bound, "kubelet API: a lower pod with this node's marks is not the \
+                 copy of the upper pod of its name bound here; not served");
+        }
         Err(not_found())
     }
+}
+
+/// Whether a kubelet API call for an upper pod is served by the lower pod of its name:
+/// only where that lower pod carries this node's marks (`ours`) and the upper UID
+/// (`lower_uid`) of the upper pod of that name bound to this node (`bound`), and, where
+/// the call names a UID (`asked`), that one. Marks and UID are copyable by anyone who may
+/// create pods below, so the upper pod bound here decides. Pure.
+fn serves(ours: bool, lower_uid: Option<&str>, bound: Option<&str>, asked: Option<&str>) -> bool {
+    ours && lower_uid.is_some_and(|uid| {
+        bound.is_some_and(|bound| bound == uid) && asked.is_none_or(|asked| asked == uid)
+    })
 }
 
 /// Log parameters from a kubelet `containerLogs` query.
@@ -755,6 +790,42 @@ pub mod stats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A lower pod serves logs, exec, attach and port-forward only as the copy of the
+    /// upper pod of its name bound here: marked as this node's, carrying that pod's UID
+    /// (and the UID the call names, if any).
+    #[test]
+    fn serves_only_the_copy_of_the_pod_bound_here() {
+        // (ours, the lower pod's upper UID, the UID of the upper pod bound here, the UID
+        // the call names, served)
+        type Case<'a> = (
+            bool,
+            Option<&'a str>,
+            Option<&'a str>,
+            Option<&'a str>,
+            bool,
+        );
+        let cases: &[Case] = &[
+            (true, Some("u1"), Some("u1"), None, true),
+            (true, Some("u1"), Some("u1"), Some("u1"), true),
+            (true, Some("u1"), Some("u1"), Some("u2"), false),
+            // Forged: named like a pod not bound here (one on a real node), with its UID.
+            (true, Some("u1"), None, None, false),
+            (true, Some("u1"), None, Some("u1"), false),
+            // Named like a pod bound here, carrying another UID (or none).
+            (true, Some("u9"), Some("u1"), None, false),
+            (true, None, Some("u1"), None, false),
+            // Not this node's marks.
+            (false, Some("u1"), Some("u1"), None, false),
+        ];
+        for (ours, lower, bound, asked, want) in cases {
+            assert_eq!(
+                serves(*ours, *lower, *bound, *asked),
+                *want,
+                "ours {ours} lower {lower:?} bound {bound:?} asked {asked:?}"
+            );
+        }
+    }
 
     #[test]
     fn log_parameters() {

@@ -103,14 +103,17 @@ fn now_ms() -> i64 {
     k8s_openapi::jiff::Timestamp::now().as_millisecond()
 }
 
-/// The member's lower pods as its pod controller's watch keeps them: every lower pod the
-/// node owns, under the names the controllers see (upper namespace names where the lower
-/// client speaks through a namespace view).
+/// The member's pods as its pod controller's watches keep them: every lower pod with the
+/// node's marks, under the names the controllers see (upper namespace names where the
+/// lower client speaks through a namespace view), and the upper pods bound to the node,
+/// which say which of those lower pods are copies rather than forgeries.
 #[derive(Clone)]
 pub struct LowerPods {
-    /// The pods.
+    /// The lower pods.
     pub store: PodStore,
-    /// Whether the watch has listed once.
+    /// The upper pods bound to this node (in `--namespace`, if given).
+    pub upper: PodStore,
+    /// Whether both watches have listed once.
     pub synced: Ready,
 }
 
@@ -118,21 +121,40 @@ impl std::fmt::Debug for LowerPods {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LowerPods")
             .field("pods", &self.store.len())
+            .field("upper", &self.upper.len())
             .field("synced", &self.synced.is_ready())
             .finish()
     }
 }
 
-/// The pods of `pods` that `owner` owns, as [`Mirrored`]s. Each pod's lower name is its
-/// name in the lower cluster, as the kubelets and the metrics API give it: its namespace
-/// mapped back through the member's namespace `view` (if any). Pure.
+/// The pods of `pods` that `owner` owns and that are the copy of an upper pod bound to
+/// the node, as [`Mirrored`]s: `bound` gives the UID of the upper pod bound to the node
+/// under a namespace and name, if any, and a lower pod counts only where the upper UID it
+/// carries is that one (its marks and UID are copyable by anyone who may create pods
+/// below, and a pod reported here is taken for that upper pod by `kubectl top` and the
+/// HorizontalPodAutoscaler). Each pod's lower name is its name in the lower cluster, as
+/// the kubelets and the metrics API give it: its namespace mapped back through the
+/// member's namespace `view` (if any). Pure.
 pub fn mirrored_of<'a>(
     pods: impl IntoIterator<Item = &'a StoredPod>,
     owner: &Owner,
     view: Option<&NamespaceView>,
+    bound: &dyn Fn(&str, &str) -> Option<Box<str>>,
 ) -> Vec<Mirrored> {
     pods.into_iter()
         .filter(|pod| pod.is_owned_by(owner))
+        .filter(|pod| {
+            let copy = pod.upper_uid().is_some_and(|uid| {
+                bound(&pod.meta.namespace, &pod.meta.name).is_some_and(|upper| *upper == *uid)
+            });
+            if !copy {
+                debug!(node = %owner.node, cluster = "lower", pod = %pod.meta.key(),
+                    upper_uid = ?pod.upper_uid(),
+                    "/metrics/resource: a lower pod with this node's marks is the copy of no \
+                     upper pod bound here; left out");
+            }
+            copy
+        })
         .filter_map(|pod| {
             let (namespace, name) = (&*pod.meta.namespace, &*pod.meta.name);
             let seen = PodName::new(namespace, name);
@@ -167,7 +189,13 @@ async fn mirrored(
             .map_err(|_| ScrapeError::Pods("the lower pod watch has stopped".into()))?;
     }
     let state = pods.store.state();
-    Ok(mirrored_of(state.iter().map(AsRef::as_ref), owner, view))
+    let bound = |namespace: &str, name: &str| pods.upper.get(namespace, name)?.meta.uid.clone();
+    Ok(mirrored_of(
+        state.iter().map(AsRef::as_ref),
+        owner,
+        view,
+        &bound,
+    ))
 }
 
 /// `GET /api/v1/nodes/<node>/proxy/metrics/resource` in the lower cluster.
@@ -378,14 +406,34 @@ mod tests {
     use crate::translate::stored::SharedSpecs;
 
     fn stored(namespace: &str, name: &str, node: Option<&str>, marks: &Owner) -> StoredPod {
+        stored_with(namespace, name, node, marks, Some(&format!("uid-{name}")))
+    }
+
+    fn stored_with(
+        namespace: &str,
+        name: &str,
+        node: Option<&str>,
+        marks: &Owner,
+        upper_uid: Option<&str>,
+    ) -> StoredPod {
         let mut labels = BTreeMap::new();
         marks.mark(&mut labels);
+        let annotations: BTreeMap<&str, &str> = upper_uid
+            .map(|uid| (crate::translate::meta::UPPER_UID_ANNOTATION, uid))
+            .into_iter()
+            .collect();
         let pod: Pod = serde_json::from_value(serde_json::json!({
-            "metadata": {"namespace": namespace, "name": name, "labels": labels},
+            "metadata": {"namespace": namespace, "name": name, "labels": labels,
+                "annotations": annotations},
             "spec": {"nodeName": node, "containers": [{"name": "app", "image": "busybox"}]},
         }))
         .unwrap();
         StoredPod::new(pod, &mut SharedSpecs::default())
+    }
+
+    /// Every pod named is bound here, its UID `uid-<name>`.
+    fn all_bound(_: &str, name: &str) -> Option<Box<str>> {
+        Some(format!("uid-{name}").into_boxed_str())
     }
 
     /// The scrape's pods come from the store: this node's only, each with its lower node
@@ -401,7 +449,7 @@ mod tests {
             stored("shop", "d", Some("lower-1"), &Owner::new("other", "c1")),
             stored("shop", "e", Some("lower-1"), &Owner::new("vk", "c2")),
         ];
-        let got = mirrored_of(&pods, &owner, None);
+        let got = mirrored_of(&pods, &owner, None, &all_bound);
         let want = [
             ("shop", "a", Some("lower-1")),
             ("shop", "b", None),
@@ -417,10 +465,47 @@ mod tests {
         let mut mapping = Mapping::new(Mode::Prefixed, "c1".into());
         mapping.set("shop", "shop-c1").unwrap();
         let view = NamespaceView::new(mapping);
-        let got = mirrored_of(&pods, &owner, Some(&view));
+        let got = mirrored_of(&pods, &owner, Some(&view), &all_bound);
         // `team` is not mapped (yet): its pod is left out rather than guessed.
         assert_eq!(got.len(), 2, "{got:?}");
         assert_eq!(got[0].upper, PodName::new("shop", "a"));
         assert_eq!(got[0].lower, PodName::new("shop-c1", "a"));
+    }
+
+    /// A lower pod with this node's marks counts only as the copy of an upper pod bound
+    /// here: of that name, and whose UID it carries. A forged one (named like a pod on
+    /// another node, or carrying another UID, or none) is not reported as that pod.
+    #[test]
+    fn reports_only_copies_of_pods_bound_here() {
+        let owner = Owner::new("vk", "c1");
+        // The upper pods bound to this node.
+        let upper: BTreeMap<(&str, &str), &str> =
+            [(("shop", "web"), "u-web"), (("shop", "db"), "u-db")].into();
+        let bound = |namespace: &str, name: &str| {
+            upper
+                .get(&(namespace, name))
+                .map(|uid| (*uid).to_owned().into_boxed_str())
+        };
+        // (namespace, name, upper UID it carries, reported)
+        let cases: &[(&str, &str, Option<&str>, bool)] = &[
+            ("shop", "web", Some("u-web"), true),
+            // Named like a pod on a real node (not bound here), with its UID.
+            ("shop", "api", Some("u-api"), false),
+            // Named like a pod bound here, with another UID (its predecessor's, or made up).
+            ("shop", "db", Some("u-other"), false),
+            // With no UID.
+            ("shop", "db", None, false),
+            // Another namespace's pod of that name.
+            ("team", "web", Some("u-web"), false),
+        ];
+        for (namespace, name, uid, reported) in cases {
+            let pod = stored_with(namespace, name, Some("lower-1"), &owner, *uid);
+            let got = mirrored_of([&pod], &owner, None, &bound);
+            assert_eq!(
+                !got.is_empty(),
+                *reported,
+                "{namespace}/{name} carrying {uid:?}: {got:?}"
+            );
+        }
     }
 }

@@ -253,6 +253,7 @@ async fn run_member(
     } = controllers::pod_watch::watches(&ctx);
     let lower_pods = kubelet_api::resource_scrape::LowerPods {
         store: stores.lower.clone(),
+        upper: stores.upper.clone(),
         synced: stores.synced.clone(),
     };
     let setup = kubelet_api_setup(
