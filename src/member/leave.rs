@@ -128,7 +128,7 @@ fn time_left(deleted: Option<&Time>, timeout: Duration, now: Timestamp) -> Durat
 }
 
 /// Says `note` in an Event of `reason` on the member Secret `object`.
-async fn say(
+pub(super) async fn say(
     recorder: &Recorder,
     object: &ObjectReference,
     type_: EventType,

@@ -22,7 +22,7 @@ use backon::BackoffBuilder;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, ObjectReference, Secret};
 use kube::api::{Api, ListParams, Patch, PatchParams};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::events::{EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Resource, ResourceExt};
@@ -250,7 +250,7 @@ impl Membership {
             let name = secret.name_any();
             if !self.leaving.contains_key(&name) {
                 let node = recorded_node(&secret).unwrap_or_default().to_owned();
-                publish(
+                leave::say(
                     &self.recorder,
                     &secret.object_ref(&()),
                     EventType::Normal,
@@ -467,7 +467,7 @@ impl Membership {
                     }
                     Err(error) => {
                         warn!(secret = %secret.name_any(), %error, "member leave failed; trying again");
-                        publish(&recorder, &secret.object_ref(&()), EventType::Warning,
+                        leave::say(&recorder, &secret.object_ref(&()), EventType::Warning,
                             "MemberLeaveFailed", error).await;
                     }
                 }
@@ -490,7 +490,7 @@ impl Membership {
         }
         error!(secret = %format!("{}/{name}", self.namespace), reason, cluster = "upper",
             "member Secret not used: {why}");
-        publish(
+        leave::say(
             &self.recorder,
             &secret.object_ref(&()),
             EventType::Warning,
@@ -566,7 +566,7 @@ async fn leave_member(
         }
     };
     let node = running.node.clone();
-    publish(
+    leave::say(
         recorder,
         &object,
         EventType::Normal,
@@ -604,7 +604,7 @@ async fn leave_member(
         .await
         .map_err(|e| e.to_string())?;
     info!(%node, lower_objects_deleted = deleted, "member left");
-    publish(
+    leave::say(
         recorder,
         &object,
         EventType::Normal,
@@ -875,7 +875,7 @@ async fn supervise(
         }
         let delay = delays.next().unwrap_or(MAX_RESTART_DELAY);
         error!(%node, error = %why, retry_in = ?delay, "member failed; restarting it");
-        publish(
+        leave::say(
             &recorder,
             &secret,
             EventType::Warning,
@@ -976,25 +976,6 @@ fn panic_message(join: tokio::task::JoinError) -> String {
         .map(|s| (*s).to_owned())
         .or_else(|| payload.downcast_ref::<String>().cloned())
         .unwrap_or_else(|| "(no message)".into())
-}
-
-async fn publish(
-    recorder: &Recorder,
-    object: &ObjectReference,
-    type_: EventType,
-    reason: &str,
-    note: String,
-) {
-    let event = Event {
-        type_,
-        reason: reason.into(),
-        note: Some(note),
-        action: "Membership".into(),
-        secondary: None,
-    };
-    if let Err(error) = recorder.publish(&event, object).await {
-        tracing::debug!(%error, cluster = "upper", "publishing an event on a member Secret");
-    }
 }
 
 #[cfg(test)]
