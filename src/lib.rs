@@ -19,5 +19,6 @@ pub mod metrics;
 pub mod node;
 pub mod shutdown;
 pub mod side;
+pub mod status;
 pub mod translate;
 pub mod upper_watches;

@@ -40,6 +40,25 @@ async fn main() -> ExitCode {
         }
         None => {}
     }
+    // `virtual-node status`: the federation as the upper cluster shows it (its own flags).
+    if argv.get(1).and_then(|a| a.to_str()) == Some("status") {
+        let rest = std::iter::once(argv[0].clone()).chain(argv.into_iter().skip(2));
+        let args = match cli::parse_args::<tensile::status::StatusArgs>("virtual-node status", rest)
+        {
+            Ok(args) => args,
+            Err(status) => return status,
+        };
+        return match tensile::status::run(&args).await {
+            Ok(text) => {
+                print!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(error) => {
+                eprintln!("virtual-node status: {error}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     // `virtual-node check <flags>`: verify, change nothing. `join` / `leave`: make the
     // lower cluster of `--client-kubeconfig` a member, or unmake it.
     let command = argv
