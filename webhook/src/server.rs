@@ -20,6 +20,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 
+use crate::daemonset;
 use crate::memory::DeschedulerMemory;
 use crate::metrics::Metrics;
 use crate::mutate::{self, Decision, MutateConfig, SelectedNodes};
@@ -121,28 +122,39 @@ pub fn answer(app: &App, body: &[u8]) -> Response {
         Ok(request) => request,
         Err(bad) => return bad_request(app, &bad),
     };
-    let outcome = mutate::admit(
-        &request,
-        &app.config,
-        &app.memory,
-        app.volumes.as_ref(),
-        Instant::now(),
-    );
+    // Routed by the object's kind: pods get the burst mutation, DaemonSets are kept off
+    // virtual nodes (see `daemonset`).
+    let (outcome, kind) = if daemonset::is_daemonset(&request) {
+        (daemonset::admit(&request), "DaemonSet")
+    } else {
+        let outcome = mutate::admit(
+            &request,
+            &app.config,
+            &app.memory,
+            app.volumes.as_ref(),
+            Instant::now(),
+        );
+        (outcome, "Pod")
+    };
     app.metrics.decided(outcome.decision);
-    let pod = || request.object_ref();
+    let object = || request.object_ref();
+    if !outcome.warnings.is_empty() && outcome.decision != Decision::Unreadable {
+        app.metrics.warnings.inc_by(outcome.warnings.len() as u64);
+        warn!(object = %object(), kind, cluster = "upper", warnings = ?outcome.warnings, "admitted with warnings");
+    }
     match outcome.decision {
         Decision::Mutated => {
-            info!(object = %pod(), kind = "Pod", cluster = "upper", ops = outcome.patch.0.len(), "mutated")
+            info!(object = %object(), kind, cluster = "upper", ops = outcome.patch.0.len(), reason = outcome.reason, "mutated")
         }
         Decision::Remembered => {
-            info!(object = %pod(), kind = "Pod", cluster = "upper", "descheduled node remembered")
+            info!(object = %object(), kind, cluster = "upper", "descheduled node remembered")
         }
         Decision::Unreadable => {
             app.metrics.warnings.inc_by(outcome.warnings.len() as u64);
-            warn!(object = %pod(), kind = "Pod", cluster = "upper", warnings = ?outcome.warnings, "allowed unchanged");
+            warn!(object = %object(), kind, cluster = "upper", warnings = ?outcome.warnings, "allowed unchanged");
         }
         Decision::Ignored | Decision::Unchanged => {
-            debug!(object = %pod(), kind = "Pod", cluster = "upper", operation = %request.operation, reason = outcome.reason, "allowed unchanged");
+            debug!(object = %object(), kind, cluster = "upper", operation = %request.operation, reason = outcome.reason, "allowed unchanged");
         }
     }
     match review::encode(&request.uid, &outcome.patch, &outcome.warnings) {

@@ -101,6 +101,53 @@ async fn answers_a_review_with_a_patch() {
     f.running.shutdown.cancel();
 }
 
+/// A DaemonSet review goes to the DaemonSet core (its template kept off virtual nodes), a
+/// pod review to the pod core, on the one `/mutate` path.
+#[tokio::test]
+async fn routes_a_daemonset_review_by_its_kind() {
+    let f = start().await;
+    let daemonset = json!({
+        "metadata": {"name": "agent", "namespace": "ns"},
+        "spec": {"template": {"spec": {"containers": [], "tolerations": [{"operator": "Exists"}]}}},
+    });
+    let review = |uid: &str, group: &str, kind: &str| {
+        json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+            "uid": uid, "kind": {"group": group, "version": "v1", "kind": kind},
+            "resource": {"group": group, "version": "v1", "resource": "daemonsets"},
+            "namespace": "ns", "operation": "CREATE", "object": daemonset,
+        }})
+    };
+    let (status, body) = post(
+        &f.client,
+        serde_json::to_vec(&review("ds", "apps", "DaemonSet")).unwrap(),
+    )
+    .await;
+    assert_eq!(status, 200, "{body}");
+    let answer: Value = serde_json::from_str(&body).unwrap();
+    let patch = base64::engine::general_purpose::STANDARD
+        .decode(answer["response"]["patch"].as_str().unwrap())
+        .unwrap();
+    let patch: json_patch::Patch = serde_json::from_slice(&patch).unwrap();
+    let mut object = daemonset.clone();
+    json_patch::patch(&mut object, &patch).unwrap();
+    assert_eq!(
+        object["spec"]["template"]["spec"]["affinity"],
+        json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": "type", "operator": "NotIn", "values": ["virtual-kubelet"]}]}]}}})
+    );
+    // The same object under another kind is not a DaemonSet: allowed, no patch.
+    let (status, body) = post(
+        &f.client,
+        serde_json::to_vec(&review("other", "example.com", "DaemonSet")).unwrap(),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let answer: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(answer["response"], json!({"uid": "other", "allowed": true}));
+    f.running.shutdown.cancel();
+}
+
 /// Fast and deterministic: every kind of bad input is a 400 saying what is wrong, and the
 /// server keeps serving.
 #[tokio::test]

@@ -92,8 +92,9 @@ fn from<T: serde::de::DeserializeOwned>(value: Value) -> T {
 }
 
 /// The MutatingWebhookConfiguration `deploy/webhook` ships (pods labelled
-/// `virtual-pod=true`, on create and update, failing closed), named `name`, pointed at `url`
-/// with `ca_bundle`, for the namespaces `namespace_selector` selects.
+/// `virtual-pod=true`, on create and update, failing closed; every DaemonSet, on create and
+/// update, failing open), named `name`, pointed at `url` with `ca_bundle`, for the
+/// namespaces `namespace_selector` selects.
 pub fn webhook_configuration(
     name: &str,
     url: &str,
@@ -113,6 +114,17 @@ pub fn webhook_configuration(
             "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
                        "resources": ["pods"], "scope": "Namespaced"}],
             "objectSelector": {"matchLabels": {"virtual-pod": "true"}},
+            "namespaceSelector": namespace_selector,
+        }, {
+            "name": "daemonsets.tensile-webhook.tensile.dev",
+            "admissionReviewVersions": ["v1"],
+            "sideEffects": "None",
+            "timeoutSeconds": 5,
+            // Ignore, as shipped: every DaemonSet passes here, none must be blocked.
+            "failurePolicy": "Ignore",
+            "clientConfig": {"url": url, "caBundle": ca_bundle},
+            "rules": [{"apiGroups": ["apps"], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+                       "resources": ["daemonsets"], "scope": "Namespaced"}],
             "namespaceSelector": namespace_selector,
         }],
     }))
