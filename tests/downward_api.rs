@@ -185,13 +185,24 @@ async fn the_downward_api_below_reads_the_upper_pod() {
         "the lower pod reads the same variables and files"
     );
     let mut resolved = BTreeMap::new();
+    let mut differ = Vec::new();
     for (what, selector) in &upper_refs {
         let want = resolve(&upper_pod, selector);
         let got = resolve(&lower_pod, &lower_refs[what]);
         println!("{what}: upper {want:?}, lower {got:?}");
-        resolved.insert(what.clone(), got.clone());
-        assert_eq!(got, want, "{what} ({:?} below)", lower_refs[what]);
+        if got != want {
+            differ.push(format!(
+                "{what}: {got:?} below ({}), {want:?} upstairs",
+                lower_refs[what].field_path
+            ));
+        }
+        resolved.insert(what.clone(), got);
     }
+    assert!(
+        differ.is_empty(),
+        "read below differently:\n{}",
+        differ.join("\n")
+    );
     // Spelled out, so the assertion above cannot pass by resolving nothing.
     assert_eq!(resolved["env POD_UID"], upper_pod.uid().unwrap());
     assert_ne!(resolved["env POD_UID"], lower_pod.uid().unwrap());

@@ -376,7 +376,8 @@ mod tests {
     #[test]
     fn formats_maps_as_the_kubelet_does() {
         // (case, map, what fieldpath.FormatMap writes)
-        let cases: Vec<(&str, Vec<(&str, &str)>, &str)> = vec![
+        type Case<'a> = (&'a str, Vec<(&'a str, &'a str)>, &'a str);
+        let cases: Vec<Case> = vec![
             ("empty", vec![], ""),
             ("one", vec![("app", "web")], "app=\"web\""),
             (
