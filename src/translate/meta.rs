@@ -33,6 +33,16 @@ pub const UPPER_UID_ANNOTATION: &str = "tensile.dev/upper-uid";
 /// wrote, so a key removed upstream is removed below while keys the lower cluster added
 /// itself (CNI, sidecar injectors) are left alone.
 pub const MIRRORED_KEYS_ANNOTATION: &str = "tensile.dev/mirrored-keys";
+/// Annotation on a lower pod whose downward API reads `metadata.namespace`: the upper
+/// namespace, which its rewritten `fieldRef`s read instead (the lower one may differ).
+pub const UPPER_NAMESPACE_ANNOTATION: &str = "tensile.dev/upper-namespace";
+/// Annotation on a lower pod whose downward API reads `spec.nodeName`: the virtual node's
+/// name, which its rewritten `fieldRef`s read instead of the lower node's.
+pub const UPPER_NODE_NAME_ANNOTATION: &str = "tensile.dev/upper-node-name";
+/// Annotation on a lower pod whose downward API volumes read `metadata.labels`: the upper
+/// pod's labels as the kubelet writes them (`key="value"` lines), which the rewritten
+/// `fieldRef`s read instead of the lower labels (tensile's marks, no tripped labels).
+pub const UPPER_LABELS_ANNOTATION: &str = "tensile.dev/upper-labels";
 /// Annotation on lower ConfigMap and Secret copies: the upper resourceVersion they were
 /// copied from, so an upper edit is noticed without keeping upper contents in memory.
 pub const UPPER_RESOURCE_VERSION_ANNOTATION: &str = "tensile.dev/upper-resource-version";

@@ -2,6 +2,7 @@
 
 pub mod config;
 pub mod deps;
+pub mod downward;
 pub mod events;
 pub(crate) mod hash;
 pub mod identity;

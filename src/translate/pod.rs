@@ -11,6 +11,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
+use super::downward::{
+    DOWNWARD_ANNOTATIONS, literal_upper_fields, present_upper_fields, upper_value,
+};
 use super::identity::{UpperApi, give_upper_identity, token_secret_name};
 use super::meta::{
     MIRRORED_KEYS_ANNOTATION, Owner, TRIPPED_LABELS_ANNOTATION, UPPER_UID_ANNOTATION,
@@ -61,10 +64,39 @@ struct MirroredKeys {
     /// Absent in records written before images were recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     images: Option<BTreeMap<String, String>>,
+    /// The annotations that hold upper values the lower pod's downward API reads
+    /// ([`present_upper_fields`]): kept current from the upper pod (which the stores keep
+    /// without the spec that says which are read), never removed. Absent when none.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    downward: BTreeSet<String>,
 }
 
 /// The pod to create in the lower cluster for `upper`.
 pub fn lower_pod(upper: &Pod, t: &PodTranslation) -> Result<Pod, TranslateError> {
+    let (mut pod, record) = lower_pod_and_record(upper, t)?;
+    let object = format!("Pod {}", object_ref(&upper.metadata));
+    let record = encode_record(&record, &object)?;
+    pod.metadata
+        .annotations
+        .get_or_insert_default()
+        .insert(MIRRORED_KEYS_ANNOTATION.to_owned(), record);
+    Ok(pod)
+}
+
+/// [`MirroredKeys`] as its annotation holds it.
+fn encode_record(record: &MirroredKeys, object: &str) -> Result<String, TranslateError> {
+    serde_json::to_string(record).map_err(|source| TranslateError::Encode {
+        object: object.to_owned(),
+        what: MIRRORED_KEYS_ANNOTATION,
+        source,
+    })
+}
+
+/// [`lower_pod`] without its record, and the record.
+fn lower_pod_and_record(
+    upper: &Pod,
+    t: &PodTranslation,
+) -> Result<(Pod, MirroredKeys), TranslateError> {
     let mut metadata = lower_meta("Pod", &upper.metadata, t.owner)?;
     let object = format!("Pod {}", object_ref(&upper.metadata));
 
@@ -77,6 +109,10 @@ pub fn lower_pod(upper: &Pod, t: &PodTranslation) -> Result<Pod, TranslateError>
     let labels = metadata.labels.insert(labels);
 
     let annotations = metadata.annotations.get_or_insert_default();
+    // Their values are tensile's to set (below), never the upper pod's.
+    for key in DOWNWARD_ANNOTATIONS {
+        annotations.remove(key);
+    }
     if !tripped.is_empty() {
         let encoded = serde_json::to_string(&tripped).map_err(|source| TranslateError::Encode {
             object: object.clone(),
@@ -93,17 +129,12 @@ pub fn lower_pod(upper: &Pod, t: &PodTranslation) -> Result<Pod, TranslateError>
             object: object_ref(&upper.metadata),
             field: "spec",
         })?;
-    let record = MirroredKeys {
+    let mut record = MirroredKeys {
         labels: labels.keys().cloned().collect(),
         annotations: annotations.keys().cloned().collect(),
         images: Some(images_of(spec)),
+        downward: BTreeSet::new(),
     };
-    let record = serde_json::to_string(&record).map_err(|source| TranslateError::Encode {
-        object: object.clone(),
-        what: MIRRORED_KEYS_ANNOTATION,
-        source,
-    })?;
-    annotations.insert(MIRRORED_KEYS_ANNOTATION.to_owned(), record);
 
     let mut spec = spec.clone();
     spec.node_name = None;
@@ -131,12 +162,20 @@ pub fn lower_pod(upper: &Pod, t: &PodTranslation) -> Result<Pod, TranslateError>
         }
         None => drop_volumes(&mut spec, |_| true),
     }
+    // After the upper identity, which serves the token volume's namespace from its Secret.
+    for key in present_upper_fields(&mut spec) {
+        if let Some(value) = upper_value(key, upper) {
+            annotations.insert(key.to_owned(), value);
+            record.downward.insert(key.to_owned());
+        }
+    }
 
-    Ok(Pod {
+    let pod = Pod {
         metadata,
         spec: Some(spec),
         status: None,
-    })
+    };
+    Ok((pod, record))
 }
 
 /// The image of each container and init container, by name.
@@ -659,7 +698,7 @@ pub fn lower_pod_update(
     lower: &Pod,
     t: &PodTranslation,
 ) -> Result<Option<Value>, TranslateError> {
-    let desired = lower_pod(upper, t)?;
+    let (desired, mut want_record) = lower_pod_and_record(upper, t)?;
     let object = format!("Pod {}", object_ref(&lower.metadata));
     let recorded: MirroredKeys = lower
         .metadata
@@ -671,9 +710,23 @@ pub fn lower_pod_update(
     // The record is compared for what it says rather than as text, so a record written
     // before images were recorded costs no write of its own.
     let mut want_annotations = desired.metadata.annotations.clone().unwrap_or_default();
-    let want_record = want_annotations.remove(MIRRORED_KEYS_ANNOTATION);
     let mut have_annotations = lower.metadata.annotations.clone().unwrap_or_default();
     have_annotations.remove(MIRRORED_KEYS_ANNOTATION);
+    // The downward API's annotations are kept apart: which ones the lower pod reads is
+    // known from its record (`upper` may be a stored pod, without the spec that says),
+    // and they are never removed (the spec that reads them cannot change).
+    want_record
+        .downward
+        .extend(recorded.downward.iter().cloned());
+    for key in DOWNWARD_ANNOTATIONS {
+        want_annotations.remove(key);
+        have_annotations.remove(key);
+    }
+    let downward: Vec<(String, String)> = want_record
+        .downward
+        .iter()
+        .filter_map(|key| Some((key.clone(), upper_value(key, upper)?)))
+        .collect();
     let want_labels = desired.metadata.labels.clone().unwrap_or_default();
 
     let labels = map_patch(
@@ -686,6 +739,12 @@ pub fn lower_pod_update(
         &want_annotations,
         &recorded.annotations,
     );
+    let lower_annotations = lower.metadata.annotations.as_ref();
+    for (key, value) in downward {
+        if lower_annotations.and_then(|a| a.get(&key)) != Some(&value) {
+            annotations.insert(key, Value::String(value));
+        }
+    }
 
     let mut spec = Map::new();
     let want = desired.spec.unwrap_or_default();
@@ -725,15 +784,17 @@ pub fn lower_pod_update(
     }
 
     let keys_changed = recorded.labels.iter().ne(want_labels.keys())
-        || recorded.annotations.iter().ne(want_annotations.keys());
+        || recorded.annotations.iter().ne(want_annotations.keys())
+        || recorded.downward != want_record.downward;
     let recorded_images_stale = recorded
         .images
         .as_ref()
         .is_some_and(|images| *images != images_of(&want));
-    if let Some(record) =
-        want_record.filter(|_| keys_changed || images_changed || recorded_images_stale)
-    {
-        annotations.insert(MIRRORED_KEYS_ANNOTATION.to_owned(), Value::String(record));
+    if keys_changed || images_changed || recorded_images_stale {
+        annotations.insert(
+            MIRRORED_KEYS_ANNOTATION.to_owned(),
+            Value::String(encode_record(&want_record, &object)?),
+        );
     }
     let mut metadata = Map::new();
     for (field, patch) in [("labels", labels), ("annotations", annotations)] {
@@ -754,9 +815,11 @@ pub fn lower_pod_update(
 
 /// The ephemeral containers of `upper` (added by `kubectl debug` through its
 /// ephemeralcontainers subresource) that `lower` lacks, as they go below: without mounts
-/// of the upper cluster's service-account token volume, which the lower pod does not have.
-/// Matched by name: an ephemeral container can be neither changed nor removed once added,
-/// so one of that name below is this one. Those added below only are left alone.
+/// of the upper cluster's service-account token volume, which the lower pod does not have,
+/// and reading the upper pod's UID, namespace and node as literal values
+/// ([`literal_upper_fields`]). Matched by name: an ephemeral container can be neither
+/// changed nor removed once added, so one of that name below is this one. Those added
+/// below only are left alone.
 pub fn missing_ephemeral_containers(upper: &Pod, lower: &Pod) -> Vec<EphemeralContainer> {
     let Some(spec) = upper.spec.as_ref() else {
         return Vec::new();
@@ -782,6 +845,7 @@ pub fn missing_ephemeral_containers(upper: &Pod, lower: &Pod) -> Vec<EphemeralCo
             if container.volume_mounts.as_ref().is_some_and(Vec::is_empty) {
                 container.volume_mounts = None;
             }
+            literal_upper_fields(&mut container.env, upper);
             container
         })
         .collect()
@@ -1064,7 +1128,10 @@ mod tests {
     use serde_json::json;
 
     const NODE: &str = "vk-node";
-    use crate::translate::meta::{OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL};
+    use crate::translate::meta::{
+        OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL, UPPER_LABELS_ANNOTATION, UPPER_NAMESPACE_ANNOTATION,
+        UPPER_NODE_NAME_ANNOTATION,
+    };
 
     const CLUSTER: &str = "cluster-1";
     static OWNER: std::sync::LazyLock<Owner> =
@@ -1320,6 +1387,20 @@ mod tests {
                 json!([only_token_mount]),
                 json!(null),
                 json!([{"name": "tokens", "image": "busybox"}]),
+            ),
+            (
+                "the upper UID, namespace and node are read as literals",
+                json!([{"name": "env", "image": "busybox", "env": [
+                    {"name": "NS", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}},
+                    {"name": "UID", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.uid"}}},
+                    {"name": "NODE", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "spec.nodeName"}}},
+                    {"name": "IP", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}}]}]),
+                json!(null),
+                json!([{"name": "env", "image": "busybox", "env": [
+                    {"name": "NS", "value": "default"},
+                    {"name": "UID", "value": "uid-1"},
+                    {"name": "NODE", "value": NODE},
+                    {"name": "IP", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.podIP"}}}]}]),
             ),
         ];
         for (name, upper_ephemeral, lower_ephemeral, want) in cases {
@@ -2574,6 +2655,168 @@ mod tests {
         ];
         for (name, s, want) in cases {
             assert_eq!(status_is_informative(&status(s)), want, "{name}");
+        }
+    }
+
+    /// [`upper_json`] reading itself through the downward API: env and a volume.
+    fn downward_upper() -> Value {
+        let field = |path: &str| json!({"apiVersion": "v1", "fieldPath": path});
+        patched(
+            upper_json(),
+            json!({
+                "metadata": {"labels": {"app": "web", "pod-group.scheduling.sigs.k8s.io": "g"}},
+                "spec": {
+                    "containers": [{"name": "app", "image": "nginx:1", "env": [
+                        {"name": "NS", "valueFrom": {"fieldRef": field("metadata.namespace")}},
+                        {"name": "NODE", "valueFrom": {"fieldRef": field("spec.nodeName")}},
+                    ]}],
+                    "volumes": [{"name": "info", "downwardAPI": {"items": [
+                        {"path": "uid", "fieldRef": field("metadata.uid")},
+                        {"path": "labels", "fieldRef": field("metadata.labels")},
+                    ]}}],
+                },
+            }),
+        )
+    }
+
+    #[test]
+    fn the_downward_api_reads_the_upper_values() {
+        let ignore = vec!["pod-group.scheduling.sigs.k8s.io".to_owned()];
+        let labels = "app=\"web\"\npod-group.scheduling.sigs.k8s.io=\"g\"";
+        let annotated = |path: &str| json!({"apiVersion": "v1", "fieldPath": format!("metadata.annotations['{path}']")});
+        // (case, upper pod, annotations expected below besides the marks)
+        let cases: Vec<(&str, Value, Value)> = vec![
+            (
+                "a pod that reads none: no annotation",
+                upper_json(),
+                json!({}),
+            ),
+            (
+                "env and volume: their annotations, the labels with the tripped one",
+                downward_upper(),
+                json!({
+                    UPPER_NAMESPACE_ANNOTATION: "default",
+                    UPPER_NODE_NAME_ANNOTATION: NODE,
+                    UPPER_LABELS_ANNOTATION: labels,
+                }),
+            ),
+            (
+                "an upper pod's own values of these keys are not believed",
+                patched(
+                    downward_upper(),
+                    json!({"metadata": {"annotations": {UPPER_NAMESPACE_ANNOTATION: "forged"}}}),
+                ),
+                json!({
+                    UPPER_NAMESPACE_ANNOTATION: "default",
+                    UPPER_NODE_NAME_ANNOTATION: NODE,
+                    UPPER_LABELS_ANNOTATION: labels,
+                }),
+            ),
+        ];
+        for (name, upper, extra) in cases {
+            let lower = lower_pod(&pod(upper), &translation(&ignore)).unwrap();
+            let mut annotations = lower.metadata.annotations.clone().unwrap();
+            let record: MirroredKeys =
+                serde_json::from_str(&annotations.remove(MIRRORED_KEYS_ANNOTATION).unwrap())
+                    .unwrap();
+            annotations.remove(UPPER_UID_ANNOTATION);
+            annotations.remove(TRIPPED_LABELS_ANNOTATION);
+            let extra: BTreeMap<String, String> = serde_json::from_value(extra).unwrap();
+            assert_eq!(annotations, extra, "{name}");
+            assert_eq!(
+                record.downward,
+                extra.keys().cloned().collect::<BTreeSet<_>>(),
+                "{name}"
+            );
+            assert!(
+                record.annotations.iter().all(|k| !extra.contains_key(k)),
+                "{name}: the downward annotations are recorded apart"
+            );
+            if extra.is_empty() {
+                continue;
+            }
+            let spec = serde_json::to_value(lower.spec.unwrap()).unwrap();
+            let env = &spec["containers"][0]["env"];
+            assert_eq!(
+                env[0]["valueFrom"]["fieldRef"],
+                annotated(UPPER_NAMESPACE_ANNOTATION),
+                "{name}"
+            );
+            assert_eq!(
+                env[1]["valueFrom"]["fieldRef"],
+                annotated(UPPER_NODE_NAME_ANNOTATION),
+                "{name}"
+            );
+            let items = &spec["volumes"][0]["downwardAPI"]["items"];
+            assert_eq!(
+                items[0]["fieldRef"],
+                annotated(UPPER_UID_ANNOTATION),
+                "{name}"
+            );
+            assert_eq!(
+                items[1]["fieldRef"],
+                annotated(UPPER_LABELS_ANNOTATION),
+                "{name}"
+            );
+        }
+    }
+
+    /// The upper pod as the controllers' stores keep it (no env, no volumes).
+    fn as_stored(upper: &Pod) -> Pod {
+        crate::translate::stored::StoredPod::from(upper.clone()).to_pod()
+    }
+
+    #[test]
+    fn lower_pod_update_keeps_the_downward_annotations_current() {
+        let full = pod(downward_upper());
+        let lower = lower_as_stored(&full);
+        let lower_json = serde_json::to_value(&lower).unwrap();
+        let labels_of = |l: &str| format!("app=\"web\"\npod-group.scheduling.sigs.k8s.io=\"g\"{l}");
+        // (case, change to the upper pod, change to the lower pod, expected patch)
+        let cases: Vec<(&str, Value, Value, Option<Value>)> = vec![
+            ("in sync", json!({}), json!({}), None),
+            (
+                "a new label reaches the labels annotation",
+                json!({"metadata": {"labels": {"tier": "front"}}}),
+                json!({}),
+                Some(json!({"metadata": {
+                    "labels": {"tier": "front"},
+                    "annotations": {
+                        UPPER_LABELS_ANNOTATION: labels_of("\ntier=\"front\""),
+                        MIRRORED_KEYS_ANNOTATION: serde_json::to_value(&lower_pod(
+                            &pod(patched(downward_upper(), json!({"metadata": {"labels": {"tier": "front"}}}))),
+                            &translation(&[]),
+                        ).unwrap().metadata.annotations.unwrap()[MIRRORED_KEYS_ANNOTATION]).unwrap(),
+                    },
+                }})),
+            ),
+            (
+                "one removed below is put back",
+                json!({}),
+                json!({"metadata": {"annotations": {UPPER_NAMESPACE_ANNOTATION: null}}}),
+                Some(json!({"metadata": {"annotations": {UPPER_NAMESPACE_ANNOTATION: "default"}}})),
+            ),
+            (
+                "one edited below is put back",
+                json!({}),
+                json!({"metadata": {"annotations": {UPPER_NODE_NAME_ANNOTATION: "lower-node-1"}}}),
+                Some(json!({"metadata": {"annotations": {UPPER_NODE_NAME_ANNOTATION: NODE}}})),
+            ),
+        ];
+        for (name, upper_change, lower_change, want) in cases {
+            let upper = pod(patched(downward_upper(), upper_change));
+            let lower = pod(patched(lower_json.clone(), lower_change));
+            // The full pod (when it is created) and the stored one (every update after)
+            // agree.
+            for (which, upper) in [("full", upper.clone()), ("stored", as_stored(&upper))] {
+                let got = lower_pod_update(&upper, &lower, &translation(&[])).unwrap();
+                assert_eq!(got, want, "{name} ({which})");
+                if let Some(patch) = got {
+                    let after = pod(patched(serde_json::to_value(&lower).unwrap(), patch));
+                    let again = lower_pod_update(&upper, &after, &translation(&[])).unwrap();
+                    assert_eq!(again, None, "{name} ({which}): after applying");
+                }
+            }
         }
     }
 }
