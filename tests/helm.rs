@@ -265,7 +265,15 @@ fn differences_table() {
     };
     let other = json!({"kind": "Service", "metadata": {"name": "s", "namespace": "n"}});
     let allowed = [("Service/n/s", "why")];
-    let cases: Vec<(&str, Vec<Value>, Vec<Value>, &[(&str, &str)], &[&str])> = vec![
+    /// A case: its name, kustomize's objects, the chart's, the differences allowed, the lines wanted.
+    type Case<'a> = (
+        &'a str,
+        Vec<Value>,
+        Vec<Value>,
+        &'a [(&'a str, &'a str)],
+        &'a [&'a str],
+    );
+    let cases: Vec<Case> = vec![
         ("same", vec![base.clone()], vec![base.clone()], &[], &[]),
         (
             "chart labels",
