@@ -4,20 +4,25 @@
 //! binary does (SubjectAccessReviews against the RBAC of `deploy/all`, applied for real).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
 
+mod common;
+
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use k8s_openapi::api::authorization::v1::SubjectAccessReview;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Client;
-use kube::api::{Api, PostParams};
+use kube::api::Api;
 use serde_json::{Value, json};
-use tensile::clusters::{Features, needed_permissions};
 use tensile::side::Side;
 use tensile_harness::fixtures::merge;
 use tensile_harness::rbac::rbac_list;
 use tensile_harness::{Binaries, ClusterPair, wait_for};
+
+use common::access::{
+    access, all_features, denied, descheduler_accesses, extender_lower_accesses,
+    service_account_groups, virtual_node_accesses, webhook_accesses,
+};
 
 /// The namespace every upper-cluster base installs into.
 const NAMESPACE: &str = "tensile-system";
@@ -26,20 +31,6 @@ const NAMESPACE: &str = "tensile-system";
 /// answers AlreadyExists for an object another test created between kubectl's read and
 /// its create.
 static NAMESPACE_IN_USE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// Every feature on: the shipped RBAC must allow whatever flags the user turns on.
-const ALL_FEATURES: Features = Features {
-    services: true,
-    volumes: true,
-    node_lease: true,
-    access_reviews: true,
-    token_reviews: true,
-    leader_election: Some(NAMESPACE),
-    members: Some(NAMESPACE),
-    // Its RBAC is opt-in: deploy/virtual-node/upper-identity-rbac.yaml, applied on its own.
-    upper_identity: false,
-    namespaces: true,
-};
 
 /// The root of the repository.
 fn repo() -> &'static Path {
@@ -415,118 +406,6 @@ async fn every_kustomization_passes_a_server_side_dry_run() {
     }
 }
 
-/// One access an identity needs: `verb` on `group`/`resource`[/`subresource`], in
-/// `namespace` (`None`: all namespaces, or cluster-scoped), of the object `name` if set.
-#[derive(Clone, Debug)]
-struct Access {
-    verb: &'static str,
-    group: &'static str,
-    resource: &'static str,
-    subresource: &'static str,
-    namespace: Option<&'static str>,
-    name: Option<&'static str>,
-}
-
-/// `verb` on `resource` (`group/resource/subresource`, the core group empty) everywhere.
-fn access(verb: &'static str, path: &'static str) -> Access {
-    let mut parts = path.split('/');
-    let group = parts.next().unwrap_or_default();
-    let resource = parts.next().unwrap_or_default();
-    let subresource = parts.next().unwrap_or_default();
-    Access {
-        verb,
-        group,
-        resource,
-        subresource,
-        namespace: None,
-        name: None,
-    }
-}
-
-/// The accesses denied to `user` (with `groups`) by the cluster of `client`.
-async fn denied(client: &Client, user: &str, groups: &[&str], wanted: &[Access]) -> Vec<String> {
-    let reviews: Api<SubjectAccessReview> = Api::all(client.clone());
-    let mut denied = Vec::new();
-    for a in wanted {
-        let review: SubjectAccessReview = serde_json::from_value(json!({
-            "spec": {
-                "user": user,
-                "groups": groups,
-                "resourceAttributes": {
-                    "verb": a.verb, "group": a.group, "resource": a.resource,
-                    "subresource": a.subresource, "namespace": a.namespace.unwrap_or_default(),
-                    "name": a.name.unwrap_or_default(),
-                },
-            },
-        }))
-        .unwrap();
-        let answer = reviews
-            .create(&PostParams::default(), &review)
-            .await
-            .unwrap();
-        if !answer.status.is_some_and(|s| s.allowed) {
-            denied.push(format!("{user}: {a:?}"));
-        }
-    }
-    denied
-}
-
-/// The groups a ServiceAccount's token authenticates with.
-fn service_account_groups() -> [String; 2] {
-    [
-        "system:serviceaccounts".to_owned(),
-        format!("system:serviceaccounts:{NAMESPACE}"),
-    ]
-}
-
-/// What tensile-descheduler calls in the upper cluster (`src/descheduler`, `src/leader.rs`).
-fn descheduler_accesses() -> Vec<Access> {
-    let mut wanted = vec![
-        access("list", "/nodes"),
-        access("list", "/pods"),
-        access("watch", "/pods"),
-        access("get", "/pods"),
-        access("create", "/pods"),
-        access("patch", "/pods"),
-        access("delete", "/pods"),
-        access("create", "/pods/eviction"),
-        access("create", "events.k8s.io/events"),
-        access("patch", "events.k8s.io/events"),
-    ];
-    let lease = |verb, name| Access {
-        namespace: Some(NAMESPACE),
-        name,
-        ..access(verb, "coordination.k8s.io/leases")
-    };
-    wanted.push(lease("create", None));
-    wanted.push(lease("get", Some("tensile-descheduler")));
-    wanted.push(lease("update", Some("tensile-descheduler")));
-    wanted
-}
-
-/// What the scheduler extender reads in each lower cluster (`scheduler-plugin/src/watch.rs`).
-fn extender_lower_accesses() -> Vec<Access> {
-    ["list", "watch"]
-        .into_iter()
-        .flat_map(|verb| [access(verb, "/nodes"), access(verb, "/pods")])
-        .collect()
-}
-
-/// Converts virtual-node's start-up permission table.
-fn virtual_node_accesses(side: Side) -> Vec<Access> {
-    needed_permissions(side, ALL_FEATURES)
-        .into_iter()
-        .map(|p| Access {
-            verb: p.verb,
-            group: p.group,
-            resource: p.resource,
-            subresource: p.subresource,
-            namespace: p.namespace,
-            name: None,
-        })
-        .collect()
-}
-
 /// The RBAC of `deploy/all`, applied for real to the upper cluster, and that of
 /// `deploy/virtual-node-lower` and `deploy/scheduler-extender/lower` to the lower one,
 /// allow each ServiceAccount and lower identity everything its binary calls: virtual-node
@@ -567,25 +446,22 @@ async fn each_identity_may_do_what_its_binary_does() {
         );
     }
 
-    let groups = service_account_groups();
+    let groups = service_account_groups(NAMESPACE);
     let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
     let sa = |name: &str| format!("system:serviceaccount:{NAMESPACE}:{name}");
     let mut missing = Vec::new();
     let upper_checks = [
-        ("virtual-node", virtual_node_accesses(Side::Upper)),
         (
-            "tensile-webhook",
-            vec![
-                access("list", "/persistentvolumeclaims"),
-                access("watch", "/persistentvolumeclaims"),
-            ],
+            "virtual-node",
+            virtual_node_accesses(Side::Upper, all_features(NAMESPACE)),
         ),
-        ("tensile-descheduler", descheduler_accesses()),
+        ("tensile-webhook", webhook_accesses()),
+        ("tensile-descheduler", descheduler_accesses(NAMESPACE)),
     ];
     for (name, wanted) in upper_checks {
         missing.extend(denied(&upper, &sa(name), &groups, &wanted).await);
     }
-    let mut lower_node = virtual_node_accesses(Side::Lower);
+    let mut lower_node = virtual_node_accesses(Side::Lower, all_features(NAMESPACE));
     lower_node.extend(extender_lower_accesses());
     missing.extend(denied(&lower, "tensile-virtual-node", &[], &lower_node).await);
     missing.extend(

@@ -16,6 +16,7 @@ use tensile_harness::{ClusterPair, VirtualNode, VirtualNodeOptions, node_is_read
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
 use tokio::process::Command;
 
+pub mod access;
 pub mod descheduler;
 pub mod ha;
 

@@ -3,8 +3,9 @@
 # kube-scheduler, kubectl), etcd, kwok and metrics-server from the Go module proxy, using
 # the wrapper modules beside this script. Idempotent: the result is cached under
 #   ${TENSILE_K8S_CACHE:-${XDG_CACHE_HOME:-~/.cache}/tensile/k8s}/<versions>-<go.sum hash>/
-# and a warm run only checks the stamp. Progress goes to stderr; the last line on stdout
-# is the directory holding bin/ and stages/, which the harness reads.
+# and a warm run only checks the stamp. Progress goes to stderr, one line per binary with its
+# build time; the last line on stdout is the directory holding bin/ and stages/, which the
+# harness reads.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -102,11 +103,15 @@ kver="-X k8s.io/component-base/version.gitVersion=$k8s_version \
  -X k8s.io/client-go/pkg/version.gitMinor=$minor \
  -X k8s.io/client-go/pkg/version.gitTreeState=clean"
 
-# One `go build` for the four Kubernetes commands shares their common packages.
-step "kubernetes $k8s_version (kube-apiserver kube-controller-manager kube-scheduler kubectl)" \
-  env -C "$here/kubernetes" go build -ldflags "-s -w $kver" -o "$tmp/bin/" \
-  k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
-  k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubectl
+echo "k8s binaries: first build of Kubernetes $k8s_version, etcd, kwok and metrics-server from" \
+  "the Go module proxy: about 12 minutes on 2 cores, once (then cached in $out)" >&2
+# One `go build` per command, so each says when it is done; they share the Go build cache,
+# so the first (kube-apiserver) takes most of the time and the others reuse its packages.
+for cmd in kube-apiserver kube-controller-manager kube-scheduler kubectl; do
+  step "$cmd $k8s_version" \
+    env -C "$here/kubernetes" go build -ldflags "-s -w $kver" -o "$tmp/bin/$cmd" \
+    "k8s.io/kubernetes/cmd/$cmd"
+done
 step "etcd $etcd_version" \
   env -C "$here/etcd" go build -ldflags "-s -w" -o "$tmp/bin/etcd" .
 step "kwok $kwok_version" \

@@ -110,3 +110,28 @@ pub(crate) fn run_build_script(script: &Path) -> Result<PathBuf> {
         _ => bail!("{} printed no directory", script.display()),
     }
 }
+
+/// The pinned helm (v3), for the chart's tests: built by `tests/k8s/helm/build.sh` from the
+/// Go module proxy and cached by version, or `$TENSILE_HELM_DIR/bin/helm` (a directory that
+/// script printed).
+pub fn helm() -> Result<PathBuf> {
+    static HELM: OnceLock<PathBuf> = OnceLock::new();
+    if let Some(bin) = HELM.get() {
+        return Ok(bin.clone());
+    }
+    let dir = match std::env::var_os("TENSILE_HELM_DIR") {
+        Some(dir) => PathBuf::from(dir),
+        None => {
+            run_build_script(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../k8s/helm/build.sh"))?
+        }
+    };
+    let bin = dir.join("bin").join("helm");
+    if !bin.is_file() {
+        bail!(
+            "{} is missing (is {} a directory printed by tests/k8s/helm/build.sh?)",
+            bin.display(),
+            dir.display()
+        );
+    }
+    Ok(HELM.get_or_init(|| bin).clone())
+}

@@ -1,0 +1,157 @@
+//! What each tensile identity calls, as accesses to ask a cluster by SubjectAccessReview:
+//! shared by `tests/deploy.rs` (the kustomize bases) and `tests/helm.rs` (the chart).
+
+use k8s_openapi::api::authorization::v1::SubjectAccessReview;
+use kube::Client;
+use kube::api::{Api, PostParams};
+use serde_json::json;
+use tensile::clusters::{Features, needed_permissions};
+use tensile::side::Side;
+
+/// One access an identity needs: `verb` on `group`/`resource`[/`subresource`], in
+/// `namespace` (`None`: all namespaces, or cluster-scoped), of the object `name` if set.
+#[derive(Clone, Debug)]
+pub struct Access {
+    pub verb: &'static str,
+    pub group: &'static str,
+    pub resource: &'static str,
+    pub subresource: &'static str,
+    pub namespace: Option<&'static str>,
+    pub name: Option<&'static str>,
+}
+
+/// `verb` on `resource` (`group/resource/subresource`, the core group empty) everywhere.
+pub fn access(verb: &'static str, path: &'static str) -> Access {
+    let mut parts = path.split('/');
+    let group = parts.next().unwrap_or_default();
+    let resource = parts.next().unwrap_or_default();
+    let subresource = parts.next().unwrap_or_default();
+    Access {
+        verb,
+        group,
+        resource,
+        subresource,
+        namespace: None,
+        name: None,
+    }
+}
+
+/// The accesses denied to `user` (with `groups`) by the cluster of `client`.
+pub async fn denied(
+    client: &Client,
+    user: &str,
+    groups: &[&str],
+    wanted: &[Access],
+) -> Vec<String> {
+    let reviews: Api<SubjectAccessReview> = Api::all(client.clone());
+    let mut denied = Vec::new();
+    for a in wanted {
+        let review: SubjectAccessReview = serde_json::from_value(json!({
+            "spec": {
+                "user": user,
+                "groups": groups,
+                "resourceAttributes": {
+                    "verb": a.verb, "group": a.group, "resource": a.resource,
+                    "subresource": a.subresource, "namespace": a.namespace.unwrap_or_default(),
+                    "name": a.name.unwrap_or_default(),
+                },
+            },
+        }))
+        .unwrap();
+        let answer = reviews
+            .create(&PostParams::default(), &review)
+            .await
+            .unwrap();
+        if !answer.status.is_some_and(|s| s.allowed) {
+            denied.push(format!("{user}: {a:?}"));
+        }
+    }
+    denied
+}
+
+/// The user name of ServiceAccount `name` in `namespace`.
+pub fn service_account(namespace: &str, name: &str) -> String {
+    format!("system:serviceaccount:{namespace}:{name}")
+}
+
+/// The groups a ServiceAccount's token in `namespace` authenticates with.
+pub fn service_account_groups(namespace: &str) -> [String; 2] {
+    [
+        "system:serviceaccounts".to_owned(),
+        format!("system:serviceaccounts:{namespace}"),
+    ]
+}
+
+/// What tensile-descheduler calls in the upper cluster (`src/descheduler`, `src/leader.rs`),
+/// installed in `namespace`.
+pub fn descheduler_accesses(namespace: &'static str) -> Vec<Access> {
+    let mut wanted = vec![
+        access("list", "/nodes"),
+        access("list", "/pods"),
+        access("watch", "/pods"),
+        access("get", "/pods"),
+        access("create", "/pods"),
+        access("patch", "/pods"),
+        access("delete", "/pods"),
+        access("create", "/pods/eviction"),
+        access("create", "events.k8s.io/events"),
+        access("patch", "events.k8s.io/events"),
+    ];
+    let lease = |verb, name| Access {
+        namespace: Some(namespace),
+        name,
+        ..access(verb, "coordination.k8s.io/leases")
+    };
+    wanted.push(lease("create", None));
+    wanted.push(lease("get", Some("tensile-descheduler")));
+    wanted.push(lease("update", Some("tensile-descheduler")));
+    wanted
+}
+
+/// What the scheduler extender reads in each lower cluster (`scheduler-plugin/src/watch.rs`).
+pub fn extender_lower_accesses() -> Vec<Access> {
+    ["list", "watch"]
+        .into_iter()
+        .flat_map(|verb| [access(verb, "/nodes"), access(verb, "/pods")])
+        .collect()
+}
+
+/// What tensile-webhook reads in the upper cluster (its PVC metadata watch).
+pub fn webhook_accesses() -> Vec<Access> {
+    vec![
+        access("list", "/persistentvolumeclaims"),
+        access("watch", "/persistentvolumeclaims"),
+    ]
+}
+
+/// Every feature on, installed in `namespace` (Lease and members there): the shipped RBAC
+/// must allow whatever flags the user turns on. `--upper-identity`'s RBAC is opt-in
+/// (deploy/virtual-node/upper-identity-rbac.yaml), so it is off.
+pub fn all_features(namespace: &'static str) -> Features {
+    Features {
+        services: true,
+        volumes: true,
+        node_lease: true,
+        access_reviews: true,
+        token_reviews: true,
+        leader_election: Some(namespace),
+        members: Some(namespace),
+        upper_identity: false,
+        namespaces: true,
+    }
+}
+
+/// virtual-node's start-up permission table for `side` with `features`, as accesses.
+pub fn virtual_node_accesses(side: Side, features: Features) -> Vec<Access> {
+    needed_permissions(side, features)
+        .into_iter()
+        .map(|p| Access {
+            verb: p.verb,
+            group: p.group,
+            resource: p.resource,
+            subresource: p.subresource,
+            namespace: p.namespace,
+            name: None,
+        })
+        .collect()
+}
