@@ -201,6 +201,9 @@ async fn the_extender_filters_through_its_lower_watch_with_the_shipped_rbac() {
             &common::workspace_binary("tensile-scheduler-extender"),
             &[
                 format!("--cluster={node}={}", kubeconfig.display()),
+                // Upstairs it reads Node labels only (deploy/scheduler-extender/rbac.yaml,
+                // checked by tests/deploy.rs); here the admin's kubeconfig serves.
+                format!("--kubeconfig={}", pair.upper_kubeconfig().display()),
                 format!("--listen=127.0.0.1:{port}"),
                 "--log-level=tensile=debug,tensile_scheduler_extender=debug,info".into(),
             ],

@@ -27,6 +27,12 @@ pub struct Cli {
     #[arg(long = "cluster", value_parser = parse_cluster)]
     pub clusters: Vec<(String, PathBuf)>,
 
+    /// Kubeconfig of the upper cluster, whose Node labels (`type=virtual-kubelet`,
+    /// `tensile.dev/burst-priority`) order prioritize (env `KUBECONFIG`, else
+    /// `~/.kube/config`, else in-cluster).
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+
     /// A JSON file `{"clusters": {"NODE": "KUBECONFIG", …}}`, merged with `--cluster`
     /// (`--cluster` wins for the same node).
     #[arg(long)]

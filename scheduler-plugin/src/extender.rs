@@ -9,6 +9,9 @@ use k8s_openapi::api::core::v1::Pod;
 
 use crate::cache::ClusterCache;
 use crate::fit::{ClusterFit, Demand, Search};
+use crate::upper::{
+    BURST_ANNOTATION, BURST_EAGER, MAX_EXTENDER_PRIORITY, SharedUpperNodes, UpperNode, burst_scores,
+};
 use crate::wire::{ExtenderArgs, ExtenderFilterResult, HostPriority, NodeList, node_name};
 
 /// What to do with a virtual node whose lower cluster is not known (not synced yet,
@@ -165,6 +168,8 @@ pub struct Extender {
     /// How long a pod that passed filter counts in a lower cluster while its lower copy
     /// has not appeared.
     pub assume_ttl: Duration,
+    /// The upper nodes' labels: which are virtual, and their burst priority.
+    pub upper: SharedUpperNodes,
 }
 
 impl Default for Extender {
@@ -173,6 +178,7 @@ impl Default for Extender {
             clusters: BTreeMap::new(),
             on_unknown: OnUnknown::default(),
             assume_ttl: DEFAULT_ASSUME_TTL,
+            upper: SharedUpperNodes::default(),
         }
     }
 }
@@ -202,18 +208,24 @@ impl<'a> Candidate<'a> {
 /// and not the lower nodes, so no victim it picks there makes a lower node take the pod
 /// (and no `preempt` verb is served to tell it better).
 enum Verdict {
-    Pass(i64),
+    Pass,
     Fail(String),
 }
 
 impl Extender {
-    /// Whether every lower cluster's cache has synced (for `/readyz`), else which not.
+    /// Whether every lower cluster's cache and the upper nodes have synced (for
+    /// `/readyz`), else which not.
     pub fn ready(&self) -> Result<(), String> {
-        let waiting: Vec<String> = self
+        let mut waiting: Vec<String> = self
             .clusters
             .iter()
             .filter_map(|(node, c)| c.read().known().err().map(|e| format!("{node}: {e}")))
             .collect();
+        let upper = self.upper.read();
+        if !upper.synced {
+            let why = upper.failing.as_deref().unwrap_or("not synced yet");
+            waiting.push(format!("upper nodes: {why}"));
+        }
         if waiting.is_empty() {
             Ok(())
         } else {
@@ -237,7 +249,7 @@ impl Extender {
         }
         if let Err(why) = state.known() {
             return match self.on_unknown {
-                OnUnknown::Pass => (Verdict::Pass(0), Outcome::Unknown),
+                OnUnknown::Pass => (Verdict::Pass, Outcome::Unknown),
                 OnUnknown::Fail => (Verdict::Fail(why), Outcome::Unknown),
             };
         }
@@ -246,11 +258,11 @@ impl Extender {
             Err(why) => return (Verdict::Fail(why.clone()), Outcome::BadPod),
         };
         match state.cache.fit(demand, search) {
-            ClusterFit::Fits { score } => {
+            ClusterFit::Fits { .. } => {
                 if let Some(uid) = pod.uid {
                     state.cache.assume(uid, demand, pod.now + self.assume_ttl);
                 }
-                (Verdict::Pass(score), Outcome::Fits)
+                (Verdict::Pass, Outcome::Fits)
             }
             ClusterFit::NoFit { reason } => (Verdict::Fail(reason), Outcome::NoFit),
         }
@@ -287,7 +299,7 @@ impl Extender {
             let (verdict, outcome) = self.verdict(cluster, &pod, Search::First);
             outcomes.push(outcome);
             match verdict {
-                Verdict::Pass(_) => true,
+                Verdict::Pass => true,
                 Verdict::Fail(reason) => {
                     result.failed_and_unresolvable_nodes.insert(
                         name.to_owned(),
@@ -321,17 +333,13 @@ impl Extender {
         (result, outcomes)
     }
 
-    /// `prioritize`: a virtual node scores 0–10 by the room its best lower node keeps
-    /// after taking the pod; regular nodes and virtual nodes that do not fit score 0.
+    /// `prioritize`: local first, then the members in order. Regular nodes score
+    /// [`MAX_EXTENDER_PRIORITY`]; virtual nodes score less, by the dense rank of their
+    /// burst priority among the candidates ([`burst_scores`]). A pod annotated
+    /// `tensile.dev/burst: eager` scores the same everywhere, so kube-scheduler's own
+    /// scoring (room) decides. A node is virtual when its upper labels say so
+    /// (`type=virtual-kubelet`) or when it is one of the configured clusters.
     pub fn prioritize(&self, args: &ExtenderArgs) -> Vec<HostPriority> {
-        let pod = Candidate::of(args.pod.as_ref(), Instant::now());
-        let score = |name: &str| match self.clusters.get(name) {
-            None => 0,
-            Some(cluster) => match self.verdict(cluster, &pod, Search::Best).0 {
-                Verdict::Pass(score) => score,
-                Verdict::Fail(_) => 0,
-            },
-        };
         let names: Vec<&str> = match (&args.node_names, &args.nodes) {
             (Some(names), _) => names.iter().map(String::as_str).collect(),
             (None, Some(nodes)) => nodes
@@ -341,14 +349,57 @@ impl Extender {
                 .collect(),
             (None, None) => Vec::new(),
         };
+        let scores = if args.pod.as_ref().is_some_and(eager) {
+            vec![MAX_EXTENDER_PRIORITY; names.len()]
+        } else {
+            let upper = self.upper.read();
+            let candidates: Vec<Option<u64>> = names
+                .iter()
+                .map(|name| match upper.get(name) {
+                    Some(UpperNode::Virtual { burst_priority }) => Some(burst_priority),
+                    _ if self.clusters.contains_key(*name) => Some(0),
+                    _ => None,
+                })
+                .collect();
+            burst_scores(&candidates)
+        };
+        // The extender's weight outweighs every other score: the pod goes to a node that
+        // scores the most here. On a virtual node that scores less it is not going, so it
+        // holds no room there (filter assumed it on every virtual node it passed; regular
+        // nodes first would otherwise fill the lower clusters with pods bound upstairs).
+        let top = scores.iter().copied().max().unwrap_or_default();
+        if let Some(uid) = args
+            .pod
+            .as_ref()
+            .and_then(|p| p.metadata.uid.as_deref())
+            .filter(|uid| !uid.is_empty())
+        {
+            for (name, score) in names.iter().zip(&scores) {
+                if *score < top
+                    && let Some(cluster) = self.clusters.get(*name)
+                {
+                    cluster.write().cache.release(uid);
+                }
+            }
+        }
         names
             .into_iter()
-            .map(|name| HostPriority {
+            .zip(scores)
+            .map(|(name, score)| HostPriority {
                 host: name.to_owned(),
-                score: score(name),
+                score,
             })
             .collect()
     }
+}
+
+/// Whether the pod opted into eager bursting.
+fn eager(pod: &Pod) -> bool {
+    pod.metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(BURST_ANNOTATION))
+        .is_some_and(|v| v.trim() == BURST_EAGER)
 }
 
 fn demand_of(pod: Option<&Pod>) -> Result<Demand, String> {
@@ -497,7 +548,7 @@ mod tests {
     }
 
     #[test]
-    fn an_assumption_expires_and_prioritize_scores_without_it() {
+    fn an_assumption_expires() {
         let e = Extender {
             clusters: [("vk".to_owned(), cluster("4", true))].into(),
             assume_ttl: Duration::from_secs(30),
@@ -519,9 +570,6 @@ mod tests {
         };
         let now = Instant::now();
         assert!(passes("a", now));
-        // 1 of 4 CPU left and all the memory: (0.25 + 1) / 2 → 6, as if a were not there.
-        assert_eq!(e.prioritize(&args("a"))[0].score, 6);
-        assert_eq!(e.prioritize(&args("a"))[0].score, 6, "nor counted twice");
         assert!(!passes("b", now + Duration::from_secs(29)));
         assert!(
             passes("b", now + Duration::from_secs(31)),
@@ -578,7 +626,7 @@ mod tests {
         assert_eq!(outcomes, [Outcome::BadPod, Outcome::Unknown]);
         assert_eq!(
             e.ready().unwrap_err(),
-            "vk-big: unreachable (connection refused); vk-new: not synced yet"
+            "vk-big: unreachable (connection refused); vk-new: not synced yet; upper nodes: not synced yet"
         );
     }
 
@@ -610,19 +658,164 @@ mod tests {
         );
     }
 
+    /// Local first, then the members in order: a table of candidates (name, upper
+    /// labels or unknown upstairs) and the scores prioritize gives them.
     #[test]
-    fn prioritize_prefers_room() {
-        let args = decode(
-            json!({"Pod": pod("2"), "NodeNames": ["regular", "vk-small", "vk-big", "vk-new"]})
-                .to_string()
-                .as_bytes(),
-        )
-        .unwrap();
-        let scores = extender(OnUnknown::Fail).prioritize(&args);
-        let score = |host: &str| scores.iter().find(|s| s.host == host).unwrap().score;
-        assert_eq!(score("regular"), 0);
-        assert_eq!(score("vk-new"), 0);
-        assert!(score("vk-big") > score("vk-small"), "{scores:?}");
-        assert!(score("vk-small") > 0);
+    fn prioritize_orders_regular_then_members() {
+        use crate::upper::BURST_PRIORITY_LABEL;
+        let virt = |priority: Option<&str>| {
+            let mut labels = json!({"type": "virtual-kubelet"});
+            if let Some(p) = priority {
+                labels[BURST_PRIORITY_LABEL] = json!(p);
+            }
+            Some(labels)
+        };
+        type Case<'a> = (
+            &'a str,
+            &'a [(&'a str, Option<serde_json::Value>)],
+            bool,
+            &'a [i64],
+        );
+        let cases: [Case<'_>; 7] = [
+            (
+                "a regular node beats any virtual one",
+                &[("regular", Some(json!({}))), ("vk-a", virt(None))],
+                false,
+                &[10, 9],
+            ),
+            (
+                "members by burst priority, lowest first",
+                &[
+                    ("vk-2", virt(Some("2"))),
+                    ("regular", Some(json!({}))),
+                    ("vk-1", virt(Some("1"))),
+                ],
+                false,
+                &[8, 10, 9],
+            ),
+            (
+                "equal priorities score equal (default scoring decides)",
+                &[("vk-a", virt(Some("3"))), ("vk-b", virt(Some("3")))],
+                false,
+                &[9, 9],
+            ),
+            (
+                "a configured cluster unknown upstairs is virtual, priority 0",
+                &[("vk-big", None), ("vk-2", virt(Some("2"))), ("other", None)],
+                false,
+                &[9, 8, 10],
+            ),
+            (
+                "a configured cluster takes its priority from its upper labels",
+                &[("vk-big", virt(Some("5"))), ("vk-2", virt(Some("2")))],
+                false,
+                &[8, 9],
+            ),
+            (
+                "a virtual node outside --cluster is still virtual",
+                &[("vk-far", virt(Some("1"))), ("regular", Some(json!({})))],
+                false,
+                &[9, 10],
+            ),
+            (
+                "an eager pod scores the same everywhere",
+                &[
+                    ("regular", Some(json!({}))),
+                    ("vk-1", virt(Some("1"))),
+                    ("vk-2", virt(Some("2"))),
+                ],
+                true,
+                &[10, 10, 10],
+            ),
+        ];
+        for (what, nodes, eager, want) in cases {
+            let e = extender(OnUnknown::Fail);
+            {
+                let mut upper = e.upper.write();
+                for (name, labels) in nodes {
+                    if let Some(labels) = labels {
+                        let meta = serde_json::from_value(json!({"name": name, "labels": labels}))
+                            .unwrap();
+                        upper.apply(&meta);
+                    }
+                }
+            }
+            let mut pod = pod("2");
+            if eager {
+                pod["metadata"]["annotations"] = json!({"tensile.dev/burst": "eager"});
+            }
+            let names: Vec<&str> = nodes.iter().map(|(n, _)| *n).collect();
+            let args = decode(
+                json!({"Pod": pod, "NodeNames": names})
+                    .to_string()
+                    .as_bytes(),
+            )
+            .unwrap();
+            let scores: Vec<i64> = e.prioritize(&args).iter().map(|s| s.score).collect();
+            assert_eq!(scores, want, "{what}");
+        }
+    }
+
+    /// A pod that passed filter on two virtual nodes and a regular one goes to the regular
+    /// node: prioritize says so, and its assumptions below end; between two members, it
+    /// keeps only the one it goes to.
+    #[test]
+    fn prioritize_ends_assumptions_where_the_pod_is_not_going() {
+        let e = Extender {
+            clusters: [
+                ("vk-1".to_owned(), cluster("4", true)),
+                ("vk-2".to_owned(), cluster("4", true)),
+            ]
+            .into(),
+            ..Extender::default()
+        };
+        for (name, priority) in [("vk-1", "1"), ("vk-2", "2")] {
+            let meta = serde_json::from_value(json!({"name": name, "labels": {
+                "type": "virtual-kubelet", "tensile.dev/burst-priority": priority}}))
+            .unwrap();
+            e.upper.write().apply(&meta);
+        }
+        let args = |name: &str, nodes: &[&str]| {
+            let mut pod = pod("3");
+            pod["metadata"]["name"] = json!(name);
+            pod["metadata"]["uid"] = json!(format!("uid-{name}"));
+            decode(
+                json!({"Pod": pod, "NodeNames": nodes})
+                    .to_string()
+                    .as_bytes(),
+            )
+            .unwrap()
+        };
+        // Whether `name` passes filter on `node`; then filtered on a regular node alone, it
+        // holds room nowhere.
+        let passes = |name: &str, node: &str| {
+            let passed = e.filter(&args(name, &[node])).0.node_names.unwrap() == [node];
+            e.filter(&args(name, &["regular"]));
+            passed
+        };
+        let all = ["regular", "vk-1", "vk-2"];
+        e.filter(&args("a", &all));
+        assert!(!passes("b", "vk-1"), "a is assumed on vk-1");
+        e.prioritize(&args("a", &all));
+        assert!(
+            passes("b", "vk-1") && passes("b", "vk-2"),
+            "a goes to regular"
+        );
+        e.filter(&args("c", &["vk-1", "vk-2"]));
+        e.prioritize(&args("c", &["vk-1", "vk-2"]));
+        assert!(!passes("d", "vk-1"), "c goes to vk-1 and holds its room");
+        assert!(passes("d", "vk-2"), "not vk-2's");
+    }
+
+    #[test]
+    fn ready_waits_for_the_upper_nodes() {
+        let e = Extender {
+            clusters: [("vk".to_owned(), cluster("4", true))].into(),
+            ..Extender::default()
+        };
+        assert_eq!(e.ready().unwrap_err(), "upper nodes: not synced yet");
+        e.upper.write().relist_start();
+        e.upper.write().relist_done();
+        assert_eq!(e.ready(), Ok(()));
     }
 }

@@ -13,5 +13,6 @@ pub mod extender;
 pub mod fit;
 pub mod metrics;
 pub mod server;
+pub mod upper;
 pub mod watch;
 pub mod wire;

@@ -47,9 +47,13 @@ async fn run(cli: Cli) -> Result<(), String> {
         assume_ttl: cli.assume_ttl,
         ..Extender::default()
     };
+    let upper = watch::upper_client(cli.kubeconfig.as_deref())
+        .await
+        .map_err(|e| e.to_string())?;
     let (extender, watches) = watch::connect(&clusters, settings, shutdown.clone())
         .await
         .map_err(|e| e.to_string())?;
+    let upper_nodes = watch::run_upper(upper, extender.upper.clone(), shutdown.clone());
     let nodes: Vec<&str> = clusters.iter().map(|(n, _)| n.as_str()).collect();
     info!(listen = %cli.listen, tls = tls.is_some(), virtual_nodes = ?nodes, "serving");
     let app = Arc::new(App {
@@ -58,6 +62,7 @@ async fn run(cli: Cli) -> Result<(), String> {
     });
     let mut tasks = Tasks::new(shutdown.clone());
     tasks.spawn("lower cluster watches", watches);
+    tasks.spawn("upper node watch", upper_nodes);
     tasks.spawn(
         "HTTP server",
         server::serve(listener, tls, server::router(app), shutdown.clone()),

@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::extender::{SharedCluster, Watched};
+use crate::upper::SharedUpperNodes;
 
 /// How often the lower API server is probed.
 const PROBE_INTERVAL: Duration = Duration::from_secs(5);
@@ -38,6 +39,9 @@ pub enum WatchError {
         /// Why.
         source: tensile::clusters::StartupError,
     },
+    /// The upper cluster's kubeconfig could not be loaded, or no client built from it.
+    #[error("upper cluster (for its node labels): {0}")]
+    Upper(String),
     /// No client could be built from it.
     #[error("lower cluster of {node}: {source}")]
     Client {
@@ -120,6 +124,55 @@ pub async fn run(
         }
     };
     tokio::join!(fold, probe);
+}
+
+/// A client of the upper cluster, from `kubeconfig` (else `~/.kube/config`, else
+/// in-cluster), for the upper Node watch.
+pub async fn upper_client(kubeconfig: Option<&Path>) -> Result<Client, WatchError> {
+    let config = load_config(Side::Upper, kubeconfig)
+        .await
+        .map_err(|e| WatchError::Upper(e.to_string()))?;
+    Client::try_from(config).map_err(|e| WatchError::Upper(e.to_string()))
+}
+
+/// Keeps `nodes` current from the upper cluster's Nodes (metadata only: their labels say
+/// which are virtual and their burst priority) until `shutdown`.
+pub async fn run_upper(client: Client, nodes: SharedUpperNodes, shutdown: CancellationToken) {
+    let api = Api::<kube::core::PartialObjectMeta<Node>>::all(client);
+    let config = watcher::Config::default();
+    let events =
+        restarting(move || watcher::watcher(api.clone(), config.clone()).boxed()).default_backoff();
+    let mut events = std::pin::pin!(events);
+    loop {
+        let event = tokio::select! {
+            () = shutdown.cancelled() => return,
+            event = events.next() => event,
+        };
+        let Some(event) = event else { return };
+        let mut state = nodes.write();
+        match event {
+            Ok(Event::Init) => state.relist_start(),
+            Ok(Event::InitApply(n) | Event::Apply(n)) => state.apply(&n.metadata),
+            Ok(Event::Delete(n)) => state.delete(n.metadata.name.as_deref().unwrap_or_default()),
+            Ok(Event::InitDone) => {
+                if state.relist_done() {
+                    info!(
+                        cluster = "upper",
+                        watch = "nodes",
+                        "upper node watch listed again"
+                    );
+                }
+            }
+            Err(error) => {
+                let error = describe(&error);
+                warn!(
+                    cluster = "upper", watch = "nodes", %error,
+                    "upper node watch failed: prioritize uses the last known labels until it lists again"
+                );
+                state.failed(error);
+            }
+        }
+    }
 }
 
 /// What folding an event did that reaches beyond the cluster's state.

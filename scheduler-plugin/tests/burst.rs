@@ -60,7 +60,7 @@ async fn a_burst_goes_below_only_as_far_as_the_lower_nodes_take_it() {
     let binary = tokio::task::spawn_blocking(virtual_node_binary);
     let pair = ClusterPair::start(options).await.unwrap();
     let binary = binary.await.unwrap();
-    let served = ServedExtender::start(pair.lower_kubeconfig().to_owned(), port).await;
+    let served = ServedExtender::start(&pair, pair.lower_kubeconfig().to_owned(), port).await;
     let upper = pair.upper.client().await.unwrap();
     let lower = pair.lower.client().await.unwrap();
     let _vn = start_virtual_node(&pair, &binary, &upper).await;

@@ -38,7 +38,7 @@ async fn upper_scheduler_sees_what_really_fits_below() {
     let binary = binary.await.unwrap();
 
     // The extender, in process, on the port the upper scheduler calls.
-    let served = ServedExtender::start(pair.lower_kubeconfig().to_owned(), port).await;
+    let served = ServedExtender::start(&pair, pair.lower_kubeconfig().to_owned(), port).await;
     let app = served.app.clone();
     assert_eq!(http(port, "GET", "/readyz", "").await.0, 200);
 
@@ -146,8 +146,9 @@ async fn upper_scheduler_sees_what_really_fits_below() {
     let (status, body) = http(port, "POST", "/prioritize", &request).await;
     assert_eq!(status, 200, "{body}");
     let scores: serde_json::Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(scores[1], json!({"Host": "upper-node-0", "Score": 0}));
-    assert!(scores[0]["Score"].as_i64().unwrap() > 0, "{body}");
+    // Local first: the regular node scores the most, the virtual node (priority 0) next.
+    assert_eq!(scores[1], json!({"Host": "upper-node-0", "Score": 10}));
+    assert_eq!(scores[0], json!({"Host": VK, "Score": 9}), "{body}");
     let (status, metrics) = http(port, "GET", "/metrics", "").await;
     assert_eq!(status, 200);
     assert!(

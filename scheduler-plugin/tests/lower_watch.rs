@@ -23,7 +23,7 @@ async fn a_failing_lower_watch_fails_the_virtual_node_until_it_relists() {
         .write_kubeconfig(&dir.path().join("lower-through-proxy"))
         .unwrap();
     let port = free_port().unwrap();
-    let served = ServedExtender::start(kubeconfig, port).await;
+    let served = ServedExtender::start(pair, kubeconfig, port).await;
     let extender = &served.app.extender;
     let probe = cpu_pod("probe", "1", json!({}));
     let judge = || extender.filter(&args(&probe, &[VK])).0;

@@ -54,6 +54,7 @@ async fn a_pod_only_member_b_can_take_is_filtered_off_member_a() {
     let binary = binary.await.unwrap();
 
     let _served = ServedExtender::start_clusters(
+        &pair,
         &[
             (A.to_owned(), pair.lower_kubeconfig().to_owned()),
             (B.to_owned(), b.kubeconfig.clone()),

@@ -45,7 +45,7 @@ async fn preemption_happens_on_regular_nodes_never_for_the_virtual_node() {
     let binary = tokio::task::spawn_blocking(virtual_node_binary);
     let pair = ClusterPair::start(options).await.unwrap();
     let binary = binary.await.unwrap();
-    let served = ServedExtender::start(pair.lower_kubeconfig().to_owned(), port).await;
+    let served = ServedExtender::start(&pair, pair.lower_kubeconfig().to_owned(), port).await;
     let upper = pair.upper.client().await.unwrap();
     let _vn = start_virtual_node(&pair, &binary, &upper).await;
 

@@ -92,6 +92,17 @@ pub struct ServeArgs {
     #[arg(long, value_delimiter = ',', default_value = "kube-system")]
     pub excluded_namespaces: Vec<String>,
 
+    /// Namespaces whose pods burst eagerly (comma-separated): the webhook annotates them
+    /// `tensile.dev/burst: eager`, and they do not get the preference for regular nodes.
+    #[arg(long, value_delimiter = ',')]
+    pub eager_namespaces: Vec<String>,
+
+    /// Add a preferred node-affinity term for nodes without `type=virtual-kubelet` (weight
+    /// 100) to mutated pods that are not eager: local first where kube-scheduler does not
+    /// call the scheduler extender.
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = true, default_missing_value = "true")]
+    pub prefer_regular_nodes: bool,
+
     /// Add a toleration of the virtual node's taint to mutated pods.
     #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = true, default_missing_value = "true")]
     pub virtual_node_toleration: bool,
@@ -191,6 +202,8 @@ mod tests {
         assert_eq!(cli.serve.ignore_selector_keys, ["clusterID", "zone"]);
         assert!(cli.serve.virtual_node_toleration);
         assert_eq!(cli.serve.excluded_namespaces, ["kube-system"]);
+        assert!(cli.serve.eager_namespaces.is_empty());
+        assert!(cli.serve.prefer_regular_nodes);
 
         let cli =
             Cli::try_parse_from(["tensile-webhook", "--virtual-node-toleration=false"]).unwrap();

@@ -92,6 +92,8 @@ async fn serve(args: ServeArgs) -> Result<(), String> {
         config: MutateConfig {
             ignore_selector_keys: nonempty(&args.ignore_selector_keys),
             excluded_namespaces: nonempty(&args.excluded_namespaces),
+            eager_namespaces: nonempty(&args.eager_namespaces),
+            prefer_regular_nodes: args.prefer_regular_nodes,
             virtual_node_toleration: args
                 .virtual_node_toleration
                 .then(|| virtual_node_toleration(&args.taint_key, &args.taint_effect)),

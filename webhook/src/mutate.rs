@@ -8,7 +8,10 @@ use json_patch::jsonptr::PointerBuf;
 use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation};
 #[cfg(test)]
 use k8s_openapi::api::core::v1::PodSpec;
-use k8s_openapi::api::core::v1::{Affinity, Pod, Toleration};
+use k8s_openapi::api::core::v1::{
+    Affinity, NodeAffinity, NodeSelectorRequirement, NodeSelectorTerm, Pod,
+    PreferredSchedulingTerm, Toleration,
+};
 use serde::Deserialize;
 use serde_json::Value;
 use tensile::translate::meta::{
@@ -28,6 +31,14 @@ pub const UNSCHEDULABLE_NODE_ANNOTATION: &str = "unschedulable-node";
 pub use tensile::translate::meta::VIRTUAL_NODE_TAINT_KEY;
 /// Node label matched to keep a descheduled pod's sibling off the node it left.
 pub use tensile::translate::volume::HOSTNAME_LABEL;
+/// Pod annotation: `eager` lets the pod burst as soon as a virtual node scores best by
+/// room, instead of only what regular nodes cannot take (the scheduler extender reads it).
+pub const BURST_ANNOTATION: &str = "tensile.dev/burst";
+/// The value of [`BURST_ANNOTATION`] that opts into eager bursting.
+pub const BURST_EAGER: &str = "eager";
+/// Weight of the preference for regular nodes that the webhook adds to pods it lets burst
+/// (the most a preferred term may weigh).
+pub const LOCAL_FIRST_WEIGHT: i32 = 100;
 const NOT_READY: &str = "node.kubernetes.io/not-ready";
 const UNREACHABLE: &str = "node.kubernetes.io/unreachable";
 
@@ -39,6 +50,11 @@ pub struct MutateConfig {
     pub ignore_selector_keys: BTreeSet<String>,
     /// Namespaces whose pods are never mutated (default `kube-system`).
     pub excluded_namespaces: BTreeSet<String>,
+    /// Namespaces whose pods burst eagerly (`--eager-namespaces`): annotated
+    /// `tensile.dev/burst: eager`, and not given the preference for regular nodes.
+    pub eager_namespaces: BTreeSet<String>,
+    /// Add [`local_first_term`] to pods that are not eager (`--prefer-regular-nodes`).
+    pub prefer_regular_nodes: bool,
     /// Toleration added to the upper pod so it can land on a virtual node; `None` adds none.
     pub virtual_node_toleration: Option<Toleration>,
 }
@@ -48,6 +64,8 @@ impl Default for MutateConfig {
         Self {
             ignore_selector_keys: BTreeSet::from(["clusterID".to_owned()]),
             excluded_namespaces: BTreeSet::from(["kube-system".to_owned()]),
+            eager_namespaces: BTreeSet::new(),
+            prefer_regular_nodes: true,
             virtual_node_toleration: Some(virtual_node_toleration(
                 VIRTUAL_NODE_TAINT_KEY,
                 VIRTUAL_NODE_TAINT_EFFECT,
@@ -63,6 +81,38 @@ pub fn virtual_node_toleration(key: &str, effect: &str) -> Toleration {
         operator: Some("Exists".to_owned()),
         effect: (!effect.is_empty()).then(|| effect.to_owned()),
         ..Toleration::default()
+    }
+}
+
+/// The preferred node-affinity term that keeps a pod on regular nodes while they have
+/// room (`type NotIn [virtual-kubelet]`, weight 100): local first for clusters whose
+/// kube-scheduler does not call the scheduler extender.
+pub fn local_first_term() -> PreferredSchedulingTerm {
+    PreferredSchedulingTerm {
+        weight: LOCAL_FIRST_WEIGHT,
+        preference: NodeSelectorTerm {
+            match_expressions: Some(vec![NodeSelectorRequirement {
+                key: "type".to_owned(),
+                operator: "NotIn".to_owned(),
+                values: Some(vec!["virtual-kubelet".to_owned()]),
+            }]),
+            match_fields: None,
+        },
+    }
+}
+
+/// Adds [`local_first_term`] to the pod's preferred node affinity, unless already there.
+fn prefer_regular_nodes(spec: &mut k8s_openapi::api::core::v1::PodSpec) {
+    let term = local_first_term();
+    let preferred = spec
+        .affinity
+        .get_or_insert_with(Affinity::default)
+        .node_affinity
+        .get_or_insert_with(NodeAffinity::default)
+        .preferred_during_scheduling_ignored_during_execution
+        .get_or_insert_with(Vec::new);
+    if !preferred.contains(&term) {
+        preferred.push(term);
     }
 }
 
@@ -228,6 +278,11 @@ pub fn admit(
         Ok(stash) => stash.is_some(),
         Err(error) => return unreadable(request, CLUSTER_SELECTOR_ANNOTATION, &error),
     };
+    let annotated_eager = annotations
+        .and_then(|a| a.get(BURST_ANNOTATION))
+        .map(|v| v.trim())
+        == Some(BURST_EAGER);
+    let namespace_eager = config.eager_namespaces.contains(&namespace);
     let old = pod.spec.unwrap_or_default();
     let mut new = old.clone();
 
@@ -259,7 +314,16 @@ pub fn admit(
         }
     }
 
+    // After the stash: the preference is for the upper cluster's nodes only (the lower
+    // copy keeps preferred terms, where it means local first again, or nothing).
+    if config.prefer_regular_nodes && !(annotated_eager || namespace_eager) {
+        prefer_regular_nodes(&mut new);
+    }
+
     let mut patch = PatchBuilder::new(object);
+    if namespace_eager && !annotated_eager {
+        patch.set_annotation(BURST_ANNOTATION, BURST_EAGER.to_owned());
+    }
     if let Some(stash) = &stash {
         match serde_json::to_string(stash) {
             Ok(json) => patch.set_annotation(CLUSTER_SELECTOR_ANNOTATION, json),
@@ -456,6 +520,26 @@ impl<'a> PatchBuilder<'a> {
     }
 
     fn set_annotation(&mut self, key: &str, value: String) {
+        // A map this patch already adds takes the key: a second add would replace it.
+        let annotations = PointerBuf::from_tokens(["metadata", "annotations"]);
+        let metadata = PointerBuf::from_tokens(["metadata"]);
+        for op in &mut self.ops {
+            if let PatchOperation::Add(add) = op {
+                let map = if add.path == annotations {
+                    add.value.as_object_mut()
+                } else if add.path == metadata {
+                    add.value
+                        .get_mut("annotations")
+                        .and_then(Value::as_object_mut)
+                } else {
+                    None
+                };
+                if let Some(map) = map {
+                    map.insert(key.to_owned(), Value::String(value));
+                    return;
+                }
+            }
+        }
         if self.is_object(&["metadata", "annotations"]) {
             self.add(&["metadata", "annotations", key], Value::String(value));
         } else if self.is_object(&["metadata"]) {

@@ -77,9 +77,14 @@ struct Env {
 }
 
 impl Env {
+    /// The default configuration less the preference for regular nodes, which
+    /// `local_first_*` tests cover: the other tests' expectations stay about their subject.
     fn new() -> Self {
         Self {
-            config: MutateConfig::default(),
+            config: MutateConfig {
+                prefer_regular_nodes: false,
+                ..MutateConfig::default()
+            },
             memory: DeschedulerMemory::default(),
             volumes: BTreeMap::new(),
             now: Instant::now(),
@@ -651,4 +656,135 @@ fn merges_into_an_existing_hostname_not_in() {
              "matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn", "values": ["vk-a", "vk-b"]}]},
         ]}}})
     );
+}
+
+/// Local first without the extender: pods the webhook lets burst prefer regular nodes
+/// (weight 100); eager ones (annotated, or in an `--eager-namespaces` namespace, which
+/// gets the annotation) do not. The preference is added after the stash, so it is not in
+/// `clusterSelector`.
+#[test]
+fn local_first_unless_eager() {
+    let term = serde_json::to_value(local_first_term()).unwrap();
+    assert_eq!(
+        term,
+        json!({"weight": 100, "preference": {"matchExpressions": [
+            {"key": "type", "operator": "NotIn", "values": ["virtual-kubelet"]}]}})
+    );
+    let other = json!({"weight": 5, "preference": {"matchExpressions": [
+        {"key": "disk", "operator": "In", "values": ["ssd"]}]}});
+    let required = json!({"nodeSelectorTerms": [{"matchExpressions": [
+        {"key": "zone", "operator": "In", "values": ["a"]}]}]});
+    let mut env = Env::new();
+    env.config.prefer_regular_nodes = true;
+    env.config.eager_namespaces = BTreeSet::from(["eager-ns".to_owned()]);
+    let in_namespace = |namespace: &str, spec: Value| {
+        let mut pod = labelled(with_spec(spec));
+        pod["metadata"]["namespace"] = json!(namespace);
+        pod
+    };
+    let annotated = {
+        let mut pod = labelled(with_spec(json!({})));
+        pod["metadata"]["annotations"] = json!({"tensile.dev/burst": "eager"});
+        pod
+    };
+    let preferred = |pod: &Value| {
+        pod["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+            .clone()
+    };
+    // (case, pod, expected preferred terms, expected burst annotation)
+    let cases = [
+        (
+            "a plain pod gets the term",
+            labelled(with_spec(json!({}))),
+            json!([term]),
+            None,
+        ),
+        (
+            "after its own preferred terms; its required affinity is stashed",
+            labelled(with_spec(json!({"affinity": {"nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": required,
+                "preferredDuringSchedulingIgnoredDuringExecution": [other]}}}))),
+            json!([other, term]),
+            None,
+        ),
+        (
+            "not twice",
+            labelled(with_spec(json!({"affinity": {"nodeAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [term]}}}))),
+            json!([term]),
+            None,
+        ),
+        (
+            "an annotated eager pod does not",
+            annotated,
+            Value::Null,
+            Some("eager"),
+        ),
+        (
+            "a pod in an eager namespace does not, and is annotated",
+            in_namespace("eager-ns", json!({})),
+            Value::Null,
+            Some("eager"),
+        ),
+        (
+            "an eager namespace's pod keeps its other annotations",
+            {
+                let mut pod = in_namespace("eager-ns", json!({"nodeSelector": {"zone": "a"}}));
+                pod["metadata"]["annotations"] = json!({"note": "x"});
+                pod
+            },
+            Value::Null,
+            Some("eager"),
+        ),
+    ];
+    for (name, object, want_preferred, want_annotation) in cases {
+        let (outcome, pod) = env.create(&object);
+        assert_eq!(outcome.decision, Decision::Mutated, "{name}");
+        assert_eq!(preferred(&pod), want_preferred, "{name}");
+        assert_eq!(
+            pod["metadata"]["annotations"]["tensile.dev/burst"].as_str(),
+            want_annotation,
+            "{name}"
+        );
+        let stash = stash_of(&pod).unwrap();
+        assert!(
+            !stash.to_string().contains("virtual-kubelet"),
+            "{name}: the preference is not stashed: {stash}"
+        );
+        if name.contains("stashed") {
+            assert_eq!(
+                stash["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"],
+                required,
+                "{name}"
+            );
+        }
+        if name.contains("other annotations") {
+            assert_eq!(pod["metadata"]["annotations"]["note"], "x", "{name}");
+            assert!(
+                pod["metadata"]["annotations"][CLUSTER_SELECTOR_ANNOTATION].is_string(),
+                "{name}"
+            );
+        }
+    }
+}
+
+/// The lower copy: virtual-node restores the stashed constraints and keeps preferred
+/// node affinity, so the preference reaches the lower cluster, where it means local first
+/// again (or nothing, where no lower node is virtual).
+#[test]
+fn the_translation_keeps_the_preference_below() {
+    let mut env = Env::new();
+    env.config.prefer_regular_nodes = true;
+    let (_, pod) = env.create(&labelled(with_spec(json!({}))));
+    let pod: Pod = serde_json::from_value(pod).unwrap();
+    let mut spec = pod.spec.clone().unwrap();
+    let stash =
+        tensile::translate::scheduling::parse_cluster_selector(pod.metadata.annotations.as_ref())
+            .unwrap();
+    tensile::translate::scheduling::restore_constraints(&mut spec, stash.as_ref());
+    let preferred = spec
+        .affinity
+        .and_then(|a| a.node_affinity)
+        .and_then(|n| n.preferred_during_scheduling_ignored_during_execution);
+    assert_eq!(preferred, Some(vec![local_first_term()]));
 }

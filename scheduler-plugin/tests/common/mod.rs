@@ -71,15 +71,11 @@ pub fn virtual_node_binary() -> PathBuf {
 /// The `extenders` entry of a KubeSchedulerConfiguration calling the extender on `port`,
 /// as `deploy/scheduler-extender/kube-scheduler-config.yaml` configures it.
 pub fn scheduler_extenders(port: u16) -> Value {
-    json!([{
-        "urlPrefix": format!("http://127.0.0.1:{port}"),
-        "filterVerb": "filter",
-        "prioritizeVerb": "prioritize",
-        "weight": 1,
-        "nodeCacheCapable": true,
-        "enableHTTPS": false,
-        "ignorable": false,
-    }])
+    tensile_harness::scheduler_extender::shipped_scheduler_config(&format!(
+        "http://127.0.0.1:{port}"
+    ))
+    .unwrap()["extenders"]
+        .clone()
 }
 
 /// The extender served in process.
@@ -96,17 +92,28 @@ pub struct ServedExtender {
 impl ServedExtender {
     /// Serves the extender of `VK` over the lower cluster of `lower_kubeconfig` on `port`
     /// and waits until its caches have synced.
-    pub async fn start(lower_kubeconfig: PathBuf, port: u16) -> Self {
-        Self::start_clusters(&[(VK.to_owned(), lower_kubeconfig)], port).await
+    pub async fn start(pair: &ClusterPair, lower_kubeconfig: PathBuf, port: u16) -> Self {
+        Self::start_clusters(pair, &[(VK.to_owned(), lower_kubeconfig)], port).await
     }
 
     /// Serves the extender of every (virtual node, lower kubeconfig) of `clusters` on
-    /// `port` and waits until its caches have synced.
-    pub async fn start_clusters(clusters: &[(String, PathBuf)], port: u16) -> Self {
+    /// `port`, with `pair`'s upper Node labels, and waits until its caches have synced.
+    pub async fn start_clusters(
+        pair: &ClusterPair,
+        clusters: &[(String, PathBuf)],
+        port: u16,
+    ) -> Self {
         let shutdown = CancellationToken::new();
         let (extender, watches) = watch::connect(clusters, Extender::default(), shutdown.clone())
             .await
             .unwrap();
+        let upper = watch::upper_client(Some(pair.upper_kubeconfig()))
+            .await
+            .unwrap();
+        let upper_nodes = watch::run_upper(upper, extender.upper.clone(), shutdown.clone());
+        let watches = async move {
+            futures::join!(watches, upper_nodes);
+        };
         let app = Arc::new(App {
             extender,
             metrics: Metrics::default(),

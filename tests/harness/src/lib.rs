@@ -28,6 +28,7 @@ pub mod ports;
 pub mod process;
 pub mod rbac;
 pub mod real_node;
+pub mod scheduler_extender;
 pub mod virtual_node;
 pub mod wait;
 

@@ -236,6 +236,14 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
     };
     options.lower.nodes = shape.lower_nodes;
     options.upper.nodes = shape.upper_nodes;
+    // The upper kube-scheduler calls the scheduler extender as the README tells users to
+    // configure it (deploy/scheduler-extender/kube-scheduler-config.yaml): local first.
+    let extender_port = tensile_harness::ports::free_port()?;
+    options.upper.scheduler_config.extend(
+        tensile_harness::scheduler_extender::shipped_scheduler_config(&format!(
+            "http://127.0.0.1:{extender_port}"
+        ))?,
+    );
     // metrics-server in every cluster: `kubectl top` upstairs reads the virtual nodes.
     options.upper.metrics = true;
     options.lower.metrics = true;
@@ -289,6 +297,24 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
                 .collect()
         })
         .unwrap_or_default();
+    // Before any pod: the upper kube-scheduler waits for the extender (ignorable: false).
+    let extender = if members.is_empty() {
+        None
+    } else {
+        eprintln!("starting the scheduler extender on 127.0.0.1:{extender_port} ...");
+        let clusters: Vec<(String, &Path)> = members
+            .iter()
+            .map(|(node, cluster)| (node.clone(), cluster.kubeconfig.as_path()))
+            .collect();
+        let program = std::env::current_exe()?.with_file_name("tensile-scheduler-extender");
+        Some(tokio::select! {
+            started = tensile_harness::scheduler_extender::start_extender(
+                &pair, &program, "scheduler-extender", extender_port, &clusters,
+            ) => started?,
+            _ = sigterm.recv() => bail!("interrupted while starting"),
+            _ = sigint.recv() => bail!("interrupted while starting"),
+        })
+    };
     let virtual_node = if members.is_empty() {
         None
     } else {
@@ -316,6 +342,7 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
     eprintln!("stopping ...");
     let _ = std::fs::remove_file(dir.join(READY_FILE));
     drop(real_node);
+    drop(extender);
     for cluster in &extra_clusters {
         cluster.stop();
     }
