@@ -422,8 +422,10 @@ async fn run_member(
                     lower.heartbeat.clone(),
                     node_config,
                     args.enable_node_lease,
-                    capacity_rx,
-                    spec.bursting.subscribe(),
+                    node::Offer {
+                        capacity: capacity_rx,
+                        bursting: spec.bursting.subscribe(),
+                    },
                     node,
                     shutdown.clone(),
                 ),

@@ -538,6 +538,53 @@ mod tests {
         }
     }
 
+    #[test]
+    fn burst_priority_and_share_read_from_their_annotations() {
+        let config: &[u8] = b"apiVersion: v1\nkind: Config\n";
+        // (case, annotations, priority and cpu cap, or the error)
+        type Want = Result<(u32, Option<i128>), &'static str>;
+        type Case = (&'static str, Vec<(&'static str, &'static str)>, Want);
+        let cases: [Case; 5] = [
+            ("defaults", vec![], Ok((0, None))),
+            (
+                "both",
+                vec![
+                    (BURST_PRIORITY_ANNOTATION, "2"),
+                    (SHARE_ANNOTATION, "cpu=64,nvidia.com/gpu=4"),
+                ],
+                Ok((2, Some(64_000))),
+            ),
+            (
+                "negative priority",
+                vec![(BURST_PRIORITY_ANNOTATION, "-1")],
+                Err("annotation tensile.dev/burst-priority=\"-1\": must be a whole number"),
+            ),
+            (
+                "priority too high",
+                vec![(BURST_PRIORITY_ANNOTATION, "2000000")],
+                Err("tensile.dev/burst-priority=\"2000000\": must be at most 1000000"),
+            ),
+            (
+                "bad share",
+                vec![(SHARE_ANNOTATION, "cpu:4")],
+                Err("annotation tensile.dev/share=\"cpu:4\""),
+            ),
+        ];
+        for (case, annotations, want) in cases {
+            let got = read(&secret("lower-a", &annotations, Some(config)), &defaults());
+            match (got, want) {
+                (Ok(got), Ok((priority, cpu))) => {
+                    assert_eq!(got.bursting.priority, priority, "{case}");
+                    assert_eq!(got.bursting.share.caps().get("cpu").copied(), cpu, "{case}");
+                }
+                (Err(error), Err(needle)) => {
+                    assert!(error.to_string().contains(needle), "{case}: {error}");
+                }
+                (got, want) => panic!("{case}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
+
     /// A kubeconfig of one cluster and one user, with `cluster` and `user` as the fields
     /// of each (YAML flow mappings).
     fn kubeconfig(cluster: &str, user: &str) -> String {

@@ -152,7 +152,8 @@ mod tests {
 
     #[test]
     fn shares_parse() {
-        let cases: [(&str, Result<&[(&str, i128)], &str>); 9] = [
+        type Want = Result<&'static [(&'static str, i128)], &'static str>;
+        let cases: [(&str, Want); 9] = [
             ("", Ok(&[])),
             ("none", Ok(&[])),
             (
@@ -194,7 +195,8 @@ mod tests {
     #[test]
     fn a_share_caps_what_the_node_offers() {
         // (case, share, lower room, offered)
-        let cases: [(&str, &str, &[(&str, &str)], &[(&str, &str)]); 6] = [
+        type Pairs = &'static [(&'static str, &'static str)];
+        let cases: [(&str, &str, Pairs, Pairs); 6] = [
             (
                 "no share",
                 "",

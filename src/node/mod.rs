@@ -394,6 +394,15 @@ impl Beat {
     }
 }
 
+/// What the node offers, as it changes: the lower cluster's room and the member's share
+/// (with its burst priority, the node's label).
+pub struct Offer {
+    /// The lower capacity; `None` until known.
+    pub capacity: watch::Receiver<Option<BTreeMap<String, Quantity>>>,
+    /// The member's burst priority and share.
+    pub bursting: watch::Receiver<Burst>,
+}
+
 /// Keeps the node alive: renews the Lease every [`LEASE_RENEW`] while the lower API server
 /// answers (so the node goes NotReady through the lease path when it does not, and Ready
 /// again when it returns), and rewrites the status when capacity changes, after an outage,
@@ -405,11 +414,14 @@ pub async fn keep_alive(
     lower: HeartbeatClients,
     config: NodeConfig,
     use_lease: bool,
-    mut capacity: watch::Receiver<Option<BTreeMap<String, Quantity>>>,
-    mut bursting: watch::Receiver<Burst>,
+    offer: Offer,
     mut last: Node,
     shutdown: CancellationToken,
 ) {
+    let Offer {
+        mut capacity,
+        mut bursting,
+    } = offer;
     let mut upper = Beat::new(upper, &config.name);
     let mut lower = Beat::new(lower, &config.name);
     let mut tick = tokio::time::interval(LEASE_RENEW);
