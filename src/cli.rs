@@ -182,6 +182,18 @@ pub struct Args {
     #[arg(long, env = "KUBELET_PORT", default_value_t = 10250)]
     pub kubelet_port: u16,
 
+    /// The node's burst priority (label `tensile.dev/burst-priority`): virtual nodes fill
+    /// lowest first, and their pods leave highest first on scale-in. Member Secrets set
+    /// theirs with the annotation of that name.
+    #[arg(long, value_parser = crate::node::burst::parse_priority, default_value_t = 0)]
+    pub burst_priority: u32,
+
+    /// Caps on what the node offers, `resource=quantity,...` (`cpu=64,memory=256Gi,
+    /// pods=500,nvidia.com/gpu=4`); resources not named are not capped. Member Secrets set
+    /// theirs with the annotation `tensile.dev/share`.
+    #[arg(long, value_parser = crate::node::burst::parse_share, default_value = "")]
+    pub share: crate::node::burst::Share,
+
     /// The node's InternalIP (default: the first non-loopback address, else 127.0.0.1).
     #[arg(long, env = "VKUBELET_POD_IP")]
     pub node_ip: Option<String>,

@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::ObjectReference;
 use kube::runtime::events::{Event, EventType, Recorder};
 use kube::{Client, Resource};
+use tokio::sync::watch;
 
 use self::failure_backoff::FailureBackoff;
 use self::presence::PresenceCache;
@@ -37,6 +38,7 @@ use self::references::References;
 use self::write_budget::{Admission, LONGEST_DELAY, QUIET, WriteBudget};
 use crate::lower_view::NamespaceView;
 use crate::metrics::Metrics;
+use crate::node::burst::Burst;
 use crate::side::Side;
 use crate::translate::TranslateError;
 use crate::translate::meta::Owner;
@@ -188,6 +190,11 @@ pub struct Context {
     /// With `--lower-namespace` other than `same`, the mapping the lower client speaks
     /// through; `None` without.
     pub namespaces: Option<Arc<NamespaceView>>,
+    /// The member's burst priority and share, as they change.
+    pub bursting: watch::Receiver<Burst>,
+    /// Whether the virtual node is cordoned (`spec.unschedulable`), as it changes: nothing
+    /// new is created below while it is.
+    pub cordoned: watch::Receiver<bool>,
 }
 
 impl Context {
@@ -219,7 +226,20 @@ impl Context {
             upper_watches: None,
             tokens: None,
             namespaces: None,
+            bursting: watch::channel(Burst::default()).1,
+            cordoned: watch::channel(false).1,
         }
+    }
+
+    /// The same context, following the member's burst settings and its node's cordon.
+    pub fn bursting(
+        mut self,
+        bursting: watch::Receiver<Burst>,
+        cordoned: watch::Receiver<bool>,
+    ) -> Self {
+        self.bursting = bursting;
+        self.cordoned = cordoned;
+        self
     }
 
     /// The same context, its lower client speaking through the namespace mapping `view`.

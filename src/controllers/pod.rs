@@ -15,11 +15,17 @@ use kube::runtime::reflector::ObjectRef;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
 
+use futures::StreamExt;
+use tokio::sync::watch;
+
 use super::pod_store::PodStore;
 use super::pod_watch::{PodQueue, PodStores, Triggers, run_controller};
 use super::stores::Ready;
 use super::{Context, Error, api_error, dependencies};
 use crate::api::{Deleted, delete_exact, is_status};
+use crate::node::burst::{
+    Burst, DELETION_COST_ANNOTATION, DELETION_COST_MARK, deletion_cost_to_write,
+};
 use crate::side::Side;
 use crate::translate::meta::Owner;
 use crate::translate::pod::{
@@ -30,6 +36,9 @@ use crate::translate::pod::{
 };
 use crate::translate::stored::StoredPod;
 use crate::translate::{TranslateError, object_ref};
+
+/// Reason of the Event on an upper pod held back because its node is cordoned.
+pub const NODE_CORDONED: &str = "NodeCordoned";
 
 /// Reason on an upper pod whose lower pod disappeared.
 pub const LOWER_POD_GONE: &str = "LowerPodGone";
@@ -275,6 +284,16 @@ pub async fn run(
         synced: stores.synced,
     });
     let queue = PodQueue::measured(&pod_ctx.ctx.metrics, &pod_ctx.ctx.owner.node, "pod queue");
+    // An uncordon, or a new burst priority, concerns every pod: each is looked at again.
+    let every_pod = wake_every_pod(
+        pod_ctx.ctx.cordoned.clone(),
+        pod_ctx.ctx.bursting.clone(),
+        pod_ctx.upper_pods.clone(),
+    );
+    let triggers = Triggers {
+        upper: futures::stream::select(triggers.upper, every_pod).boxed(),
+        lower: triggers.lower,
+    };
     run_controller(
         triggers,
         stores.upper,
@@ -295,6 +314,98 @@ pub async fn run(
     .await;
 }
 
+/// Every pod of `upper` each time the node is uncordoned or its burst priority changes.
+fn wake_every_pod(
+    cordoned: watch::Receiver<bool>,
+    bursting: watch::Receiver<Burst>,
+    upper: PodStore,
+) -> impl futures::Stream<Item = Arc<StoredPod>> + Send + 'static {
+    let priority = bursting.borrow().priority;
+    let state = (cordoned, priority, bursting, true, true);
+    let changes = futures::stream::unfold(state, |mut state| async move {
+        loop {
+            let (cordoned, priority, bursting, cordon_open, bursting_open) = &mut state;
+            if !*cordon_open && !*bursting_open {
+                return None;
+            }
+            tokio::select! {
+                changed = cordoned.changed(), if *cordon_open => {
+                    *cordon_open = changed.is_ok();
+                    if changed.is_ok() && !*cordoned.borrow_and_update() {
+                        return Some(((), state));
+                    }
+                }
+                changed = bursting.changed(), if *bursting_open => {
+                    *bursting_open = changed.is_ok();
+                    let now = bursting.borrow_and_update().priority;
+                    if changed.is_ok() && now != *priority {
+                        *priority = now;
+                        return Some(((), state));
+                    }
+                }
+            }
+        }
+    });
+    changes.flat_map(move |()| futures::stream::iter(upper.state()))
+}
+
+/// The deletion cost virtual-node writes on `upper` (one of its pods) at `priority`, if
+/// one is to be written ([`deletion_cost_to_write`]): none on a pod being deleted.
+fn deletion_cost_due(upper: &StoredPod, priority: u32) -> Option<i32> {
+    if upper.meta.deletion_timestamp.is_some() {
+        return None;
+    }
+    deletion_cost_to_write(
+        upper.annotation(DELETION_COST_ANNOTATION),
+        upper.annotation(DELETION_COST_MARK),
+        priority,
+    )
+}
+
+/// Writes deletion cost `cost` on the upper pod `stored`, marked as virtual-node's, only
+/// while the pod of that name is `stored` (by UID).
+async fn write_deletion_cost(stored: &StoredPod, cost: i32, ctx: &Context) -> Result<(), Error> {
+    let key = stored.meta.key();
+    let api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &stored.meta.namespace);
+    let cost = cost.to_string();
+    let patch = serde_json::json!({"metadata": {
+        "uid": stored.meta.uid.as_deref(),
+        "annotations": { DELETION_COST_ANNOTATION: cost, DELETION_COST_MARK: cost },
+    }});
+    match api
+        .patch(
+            &stored.meta.name,
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await
+    {
+        Ok(_) => {
+            debug!(object = %key, kind = "Pod", cluster = "upper", cost, "wrote the pod deletion cost");
+            Ok(())
+        }
+        Err(e) if is_replaced(&e) => Ok(()),
+        Err(e) => Err(api_error(
+            Side::Upper,
+            "writing the deletion cost of",
+            "Pod",
+            &key,
+        )(e)),
+    }
+}
+
+/// Holds back the lower copy of `upper` while the node is cordoned: said in an Event on
+/// the pod (it stays Pending; an uncordon wakes it).
+async fn hold_while_cordoned(upper: &Pod, ctx: &Context, key: &str) {
+    info!(object = %key, kind = "Pod", cluster = "upper", "node cordoned: not creating the lower pod");
+    let note = format!(
+        "virtual node {} is cordoned (spec.unschedulable): the pod is not created in the \
+         lower cluster until the node is uncordoned",
+        ctx.owner.node
+    );
+    ctx.warn_on(upper, NODE_CORDONED, note).await;
+}
+
 /// Reconciles one upper pod; a failure is reported (Event, metric) and retried with backoff.
 /// A pod last found in step with its lower copy, neither changed since, is passed over.
 async fn reconcile(stored: &StoredPod, pc: &PodContext) -> Result<(), Error> {
@@ -304,6 +415,11 @@ async fn reconcile(stored: &StoredPod, pc: &PodContext) -> Result<(), Error> {
         pc.synced.wait().await?;
         let ctx = &pc.ctx;
         ctx.metrics.reconciles.inc();
+        let priority = ctx.bursting.borrow().priority;
+        if let Some(cost) = deletion_cost_due(stored, priority) {
+            // Its watch event brings the pod back, marked, for the rest.
+            return write_deletion_cost(stored, cost, ctx).await;
+        }
         let lower = pc.lower_pods.get(&stored.meta.namespace, &stored.meta.name);
         if lower
             .as_deref()
@@ -381,6 +497,7 @@ async fn reconcile_pod(
                 "deleting a lower pod left by an earlier pod of this name"
             );
         }
+        Step::Create if *ctx.cordoned.borrow() => hold_while_cordoned(upper, ctx, key).await,
         Step::Create => create(upper, pc, &lower_api, key).await?,
         Step::MarkFailed => match reclaim(upper, pc, &lower_api, key).await? {
             Found::Copy | Found::OursInTransit => {}

@@ -161,17 +161,32 @@ pub async fn drain(
     shutdown: &CancellationToken,
 ) -> Result<(), LeaveError> {
     let nodes: Api<Node> = Api::all(upper.clone());
-    match nodes
-        .patch(
-            node,
-            &PatchParams::default(),
-            &Patch::Merge(&json!({"spec": {"unschedulable": true}})),
-        )
+    let cordoned_already = nodes
+        .get_opt(node)
         .await
-    {
-        Ok(_) => info!(%node, cluster = "upper", "member leaving: node cordoned"),
-        Err(error) if is_status(&error, 404) => {}
-        Err(error) => return Err(upper_error("cordoning node", node)(error)),
+        .map_err(upper_error("reading node", node))?
+        .is_none_or(|n| crate::node::resources::node_cordoned(&n));
+    // A user's cordon (or none to make: the Node is gone) is left as it is, unmarked.
+    if !cordoned_already {
+        let cordoned = nodes
+            .patch(
+                node,
+                &PatchParams::default(),
+                // Marked as the leave's: should the member join again before the Node
+                // goes, this cordon (and only this, never a user's) is lifted.
+                &Patch::Merge(&json!({
+                    "metadata": {"annotations": {
+                        crate::node::CORDONED_BY_ANNOTATION: crate::node::CORDONED_BY_LEAVE,
+                    }},
+                    "spec": {"unschedulable": true},
+                })),
+            )
+            .await;
+        match cordoned {
+            Ok(_) => info!(%node, cluster = "upper", "member leaving: node cordoned"),
+            Err(error) if is_status(&error, 404) => {}
+            Err(error) => return Err(upper_error("cordoning node", node)(error)),
+        }
     }
     let pods: Api<Pod> = Api::all(upper.clone());
     let on_node = ListParams::default().fields(&format!("spec.nodeName={node}"));

@@ -300,6 +300,18 @@ impl Membership {
                     // Marked by an older version: the finalizer without the joined name.
                     self.mark(&secret, &member.node).await;
                 }
+                // Burst priority and share are taken in place: no restart.
+                if let Some(running) = self.running.get(&name) {
+                    let bursting = member.bursting;
+                    running.spec.bursting.send_if_modified(|current| {
+                        let changed = *current != bursting;
+                        if changed {
+                            info!(secret = %name, node = %member.node, ?bursting, "member's burst priority or share changed");
+                            *current = bursting;
+                        }
+                        changed
+                    });
+                }
                 continue;
             }
             let spec = match super::member_spec(&member).await {
@@ -798,7 +810,8 @@ fn is_tensile_node(node: &Node) -> bool {
     }
 }
 
-/// What a member was started from: a change to any of it restarts the member.
+/// What a member was started from: a change to any of it restarts the member (burst
+/// priority and share are not in it: they change in place).
 fn fingerprint(member: &MemberSecret) -> u64 {
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     member.node.hash(&mut hasher);
@@ -1005,6 +1018,7 @@ mod tests {
             kubelet_port: 0,
             qps: 1.0,
             burst: 1,
+            bursting: Default::default(),
         }
     }
 

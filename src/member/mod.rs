@@ -28,6 +28,7 @@ use crate::controllers::{self, Context};
 use crate::kubelet_api;
 use crate::lower_view::NamespaceView;
 use crate::metrics::Metrics;
+use crate::node::burst::Burst;
 use crate::node::{self, spec::NodeConfig};
 use crate::shutdown::Tasks;
 use crate::side::Side;
@@ -78,6 +79,9 @@ pub struct MemberSpec {
     pub ignore_labels: Vec<String>,
     /// The kubelet API's port; 0 for any free one (the Node says which).
     pub kubelet_port: u16,
+    /// Burst priority and share, changed in place on a running member (its node's label
+    /// and capacity, its pods' deletion costs follow).
+    pub bursting: Arc<watch::Sender<Burst>>,
 }
 
 impl std::fmt::Debug for MemberSpec {
@@ -89,6 +93,7 @@ impl std::fmt::Debug for MemberSpec {
             .field("taint", &self.taint)
             .field("ignore_labels", &self.ignore_labels)
             .field("kubelet_port", &self.kubelet_port)
+            .field("bursting", &*self.bursting.borrow())
             .finish_non_exhaustive()
     }
 }
@@ -111,6 +116,10 @@ impl MemberSpec {
                 .cloned()
                 .collect(),
             kubelet_port: args.kubelet_port,
+            bursting: Arc::new(watch::Sender::new(Burst {
+                priority: args.burst_priority,
+                share: args.share.clone(),
+            })),
         }
     }
 }
@@ -138,6 +147,7 @@ pub async fn member_spec(member: &spec::MemberSecret) -> Result<MemberSpec, Stri
         taint: member.taint.clone(),
         ignore_labels: member.ignore_labels.clone(),
         kubelet_port: member.kubelet_port,
+        bursting: Arc::new(watch::Sender::new(member.bursting.clone())),
     })
 }
 
@@ -238,12 +248,15 @@ async fn run_member(
         raw_lower,
         lower,
     } = prepared;
+    // Known from the Node once registered (before any controller runs), then watched.
+    let (cordon_tx, cordon_rx) = watch::channel(false);
     let ctx = context(
         &shared,
         &spec,
         owner.clone(),
         &lower,
         namespaces.as_ref().map(|(view, _)| view.clone()),
+        cordon_rx,
     );
     let controllers::pod_watch::PodWatches {
         stores,
@@ -369,18 +382,29 @@ async fn run_member(
     };
 
     let node_config = node_config(&shared, &spec, &lower, kubelet_port);
+    let bursting = spec.bursting.borrow().clone();
     let registered = if shutdown.is_cancelled() {
         None
     } else {
         tokio::select! {
             biased;
             () = shutdown.cancelled() => None,
-            registered = register_node(upper, &node_config, capacity_rx.clone()) => Some(registered),
+            registered = register_node(upper, &node_config, capacity_rx.clone(), &bursting) => Some(registered),
         }
     };
     match registered {
         None => tasks.supervise().await.map_err(|f| f.to_string()),
         Some(Ok(node)) => {
+            cordon_tx.send_replace(node::resources::node_cordoned(&node));
+            tasks.spawn(
+                "cordon watch",
+                node::watch_cordon(
+                    upper.client.clone(),
+                    spec.node.clone(),
+                    cordon_tx,
+                    shutdown.clone(),
+                ),
+            );
             let watched = PodWatched {
                 stores,
                 pods: triggers.0,
@@ -398,7 +422,10 @@ async fn run_member(
                     lower.heartbeat.clone(),
                     node_config,
                     args.enable_node_lease,
-                    capacity_rx,
+                    node::Offer {
+                        capacity: capacity_rx,
+                        bursting: spec.bursting.subscribe(),
+                    },
                     node,
                     shutdown.clone(),
                 ),
@@ -562,6 +589,7 @@ async fn register_node(
     upper: &Cluster,
     config: &NodeConfig,
     mut capacity: watch::Receiver<Capacity>,
+    bursting: &Burst,
 ) -> Result<Node, String> {
     let capacity = capacity
         .wait_for(Option::is_some)
@@ -574,7 +602,8 @@ async fn register_node(
         })?
         .clone()
         .unwrap_or_default();
-    let node = node::register(&upper.client, config, &capacity)
+    let offered = bursting.share.cap(&capacity);
+    let node = node::register(&upper.client, config, &offered, bursting)
         .await
         .map_err(|e| e.to_string())?;
     info!(node = %config.name, "node registered");
@@ -588,6 +617,7 @@ fn context(
     owner: Owner,
     lower: &Cluster,
     namespaces: Option<Arc<NamespaceView>>,
+    cordoned: watch::Receiver<bool>,
 ) -> Arc<Context> {
     let reporter = Reporter {
         controller: "tensile-virtual-node".into(),
@@ -606,6 +636,7 @@ fn context(
         )
         .sharing(shared.upper_watches.clone())
         .viewing(namespaces)
+        .bursting(spec.bursting.subscribe(), cordoned)
         // Checked at start: a bad address never gets this far.
         .with_upper_identity(shared.args.upper_identity().ok().flatten()),
     )

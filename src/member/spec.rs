@@ -15,6 +15,8 @@
 //!     tensile.dev/kubelet-port: "10251"        # optional; default any free port
 //!     tensile.dev/client-qps: "500"            # optional
 //!     tensile.dev/client-burst: "1000"         # optional
+//!     tensile.dev/burst-priority: "1"          # optional; default 0 (fills first)
+//!     tensile.dev/share: "cpu=64,memory=256Gi" # optional; default no cap
 //! data: { kubeconfig: <base64 kubeconfig of the lower cluster> }
 //! ```
 //!
@@ -33,6 +35,7 @@ use k8s_openapi::api::core::v1::{Secret, Taint};
 use kube::config::{AuthInfo, Kubeconfig, KubeconfigError};
 
 use crate::cli::{MIN_QPS, parse_node_name};
+use crate::node::burst::{Burst, parse_priority, parse_share};
 
 /// The label that makes a Secret of `--members-namespace` a member.
 pub const MEMBER_LABEL: &str = "tensile.dev/lower-cluster";
@@ -50,6 +53,12 @@ pub const KUBELET_PORT_ANNOTATION: &str = "tensile.dev/kubelet-port";
 pub const CLIENT_QPS_ANNOTATION: &str = "tensile.dev/client-qps";
 /// Burst to the lower cluster (default: `--client-burst`).
 pub const CLIENT_BURST_ANNOTATION: &str = "tensile.dev/client-burst";
+/// The member's burst priority: virtual nodes fill lowest first, and their pods leave
+/// highest first (default 0). Changed on a running member, it takes effect in place.
+pub const BURST_PRIORITY_ANNOTATION: &str = "tensile.dev/burst-priority";
+/// Caps on what the member's node offers, `resource=quantity,...` (default: none).
+/// Changed on a running member, it takes effect in place.
+pub const SHARE_ANNOTATION: &str = "tensile.dev/share";
 /// Held on a member Secret while its member runs, so deleting the Secret makes the member
 /// leave (drain, clean up below, delete the Node) before the Secret goes, even across a
 /// restart of virtual-node.
@@ -85,6 +94,8 @@ pub struct MemberSecret {
     pub qps: f64,
     /// Burst to the lower cluster.
     pub burst: u32,
+    /// Burst priority and share: the settings a running member takes in place.
+    pub bursting: Burst,
 }
 
 /// Why a member Secret cannot be used; said in an Event on it.
@@ -297,7 +308,18 @@ pub fn read(secret: &Secret, defaults: &Defaults) -> Result<MemberSecret, BadMem
             }
         },
     };
+    let priority = match annotation(BURST_PRIORITY_ANNOTATION) {
+        None => 0,
+        Some(value) => {
+            parse_priority(value).map_err(|why| bad(BURST_PRIORITY_ANNOTATION, value, why))?
+        }
+    };
+    let share = match annotation(SHARE_ANNOTATION) {
+        None => Default::default(),
+        Some(value) => parse_share(value).map_err(|why| bad(SHARE_ANNOTATION, value, why))?,
+    };
     Ok(MemberSecret {
+        bursting: Burst { priority, share },
         node,
         kubeconfig,
         taint,
@@ -507,6 +529,53 @@ mod tests {
                     assert!((got.qps - qps).abs() < f64::EPSILON, "{case}");
                     assert_eq!(got.burst, burst, "{case}");
                     assert_eq!(got.kubeconfig.as_bytes(), config, "{case}");
+                }
+                (Err(error), Err(needle)) => {
+                    assert!(error.to_string().contains(needle), "{case}: {error}");
+                }
+                (got, want) => panic!("{case}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn burst_priority_and_share_read_from_their_annotations() {
+        let config: &[u8] = b"apiVersion: v1\nkind: Config\n";
+        // (case, annotations, priority and cpu cap, or the error)
+        type Want = Result<(u32, Option<i128>), &'static str>;
+        type Case = (&'static str, Vec<(&'static str, &'static str)>, Want);
+        let cases: [Case; 5] = [
+            ("defaults", vec![], Ok((0, None))),
+            (
+                "both",
+                vec![
+                    (BURST_PRIORITY_ANNOTATION, "2"),
+                    (SHARE_ANNOTATION, "cpu=64,nvidia.com/gpu=4"),
+                ],
+                Ok((2, Some(64_000))),
+            ),
+            (
+                "negative priority",
+                vec![(BURST_PRIORITY_ANNOTATION, "-1")],
+                Err("annotation tensile.dev/burst-priority=\"-1\": must be a whole number"),
+            ),
+            (
+                "priority too high",
+                vec![(BURST_PRIORITY_ANNOTATION, "2000000")],
+                Err("tensile.dev/burst-priority=\"2000000\": must be at most 1000000"),
+            ),
+            (
+                "bad share",
+                vec![(SHARE_ANNOTATION, "cpu:4")],
+                Err("annotation tensile.dev/share=\"cpu:4\""),
+            ),
+        ];
+        for (case, annotations, want) in cases {
+            let got = read(&secret("lower-a", &annotations, Some(config)), &defaults());
+            match (got, want) {
+                (Ok(got), Ok((priority, cpu))) => {
+                    assert_eq!(got.bursting.priority, priority, "{case}");
+                    assert_eq!(got.bursting.share.caps().get("cpu").copied(), cpu, "{case}");
                 }
                 (Err(error), Err(needle)) => {
                     assert!(error.to_string().contains(needle), "{case}: {error}");

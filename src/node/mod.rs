@@ -1,6 +1,7 @@
 //! The virtual Node in the upper cluster: registered at start, its capacity kept current
 //! from lower watches, its Lease renewed while the lower cluster answers.
 
+pub mod burst;
 pub mod capacity;
 pub mod quantity;
 pub mod resources;
@@ -18,12 +19,13 @@ use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
-use kube::{Client, Resource};
+use kube::{Client, Resource, ResourceExt};
 use serde_json::json;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use self::burst::{BURST_PRIORITY_LABEL, Burst};
 use self::capacity::{LowerCapacity, PodFeed};
 use self::spec::{NodeConfig, merge_taints, new_node, node_labels, node_status};
 use crate::clusters::{HEARTBEAT_TIMEOUT, HeartbeatClients};
@@ -101,6 +103,7 @@ pub async fn register(
     upper: &Client,
     config: &NodeConfig,
     capacity: &BTreeMap<String, Quantity>,
+    bursting: &Burst,
 ) -> Result<Node, NodeError> {
     let nodes: Api<Node> = Api::all(upper.clone());
     let name = config.name.as_str();
@@ -117,21 +120,37 @@ pub async fn register(
                 cluster = "upper",
                 "registering the virtual node in the upper cluster"
             );
+            let mut node = new_node(config);
+            node.labels_mut()
+                .insert(BURST_PRIORITY_LABEL.into(), bursting.priority.to_string());
             nodes
-                .create(&PostParams::default(), &new_node(config))
+                .create(&PostParams::default(), &node)
                 .await
                 .map_err(upper_error("creating", name))?
         }
         Some(node) => {
             let existing_taints = node.spec.as_ref().and_then(|s| s.taints.as_deref());
-            let labels = node_labels(config);
+            let mut labels = node_labels(config);
+            labels.insert(BURST_PRIORITY_LABEL.into(), bursting.priority.to_string());
             let taints = merge_taints(existing_taints, config.taint.as_ref());
             let current = node.metadata.labels.clone().unwrap_or_default();
             let labels_ok = labels.iter().all(|(k, v)| current.get(k) == Some(v));
-            if labels_ok && taints.as_deref() == existing_taints {
+            // A cordon is the user's and kept; only the one a leave made (marked) goes
+            // when the member joins again.
+            let leave_cordon = cordoned_by_leave(&node);
+            if labels_ok && taints.as_deref() == existing_taints && !leave_cordon {
                 node
             } else {
-                let patch = json!({"metadata": {"labels": labels}, "spec": {"taints": taints}});
+                let mut patch = json!({"metadata": {"labels": labels}, "spec": {"taints": taints}});
+                if leave_cordon {
+                    patch["metadata"]["annotations"] = json!({ CORDONED_BY_ANNOTATION: null });
+                    patch["spec"]["unschedulable"] = json!(null);
+                    info!(
+                        node = name,
+                        cluster = "upper",
+                        "member joins again: lifting the cordon its leave made"
+                    );
+                }
                 nodes
                     .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
                     .await
@@ -140,6 +159,23 @@ pub async fn register(
         }
     };
     write_status(upper, config, capacity, node.status.as_ref()).await
+}
+
+/// Set by a member's leave beside the cordon it makes, so that the cordon is told from a
+/// user's (which virtual-node never lifts).
+pub const CORDONED_BY_ANNOTATION: &str = "tensile.dev/cordoned-by";
+/// [`CORDONED_BY_ANNOTATION`]'s value on a leave's cordon.
+pub const CORDONED_BY_LEAVE: &str = "leave";
+
+/// Whether `node` is cordoned by a member's leave (not by a user).
+pub fn cordoned_by_leave(node: &Node) -> bool {
+    self::resources::node_cordoned(node)
+        && node
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(CORDONED_BY_ANNOTATION))
+            .is_some_and(|v| v == CORDONED_BY_LEAVE)
 }
 
 async fn write_status(
@@ -226,6 +262,44 @@ pub async fn watch_capacity(
                 changed
             });
         }
+    }
+}
+
+/// Publishes whether the Node `name` is cordoned (`spec.unschedulable`) as it changes,
+/// until `shutdown`. A Node deleted counts as not cordoned (it is registered again).
+pub async fn watch_cordon(
+    upper: Client,
+    name: String,
+    tx: watch::Sender<bool>,
+    shutdown: CancellationToken,
+) {
+    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
+    let mut events = watcher(Api::<Node>::all(upper), config).boxed();
+    loop {
+        let event = tokio::select! {
+            () = shutdown.cancelled() => return,
+            event = events.next() => event,
+        };
+        let cordoned = match event {
+            None => return,
+            Some(Err(error)) => {
+                warn!(%error, node = %name, cluster = "upper", "watching the node for a cordon");
+                continue;
+            }
+            Some(Ok(Event::InitApply(node) | Event::Apply(node))) => {
+                self::resources::node_cordoned(&node)
+            }
+            Some(Ok(Event::Delete(_))) => false,
+            Some(Ok(Event::Init | Event::InitDone)) => continue,
+        };
+        tx.send_if_modified(|current| {
+            let changed = *current != cordoned;
+            if changed {
+                info!(node = %name, cordoned, cluster = "upper", "node cordon changed");
+                *current = cordoned;
+            }
+            changed
+        });
     }
 }
 
@@ -320,6 +394,15 @@ impl Beat {
     }
 }
 
+/// What the node offers, as it changes: the lower cluster's room and the member's share
+/// (with its burst priority, the node's label).
+pub struct Offer {
+    /// The lower capacity; `None` until known.
+    pub capacity: watch::Receiver<Option<BTreeMap<String, Quantity>>>,
+    /// The member's burst priority and share.
+    pub bursting: watch::Receiver<Burst>,
+}
+
 /// Keeps the node alive: renews the Lease every [`LEASE_RENEW`] while the lower API server
 /// answers (so the node goes NotReady through the lease path when it does not, and Ready
 /// again when it returns), and rewrites the status when capacity changes, after an outage,
@@ -331,10 +414,14 @@ pub async fn keep_alive(
     lower: HeartbeatClients,
     config: NodeConfig,
     use_lease: bool,
-    mut capacity: watch::Receiver<Option<BTreeMap<String, Quantity>>>,
+    offer: Offer,
     mut last: Node,
     shutdown: CancellationToken,
 ) {
+    let Offer {
+        mut capacity,
+        mut bursting,
+    } = offer;
     let mut upper = Beat::new(upper, &config.name);
     let mut lower = Beat::new(lower, &config.name);
     let mut tick = tokio::time::interval(LEASE_RENEW);
@@ -342,10 +429,19 @@ pub async fn keep_alive(
     let mut lower_healthy = true;
     let mut last_status_write = tokio::time::Instant::now();
     let mut written_capacity = last.status.as_ref().and_then(|s| s.capacity.clone());
+    let mut labelled = last.labels().get(BURST_PRIORITY_LABEL).cloned();
+    let mut bursting_open = true;
     loop {
         let mut write = false;
         tokio::select! {
             () = shutdown.cancelled() => return,
+            changed = bursting.changed(), if bursting_open => {
+                // Closed: the settings never change again (the flags').
+                bursting_open = changed.is_ok();
+                let share = bursting.borrow_and_update().share.clone();
+                let offered = capacity.borrow().as_ref().map(|c| share.cap(c));
+                write = offered.is_some() && offered != written_capacity;
+            }
             _ = tick.tick() => {
                 let probe = lower
                     .call_twice("probing the API server for", |client| {
@@ -398,13 +494,35 @@ pub async fn keep_alive(
                 }
                 // Coalesce a burst of pod events into one write.
                 tokio::time::sleep(Duration::from_millis(200)).await;
-                write = capacity.borrow_and_update().as_ref() != written_capacity.as_ref();
+                let share = bursting.borrow().share.clone();
+                let offered = capacity.borrow_and_update().as_ref().map(|c| share.cap(c));
+                write = offered != written_capacity;
+            }
+        }
+        let priority = bursting.borrow().priority.to_string();
+        if labelled.as_ref() != Some(&priority) {
+            let labelled_now = upper
+                .call("labelling", |client| {
+                    let (node, priority) = (config.name.as_str(), priority.as_str());
+                    async move { label_priority(&client, node, priority).await }
+                })
+                .await;
+            match labelled_now {
+                Ok(()) => {
+                    info!(node = %config.name, priority, cluster = "upper", "burst priority labelled");
+                    labelled = Some(priority);
+                }
+                // Tried again at the next tick.
+                Err(error) => {
+                    warn!(%error, node = %config.name, object = %config.name, kind = "Node", cluster = "upper", "labelling the burst priority")
+                }
             }
         }
         if !write || !lower_healthy {
             continue;
         }
-        let Some(current) = capacity.borrow().clone() else {
+        let share = bursting.borrow().share.clone();
+        let Some(current) = capacity.borrow().as_ref().map(|c| share.cap(c)) else {
             continue;
         };
         let written = upper
@@ -424,6 +542,16 @@ pub async fn keep_alive(
             }
         }
     }
+}
+
+/// Writes the burst priority label on node `name`.
+async fn label_priority(upper: &Client, name: &str, priority: &str) -> Result<(), NodeError> {
+    let patch = json!({"metadata": {"labels": { BURST_PRIORITY_LABEL: priority }}});
+    Api::<Node>::all(upper.clone())
+        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .map(drop)
+        .map_err(upper_error("labelling", name))
 }
 
 async fn renew_lease(upper: &Client, node: &Node) -> Result<(), kube::Error> {

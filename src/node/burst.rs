@@ -1,0 +1,267 @@
+//! What a member gives to bursting (pure): its burst priority (the order in which virtual
+//! nodes fill, shown as a node label; the order in which their pods leave on scale-in, as
+//! `controller.kubernetes.io/pod-deletion-cost`) and its share (a cap per resource on what
+//! its node offers).
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+use super::quantity::{format_milli, milli, parse_milli};
+use super::resources::Resources;
+
+/// The node label carrying the member's burst priority (always present; `0` by default).
+pub const BURST_PRIORITY_LABEL: &str = "tensile.dev/burst-priority";
+/// The highest burst priority: deletion costs stay well inside `int32`.
+pub const MAX_BURST_PRIORITY: u32 = 1_000_000;
+/// The pod annotation the ReplicaSet controller orders scale-in by (lower goes first).
+pub const DELETION_COST_ANNOTATION: &str = "controller.kubernetes.io/pod-deletion-cost";
+/// Beside a deletion cost virtual-node wrote: the value it wrote. A cost without it, or
+/// with another value, is the user's and is never touched.
+pub const DELETION_COST_MARK: &str = "tensile.dev/deletion-cost";
+
+/// What a member gives to bursting; changes take effect on a running member.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Burst {
+    /// Lower fills first and leaves last.
+    pub priority: u32,
+    /// Caps per resource (milli-units); a resource not named is not capped.
+    pub share: Share,
+}
+
+/// Caps per resource name, in milli-units.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Share(pub BTreeMap<String, i128>);
+
+/// Parses a burst priority: a whole number from 0 to [`MAX_BURST_PRIORITY`].
+pub fn parse_priority(text: &str) -> Result<u32, String> {
+    let priority: u64 = text
+        .trim()
+        .parse()
+        .map_err(|_| format!("must be a whole number from 0 to {MAX_BURST_PRIORITY}"))?;
+    u32::try_from(priority)
+        .ok()
+        .filter(|p| *p <= MAX_BURST_PRIORITY)
+        .ok_or_else(|| format!("must be at most {MAX_BURST_PRIORITY}"))
+}
+
+/// Parses a share: `resource=quantity` pairs, comma-separated
+/// (`cpu=64,memory=256Gi,pods=500,nvidia.com/gpu=4`); empty or `none` is no cap.
+pub fn parse_share(text: &str) -> Result<Share, String> {
+    let text = text.trim();
+    let mut caps = BTreeMap::new();
+    if text.is_empty() || text.eq_ignore_ascii_case("none") {
+        return Ok(Share(caps));
+    }
+    for pair in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let (resource, amount) = pair
+            .split_once('=')
+            .ok_or_else(|| format!("{pair:?} must be resource=quantity"))?;
+        let resource = resource.trim();
+        if resource.is_empty() || resource.contains(char::is_whitespace) {
+            return Err(format!("{pair:?}: the resource name is not one"));
+        }
+        let amount = parse_milli(amount)
+            .ok_or_else(|| format!("{pair:?}: {:?} is not a quantity", amount.trim()))?;
+        if amount < 0 {
+            return Err(format!("{pair:?}: a share cannot be negative"));
+        }
+        if caps.insert(resource.to_owned(), amount).is_some() {
+            return Err(format!("{resource} is named twice"));
+        }
+    }
+    Ok(Share(caps))
+}
+
+impl Share {
+    /// What the node offers under this share: per resource, the lower cluster's room
+    /// (`offered`) or the cap, whichever is lower, never below zero. The upper scheduler
+    /// subtracts the node's own pods from this itself, so a cap below what runs leaves no
+    /// room and evicts nothing. A capped resource the lower cluster does not list is not
+    /// added (there is none of it to share).
+    pub fn cap(&self, offered: &BTreeMap<String, Quantity>) -> BTreeMap<String, Quantity> {
+        offered
+            .iter()
+            .map(|(resource, amount)| {
+                let room = milli(amount);
+                let capped = match self.0.get(resource) {
+                    Some(cap) => room.min(*cap),
+                    None => room,
+                };
+                (resource.clone(), format_milli(capped.max(0)))
+            })
+            .collect()
+    }
+
+    /// The caps, as the Resources arithmetic has them.
+    pub fn caps(&self) -> &Resources {
+        &self.0
+    }
+}
+
+/// The deletion cost of a burst pod of a member of `priority`: below any pod's default 0,
+/// lower for a higher priority (the last-filled member's pods leave first).
+pub fn deletion_cost(priority: u32) -> i32 {
+    i32::try_from(i64::from(priority) + 1)
+        .map(|c| -c)
+        .unwrap_or(i32::MIN)
+}
+
+/// The deletion cost to write on an upper pod with `annotations` (its cost and the mark
+/// of ours), if one is to be written: where it has none, or ours from another priority.
+/// A cost the user set (no mark, or a mark that is not its value) is kept.
+pub fn deletion_cost_to_write(
+    cost: Option<&str>,
+    mark: Option<&str>,
+    priority: u32,
+) -> Option<i32> {
+    let want = deletion_cost(priority);
+    match (cost, mark) {
+        (None, _) => Some(want),
+        (Some(cost), Some(mark)) if cost.trim() == mark.trim() => {
+            (cost.trim() != want.to_string()).then_some(want)
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn priorities_parse() {
+        let cases = [
+            ("0", Ok(0)),
+            (" 7 ", Ok(7)),
+            ("1000000", Ok(MAX_BURST_PRIORITY)),
+            ("1000001", Err("at most 1000000")),
+            ("99999999999", Err("at most")),
+            ("-1", Err("whole number")),
+            ("1.5", Err("whole number")),
+            ("", Err("whole number")),
+        ];
+        for (text, want) in cases {
+            match (parse_priority(text), want) {
+                (Ok(got), Ok(want)) => assert_eq!(got, want, "{text:?}"),
+                (Err(e), Err(needle)) => assert!(e.contains(needle), "{text:?}: {e}"),
+                (got, want) => panic!("{text:?}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn shares_parse() {
+        type Want = Result<&'static [(&'static str, i128)], &'static str>;
+        let cases: [(&str, Want); 9] = [
+            ("", Ok(&[])),
+            ("none", Ok(&[])),
+            (
+                "cpu=64, memory=1Gi,pods=500,nvidia.com/gpu=4",
+                Ok(&[
+                    ("cpu", 64_000),
+                    ("memory", 1_073_741_824_000),
+                    ("nvidia.com/gpu", 4000),
+                    ("pods", 500_000),
+                ]),
+            ),
+            ("cpu=500m,", Ok(&[("cpu", 500)])),
+            ("cpu=0", Ok(&[("cpu", 0)])),
+            ("cpu", Err("resource=quantity")),
+            ("cpu=lots", Err("not a quantity")),
+            ("cpu=-1", Err("cannot be negative")),
+            ("cpu=1,cpu=2", Err("named twice")),
+        ];
+        for (text, want) in cases {
+            match (parse_share(text), want) {
+                (Ok(got), Ok(want)) => {
+                    let want: BTreeMap<String, i128> =
+                        want.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect();
+                    assert_eq!(got.0, want, "{text:?}");
+                }
+                (Err(e), Err(needle)) => assert!(e.contains(needle), "{text:?}: {e}"),
+                (got, want) => panic!("{text:?}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
+
+    fn list(pairs: &[(&str, &str)]) -> BTreeMap<String, Quantity> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), Quantity((*v).to_owned())))
+            .collect()
+    }
+
+    #[test]
+    fn a_share_caps_what_the_node_offers() {
+        // (case, share, lower room, offered)
+        type Pairs = &'static [(&'static str, &'static str)];
+        let cases: [(&str, &str, Pairs, Pairs); 6] = [
+            (
+                "no share",
+                "",
+                &[("cpu", "8"), ("example.com/foo", "3")],
+                &[("cpu", "8"), ("example.com/foo", "3")],
+            ),
+            (
+                "cap below the room",
+                "cpu=2,nvidia.com/gpu=1",
+                &[("cpu", "8"), ("memory", "4Gi"), ("nvidia.com/gpu", "4")],
+                &[
+                    ("cpu", "2"),
+                    ("memory", "4294967296"),
+                    ("nvidia.com/gpu", "1"),
+                ],
+            ),
+            (
+                "room below the cap (today's rule)",
+                "cpu=64",
+                &[("cpu", "1500m")],
+                &[("cpu", "1500m")],
+            ),
+            ("a cap of zero", "cpu=0", &[("cpu", "8")], &[("cpu", "0")]),
+            (
+                "a capped resource the lower cluster lacks is not added",
+                "nvidia.com/gpu=4",
+                &[("cpu", "8")],
+                &[("cpu", "8")],
+            ),
+            (
+                "extended resources capped like cpu",
+                "example.com/foo=2",
+                &[("example.com/foo", "5"), ("pods", "110")],
+                &[("example.com/foo", "2"), ("pods", "110")],
+            ),
+        ];
+        for (case, share, room, want) in cases {
+            let share = parse_share(share).unwrap();
+            assert_eq!(share.cap(&list(room)), list(want), "{case}");
+        }
+    }
+
+    #[test]
+    fn deletion_costs_order_members_and_keep_the_users() {
+        assert_eq!(deletion_cost(0), -1);
+        assert_eq!(deletion_cost(2), -3);
+        assert_eq!(deletion_cost(MAX_BURST_PRIORITY), -1_000_001);
+        assert_eq!(deletion_cost(u32::MAX), i32::MIN);
+        // (case, cost, mark, priority, to write)
+        let cases = [
+            ("none yet", None, None, 1, Some(-2)),
+            ("ours, current", Some("-2"), Some("-2"), 1, None),
+            (
+                "ours, priority changed",
+                Some("-2"),
+                Some("-2"),
+                4,
+                Some(-5),
+            ),
+            ("the user's", Some("100"), None, 1, None),
+            ("the user's over ours", Some("100"), Some("-2"), 1, None),
+            ("a mark without a cost", None, Some("-2"), 1, Some(-2)),
+        ];
+        for (case, cost, mark, priority, want) in cases {
+            assert_eq!(deletion_cost_to_write(cost, mark, priority), want, "{case}");
+        }
+    }
+}
