@@ -18,17 +18,14 @@ use kube::config::Kubeconfig;
 use kube::{Client, ResourceExt};
 use serde::Serialize;
 
-use crate::member::spec::{KUBECONFIG_KEY, MEMBER_LABEL, node_name};
+use crate::member::spec::{KUBECONFIG_KEY, MEMBER_LABEL, SHARE_ANNOTATION, node_name};
+use crate::node::burst::BURST_PRIORITY_LABEL;
 use crate::node::quantity::format_readable;
 use crate::node::resources::{self, Resources};
 use crate::side::Side;
 
 /// The label every virtual node carries (tensile-kube's).
 const VIRTUAL_NODE_SELECTOR: &str = "type=virtual-kubelet";
-/// The node label carrying a member's burst priority.
-pub const BURST_PRIORITY_LABEL: &str = "tensile.dev/burst-priority";
-/// The member Secret annotation capping what a member gives.
-pub const SHARE_ANNOTATION: &str = "tensile.dev/share";
 /// Leader-election Leases of virtual-node are named so by default.
 const LEASE_PREFIX: &str = "tensile-virtual-node-";
 

@@ -110,22 +110,15 @@ async fn regular_nodes_first_then_members_by_burst_priority() {
     .unwrap();
     let upper = pair.upper.client().await.unwrap();
     let binary = env!("CARGO_BIN_EXE_virtual-node");
-    let _vk1 = start_node_with(&pair, &VirtualNodeOptions::new(binary, VK_1), &upper).await;
+    let upper_kubeconfig = pair.upper_kubeconfig();
+    // Each node's burst priority from its flag: virtual-node writes the node label.
+    let mut options = VirtualNodeOptions::new(binary, VK_1);
+    options.args = vec!["--burst-priority".into(), "1".into()];
+    let _vk1 = start_node_with(&pair, &options, &upper).await;
     let mut options = VirtualNodeOptions::new(binary, VK_2);
     options.lower_kubeconfig = Some(lower_b.kubeconfig.clone());
+    options.args = vec!["--burst-priority".into(), "2".into()];
     let _vk2 = start_node_with(&pair, &options, &upper).await;
-    let upper_kubeconfig = pair.upper_kubeconfig();
-    for (node, priority) in [(VK_1, "1"), (VK_2, "2")] {
-        let label = format!("tensile.dev/burst-priority={priority}");
-        let out = kubectl(
-            &pair,
-            upper_kubeconfig,
-            &["label", "node", node, &label, "--overwrite"],
-            b"",
-        )
-        .await;
-        assert!(out.status.success(), "{out:?}");
-    }
     let nodes: Api<Node> = Api::all(upper.clone());
     wait_for("both virtual nodes schedulable", TIMEOUT, || async {
         let mut ready = true;

@@ -221,7 +221,7 @@ async fn the_downward_api_below_reads_the_upper_pod() {
         upper_pod
             .annotations()
             .keys()
-            .all(|k| !k.starts_with("tensile.dev/")),
+            .all(|k| !k.starts_with("tensile.dev/upper-")),
         "{:?}",
         upper_pod.annotations()
     );

@@ -10,12 +10,9 @@ use kube::api::ObjectMeta;
 /// Node label every virtual node carries (tensile-kube's), `type=virtual-kubelet`.
 pub const VIRTUAL_NODE_TYPE_LABEL: (&str, &str) = ("type", "virtual-kubelet");
 /// Node label virtual-node writes on each virtual node: a non-negative integer, the
-/// member's place in the burst order (lowest fills first; absent means 0).
-pub const BURST_PRIORITY_LABEL: &str = "tensile.dev/burst-priority";
-/// Pod annotation: `eager` scores virtual nodes like regular ones (no local first).
-pub const BURST_ANNOTATION: &str = "tensile.dev/burst";
-/// The value of [`BURST_ANNOTATION`] that opts a pod into eager bursting.
-pub const BURST_EAGER: &str = "eager";
+/// member's place in the burst order (lowest fills first; absent means 0); and the pod
+/// annotation whose `eager` scores virtual nodes like regular ones (no local first).
+pub use tensile::node::burst::{BURST_ANNOTATION, BURST_EAGER, BURST_PRIORITY_LABEL};
 
 /// An upper node, as prioritize sees it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

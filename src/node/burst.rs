@@ -12,13 +12,18 @@ use super::resources::Resources;
 
 /// The node label carrying the member's burst priority (always present; `0` by default).
 pub const BURST_PRIORITY_LABEL: &str = "tensile.dev/burst-priority";
+/// Pod annotation: `eager` lets the pod burst as soon as a virtual node scores best by
+/// room, instead of only what regular nodes cannot take (the webhook sets it for
+/// `--eager-namespaces`, the scheduler extender reads it).
+pub const BURST_ANNOTATION: &str = "tensile.dev/burst";
+/// The value of [`BURST_ANNOTATION`] that opts into eager bursting.
+pub const BURST_EAGER: &str = "eager";
 /// The highest burst priority: deletion costs stay well inside `int32`.
 pub const MAX_BURST_PRIORITY: u32 = 1_000_000;
-/// The pod annotation the ReplicaSet controller orders scale-in by (lower goes first).
-pub const DELETION_COST_ANNOTATION: &str = "controller.kubernetes.io/pod-deletion-cost";
-/// Beside a deletion cost virtual-node wrote: the value it wrote. A cost without it, or
-/// with another value, is the user's and is never touched.
-pub const DELETION_COST_MARK: &str = "tensile.dev/deletion-cost";
+/// The pod annotation the ReplicaSet controller orders scale-in by (lower goes first), and
+/// beside it the value virtual-node wrote (a cost without it, or with another value, is
+/// the user's and is never touched). Neither is copied below.
+pub use crate::translate::meta::{DELETION_COST_ANNOTATION, DELETION_COST_MARK};
 
 /// What a member gives to bursting; changes take effect on a running member.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

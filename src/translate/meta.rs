@@ -4,6 +4,12 @@
 use std::collections::BTreeMap;
 
 /// Pod label: the pod may run in a lower cluster; mirrored pods carry it too (tensile-kube).
+/// The upper pod annotation the ReplicaSet controller orders scale-in by (lower goes
+/// first). It orders upper pods only: never copied below, where no ReplicaSet owns a pod.
+pub const DELETION_COST_ANNOTATION: &str = "controller.kubernetes.io/pod-deletion-cost";
+/// Beside a deletion cost virtual-node wrote on an upper pod: the value it wrote. Never
+/// copied below.
+pub const DELETION_COST_MARK: &str = "tensile.dev/deletion-cost";
 pub const VIRTUAL_POD_LABEL: &str = "virtual-pod";
 /// Pod annotation: JSON `{"nodeSelector","affinity","tolerations"}` stashed by the webhook.
 pub const CLUSTER_SELECTOR_ANNOTATION: &str = "clusterSelector";

@@ -16,8 +16,8 @@ use super::downward::{
 };
 use super::identity::{UpperApi, give_upper_identity, token_secret_name};
 use super::meta::{
-    MIRRORED_KEYS_ANNOTATION, Owner, TRIPPED_LABELS_ANNOTATION, UPPER_UID_ANNOTATION,
-    VIRTUAL_POD_LABEL,
+    DELETION_COST_ANNOTATION, DELETION_COST_MARK, MIRRORED_KEYS_ANNOTATION, Owner,
+    TRIPPED_LABELS_ANNOTATION, UPPER_UID_ANNOTATION, VIRTUAL_POD_LABEL,
 };
 use super::scheduling::{parse_cluster_selector, restore_constraints};
 use super::{TranslateError, lower_meta, object_ref};
@@ -111,6 +111,11 @@ fn lower_pod_and_record(
     let annotations = metadata.annotations.get_or_insert_default();
     // Their values are tensile's to set (below), never the upper pod's.
     for key in DOWNWARD_ANNOTATIONS {
+        annotations.remove(key);
+    }
+    // Scale-in order upstairs: nothing below reads it, and copying it would cost a lower
+    // write per pod when virtual-node sets it.
+    for key in [DELETION_COST_ANNOTATION, DELETION_COST_MARK] {
         annotations.remove(key);
     }
     if !tripped.is_empty() {
@@ -1319,6 +1324,12 @@ mod tests {
                 vec![],
                 json!({"spec": {"serviceAccountName": "web", "activeDeadlineSeconds": 60,
                                 "hostname": "h", "subdomain": "s", "schedulerName": "default-scheduler"}}),
+            ),
+            (
+                "the upper scale-in order stays upstairs, other annotations go down",
+                json!({"metadata": {"annotations": {DELETION_COST_ANNOTATION: "-2", DELETION_COST_MARK: "-2", "note": "x"}}}),
+                vec![],
+                json!({"metadata": {"annotations": {"note": "x"}}}),
             ),
             (
                 "an ignored label cannot remove the ownership marks",

@@ -27,15 +27,13 @@ use crate::review::AdmissionRequest;
 pub const CREATED_BY_DESCHEDULER_LABEL: &str = "create-by-descheduler";
 /// Pod annotation the descheduler sets, naming the node it moves the pod off.
 pub const UNSCHEDULABLE_NODE_ANNOTATION: &str = "unschedulable-node";
+/// Pod annotation `tensile.dev/burst: eager`: the pod bursts as soon as a virtual node
+/// scores best by room (the scheduler extender reads it).
+pub use tensile::node::burst::{BURST_ANNOTATION, BURST_EAGER};
 /// Key of the virtual node's taint (tensile-kube's default), the one virtual-node uses.
 pub use tensile::translate::meta::VIRTUAL_NODE_TAINT_KEY;
 /// Node label matched to keep a descheduled pod's sibling off the node it left.
 pub use tensile::translate::volume::HOSTNAME_LABEL;
-/// Pod annotation: `eager` lets the pod burst as soon as a virtual node scores best by
-/// room, instead of only what regular nodes cannot take (the scheduler extender reads it).
-pub const BURST_ANNOTATION: &str = "tensile.dev/burst";
-/// The value of [`BURST_ANNOTATION`] that opts into eager bursting.
-pub const BURST_EAGER: &str = "eager";
 /// Weight of the preference for regular nodes that the webhook adds to pods it lets burst
 /// (the most a preferred term may weigh).
 pub const LOCAL_FIRST_WEIGHT: i32 = 100;
