@@ -334,6 +334,9 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
         virtual_node.as_ref(),
         real_node.as_ref(),
     );
+    if virtual_node.is_some() {
+        print_status(&pair, nodes.len() > 1).await;
+    }
 
     tokio::select! {
         _ = sigterm.recv() => {}
@@ -572,6 +575,41 @@ fn print_summary(
     let dir = pair.dir.display();
     println!("logs: {dir}/{{upper,lower}}/*.log, {dir}/virtual-node-*.log");
     println!("\nCtrl-C (or `tensile-playground down --dir {dir}`) stops it.");
+}
+
+/// `virtual-node status` as an operator runs it (the upper kubeconfig only), once.
+async fn print_status(pair: &ClusterPair, members: bool) {
+    let Ok(binary) = std::env::current_exe().map(|exe| exe.with_file_name("virtual-node")) else {
+        return;
+    };
+    let mut command = tokio::process::Command::new(&binary);
+    command
+        .arg("status")
+        .arg("--kubeconfig")
+        .arg(&pair.upper.kubeconfig);
+    if members {
+        command.args(["--members-namespace", MEMBERS_NAMESPACE]);
+    }
+    let shown = if members {
+        format!("--members-namespace {MEMBERS_NAMESPACE}")
+    } else {
+        String::new()
+    };
+    match command.output().await {
+        Ok(output) if output.status.success() => {
+            println!(
+                "\n{} status --kubeconfig {} {shown}",
+                binary.display(),
+                pair.upper.kubeconfig.display()
+            );
+            print!("{}", String::from_utf8_lossy(&output.stdout));
+        }
+        Ok(output) => eprintln!(
+            "virtual-node status: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        ),
+        Err(error) => eprintln!("virtual-node status: {error}"),
+    }
 }
 
 /// `conformance`: the whole run, interrupted cleanly by Ctrl-C / SIGTERM (the pair and its
