@@ -8,19 +8,15 @@ mod common;
 
 use std::path::Path;
 use std::process::Command;
-use std::time::Duration;
 
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-use kube::Client;
-use kube::api::Api;
 use serde_json::{Value, json};
 use tensile::side::Side;
 use tensile_harness::fixtures::merge;
 use tensile_harness::rbac::rbac_list;
-use tensile_harness::{Binaries, ClusterPair, wait_for};
+use tensile_harness::{Binaries, ClusterPair};
 
 use common::access::{
-    access, all_features, denied, descheduler_accesses, extender_lower_accesses,
+    access, all_features, denied, descheduler_accesses, extender_lower_accesses, install_test_crds,
     service_account_groups, virtual_node_accesses, webhook_accesses,
 };
 
@@ -323,45 +319,6 @@ fn the_all_in_one_overlay_installs_everything_at_one_tag() {
         .collect();
     assert_eq!(lower_secrets.len(), 2, "virtual-node and the extender");
     assert!(lower_secrets.iter().all(|s| *s == "lower-kubeconfig"));
-}
-
-/// Installs the reduced CRDs of `tests/deploy-crds` (cert-manager, Prometheus Operator)
-/// and waits until the API server serves them.
-async fn install_test_crds(pair: &ClusterPair, client: &Client) {
-    let kubeconfig = pair.upper_kubeconfig().to_str().unwrap();
-    kubectl(
-        &pair.bin("kubectl"),
-        &[
-            "--kubeconfig",
-            kubeconfig,
-            "apply",
-            "--server-side",
-            "-f",
-            "tests/deploy-crds",
-        ],
-    );
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for name in [
-        "issuers.cert-manager.io",
-        "certificates.cert-manager.io",
-        "podmonitors.monitoring.coreos.com",
-    ] {
-        wait_for(
-            &format!("CRD {name} Established"),
-            Duration::from_secs(30),
-            || async {
-                let established = crds.get(name).await?.status.is_some_and(|s| {
-                    s.conditions
-                        .unwrap_or_default()
-                        .iter()
-                        .any(|c| c.type_ == "Established" && c.status == "True")
-                });
-                Ok(established.then_some(()))
-            },
-        )
-        .await
-        .unwrap();
-    }
 }
 
 /// Every kustomization under `deploy/` passes `kubectl apply --dry-run=server -k` on the

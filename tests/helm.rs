@@ -17,21 +17,19 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::time::Duration;
 
 use common::access::{
-    Access, access, all_features, denied, descheduler_accesses, service_account,
+    Access, access, all_features, denied, descheduler_accesses, install_test_crds, service_account,
     service_account_groups, virtual_node_accesses, webhook_accesses,
 };
 use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
-use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Client;
 use kube::api::{Api, ListParams};
 use serde_json::{Value, json};
 use tensile::side::Side;
-use tensile_harness::{Binaries, ClusterPair, wait_for};
+use tensile_harness::{Binaries, ClusterPair};
 
 /// The chart, relative to the repository.
 const CHART: &str = "deploy/helm/tensile";
@@ -639,51 +637,6 @@ async fn assert_exact_permissions(
         1,
         "{when}: the extender reads nothing upper"
     );
-}
-
-/// Installs `tests/deploy-crds` (cert-manager's and the Prometheus Operator's CRDs, reduced)
-/// and waits until they are served.
-async fn install_test_crds(pair: &ClusterPair, client: &Client) {
-    let kubeconfig = pair.upper_kubeconfig().to_str().unwrap();
-    let out = Command::new(pair.bin("kubectl"))
-        .current_dir(repo())
-        .args([
-            "--kubeconfig",
-            kubeconfig,
-            "apply",
-            "--server-side",
-            "-f",
-            "tests/deploy-crds",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    for name in [
-        "issuers.cert-manager.io",
-        "certificates.cert-manager.io",
-        "podmonitors.monitoring.coreos.com",
-    ] {
-        wait_for(
-            &format!("CRD {name} Established"),
-            Duration::from_secs(30),
-            || async {
-                let established = crds.get(name).await?.status.is_some_and(|s| {
-                    s.conditions
-                        .unwrap_or_default()
-                        .iter()
-                        .any(|c| c.type_ == "Established" && c.status == "True")
-                });
-                Ok(established.then_some(()))
-            },
-        )
-        .await
-        .unwrap();
-    }
 }
 
 /// `kubectl apply --dry-run=server --validate=strict` of `objects`: each valid for the

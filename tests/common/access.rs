@@ -155,3 +155,43 @@ pub fn virtual_node_accesses(side: Side, features: Features) -> Vec<Access> {
         })
         .collect()
 }
+
+/// Installs the reduced CRDs of `tests/deploy-crds` (cert-manager, Prometheus Operator)
+/// in the upper cluster of `pair` and waits until the API server serves them.
+pub async fn install_test_crds(pair: &tensile_harness::ClusterPair, client: &Client) {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+    let out = std::process::Command::new(pair.bin("kubectl"))
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .arg("--kubeconfig")
+        .arg(pair.upper_kubeconfig())
+        .args(["apply", "--server-side", "-f", "tests/deploy-crds"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "kubectl apply -f tests/deploy-crds: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
+    for name in [
+        "issuers.cert-manager.io",
+        "certificates.cert-manager.io",
+        "podmonitors.monitoring.coreos.com",
+    ] {
+        tensile_harness::wait_for(
+            &format!("CRD {name} Established"),
+            std::time::Duration::from_secs(30),
+            || async {
+                let established = crds.get(name).await?.status.is_some_and(|s| {
+                    s.conditions
+                        .unwrap_or_default()
+                        .iter()
+                        .any(|c| c.type_ == "Established" && c.status == "True")
+                });
+                Ok(established.then_some(()))
+            },
+        )
+        .await
+        .unwrap();
+    }
+}

@@ -141,20 +141,10 @@ fn outcome(
 }
 
 fn warning(request: &AdmissionRequest, what: &str) -> String {
-    let mut warning = format!(
+    crate::review::short_warning(format!(
         "tensile-webhook: DaemonSet {}: {what}",
         request.object_ref()
-    );
-    // The API server truncates long warnings; keep the start, which says what happened.
-    if warning.len() > 250 {
-        let mut end = 250;
-        while !warning.is_char_boundary(end) {
-            end -= 1;
-        }
-        warning.truncate(end);
-        warning.push('…');
-    }
-    warning
+    ))
 }
 
 fn unreadable(request: &AdmissionRequest, what: &str) -> Outcome {

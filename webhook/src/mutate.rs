@@ -354,19 +354,10 @@ pub fn admit(
 }
 
 fn unreadable(request: &AdmissionRequest, what: &str, error: &dyn std::fmt::Display) -> Outcome {
-    let mut warning = format!(
+    let warning = crate::review::short_warning(format!(
         "tensile-webhook left pod {} unchanged: cannot read {what}: {error}",
         request.object_ref()
-    );
-    // The API server truncates long warnings; keep the start, which says what happened.
-    if warning.len() > 250 {
-        let mut end = 250;
-        while !warning.is_char_boundary(end) {
-            end -= 1;
-        }
-        warning.truncate(end);
-        warning.push('…');
-    }
+    ));
     Outcome {
         decision: Decision::Unreadable,
         reason: "unreadable pod",

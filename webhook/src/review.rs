@@ -133,6 +133,23 @@ struct Envelope {
     request: Option<AdmissionRequest>,
 }
 
+/// The most of a warning the API server keeps (it truncates longer ones).
+const MAX_WARNING: usize = 250;
+
+/// `warning` cut to what the API server keeps, at a character boundary, with `…` when cut:
+/// the start says what happened.
+pub fn short_warning(mut warning: String) -> String {
+    if warning.len() > MAX_WARNING {
+        let mut end = MAX_WARNING;
+        while !warning.is_char_boundary(end) {
+            end -= 1;
+        }
+        warning.truncate(end);
+        warning.push('…');
+    }
+    warning
+}
+
 /// Decodes a request body into its AdmissionRequest, or says what is wrong with it.
 pub fn decode(body: &[u8]) -> Result<AdmissionRequest, BadReview> {
     if body.iter().all(u8::is_ascii_whitespace) {
