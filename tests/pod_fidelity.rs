@@ -297,3 +297,73 @@ async fn the_runtime_class_a_pod_names_is_there_below() {
         let _ = lower_classes.delete(name, &DeleteParams::default()).await;
     }
 }
+
+/// A pod bound to the node by name that asks for a host port a pod there already holds is
+/// rejected as a kubelet rejects it (Failed, `NodePorts`, an Event), and nothing of it is
+/// made below; its controller (a StatefulSet in Kubernetes' conformance test "Should
+/// recreate evicted statefulset") makes another. Below, it would wait Pending forever on a
+/// one-node lower cluster.
+#[tokio::test]
+async fn a_pod_whose_host_port_is_taken_is_rejected_as_a_kubelet_rejects_it() {
+    let pair = pair().await;
+    let upper = pair.upper.client().await.unwrap();
+    let lower = pair.lower.client().await.unwrap();
+    let ns = TestNamespace::create(&upper, "hostport").await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower, &ns.name);
+    let ports = |port: i32| json!({"containers": [{"name": "c", "image": "busybox", "ports": [{"containerPort": port, "hostPort": port}]}]});
+    pods.create(&PostParams::default(), &pod_with("first", ports(21017)))
+        .await
+        .unwrap();
+    wait_running(&pods, "", 1).await;
+    for (name, port) in [("second", 21017), ("other-port", 21018)] {
+        pods.create(&PostParams::default(), &pod_with(name, ports(port)))
+            .await
+            .unwrap();
+    }
+    let rejected = wait_for("the second pod Failed with NodePorts", TIMEOUT, || async {
+        let pod = pods.get("second").await?;
+        let status = pod.status.unwrap_or_default();
+        Ok((status.phase.as_deref() == Some("Failed")).then_some(status))
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        rejected.reason.as_deref(),
+        Some("NodePorts"),
+        "{rejected:?}"
+    );
+    assert!(
+        rejected
+            .message
+            .as_deref()
+            .is_some_and(|m| m.starts_with("Pod was rejected")),
+        "{rejected:?}"
+    );
+    assert!(lower_pods.get_opt("second").await.unwrap().is_none());
+    // A pod on another port runs; the first keeps running.
+    wait_for("the pod on another port Running", TIMEOUT, || async {
+        Ok(pods
+            .get_opt("other-port")
+            .await?
+            .filter(common::running)
+            .map(|_| ()))
+    })
+    .await
+    .unwrap();
+    assert!(common::running(&pods.get("first").await.unwrap()));
+    let events: Api<k8s_openapi::api::core::v1::Event> = Api::namespaced(upper.clone(), &ns.name);
+    wait_for("a NodePorts Event on the rejected pod", TIMEOUT, || async {
+        let found = events.list(&Default::default()).await?.items;
+        Ok(found
+            .iter()
+            .any(|e| {
+                e.involved_object.name.as_deref() == Some("second")
+                    && e.reason.as_deref() == Some("NodePorts")
+            })
+            .then_some(()))
+    })
+    .await
+    .unwrap();
+    ns.delete().await.unwrap();
+}

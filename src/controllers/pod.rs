@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Pod, PodStatus};
 use kube::ResourceExt;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::ObjectRef;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -27,6 +27,10 @@ use crate::node::burst::{
     Burst, DELETION_COST_ANNOTATION, DELETION_COST_MARK, deletion_cost_to_write,
 };
 use crate::side::Side;
+use crate::translate::admission::{
+    NODE_PORTS_MESSAGE, NODE_PORTS_REASON, admitted_before, asks_for_host_ports, host_ports_taken,
+    rejected_status,
+};
 use crate::translate::meta::Owner;
 use crate::translate::pod::{
     PodTranslation, ephemeral_containers_patch, is_copy_of, is_owned_by, lower_gone_status,
@@ -724,6 +728,17 @@ async fn create(
         return Ok(());
     };
     let upper = &upper;
+    if host_ports_taken_here(upper, ctx, key).await? {
+        return reject(
+            upper,
+            NODE_PORTS_REASON,
+            NODE_PORTS_MESSAGE,
+            ctx,
+            &upper_api,
+            key,
+        )
+        .await;
+    }
     dependencies::ensure_for_pod(ctx, upper, key).await?;
     let translation = PodTranslation {
         owner: &ctx.owner,
@@ -748,6 +763,51 @@ async fn create(
         },
         Err(e) => Err(api_error(Side::Lower, "creating", "Pod", key)(e)),
     }
+}
+
+/// Whether a host port `upper` asks for is held by a pod admitted to this node before it
+/// (read live, and only for a pod that asks for host ports): a kubelet rejects such a pod.
+async fn host_ports_taken_here(upper: &Pod, ctx: &Context, key: &str) -> Result<bool, Error> {
+    if !asks_for_host_ports(upper) {
+        return Ok(false);
+    }
+    let all: Api<Pod> = Api::all(ctx.upper.clone());
+    let params = ListParams::default().fields(&format!("spec.nodeName={}", ctx.owner.node));
+    let on_node = all
+        .list(&params)
+        .await
+        .map_err(api_error(
+            Side::Upper,
+            "listing the pods on the node of",
+            "Pod",
+            key,
+        ))?
+        .items;
+    Ok(host_ports_taken(
+        upper,
+        on_node
+            .iter()
+            .filter(|other| admitted_before(other, upper, was_mirrored(other))),
+    ))
+}
+
+/// Rejects `upper` as a kubelet rejects a pod at admission: Failed with `reason`, and an
+/// Event; nothing is made below, and its controller makes another pod.
+async fn reject(
+    upper: &Pod,
+    reason: &str,
+    message: &str,
+    ctx: &Context,
+    upper_api: &Api<Pod>,
+    key: &str,
+) -> Result<(), Error> {
+    let status = rejected_status(upper, reason, message);
+    if write_upper_status(upper_api, upper, &status, key).await? == StatusWrite::PodReplaced {
+        return Ok(());
+    }
+    ctx.warn_on(upper, reason, message.to_owned()).await;
+    info!(object = %key, kind = "Pod", cluster = "upper", reason, "rejected the pod, as a kubelet would");
+    Ok(())
 }
 
 /// Carries an upper pod's changed labels, annotations, images, tolerations or deadline

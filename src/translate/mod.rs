@@ -1,5 +1,6 @@
 //! Pure translation between upper and lower objects: no client, no async.
 
+pub mod admission;
 pub mod config;
 pub mod deps;
 pub mod downward;
