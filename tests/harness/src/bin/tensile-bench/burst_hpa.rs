@@ -297,7 +297,7 @@ pub(crate) async fn run(binary: &Path, args: &Args) -> Result<()> {
         placed.len() - on_1 - on_2
     );
     println!(
-        "    usage raised → HPA decision                 {}",
+        "    usage raised → HPA decision                    {}",
         secs(decision.saturating_duration_since(load_up))
     );
     println!(
@@ -345,20 +345,32 @@ pub(crate) async fn run(binary: &Path, args: &Args) -> Result<()> {
         .filter(|(at, _)| *at >= load_down)
         .map(|(_, r)| *r)
         .collect();
-    let local_left = pods
+    let left: Vec<Pod> = pods
         .list(&ListParams::default().labels(&format!("app={APP}")))
         .await?
         .items
-        .iter()
+        .into_iter()
         .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .collect();
+    let left_burst = left
+        .iter()
+        .filter(|p| {
+            p.spec
+                .as_ref()
+                .and_then(|s| s.node_name.as_deref())
+                .is_some_and(|n| n == VK_1 || n == VK_2)
+        })
         .count();
-    println!("  scale-in {max} → {LOCAL} (HPA steps {in_steps:?}; {local_left} upper pods left)");
     println!(
-        "    usage lowered → HPA decision                {}",
+        "  scale-in {max} → {LOCAL} (HPA steps {in_steps:?}; {} upper pods left, {left_burst} of them on virtual nodes)",
+        left.len()
+    );
+    println!(
+        "    usage lowered → HPA decision                   {}",
         secs(decision.saturating_duration_since(load_down))
     );
     println!(
-        "    HPA decision → last lower pod gone (±0.5 s) {}",
+        "    HPA decision → last lower pod gone (±0.5 s)    {}",
         secs(gone.saturating_duration_since(decision))
     );
     decision_watch.abort();
