@@ -17,12 +17,13 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use k8s_openapi::api::core::v1::Service;
+use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::kube_aggregator::pkg::apis::apiregistration::v1::APIService;
-use kube::api::{Api, Patch, PatchParams};
+use kube::Client;
+use kube::api::{Api, ListParams, Patch, PatchParams};
 
 use crate::binaries::Binaries;
-use crate::cluster::{Cluster, Component};
+use crate::cluster::{Cluster, Component, KWOK_NODE_ANNOTATION};
 use crate::pki::Pki;
 use crate::ports::free_port;
 use crate::process::Reaper;
@@ -36,6 +37,36 @@ pub const USAGE_CPU_ANNOTATION: &str = "kwok.x-k8s.io/usage-cpu";
 pub const USAGE_MEMORY_ANNOTATION: &str = "kwok.x-k8s.io/usage-memory";
 /// metrics-server's resolution: its shortest, so a usage change shows within seconds.
 pub const RESOLUTION: Duration = Duration::from_secs(10);
+
+/// Sets the simulated CPU usage of every pod (without its own [`USAGE_CPU_ANNOTATION`])
+/// on the kwok nodes of `client`'s cluster to `cpu` (e.g. `900m`): the annotation on each
+/// node kwok simulates. Virtual nodes (not kwok's) are left alone. Returns how many nodes
+/// it annotated.
+pub async fn set_node_usage(client: &Client, cpu: &str) -> Result<usize> {
+    let nodes: Api<Node> = Api::all(client.clone());
+    let mut annotated = 0;
+    for node in nodes.list(&ListParams::default()).await?.items {
+        let kwok = node
+            .metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key(KWOK_NODE_ANNOTATION));
+        let Some(name) = node.metadata.name.filter(|_| kwok) else {
+            continue;
+        };
+        // The UID as precondition: a node replaced meanwhile is not annotated.
+        let patch = serde_json::json!({"metadata": {
+            "uid": node.metadata.uid,
+            "annotations": {USAGE_CPU_ANNOTATION: cpu},
+        }});
+        nodes
+            .patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .with_context(|| format!("setting the CPU usage of node {name}"))?;
+        annotated += 1;
+    }
+    Ok(annotated)
+}
 
 /// The common name of the API server's front-proxy client certificate.
 const FRONT_PROXY_CLIENT: &str = "front-proxy-client";

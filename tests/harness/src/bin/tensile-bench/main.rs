@@ -33,6 +33,7 @@ use tensile_harness::{
 use tokio::task::JoinSet;
 use tokio::time::MissedTickBehavior;
 
+mod burst_hpa;
 mod federation;
 mod scrape;
 
@@ -80,6 +81,11 @@ struct Args {
     /// its lower cluster running metrics-server.
     #[arg(long, value_delimiter = ',')]
     scrape: Vec<usize>,
+    /// Instead of the other scenarios: an HPA on CPU scales a Deployment from 8 local pods
+    /// out by `--pods` burst pods over two virtual nodes (burst priorities 1 and 2) and back;
+    /// times each way from the HPA's decision (issue #35).
+    #[arg(long)]
+    burst_hpa: bool,
     /// A further flag for the single-cluster scenarios' virtual-node (repeatable), e.g.
     /// `--node-arg=--lower-namespace=prefixed` to measure a mode's cost.
     #[arg(long, allow_hyphen_values = true)]
@@ -780,6 +786,9 @@ async fn run(args: Args) -> Result<()> {
     }
     if !args.scrape.is_empty() {
         return scrape::run(&binary, &args.scrape, &args).await;
+    }
+    if args.burst_hpa {
+        return burst_hpa::run(&binary, &args).await;
     }
     let largest = args
         .footprint
