@@ -421,8 +421,17 @@ async fn reconcile(stored: &StoredPod, pc: &PodContext) -> Result<(), Error> {
         ctx.metrics.reconciles.inc();
         let priority = ctx.bursting.borrow().priority;
         if let Some(cost) = deletion_cost_due(stored, priority) {
-            // Its watch event brings the pod back, marked, for the rest.
-            return write_deletion_cost(stored, cost, ctx).await;
+            match write_deletion_cost(stored, cost, ctx).await {
+                // Its watch event brings the pod back, marked, for the rest.
+                Ok(()) => return Ok(()),
+                // The scale-in order never holds a pod back: one that cannot take the
+                // annotation (its annotations at the API server's limit), or a refused
+                // write, still goes below; the pod's next event tries again.
+                Err(error) => warn!(
+                    object = %key, kind = "Pod", cluster = "upper", %error,
+                    "could not write the pod deletion cost; going on without it"
+                ),
+            }
         }
         let lower = pc.lower_pods.get(&stored.meta.namespace, &stored.meta.name);
         if lower
