@@ -419,44 +419,45 @@ async fn reconcile(stored: &StoredPod, pc: &PodContext) -> Result<(), Error> {
         pc.synced.wait().await?;
         let ctx = &pc.ctx;
         ctx.metrics.reconciles.inc();
-        let priority = ctx.bursting.borrow().priority;
-        if let Some(cost) = deletion_cost_due(stored, priority) {
-            match write_deletion_cost(stored, cost, ctx).await {
-                // Its watch event brings the pod back, marked, for the rest.
-                Ok(()) => return Ok(()),
-                // The scale-in order never holds a pod back: one that cannot take the
-                // annotation (its annotations at the API server's limit), or a refused
-                // write, still goes below; the pod's next event tries again.
-                Err(error) => warn!(
-                    object = %key, kind = "Pod", cluster = "upper", %error,
-                    "could not write the pod deletion cost; going on without it"
-                ),
-            }
-        }
         let lower = pc.lower_pods.get(&stored.meta.namespace, &stored.meta.name);
-        if lower
+        let result = if lower
             .as_deref()
             .is_some_and(|lower| stored.in_step_with(lower))
         {
-            return Ok(());
-        }
-        let upper = stored.to_pod();
-        let started = Instant::now();
-        let result = reconcile_pod(&upper, lower.as_deref(), pc, &key).await;
-        ctx.metrics.reconciled("pod", started.elapsed());
-        match &result {
-            Ok(in_step) => {
-                if let Some(lower) = lower.as_deref().filter(|_| *in_step) {
-                    stored.mark_in_step_with(lower);
+            Ok(())
+        } else {
+            let upper = stored.to_pod();
+            let started = Instant::now();
+            let result = reconcile_pod(&upper, lower.as_deref(), pc, &key).await;
+            ctx.metrics.reconciled("pod", started.elapsed());
+            match &result {
+                Ok(in_step) => {
+                    if let Some(lower) = lower.as_deref().filter(|_| *in_step) {
+                        stored.mark_in_step_with(lower);
+                    }
+                    ctx.succeeded(&key);
                 }
-                ctx.succeeded(&key);
+                Err(error) => {
+                    ctx.metrics.reconcile_failed(error.metric_label());
+                    explain_failure(ctx, &upper, error).await;
+                }
             }
-            Err(error) => {
-                ctx.metrics.reconcile_failed(error.metric_label());
-                explain_failure(ctx, &upper, error).await;
-            }
+            result.map(drop)
+        };
+        // The scale-in order upstairs, after the pod's own step (its lower copy is never
+        // made later for it), and never holding it back: a pod that cannot take the
+        // annotation (its annotations at the API server's limit), or a refused write, is
+        // left without it until its next event.
+        let priority = ctx.bursting.borrow().priority;
+        if let Some(cost) = deletion_cost_due(stored, priority)
+            && let Err(error) = write_deletion_cost(stored, cost, ctx).await
+        {
+            warn!(
+                object = %key, kind = "Pod", cluster = "upper", %error,
+                "could not write the pod deletion cost; going on without it"
+            );
         }
-        result.map(drop)
+        result
     }
     .instrument(span)
     .await
