@@ -504,7 +504,8 @@ pub async fn keep_alive(
             let labelled_now = upper
                 .call("labelling", |client| {
                     let (node, priority) = (config.name.as_str(), priority.as_str());
-                    async move { label_priority(&client, node, priority).await }
+                    let uid = last.metadata.uid.clone();
+                    async move { label_priority(&client, node, uid, priority).await }
                 })
                 .await;
             match labelled_now {
@@ -544,9 +545,17 @@ pub async fn keep_alive(
     }
 }
 
-/// Writes the burst priority label on node `name`.
-async fn label_priority(upper: &Client, name: &str, priority: &str) -> Result<(), NodeError> {
-    let patch = json!({"metadata": {"labels": { BURST_PRIORITY_LABEL: priority }}});
+/// Writes the burst priority label on node `name`, only while it is the Node of `uid`.
+async fn label_priority(
+    upper: &Client,
+    name: &str,
+    uid: Option<String>,
+    priority: &str,
+) -> Result<(), NodeError> {
+    let mut patch = json!({"metadata": {"labels": { BURST_PRIORITY_LABEL: priority }}});
+    if let Some(uid) = uid {
+        patch["metadata"]["uid"] = uid.into();
+    }
     Api::<Node>::all(upper.clone())
         .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
