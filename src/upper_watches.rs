@@ -69,6 +69,8 @@ pub struct UpperWatches {
     pub config_maps: SharedIndex<ConfigMap>,
     /// Upper Secrets, metadata only.
     pub secrets: SharedIndex<Secret>,
+    /// Every virtual node's cordon.
+    pub cordons: Arc<crate::node::Cordons>,
 }
 
 /// The upper stores the Service controller reads.
@@ -115,7 +117,15 @@ impl UpperWatches {
         pumps.push(pump);
         let (secrets, pump) = SharedIndex::new(scoped(upper, namespace));
         pumps.push(pump);
+        let cordons = Arc::new(crate::node::Cordons::default());
+        pumps.push(
+            cordons
+                .clone()
+                .watch(upper.clone(), shutdown.clone())
+                .boxed(),
+        );
         let watches = Arc::new(Self {
+            cordons,
             pods,
             services,
             claims,

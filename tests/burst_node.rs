@@ -472,3 +472,94 @@ async fn a_cordoned_virtual_node_stays_cordoned_and_takes_nothing_new() {
     .await
     .unwrap();
 }
+
+/// Members that share the upper watches read their cordon from the one watch of every
+/// virtual node: a cordoned member's node takes nothing new below while the other member
+/// goes on; uncordoned, the pod is mirrored.
+#[tokio::test]
+async fn a_cordoned_member_takes_nothing_new_while_the_other_goes_on() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let (a, b) = ("vk-cordon-ma", "vk-cordon-mb");
+    let upper = pair.upper.client().await.unwrap();
+    let lower = pair.lower.client().await.unwrap();
+    let members = TestNamespace::create(&upper, "cordon-members")
+        .await
+        .unwrap();
+    let secrets: Api<Secret> = Api::namespaced(upper.clone(), &members.name);
+    for node in [a, b] {
+        secrets
+            .create(
+                &PostParams::default(),
+                &member_secret(node, node, &pair.lower.kubeconfig),
+            )
+            .await
+            .unwrap();
+    }
+    let _vn = pair
+        .serve_members(binary(), "vk-cordon-m", &members.name, &[a, b], &[])
+        .await
+        .unwrap();
+    let out = kubectl(pair, &pair.upper.kubeconfig, &["cordon", a], b"").await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ns = TestNamespace::create(&upper, "cordon-m").await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower, &ns.name);
+    let event_api: Api<Event> = Api::namespaced(upper.clone(), &ns.name);
+    // The cordon reaches member A through the shared watch: from then on a pod bound to A
+    // is held back. A pod that raced ahead of the cordon (mirrored below) is replaced by
+    // the next one.
+    let mut held = None;
+    for attempt in 0..10 {
+        let name = format!("on-a-{attempt}");
+        pods.create(&PostParams::default(), &bound_pod(&name, a))
+            .await
+            .unwrap();
+        let outcome = wait_for("the pod held back or mirrored", TIMEOUT, || async {
+            if lower_pods.get_opt(&name).await?.is_some() {
+                return Ok(Some(false));
+            }
+            let found = events(&event_api, "NodeCordoned").await;
+            Ok(found
+                .iter()
+                .any(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(&name))
+                .then_some(true))
+        })
+        .await
+        .unwrap();
+        if outcome {
+            held = Some(name);
+            break;
+        }
+    }
+    let held = held.expect("no pod bound to A was held back by its cordon");
+    assert!(
+        lower_pods.get_opt(&held).await.unwrap().is_none(),
+        "nothing new below A"
+    );
+    pods.create(&PostParams::default(), &bound_pod("on-b", b))
+        .await
+        .unwrap();
+    wait_for("the pod bound to B Running", TIMEOUT, || async {
+        Ok(running(&pods.get("on-b").await?).then_some(()))
+    })
+    .await
+    .unwrap();
+    let out = kubectl(pair, &pair.upper.kubeconfig, &["uncordon", a], b"").await;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_for(
+        "the pod bound to A Running once uncordoned",
+        TIMEOUT,
+        || async { Ok(running(&pods.get(&held).await?).then_some(())) },
+    )
+    .await
+    .unwrap();
+    ns.delete().await.unwrap();
+}

@@ -396,15 +396,27 @@ async fn run_member(
         None => tasks.supervise().await.map_err(|f| f.to_string()),
         Some(Ok(node)) => {
             cordon_tx.send_replace(node::resources::node_cordoned(&node));
-            tasks.spawn(
-                "cordon watch",
-                node::watch_cordon(
-                    upper.client.clone(),
-                    spec.node.clone(),
-                    cordon_tx,
-                    shutdown.clone(),
+            // Members sharing the upper watches read their cordon from the one watch of
+            // every virtual node; a lone member watches its own Node.
+            match shared.upper_watches.as_ref() {
+                Some(watches) => tasks.spawn(
+                    "cordon",
+                    node::follow_cordon(
+                        watches.cordons.subscribe(&spec.node),
+                        cordon_tx,
+                        shutdown.clone(),
+                    ),
                 ),
-            );
+                None => tasks.spawn(
+                    "cordon watch",
+                    node::watch_cordon(
+                        upper.client.clone(),
+                        spec.node.clone(),
+                        cordon_tx,
+                        shutdown.clone(),
+                    ),
+                ),
+            };
             let watched = PodWatched {
                 stores,
                 pods: triggers.0,

@@ -7,7 +7,7 @@ pub mod quantity;
 pub mod resources;
 pub mod spec;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
@@ -261,6 +261,93 @@ pub async fn watch_capacity(
                 }
                 changed
             });
+        }
+    }
+}
+
+/// Every virtual node's cordon (`spec.unschedulable`), from one upper watch of the Nodes
+/// labelled `type=virtual-kubelet`, for the members that share the upper watches: one
+/// watch however many members.
+#[derive(Default)]
+pub struct Cordons {
+    nodes: std::sync::Mutex<HashMap<String, watch::Sender<bool>>>,
+}
+
+impl Cordons {
+    /// The cordon of `node` as the watch last saw it (false until it has).
+    pub fn subscribe(&self, node: &str) -> watch::Receiver<bool> {
+        let mut nodes = self
+            .nodes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        nodes
+            .entry(node.to_owned())
+            .or_insert_with(|| watch::channel(false).0)
+            .subscribe()
+    }
+
+    fn set(&self, node: &str, cordoned: bool) {
+        let mut nodes = self
+            .nodes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let sender = nodes
+            .entry(node.to_owned())
+            .or_insert_with(|| watch::channel(false).0);
+        sender.send_if_modified(|current| {
+            let changed = *current != cordoned;
+            if changed {
+                info!(node, cordoned, cluster = "upper", "node cordon changed");
+                *current = cordoned;
+            }
+            changed
+        });
+    }
+
+    /// Keeps every virtual node's cordon current until `shutdown`.
+    pub async fn watch(self: std::sync::Arc<Self>, upper: Client, shutdown: CancellationToken) {
+        let config = watcher::Config::default().labels("type=virtual-kubelet");
+        let mut events = watcher(Api::<Node>::all(upper), config).boxed();
+        loop {
+            let event = tokio::select! {
+                () = shutdown.cancelled() => return,
+                event = events.next() => event,
+            };
+            match event {
+                None => return,
+                Some(Err(error)) => {
+                    warn!(%error, cluster = "upper", "watching the virtual nodes for cordons");
+                }
+                Some(Ok(Event::InitApply(node) | Event::Apply(node))) => {
+                    self.set(&node.name_any(), self::resources::node_cordoned(&node));
+                }
+                Some(Ok(Event::Delete(node))) => self.set(&node.name_any(), false),
+                Some(Ok(Event::Init | Event::InitDone)) => {}
+            }
+        }
+    }
+}
+
+/// Forwards `node`'s cordon from the shared [`Cordons`] to `tx` until `shutdown`.
+pub async fn follow_cordon(
+    mut cordon: watch::Receiver<bool>,
+    tx: watch::Sender<bool>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            changed = cordon.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                let cordoned = *cordon.borrow_and_update();
+                tx.send_if_modified(|current| {
+                    let changed = *current != cordoned;
+                    *current = cordoned;
+                    changed
+                });
+            }
         }
     }
 }
