@@ -524,16 +524,20 @@ const fn grouped(verb: &'static str, group: &'static str, resource: &'static str
 
 /// What virtual-node always does in the upper cluster.
 pub const UPPER_PERMISSIONS: &[Permission] = &[
-    // node: registered (read first), labels and taints patched, status written
+    // node: registered (read first), labels and taints patched, status written; watched
+    // for a cordon (the virtual nodes, with --members-namespace)
     perm("get", "nodes"),
+    perm("list", "nodes"),
+    perm("watch", "nodes"),
     perm("create", "nodes"),
     perm("patch", "nodes"),
     sub("patch", "nodes", "status"),
-    // pods bound to the node: watched, read whole before mirroring, deleted when the
-    // lower pod is gone, status reflected
+    // pods bound to the node: watched, read whole before mirroring, their deletion cost
+    // written, deleted when the lower pod is gone, status reflected
     perm("list", "pods"),
     perm("watch", "pods"),
     perm("get", "pods"),
+    perm("patch", "pods"),
     perm("delete", "pods"),
     sub("patch", "pods", "status"),
     // dependencies copied down; ConfigMaps and Secrets watched (metadata) to keep copies
