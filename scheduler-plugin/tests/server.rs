@@ -44,7 +44,10 @@ async fn routes_bad_input_and_drain() {
 
     assert_eq!(http(port, "GET", "/healthz", "").await.0, 200);
     let (status, body) = http(port, "GET", "/readyz", "").await;
-    assert_eq!((status, body.as_str()), (503, "vk: not synced yet\n"));
+    assert_eq!(
+        (status, body.as_str()),
+        (503, "vk: not synced yet; upper nodes: not synced yet\n")
+    );
 
     for bad in [
         "",
