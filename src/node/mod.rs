@@ -294,14 +294,7 @@ impl Cordons {
         let sender = nodes
             .entry(node.to_owned())
             .or_insert_with(|| watch::channel(false).0);
-        sender.send_if_modified(|current| {
-            let changed = *current != cordoned;
-            if changed {
-                info!(node, cordoned, cluster = "upper", "node cordon changed");
-                *current = cordoned;
-            }
-            changed
-        });
+        say_cordon(sender, node, cordoned);
     }
 
     /// Keeps every virtual node's cordon current until `shutdown`.
@@ -379,15 +372,20 @@ pub async fn watch_cordon(
             Some(Ok(Event::Delete(_))) => false,
             Some(Ok(Event::Init | Event::InitDone)) => continue,
         };
-        tx.send_if_modified(|current| {
-            let changed = *current != cordoned;
-            if changed {
-                info!(node = %name, cordoned, cluster = "upper", "node cordon changed");
-                *current = cordoned;
-            }
-            changed
-        });
+        say_cordon(&tx, &name, cordoned);
     }
+}
+
+/// Sends `node`'s cordon on `tx` when it changed.
+fn say_cordon(tx: &watch::Sender<bool>, node: &str, cordoned: bool) {
+    tx.send_if_modified(|current| {
+        let changed = *current != cordoned;
+        if changed {
+            info!(node, cordoned, cluster = "upper", "node cordon changed");
+            *current = cordoned;
+        }
+        changed
+    });
 }
 
 enum Change {
