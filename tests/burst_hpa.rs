@@ -26,9 +26,9 @@ use serde_json::json;
 use tensile_harness::fixtures::{deployment, virtual_node_toleration};
 use tensile_harness::metrics_server::set_node_usage;
 use tensile_harness::ports::free_port;
-use tensile_harness::scheduler_extender::{shipped_scheduler_config, start_extender};
+use tensile_harness::scheduler_extender::{hpa_bursting, start_extender};
 use tensile_harness::{
-    ClusterPair, NodeShape, PairOptions, TestNamespace, VirtualNodeOptions, invariant, wait_for,
+    ClusterPair, PairOptions, TestNamespace, VirtualNodeOptions, invariant, wait_for,
 };
 
 const VK_1: &str = "vk-hpa-1";
@@ -143,25 +143,8 @@ async fn settled(client: &Client, ns: &str, want: Placement, why: &str) {
 async fn an_hpa_bursts_local_first_and_scales_in_burst_first() {
     let port = free_port().unwrap();
     let mut options = PairOptions::default();
-    options.upper.nodes = 2;
-    options.upper.node_shape = NodeShape {
-        cpu: "4".into(),
-        ..NodeShape::default()
-    };
-    options
-        .upper
-        .scheduler_config
-        .extend(shipped_scheduler_config(&format!("http://127.0.0.1:{port}")).unwrap());
-    options.upper.metrics = true;
-    options.lower.metrics = true;
+    hpa_bursting(&mut options, port).unwrap();
     options.lower.nodes = 2;
-    // An HPA that acts in seconds (as tests/kubectl_top.rs).
-    options.upper.controller_manager_args = vec![
-        "--horizontal-pod-autoscaler-sync-period=5s".into(),
-        "--horizontal-pod-autoscaler-downscale-stabilization=10s".into(),
-        "--horizontal-pod-autoscaler-cpu-initialization-period=10s".into(),
-        "--horizontal-pod-autoscaler-initial-readiness-delay=5s".into(),
-    ];
     let pair = ClusterPair::start(options).await.unwrap();
     let _extender = start_extender(
         &pair,

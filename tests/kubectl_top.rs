@@ -19,7 +19,9 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use tensile_harness::fixtures::{bound_pod, deployment, virtual_node_toleration};
-use tensile_harness::metrics_server::{USAGE_CPU_ANNOTATION, USAGE_MEMORY_ANNOTATION};
+use tensile_harness::metrics_server::{
+    USAGE_CPU_ANNOTATION, USAGE_MEMORY_ANNOTATION, fast_hpa_controller_args,
+};
 use tensile_harness::{ClusterPair, PairOptions, TestNamespace, invariant, wait_for};
 
 const A: &str = "vk-top-a";
@@ -88,12 +90,7 @@ async fn kubectl_top_and_an_hpa_see_the_usage_of_pods_on_virtual_nodes() {
     options.upper.metrics = true;
     options.lower.metrics = true;
     // An HPA that acts in seconds.
-    options.upper.controller_manager_args = vec![
-        "--horizontal-pod-autoscaler-sync-period=5s".into(),
-        "--horizontal-pod-autoscaler-downscale-stabilization=10s".into(),
-        "--horizontal-pod-autoscaler-cpu-initialization-period=10s".into(),
-        "--horizontal-pod-autoscaler-initial-readiness-delay=5s".into(),
-    ];
+    options.upper.controller_manager_args = fast_hpa_controller_args();
     let pair = ClusterPair::start(options).await.unwrap();
     let upper = pair.upper.client().await.unwrap();
     let lower = pair.lower.client().await.unwrap();

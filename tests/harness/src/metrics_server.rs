@@ -26,6 +26,19 @@ use crate::binaries::Binaries;
 use crate::cluster::{Cluster, Component, KWOK_NODE_ANNOTATION};
 use crate::pki::Pki;
 use crate::ports::free_port;
+
+/// kube-controller-manager flags for an HPA that acts in seconds (sync every 5 s, short
+/// stabilization and initialization), for tests and benchmarks of autoscaling.
+pub fn fast_hpa_controller_args() -> Vec<String> {
+    [
+        "--horizontal-pod-autoscaler-sync-period=5s",
+        "--horizontal-pod-autoscaler-downscale-stabilization=10s",
+        "--horizontal-pod-autoscaler-cpu-initialization-period=10s",
+        "--horizontal-pod-autoscaler-initial-readiness-delay=5s",
+    ]
+    .map(String::from)
+    .to_vec()
+}
 use crate::process::Reaper;
 
 /// The node annotation metrics-server (0.7 and later) reads the resource metrics path of

@@ -15,6 +15,28 @@ use crate::wait::wait_for;
 /// The shipped file.
 const SHIPPED: &str = include_str!("../../../deploy/scheduler-extender/kube-scheduler-config.yaml");
 
+/// The upper cluster of the HPA bursting scenes (`tests/burst_hpa.rs`, `tensile-bench
+/// --burst-hpa`): two regular nodes of 4 CPU, the kube-scheduler configured with the
+/// extender at `127.0.0.1:port` as shipped, metrics-servers in both clusters and an HPA that
+/// acts in seconds.
+pub fn hpa_bursting(options: &mut crate::PairOptions, port: u16) -> Result<()> {
+    options.upper.nodes = 2;
+    options.upper.node_shape = crate::NodeShape {
+        cpu: "4".into(),
+        ..crate::NodeShape::default()
+    };
+    options
+        .upper
+        .scheduler_config
+        .extend(shipped_scheduler_config(&format!(
+            "http://127.0.0.1:{port}"
+        ))?);
+    options.upper.metrics = true;
+    options.lower.metrics = true;
+    options.upper.controller_manager_args = crate::metrics_server::fast_hpa_controller_args();
+    Ok(())
+}
+
 /// The fields of the shipped KubeSchedulerConfiguration beyond `apiVersion` and `kind`
 /// (`extenders`, `percentageOfNodesToScore`), with the extender's `urlPrefix` replaced by
 /// `url`: to merge into [`crate::ClusterOptions::scheduler_config`].

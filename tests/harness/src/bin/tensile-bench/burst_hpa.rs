@@ -27,10 +27,8 @@ use serde_json::json;
 use tensile_harness::fixtures::{deployment, virtual_node_toleration};
 use tensile_harness::metrics_server::set_node_usage;
 use tensile_harness::ports::free_port;
-use tensile_harness::scheduler_extender::{shipped_scheduler_config, start_extender};
-use tensile_harness::{
-    ClusterPair, NodeShape, TestNamespace, VirtualNodeOptions, node_is_ready, wait_for,
-};
+use tensile_harness::scheduler_extender::{hpa_bursting, start_extender};
+use tensile_harness::{ClusterPair, TestNamespace, VirtualNodeOptions, node_is_ready, wait_for};
 
 use super::{Args, WAIT, lock, lower_for, secs};
 
@@ -154,25 +152,7 @@ pub(crate) async fn run(binary: &Path, args: &Args) -> Result<()> {
     let (share_1, share_2) = (burst / 2, burst - burst / 2);
     let port = free_port()?;
     let mut options = lower_for(burst);
-    options.upper.nodes = 2;
-    options.upper.node_shape = NodeShape {
-        cpu: "4".into(),
-        ..NodeShape::default()
-    };
-    options
-        .upper
-        .scheduler_config
-        .extend(shipped_scheduler_config(&format!(
-            "http://127.0.0.1:{port}"
-        ))?);
-    options.upper.metrics = true;
-    options.lower.metrics = true;
-    options.upper.controller_manager_args = vec![
-        "--horizontal-pod-autoscaler-sync-period=5s".into(),
-        "--horizontal-pod-autoscaler-downscale-stabilization=10s".into(),
-        "--horizontal-pod-autoscaler-cpu-initialization-period=10s".into(),
-        "--horizontal-pod-autoscaler-initial-readiness-delay=5s".into(),
-    ];
+    hpa_bursting(&mut options, port)?;
     eprintln!("starting the cluster pair (metrics-servers, the extender) ...");
     let pair = ClusterPair::start(options).await?;
     let _extender = start_extender(
