@@ -35,6 +35,7 @@ use tokio::time::MissedTickBehavior;
 
 mod burst_hpa;
 mod federation;
+mod granularity;
 mod scrape;
 
 #[derive(Parser)]
@@ -86,6 +87,12 @@ struct Args {
     /// times each way from the HPA's decision (issue #35).
     #[arg(long)]
     burst_hpa: bool,
+    /// Instead of the other scenarios: one member whose lower cluster has this many kwok
+    /// nodes, joined as one virtual node and then as one virtual node per lower node
+    /// (`--node-granularity node`): time to Ready, memory per virtual node, upper writes at
+    /// rest, and a burst of `--pods` pods over them (issue #36).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(2..))]
+    lower_nodes: Option<u32>,
     /// A further flag for the single-cluster scenarios' virtual-node (repeatable), e.g.
     /// `--node-arg=--lower-namespace=prefixed` to measure a mode's cost.
     #[arg(long, allow_hyphen_values = true)]
@@ -789,6 +796,9 @@ async fn run(args: Args) -> Result<()> {
     }
     if args.burst_hpa {
         return burst_hpa::run(&binary, &args).await;
+    }
+    if let Some(nodes) = args.lower_nodes {
+        return granularity::run(&binary, usize::try_from(nodes)?, &args).await;
     }
     let largest = args
         .footprint
