@@ -16,10 +16,17 @@ const KEY: &str = "dGhlIHNhbXBsZSBub25jZQ==";
 const ACCEPT: &str = "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=";
 const WAIT: Duration = Duration::from_secs(10);
 
+/// Sec-WebSocket-Accept, Sec-WebSocket-Protocol, and whether the answer is taken (else the
+/// protocol it named).
+type UpgradeCase = (
+    Option<&'static str>,
+    Option<&'static str>,
+    Result<(), Option<&'static str>>,
+);
+
 #[test]
 fn only_an_upgrade_to_the_tunnel_is_taken() {
-    // (Sec-WebSocket-Accept, Sec-WebSocket-Protocol, taken)
-    let cases: [(Option<&str>, Option<&str>, Result<(), Option<&str>>); 5] = [
+    let cases: [UpgradeCase; 5] = [
         (Some(ACCEPT), Some(TUNNEL_PROTOCOL), Ok(())),
         // A kubelet reached through an API server that does not tunnel picks its own.
         (
@@ -198,11 +205,17 @@ async fn a_forwarded_connection_reaches_the_kubelet_with_its_headers_data_and_fi
         reader.read_to_end(&mut got).await.unwrap();
         got
     };
+    let started = std::time::Instant::now();
     let ((), got) = tokio::time::timeout(Duration::from_secs(60), async {
         tokio::join!(send, receive)
     })
     .await
     .expect("the transfer in time");
+    println!(
+        "relayed {} MiB each way in {:?}",
+        total / (1024 * 1024),
+        started.elapsed()
+    );
     assert_eq!(got.len(), total + 3);
     assert!(
         got[..total]

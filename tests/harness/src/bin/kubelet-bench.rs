@@ -216,10 +216,11 @@ fn cpu(pair: &ClusterPair, vn: &VirtualNode, real: Option<&RealNode>) -> BTreeMa
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        if matches!(name.as_str(), "kubelet" | "containerd") && cmdline.contains(&dir) {
-            if let Ok((_, _, seconds)) = footprint(pid) {
-                *cpu.entry(format!("real {name}")).or_insert(0.0) += seconds;
-            }
+        if matches!(name.as_str(), "kubelet" | "containerd")
+            && cmdline.contains(&dir)
+            && let Ok((_, _, seconds)) = footprint(pid)
+        {
+            *cpu.entry(format!("real {name}")).or_insert(0.0) += seconds;
         }
     }
     cpu
