@@ -594,3 +594,108 @@ async fn a_flood_of_port_forward_streams_leaves_memory_bounded_and_exec_working(
     flood.abort();
     ns.delete().await.unwrap();
 }
+
+/// The local port of kubectl port-forward's "Forwarding from 127.0.0.1:40123 -> 8080".
+async fn forwarded_port(
+    lines: &mut tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+) -> u16 {
+    loop {
+        let line = tokio::time::timeout(TIMEOUT, lines.next_line())
+            .await
+            .expect("kubectl port-forward forwards in time")
+            .unwrap()
+            .expect("kubectl port-forward ended before forwarding");
+        if let Some(rest) = line.strip_prefix("Forwarding from 127.0.0.1:") {
+            return rest.split(' ').next().unwrap().parse().unwrap();
+        }
+    }
+}
+
+/// Sends `bytes` (a pattern) on `conn` while reading the echo back; the echo matches.
+async fn echo_both_ways(conn: tokio::net::TcpStream, bytes: usize) {
+    let pattern = |i: usize| (i % 251) as u8;
+    let (mut read, mut write) = conn.into_split();
+    let send = async move {
+        let mut sent = 0;
+        while sent < bytes {
+            let n = (bytes - sent).min(64 * 1024);
+            let piece: Vec<u8> = (sent..sent + n).map(pattern).collect();
+            write.write_all(&piece).await.unwrap();
+            sent += n;
+        }
+        write
+    };
+    let receive = async move {
+        let mut got = 0;
+        let mut buffer = vec![0u8; 64 * 1024];
+        while got < bytes {
+            let n = read.read(&mut buffer).await.unwrap();
+            assert!(n > 0, "the echo ended after {got} of {bytes} bytes");
+            for (i, byte) in buffer[..n].iter().enumerate() {
+                assert_eq!(*byte, pattern(got + i), "byte {}", got + i);
+            }
+            got += n;
+        }
+    };
+    let (_write, ()) = tokio::time::timeout(Duration::from_secs(120), async {
+        tokio::join!(send, receive)
+    })
+    .await
+    .expect("the echo in time");
+}
+
+/// Issue #38: port-forward through the virtual node rides one SPDY connection to the lower
+/// kubelet, tunnelled through the lower API server's WebSocket (`SPDY/3.1+portforward.k8s.io`),
+/// whichever way kubectl reaches the upper API server (its own WebSocket tunnel, or SPDY):
+/// 16 MiB echoed both ways at once beside a second connection, and virtual-node says that
+/// the tunnel carried each session (before, every forwarded connection was a WebSocket of
+/// its own, in the channel protocol).
+#[tokio::test]
+async fn port_forward_through_the_virtual_node_is_spdy_tunnelled_to_the_lower_kubelet() {
+    use tokio::io::AsyncBufReadExt;
+    let pair = ClusterPair::shared().await.unwrap();
+    let (vn, ns) = pod_on_virtual_node(pair, "vk-kubelet-tunnel", "kubelet-tunnel").await;
+    for websockets in ["true", "false"] {
+        let mut child = Command::new(pair.bin("kubectl"))
+            .arg("--kubeconfig")
+            .arg(pair.upper_kubeconfig())
+            .args(["-n", &ns.name, "port-forward", "pod/two", ":8080", ":9090"])
+            .arg("--address=127.0.0.1")
+            .env("KUBECTL_PORT_FORWARD_WEBSOCKETS", websockets)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let (first, second) = (
+            forwarded_port(&mut lines).await,
+            forwarded_port(&mut lines).await,
+        );
+        let big = tokio::net::TcpStream::connect(("127.0.0.1", first))
+            .await
+            .unwrap();
+        let small = tokio::net::TcpStream::connect(("127.0.0.1", second))
+            .await
+            .unwrap();
+        tokio::join!(
+            echo_both_ways(big, 16 * 1024 * 1024),
+            echo_both_ways(small, 1000)
+        );
+        child.kill().await.unwrap();
+    }
+    let log = std::fs::read_to_string(vn.log()).unwrap();
+    assert_eq!(
+        log.matches("port-forward: tunnelled SPDY to the lower kubelet")
+            .count(),
+        2,
+        "each kubectl port-forward session tunnelled to the lower kubelet; log:\n{}",
+        log.lines()
+            .filter(|l| l.contains("port-forward"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert!(!log.contains("port-forward: no tunnel"));
+    ns.delete().await.unwrap();
+}

@@ -8,6 +8,7 @@ pub mod resource_scrape;
 pub mod route;
 pub mod spdy;
 pub mod streams;
+pub mod tunnel;
 pub mod websocket;
 
 use std::convert::Infallible;

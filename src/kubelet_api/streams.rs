@@ -17,7 +17,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use super::route::StreamFlags;
 use super::spdy::{Connection, Stream, StreamReader, StreamWriter};
@@ -324,9 +324,25 @@ pub fn parse_resizes(bytes: &[u8]) -> (Vec<TerminalSize>, usize) {
     (sizes, used)
 }
 
+/// Serves port-forward on `conn`: over one SPDY connection to the lower kubelet, tunnelled
+/// through the lower API server ([`super::tunnel`]), or, where the lower API server does not
+/// tunnel, a WebSocket per forwarded connection ([`port_forward_per_connection`]).
+pub async fn port_forward(conn: Connection, pods: Api<Pod>, pod: String) {
+    match super::tunnel::open(&pods, &pod).await {
+        Ok(lower) => {
+            info!(object = %pod, kind = "Pod", cluster = "lower", "port-forward: tunnelled SPDY to the lower kubelet");
+            super::tunnel::relay(conn, lower).await;
+        }
+        Err(error) => {
+            info!(object = %pod, kind = "Pod", cluster = "lower", %error, "port-forward: no tunnel; a WebSocket per forwarded connection");
+            port_forward_per_connection(conn, pods, pod).await;
+        }
+    }
+}
+
 /// Serves port-forward on `conn`: each request (an `error` and a `data` stream with the
-/// same `requestid`) becomes one connection to that port of the lower pod.
-pub async fn port_forward(mut conn: Connection, pods: Api<Pod>, pod: String) {
+/// same `requestid`) becomes one WebSocket connection to that port of the lower pod.
+pub async fn port_forward_per_connection(mut conn: Connection, pods: Api<Pod>, pod: String) {
     let mut errors: std::collections::HashMap<String, (StreamWriter, Instant)> = Default::default();
     let mut tasks = tokio::task::JoinSet::new();
     while let Some(stream) = conn.accept().await {

@@ -1,5 +1,7 @@
-//! A server-side SPDY/3.1 connection, as kube-apiserver speaks it (moby/spdystream via
-//! `k8s.io/apimachinery/pkg/util/httpstream/spdy`) for exec, attach and port-forward.
+//! A SPDY/3.1 connection, as kube-apiserver speaks it (moby/spdystream via
+//! `k8s.io/apimachinery/pkg/util/httpstream/spdy`) for exec, attach and port-forward: the
+//! server's end ([`Connection::server`], streams the peer opens), and the client's end
+//! ([`Connection::client`], streams this side opens, as kubectl does toward a kubelet).
 //!
 //! One reader task decodes frames and routes them; one writer task owns the sending half and
 //! the header deflater, so frames leave in one order and the zlib stream stays consistent.
@@ -99,6 +101,9 @@ struct Entry {
     data: Option<mpsc::UnboundedSender<Piece>>,
     end: Arc<AtomicU8>,
     local_closed: bool,
+    /// A stream this side opened: told when the peer's SYN_REPLY comes (dropped, unsent,
+    /// when the peer resets the stream or the connection ends first).
+    replied: Option<oneshot::Sender<()>>,
 }
 
 /// State the reader task shares with the stream writers.
@@ -136,12 +141,63 @@ impl Shared {
     }
 }
 
-/// A server-side SPDY/3.1 connection over an upgraded HTTP connection.
+/// A SPDY/3.1 connection over an upgraded HTTP connection (or a tunnel).
 pub struct Connection {
     accept: mpsc::Receiver<Stream>,
     ctrl: mpsc::Sender<Ctrl>,
     /// Keeps the writer task alive; it ends when this and every stream half are gone.
-    _alive: mpsc::UnboundedSender<Outgoing>,
+    alive: mpsc::UnboundedSender<Outgoing>,
+    shared: Arc<Shared>,
+    permits: Arc<Semaphore>,
+    /// Cancelled once the connection has ended (the writer task is done).
+    ended: CancellationToken,
+    /// The id of the next stream this side opens (client: odd, from 1).
+    next_id: u32,
+}
+
+/// Why a stream could not be opened.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum OpenError {
+    /// The connection has ended (or is ending).
+    #[error("the SPDY connection has ended")]
+    Ended,
+    /// Every stream id has been used.
+    #[error("the SPDY connection has no stream ids left")]
+    IdsExhausted,
+    /// The peer reset the stream (or the connection ended) before it replied.
+    #[error("the peer refused the stream")]
+    Refused,
+}
+
+/// Which end of the connection this side is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    Server,
+    Client,
+}
+
+/// A stream this side asked for: usable once the peer replies ([`PendingStream::established`]).
+pub struct PendingStream {
+    stream: Stream,
+    replied: oneshot::Receiver<()>,
+}
+
+impl std::fmt::Debug for PendingStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingStream")
+            .field("id", &self.stream.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PendingStream {
+    /// Waits for the peer's SYN_REPLY; the stream, or why there is none.
+    pub async fn established(self) -> Result<Stream, OpenError> {
+        match self.replied.await {
+            Ok(()) => Ok(self.stream),
+            Err(_) => Err(OpenError::Refused),
+        }
+    }
 }
 
 impl std::fmt::Debug for Connection {
@@ -156,6 +212,22 @@ impl Connection {
     where
         IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
     {
+        Self::start(io, Role::Server)
+    }
+
+    /// Starts the client's end on `io`: streams are opened with [`Connection::open`]; any the
+    /// peer opens are refused. Its tasks end as a server's do.
+    pub fn client<IO>(io: IO) -> Connection
+    where
+        IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    {
+        Self::start(io, Role::Client)
+    }
+
+    fn start<IO>(io: IO, role: Role) -> Connection
+    where
+        IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+    {
         let (read_half, write_half) = tokio::io::split(io);
         let (accept_tx, accept) = mpsc::channel(ACCEPT_QUEUE);
         let (ctrl, ctrl_rx) = mpsc::channel(CONTROL_QUEUE);
@@ -165,7 +237,9 @@ impl Connection {
         let stop = CancellationToken::new();
         let reader = Reader {
             ctrl: ctrl.clone(),
-            accept: Some(accept_tx),
+            // A client accepts no streams: the peer's are refused.
+            accept: (role == Role::Server).then_some(accept_tx),
+            role,
             outgoing: alive.downgrade(),
             permits: permits.clone(),
             received: Arc::new(Semaphore::new(RECEIVE_BUDGET)),
@@ -174,13 +248,77 @@ impl Connection {
         };
         tokio::spawn(reader.run(read_half, stop.clone()));
         tokio::spawn(write_loop(
-            write_half, ctrl_rx, data_rx, permits, shared, stop,
+            write_half,
+            ctrl_rx,
+            data_rx,
+            permits.clone(),
+            shared.clone(),
+            stop.clone(),
         ));
         Connection {
             accept,
             ctrl,
-            _alive: alive,
+            alive,
+            shared,
+            permits,
+            ended: stop,
+            next_id: 1,
         }
+    }
+
+    /// Opens a stream with these request headers (SYN_STREAM); it is usable once the peer
+    /// has replied. Streams are opened one after the other (`&mut self`), so their ids go out
+    /// in order, as SPDY requires.
+    pub async fn open(
+        &mut self,
+        headers: Vec<(String, String)>,
+    ) -> Result<PendingStream, OpenError> {
+        if self.ended.is_cancelled() {
+            return Err(OpenError::Ended);
+        }
+        let id = self.next_id;
+        if id > 0x7fff_ffff {
+            return Err(OpenError::IdsExhausted);
+        }
+        self.next_id = id + 2;
+        let (data_tx, data_rx) = mpsc::unbounded_channel();
+        let end = Arc::new(AtomicU8::new(OPEN));
+        let (replied_tx, replied) = oneshot::channel();
+        self.shared.streams().insert(
+            id,
+            Entry {
+                data: Some(data_tx),
+                end: end.clone(),
+                local_closed: false,
+                replied: Some(replied_tx),
+            },
+        );
+        let syn = Frame::SynStream {
+            stream_id: id,
+            associated_to: 0,
+            priority: 0,
+            flags: 0,
+            headers: headers.clone(),
+        };
+        if self.ctrl.send(Ctrl::Frame(syn)).await.is_err() {
+            self.shared.streams().remove(&id);
+            return Err(OpenError::Ended);
+        }
+        let stream = new_stream(
+            id,
+            headers,
+            data_rx,
+            end,
+            self.alive.clone(),
+            &self.permits,
+            &self.shared,
+        );
+        Ok(PendingStream { stream, replied })
+    }
+
+    /// Resolves once the connection has ended (the peer went away, GOAWAY, or a failure).
+    pub async fn ended(&self) {
+        self.ended.cancelled().await;
     }
 
     /// The next stream the peer opened (SYN_STREAM), already answered with SYN_REPLY. None once the connection has ended.
@@ -244,6 +382,38 @@ impl Stream {
     }
 }
 
+/// The two halves of stream `id`, over the connection's queues and budgets.
+fn new_stream(
+    id: u32,
+    headers: Vec<(String, String)>,
+    data: mpsc::UnboundedReceiver<Piece>,
+    end: Arc<AtomicU8>,
+    outgoing: mpsc::UnboundedSender<Outgoing>,
+    permits: &Arc<Semaphore>,
+    shared: &Arc<Shared>,
+) -> Stream {
+    Stream {
+        id,
+        headers,
+        reader: StreamReader {
+            id,
+            data,
+            pending: Bytes::new(),
+            pending_budget: None,
+            end: end.clone(),
+            _alive: outgoing.clone(),
+        },
+        writer: StreamWriter {
+            id,
+            outgoing,
+            permits: PollSemaphore::new(permits.clone()),
+            end,
+            shared: shared.clone(),
+            closed: false,
+        },
+    }
+}
+
 /// The receiving half of a stream.
 pub struct StreamReader {
     id: u32,
@@ -260,6 +430,59 @@ impl std::fmt::Debug for StreamReader {
         f.debug_struct("StreamReader")
             .field("id", &self.id)
             .finish_non_exhaustive()
+    }
+}
+
+/// Data as it was received, holding its share of the receive budget until dropped: relayed
+/// on without a copy ([`StreamReader::chunk`], [`StreamWriter::write_chunk`]).
+pub struct Chunk {
+    data: Bytes,
+    _budget: Option<OwnedSemaphorePermit>,
+}
+
+impl std::fmt::Debug for Chunk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Chunk")
+            .field("len", &self.data.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Chunk {
+    /// The bytes.
+    pub fn data(&self) -> &Bytes {
+        &self.data
+    }
+}
+
+impl StreamReader {
+    /// The next data received, as it came; `None` after the peer's FIN. Errors as
+    /// [`AsyncRead`] does (reset, connection ended).
+    pub async fn chunk(&mut self) -> io::Result<Option<Chunk>> {
+        if !self.pending.is_empty() {
+            return Ok(Some(Chunk {
+                data: std::mem::take(&mut self.pending),
+                _budget: self.pending_budget.take(),
+            }));
+        }
+        self.pending_budget = None;
+        match self.data.recv().await {
+            Some(piece) => Ok(Some(Chunk {
+                data: piece.data,
+                _budget: Some(piece.budget),
+            })),
+            None => match self.end.load(Ordering::Acquire) {
+                FIN => Ok(None),
+                RESET => Err(io::Error::new(
+                    io::ErrorKind::ConnectionReset,
+                    "stream reset",
+                )),
+                _ => Err(io::Error::new(
+                    io::ErrorKind::ConnectionAborted,
+                    "SPDY connection ended before the stream finished",
+                )),
+            },
+        }
     }
 }
 
@@ -331,6 +554,39 @@ impl StreamWriter {
             },
             None,
         );
+    }
+
+    /// Sends `chunk` (in frames of at most [`MAX_DATA_FRAME`]) without copying it, within
+    /// the connection's send budget; its receive budget is given back once it is queued.
+    pub async fn write_chunk(&mut self, chunk: Chunk) -> io::Result<()> {
+        let mut data = chunk.data.clone();
+        while !data.is_empty() {
+            if self.closed {
+                return Err(broken_pipe());
+            }
+            if self.end.load(Ordering::Acquire) == RESET {
+                return Err(io::Error::new(
+                    io::ErrorKind::ConnectionReset,
+                    "stream reset",
+                ));
+            }
+            let piece = data.split_to(data.len().min(MAX_DATA_FRAME));
+            // At most 32 KiB + 128: fits.
+            let cost = (piece.len() + PIECE_OVERHEAD) as u32;
+            let permit = std::future::poll_fn(|cx| self.permits.poll_acquire_many(cx, cost))
+                .await
+                .ok_or_else(broken_pipe)?;
+            let frame = Frame::Data {
+                stream_id: self.id,
+                fin: false,
+                data: piece,
+            };
+            if !self.send(frame, Some(permit)) {
+                return Err(broken_pipe());
+            }
+        }
+        drop(chunk);
+        Ok(())
     }
 
     fn send(&self, frame: Frame, budget: Option<OwnedSemaphorePermit>) -> bool {
@@ -423,8 +679,9 @@ impl Drop for StreamWriter {
 /// The reader task's state.
 struct Reader {
     ctrl: mpsc::Sender<Ctrl>,
-    /// `None` after GOAWAY; new streams are then refused.
+    /// `None` after GOAWAY (and always for a client); new streams are then refused.
     accept: Option<mpsc::Sender<Stream>>,
+    role: Role,
     /// Weak, so the reader alone does not keep the connection alive.
     outgoing: mpsc::WeakUnboundedSender<Outgoing>,
     /// The send budget, handed to each stream's writer.
@@ -556,10 +813,20 @@ impl Reader {
                 Ok(())
             }
             Frame::SynReply { stream_id, .. } => {
-                debug!(
-                    stream_id,
-                    "SPDY SYN_REPLY for a stream this server never opened; ignored"
-                );
+                let replied = self
+                    .shared
+                    .streams()
+                    .get_mut(&stream_id)
+                    .and_then(|entry| entry.replied.take());
+                match replied {
+                    Some(replied) => {
+                        let _ = replied.send(());
+                    }
+                    None => debug!(
+                        stream_id,
+                        "SPDY SYN_REPLY for a stream this side did not open (or twice); ignored"
+                    ),
+                }
                 Ok(())
             }
             Frame::RstStream { stream_id, status } => {
@@ -570,8 +837,13 @@ impl Reader {
                 Ok(())
             }
             Frame::Ping { id } => {
-                // Odd ids are the client's own pings; even ones would answer pings we never send.
-                if id % 2 == 1 {
+                // The peer's own pings are echoed: odd ids are the client's, even the server's;
+                // the others would answer pings this side never sends.
+                let peers = match self.role {
+                    Role::Server => 1,
+                    Role::Client => 0,
+                };
+                if id % 2 == peers {
                     self.control(Frame::Ping { id }).await
                 } else {
                     Ok(())
@@ -667,6 +939,7 @@ impl Reader {
                 data: (!fin).then_some(data_tx),
                 end: end.clone(),
                 local_closed: false,
+                replied: None,
             },
         );
         // The reply is queued before the Stream exists, so it precedes any DATA on it.
@@ -676,26 +949,15 @@ impl Reader {
             headers: Vec::new(),
         })
         .await?;
-        let stream = Stream {
-            id: stream_id,
+        let stream = new_stream(
+            stream_id,
             headers,
-            reader: StreamReader {
-                id: stream_id,
-                data: data_rx,
-                pending: Bytes::new(),
-                pending_budget: None,
-                end: end.clone(),
-                _alive: outgoing.clone(),
-            },
-            writer: StreamWriter {
-                id: stream_id,
-                outgoing,
-                permits: PollSemaphore::new(self.permits.clone()),
-                end,
-                shared: self.shared.clone(),
-                closed: false,
-            },
-        };
+            data_rx,
+            end,
+            outgoing,
+            &self.permits,
+            &self.shared,
+        );
         // An error means the Connection was dropped; dropping the Stream sends its FIN.
         let _ = accept.send(stream).await;
         Ok(())

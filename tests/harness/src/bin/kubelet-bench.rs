@@ -15,9 +15,11 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, PostParams};
 use serde_json::json;
 use tensile_harness::fixtures::bound_pod;
-use tensile_harness::measure::{cpu_by_component, cpu_profile, percentile};
+use tensile_harness::measure::{cpu_by_component, cpu_profile, footprint, percentile};
+use tensile_harness::real_node::BUSYBOX_IMAGE;
 use tensile_harness::{
-    ClusterPair, PairOptions, TestNamespace, VirtualNodeOptions, node_is_ready, wait_for,
+    ClusterPair, PairOptions, RealNode, TestNamespace, VirtualNode, VirtualNodeOptions,
+    node_is_ready, real_node_placement, wait_for,
 };
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, Command};
@@ -39,9 +41,14 @@ struct Args {
     /// The virtual-node binary (default: beside this one).
     #[arg(long)]
     virtual_node: Option<PathBuf>,
+    /// Runs the pod on a real node of the lower cluster (a kubelet with containerd, as
+    /// tests/real_node.rs starts it; needs root) instead of kwok: busybox's `nc` echoes.
+    #[arg(long)]
+    real_node: bool,
 }
 
 const NODE: &str = "vk-kubelet-bench";
+const REAL_NODE: &str = "lower-real-bench";
 const POD: &str = "bench";
 const WAIT: Duration = Duration::from_secs(120);
 
@@ -183,6 +190,42 @@ async fn forwarded_port(child: &mut Child) -> Result<u16> {
     Ok(line.split(' ').next().unwrap_or_default().parse()?)
 }
 
+/// CPU seconds so far of each component, the real node's kubelet and containerd included
+/// (the processes whose command line names its directory).
+fn cpu(pair: &ClusterPair, vn: &VirtualNode, real: Option<&RealNode>) -> BTreeMap<String, f64> {
+    let mut cpu = cpu_by_component(pair, vn, "kubelet-bench");
+    let Some(real) = real else { return cpu };
+    let dir = real.dir.to_string_lossy().into_owned();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return cpu;
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        let program = cmdline.split('\0').next().unwrap_or_default();
+        let name = Path::new(program)
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if matches!(name.as_str(), "kubelet" | "containerd")
+            && cmdline.contains(&dir)
+            && let Ok((_, _, seconds)) = footprint(pid)
+        {
+            *cpu.entry(format!("real {name}")).or_insert(0.0) += seconds;
+        }
+    }
+    cpu
+}
+
 fn ms(d: Duration) -> String {
     format!("{:.1} ms", d.as_secs_f64() * 1000.0)
 }
@@ -200,6 +243,13 @@ async fn run(args: Args) -> Result<()> {
     }
     eprintln!("starting the cluster pair ...");
     let pair = ClusterPair::start(PairOptions::default()).await?;
+    let real = match args.real_node {
+        true => {
+            eprintln!("starting the real node ...");
+            Some(pair.start_real_node(REAL_NODE).await?)
+        }
+        false => None,
+    };
     let mut options = VirtualNodeOptions::new(&binary, NODE);
     options.args = vec!["--log-level".into(), "warn".into()];
     let vn = pair.start_virtual_node(&options)?;
@@ -216,6 +266,27 @@ async fn run(args: Args) -> Result<()> {
         "nodeName": NODE,
         "containers": [{"name": "app", "image": "busybox"}],
     }))?);
+    if real.is_some() {
+        // Placed on the real node below (as the webhook would stash it); a log line, then an
+        // echo on 8080 (busybox nc runs `cat` for each connection).
+        pod.metadata.annotations = Some(
+            [(
+                "clusterSelector".to_owned(),
+                real_node_placement().to_string(),
+            )]
+            .into(),
+        );
+        pod.spec = Some(serde_json::from_value(json!({
+            "nodeName": NODE,
+            "automountServiceAccountToken": false,
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{
+                "name": "app",
+                "image": BUSYBOX_IMAGE,
+                "command": ["sh", "-c", "echo started; exec nc -ll -p 8080 -e cat"],
+            }],
+        }))?);
+    }
     pods.create(&PostParams::default(), &pod).await?;
     wait_for(&format!("pod {POD} Running"), WAIT, || async {
         let phase = pods.get_opt(POD).await?.and_then(|p| p.status?.phase);
@@ -242,7 +313,8 @@ async fn run(args: Args) -> Result<()> {
         bench.logs_first_byte(path.kubeconfig).await?;
         bench.exec_round_trip(path.kubeconfig).await?;
     }
-    let cpu = cpu_by_component(&pair, &vn, "kubelet-bench");
+    let cpu_now = || cpu(&pair, &vn, real.as_ref());
+    let cpu = cpu_now();
     let mut logs = [Vec::new(), Vec::new()];
     let mut execs = [Vec::new(), Vec::new()];
     let mut throughput = [Vec::new(), Vec::new()];
@@ -252,15 +324,15 @@ async fn run(args: Args) -> Result<()> {
             execs[i].push(bench.exec_round_trip(path.kubeconfig).await?);
         }
     }
-    let profile = cpu_profile(&cpu, &cpu_by_component(&pair, &vn, "kubelet-bench"));
+    let profile = cpu_profile(&cpu, &cpu_now());
     let bytes = args.mebibytes * 1024 * 1024;
     // CPU seconds by component during each path's transfers, summed over the runs.
     let mut forward_cpu = [BTreeMap::new(), BTreeMap::new()];
     for _ in 0..args.forward_runs.max(1) {
         for (i, path) in bench.paths.iter().enumerate() {
-            let before = cpu_by_component(&pair, &vn, "kubelet-bench");
+            let before = cpu_now();
             throughput[i].push(bench.port_forward(path.kubeconfig, bytes).await?);
-            let after = cpu_by_component(&pair, &vn, "kubelet-bench");
+            let after = cpu_now();
             for (name, seconds) in &after {
                 *forward_cpu[i].entry(name.clone()).or_insert(0.0) +=
                     seconds - before.get(name).copied().unwrap_or(0.0);
@@ -273,12 +345,17 @@ async fn run(args: Args) -> Result<()> {
     });
 
     println!(
-        "\nkubelet-bench: {} cores, Kubernetes {}, virtual-node {}, {} runs each, {} MiB echoed \
-         (median of {})",
+        "\nkubelet-bench: {} cores, Kubernetes {}, the pod on {}, virtual-node {}, {} runs each, \
+         {} MiB echoed (median of {})",
         std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(0),
         pair.binaries.kubernetes_version(),
+        if real.is_some() {
+            "a real node (kubelet + containerd)"
+        } else {
+            "kwok"
+        },
         if cfg!(debug_assertions) {
             "debug build"
         } else {

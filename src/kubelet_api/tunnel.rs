@@ -1,0 +1,322 @@
+//! port-forward over one SPDY connection to the lower kubelet, tunnelled through the lower
+//! API server in a WebSocket (subprotocol `SPDY/3.1+portforward.k8s.io`, the API server's
+//! `PortForwardWebsockets`, on by default since Kubernetes 1.31): the API server passes the
+//! SPDY bytes to the kubelet as they are, so the kubelet handles the stream the direct
+//! path gives it, instead of the WebSocket channel protocol (which costs it twice the CPU).
+//!
+//! Each stream kubectl opens upstairs (an `error` and a `data` stream per forwarded
+//! connection) is opened below with the same headers and joined to it both ways, FIN for
+//! FIN and reset for reset: virtual-node keeps its own limits on the upper connection
+//! ([`super::spdy`]) and the kubelet sees what kubectl would have sent it. Where the lower
+//! API server refuses the tunnel (older clusters), [`super::streams::port_forward`] serves
+//! the connection as before (a WebSocket per forwarded connection).
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::{Sink, Stream as _};
+use http::{HeaderValue, StatusCode};
+use hyper_util::rt::TokioIo;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::Api;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio_tungstenite::WebSocketStream;
+use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
+use tokio_tungstenite::tungstenite::{self, Message};
+use tracing::{Instrument, debug, debug_span};
+
+use super::spdy::{Connection, PendingStream, Stream, StreamReader, StreamWriter};
+
+/// The WebSocket subprotocol of tunnelled port-forward: SPDY/3.1 carrying
+/// `portforward.k8s.io`, in binary messages.
+pub const TUNNEL_PROTOCOL: &str = "SPDY/3.1+portforward.k8s.io";
+/// How long the lower kubelet has to answer a stream (the kubelet's own creation timeout).
+const STREAM_REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Largest WebSocket message sent toward the lower API server.
+const TUNNEL_MESSAGE: usize = 64 * 1024;
+
+/// Why the tunnel could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum TunnelError {
+    /// The request could not be built or sent.
+    #[error("lower cluster: port-forward tunnel to {pod}: {source}")]
+    Request {
+        /// The lower pod.
+        pod: String,
+        /// Why.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The lower API server answered without upgrading (it does not tunnel, or refused).
+    #[error("lower cluster: port-forward tunnel to {pod} refused: {status}: {message}")]
+    Refused {
+        /// The lower pod.
+        pod: String,
+        /// The answer's status.
+        status: StatusCode,
+        /// Its message.
+        message: String,
+    },
+    /// It upgraded, but not to the tunnel.
+    #[error(
+        "lower cluster: port-forward tunnel to {pod}: upgraded to {protocol:?}, not {TUNNEL_PROTOCOL}"
+    )]
+    Protocol {
+        /// The lower pod.
+        pod: String,
+        /// The subprotocol it chose.
+        protocol: Option<String>,
+    },
+}
+
+/// Whether a 101 answer chose the tunnel (and accepted our key): pure.
+pub fn accepts_tunnel(headers: &http::HeaderMap, key: &str) -> Result<(), Option<String>> {
+    use http::header::{SEC_WEBSOCKET_ACCEPT, SEC_WEBSOCKET_PROTOCOL};
+    let protocol = headers
+        .get(SEC_WEBSOCKET_PROTOCOL)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.trim().to_owned());
+    let accept = tungstenite::handshake::derive_accept_key(key.as_bytes());
+    let accepted =
+        headers.get(SEC_WEBSOCKET_ACCEPT).map(HeaderValue::as_bytes) == Some(accept.as_bytes());
+    if accepted && protocol.as_deref() == Some(TUNNEL_PROTOCOL) {
+        Ok(())
+    } else {
+        Err(protocol)
+    }
+}
+
+/// Opens the tunnelled SPDY connection to the kubelet of `pod` through the lower API server.
+pub async fn open(pods: &Api<Pod>, pod: &str) -> Result<Connection, TunnelError> {
+    use http::header::{
+        CONNECTION, SEC_WEBSOCKET_KEY, SEC_WEBSOCKET_PROTOCOL, SEC_WEBSOCKET_VERSION, UPGRADE,
+    };
+    let failed = |source: Box<dyn std::error::Error + Send + Sync>| TunnelError::Request {
+        pod: pod.to_owned(),
+        source,
+    };
+    let key = tungstenite::handshake::client::generate_key();
+    let request = http::Request::get(format!("{}/{pod}/portforward", pods.resource_url()))
+        .header(CONNECTION, "Upgrade")
+        .header(UPGRADE, "websocket")
+        .header(SEC_WEBSOCKET_VERSION, "13")
+        .header(SEC_WEBSOCKET_PROTOCOL, TUNNEL_PROTOCOL)
+        .header(SEC_WEBSOCKET_KEY, &key)
+        .body(kube::client::Body::empty())
+        .map_err(|e| failed(e.into()))?;
+    let client = pods.clone().into_client();
+    let response = client.send(request).await.map_err(|e| failed(e.into()))?;
+    if response.status() != StatusCode::SWITCHING_PROTOCOLS {
+        let status = response.status();
+        let body = http_body_util::BodyExt::collect(response.into_body())
+            .await
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        let message =
+            serde_json::from_slice::<k8s_openapi::apimachinery::pkg::apis::meta::v1::Status>(&body)
+                .ok()
+                .and_then(|s| s.message)
+                .unwrap_or_else(|| String::from_utf8_lossy(&body).trim().to_owned());
+        return Err(TunnelError::Refused {
+            pod: pod.to_owned(),
+            status,
+            message,
+        });
+    }
+    if let Err(protocol) = accepts_tunnel(response.headers(), &key) {
+        return Err(TunnelError::Protocol {
+            pod: pod.to_owned(),
+            protocol,
+        });
+    }
+    let upgraded = hyper::upgrade::on(response)
+        .await
+        .map_err(|e| failed(e.into()))?;
+    let config = WebSocketConfig::default().read_buffer_size(64 * 1024);
+    let socket =
+        WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Client, Some(config)).await;
+    Ok(Connection::client(TunnelIo::new(socket)))
+}
+
+/// A WebSocket as a byte stream: what is written goes out in binary messages, what comes
+/// in binary messages is read in order (message bounds mean nothing), as client-go's
+/// `TunnelingConnection` does.
+pub struct TunnelIo<S> {
+    socket: WebSocketStream<S>,
+    /// The rest of the message being read.
+    pending: Bytes,
+    /// The peer closed (or the socket failed): reads see the end.
+    done: bool,
+}
+
+impl<S> std::fmt::Debug for TunnelIo<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TunnelIo")
+            .field("pending", &self.pending.len())
+            .field("done", &self.done)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S> TunnelIo<S> {
+    /// Wraps an open WebSocket.
+    pub fn new(socket: WebSocketStream<S>) -> Self {
+        Self {
+            socket,
+            pending: Bytes::new(),
+            done: false,
+        }
+    }
+}
+
+fn io_error(error: tungstenite::Error) -> io::Error {
+    match error {
+        tungstenite::Error::Io(error) => error,
+        tungstenite::Error::ConnectionClosed | tungstenite::Error::AlreadyClosed => {
+            io::Error::new(io::ErrorKind::BrokenPipe, "the tunnel is closed")
+        }
+        other => io::Error::other(other),
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for TunnelIo<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        while self.pending.is_empty() {
+            if self.done {
+                return Poll::Ready(Ok(()));
+            }
+            match ready!(Pin::new(&mut self.socket).poll_next(cx)) {
+                Some(Ok(Message::Binary(data))) => self.pending = data,
+                Some(Ok(Message::Close(_))) | None => self.done = true,
+                // Pings are answered by the socket itself; text has no meaning here.
+                Some(Ok(_)) => {}
+                Some(Err(error)) => {
+                    self.done = true;
+                    return Poll::Ready(Err(io_error(error)));
+                }
+            }
+        }
+        let n = self.pending.len().min(buf.remaining());
+        buf.put_slice(&self.pending.split_to(n));
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for TunnelIo<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        let mut socket = Pin::new(&mut self.socket);
+        ready!(socket.as_mut().poll_ready(cx)).map_err(io_error)?;
+        let n = buf.len().min(TUNNEL_MESSAGE);
+        socket
+            .start_send(Message::Binary(Bytes::copy_from_slice(&buf[..n])))
+            .map_err(io_error)?;
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.socket).poll_flush(cx).map_err(io_error)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match ready!(Pin::new(&mut self.socket).poll_close(cx)) {
+            Ok(())
+            | Err(tungstenite::Error::ConnectionClosed | tungstenite::Error::AlreadyClosed) => {
+                Poll::Ready(Ok(()))
+            }
+            Err(error) => Poll::Ready(Err(io_error(error))),
+        }
+    }
+}
+
+/// Joins every stream the client opens on `upper` to the same stream opened on `lower`,
+/// until either connection ends.
+pub async fn relay(mut upper: Connection, mut lower: Connection) {
+    let mut streams = tokio::task::JoinSet::new();
+    loop {
+        let stream = tokio::select! {
+            stream = upper.accept() => stream,
+            () = lower.ended() => {
+                debug!("port-forward: the lower connection ended; ending the upper one");
+                break;
+            }
+        };
+        let Some(stream) = stream else { break };
+        let span = debug_span!(
+            "forward",
+            stream = stream.id(),
+            streamtype = stream.header("streamtype").unwrap_or_default(),
+            requestid = stream.header("requestid").unwrap_or_default(),
+        );
+        // Opened here, in the order the client opened them: SPDY wants ids in order.
+        let pending = lower.open(stream.headers().to_vec()).await;
+        streams.spawn(join(stream, pending).instrument(span));
+        // Reap the finished ones so a long session does not keep them.
+        while streams.try_join_next().is_some() {}
+    }
+    streams.abort_all();
+    upper.close().await;
+    lower.close().await;
+}
+
+/// Joins one upper stream to its lower twin both ways.
+async fn join(upper: Stream, pending: Result<PendingStream, super::spdy::OpenError>) {
+    let lower = match pending {
+        Ok(pending) => tokio::time::timeout(STREAM_REPLY_TIMEOUT, pending.established())
+            .await
+            .unwrap_or(Err(super::spdy::OpenError::Refused)),
+        Err(error) => Err(error),
+    };
+    let (upper_reader, upper_writer) = upper.split();
+    let lower = match lower {
+        Ok(lower) => lower,
+        Err(error) => {
+            debug!(%error, "port-forward: the lower kubelet did not take the stream");
+            upper_writer.reset();
+            return;
+        }
+    };
+    let (lower_reader, lower_writer) = lower.split();
+    tokio::join!(
+        pass(upper_reader, lower_writer, "to the pod"),
+        pass(lower_reader, upper_writer, "from the pod"),
+    );
+}
+
+/// Passes one direction of a stream on: data as it comes, then the FIN, or the reset.
+async fn pass(mut from: StreamReader, mut to: StreamWriter, direction: &'static str) {
+    loop {
+        match from.chunk().await {
+            Ok(Some(chunk)) => {
+                if let Err(error) = to.write_chunk(chunk).await {
+                    debug!(%error, direction, "port-forward: stream ended");
+                    return;
+                }
+            }
+            Ok(None) => {
+                let _ = tokio::io::AsyncWriteExt::shutdown(&mut to).await;
+                return;
+            }
+            Err(error) => {
+                debug!(%error, direction, "port-forward: stream aborted");
+                to.reset();
+                return;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
