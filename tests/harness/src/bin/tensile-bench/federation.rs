@@ -538,16 +538,17 @@ struct Waits {
     upper_429: f64,
 }
 
-/// The processes' tokio threads (named `tokio-runtime-worker`: the workers and the
-/// blocking pool's), together.
+/// The processes' tokio threads (the workers and the blocking pool's: `tokio-rt-worker`,
+/// `tokio-runtime-worker` in older tokio), together.
 fn runtime_workers(processes: &[&VirtualNode]) -> usize {
     processes
         .iter()
         .filter_map(|p| std::fs::read_dir(format!("/proc/{}/task", p.pid())).ok())
         .flat_map(|tasks| tasks.flatten())
         .filter(|task| {
-            std::fs::read_to_string(task.path().join("comm"))
-                .is_ok_and(|comm| comm.starts_with("tokio-runtime-w"))
+            std::fs::read_to_string(task.path().join("comm")).is_ok_and(|comm| {
+                comm.starts_with("tokio-rt-worker") || comm.starts_with("tokio-runtime-w")
+            })
         })
         .count()
 }
