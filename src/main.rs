@@ -36,7 +36,7 @@ fn main() -> ExitCode {
         cores,
         &argv,
         env(tensile::runtime::WORKERS_ENV).as_ref(),
-        env("TENSILE_MEMBERS_NAMESPACE").as_ref(),
+        env(tensile::runtime::MEMBERS_NAMESPACE_ENV).as_ref(),
     ) {
         runtime.worker_threads(workers);
     }

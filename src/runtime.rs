@@ -19,8 +19,11 @@ pub const FEDERATED_MIN_WORKERS: usize = 8;
 /// Tokio's own variable for the worker count: when set, it decides.
 pub const WORKERS_ENV: &str = "TOKIO_WORKER_THREADS";
 
+/// The variable of `--members-namespace` (`crate::cli::Args::members_namespace`).
+pub const MEMBERS_NAMESPACE_ENV: &str = "TENSILE_MEMBERS_NAMESPACE";
+
 /// The worker count to set for a process started with `argv` on `cores` cores, given the
-/// values of [`WORKERS_ENV`] and `TENSILE_MEMBERS_NAMESPACE`: `None` leaves it to tokio
+/// values of [`WORKERS_ENV`] and [`MEMBERS_NAMESPACE_ENV`]: `None` leaves it to tokio
 /// (one per core, or [`WORKERS_ENV`]); a federated process (`--members-namespace` given
 /// on the command line or in its variable) gets at least [`FEDERATED_MIN_WORKERS`].
 pub fn workers(
@@ -44,6 +47,22 @@ pub fn workers(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The flag and variable looked for are `--members-namespace`'s.
+    #[test]
+    fn the_flag_and_variable_are_members_namespaces() {
+        use clap::CommandFactory;
+        let command = crate::cli::Args::command();
+        let arg = command
+            .get_arguments()
+            .find(|a| a.get_id() == "members_namespace")
+            .expect("--members-namespace");
+        assert_eq!(arg.get_long(), Some("members-namespace"));
+        assert_eq!(
+            arg.get_env(),
+            Some(std::ffi::OsStr::new(MEMBERS_NAMESPACE_ENV))
+        );
+    }
 
     #[test]
     fn a_federated_process_gets_at_least_the_minimum() {
