@@ -9,12 +9,16 @@
 //! cores, debug build): a woken task waited 61 ms on average (p99 589 ms) for a worker
 //! in the one process, 10 ms (p99 96 ms) in five processes; the lower requests' answers
 //! were read 3 times later. A federated process therefore starts at least
-//! [`FEDERATED_MIN_WORKERS`] workers; idle, a worker costs a parked thread.
+//! [`FEDERATED_MIN_WORKERS`] workers. More workers cost memory (jemalloc's caches and
+//! arenas per thread): at 5 members and 1000 pods, 8 workers brought the runtime lag to
+//! the five processes' (10 / 144 ms) for +4 MiB idle and +7 to 13 MiB with every pod
+//! Running; 4 workers kept the memory within 4 % of 2 workers' (lag 48 / 480 ms, against
+//! 19 / 247 ms for five processes in that run). `TOKIO_WORKER_THREADS` chooses.
 
 use std::ffi::OsString;
 
 /// Worker threads a federated process starts at least, whatever the core count.
-pub const FEDERATED_MIN_WORKERS: usize = 8;
+pub const FEDERATED_MIN_WORKERS: usize = 4;
 
 /// Tokio's own variable for the worker count: when set, it decides.
 pub const WORKERS_ENV: &str = "TOKIO_WORKER_THREADS";
