@@ -4,7 +4,7 @@
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use http_body_util::BodyExt;
@@ -19,12 +19,13 @@ use kube::client::retry::RetryPolicy;
 use kube::client::{ClientBuilder, ConfigExt, DynBody};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
+use prometheus_client::metrics::histogram::Histogram;
 use tower::limit::RateLimitLayer;
 use tower::retry::RetryLayer;
 use tower::util::BoxService;
 use tower::{BoxError, ServiceBuilder};
 
-use crate::metrics::Metrics;
+use crate::metrics::{ApiWaits, Metrics};
 use crate::side::Side;
 
 /// Why virtual-node could not start; one line, naming the cluster.
@@ -106,6 +107,9 @@ pub struct Cluster {
     /// Makes the clients of the node heartbeat (Lease renewals, node status, the lower
     /// health probe): see [`HeartbeatClients`].
     pub heartbeat: HeartbeatClients,
+    /// Makes rate-limited clients with a limiter and connections of their own: see
+    /// [`MemberClients`].
+    pub member_clients: MemberClients,
     /// Its API server's URL, for messages.
     pub server: String,
     /// Its Kubernetes version (`v1.36.3`), which the virtual node reports as kubelet version.
@@ -154,9 +158,43 @@ impl HeartbeatClients {
 
     /// A new client, with connections of its own.
     pub fn build(&self) -> Result<Client, kube::Error> {
-        Ok(client_builder(self.config.clone())?
-            .with_layer(&self.count)
-            .build())
+        Ok(
+            client_builder(self.config.clone(), &self.count.waits.connect)?
+                .with_layer(&self.count)
+                .build(),
+        )
+    }
+}
+
+/// Makes a client like [`Cluster::client`] with a rate limiter, a request buffer and a
+/// connection pool of its own, for one member of a federated process (its controllers'
+/// upper requests, its events). N single-cluster processes each have their own upper
+/// client: its `--kube-api-qps`/`--kube-api-burst` budget, and its pool's
+/// [`IDLE_CONNECTIONS`] idle connections between the waves of a burst. Members sharing
+/// one client shared one budget, and 24 idle connections among all their workers: a
+/// burst over 5 members opened 892 upper connections (TCP and TLS) where 5 processes
+/// opened 111, and each member got a fifth of the budget. Requests are counted and timed
+/// in the same metrics as the shared client's.
+#[derive(Clone)]
+pub struct MemberClients {
+    config: Config,
+    limit: RateLimit,
+    count: CountRequests,
+    view: Option<crate::lower_view::ViewLayer>,
+}
+
+impl MemberClients {
+    /// A new client: its own limiter (the cluster's rate), buffer and connections.
+    pub fn build(&self) -> Result<Client, kube::Error> {
+        let throttle = TimedReady(self.count.waits.throttle.clone());
+        let builder = client_builder(self.config.clone(), &self.count.waits.connect)?
+            .with_layer(&self.limit.layer())
+            .with_layer(&throttle)
+            .with_layer(&self.count);
+        Ok(match &self.view {
+            Some(view) => builder.with_layer(view).build(),
+            None => builder.build(),
+        })
     }
 }
 
@@ -226,14 +264,27 @@ pub async fn connect(
     view: Option<Arc<crate::lower_view::NamespaceView>>,
 ) -> Result<Cluster, StartupError> {
     let server = config.cluster_url.to_string();
-    let count = CountRequests { side, metrics };
+    let waits = metrics.api_waits(side);
+    let throttle = TimedReady(waits.throttle.clone());
+    let count = CountRequests {
+        side,
+        metrics,
+        waits,
+    };
     let view = view.map(crate::lower_view::ViewLayer::new);
-    let throttled = client_builder(config.clone())
+    let throttled = client_builder(config.clone(), &count.waits.connect)
         .map_err(|source| StartupError::Client { side, source })?
         .with_layer(&limit.layer())
+        .with_layer(&throttle)
         .with_layer(&count);
     let heartbeat = HeartbeatClients::new(config.clone(), count.clone());
-    let plain = client_builder(config)
+    let member_clients = MemberClients {
+        config: config.clone(),
+        limit,
+        count: count.clone(),
+        view: view.clone(),
+    };
+    let plain = client_builder(config, &count.waits.connect)
         .map_err(|source| StartupError::Client { side, source })?
         .with_layer(&count);
     let (client, unthrottled) = match &view {
@@ -269,6 +320,7 @@ pub async fn connect(
         client,
         unthrottled,
         heartbeat,
+        member_clients,
         server,
         version: version.git_version,
     })
@@ -285,9 +337,12 @@ const IDLE_CONNECTIONS: usize = 24;
 
 /// The kube client's stack (kube-client's `ClientBuilder::try_from`: timeouts, TLS, base
 /// URI, retries of 429/503/504, authentication, extra headers) over a pool that keeps at
-/// most [`IDLE_CONNECTIONS`] idle. Through a proxy (`proxy-url`), kube-client's own, which
-/// knows the proxy protocols.
-fn client_builder(config: Config) -> Result<ClientBuilder<GenericService>, kube::Error> {
+/// most [`IDLE_CONNECTIONS`] idle, each new connection timed in `connects`. Through a
+/// proxy (`proxy-url`), kube-client's own, which knows the proxy protocols.
+fn client_builder(
+    config: Config,
+    connects: &Histogram,
+) -> Result<ClientBuilder<GenericService>, kube::Error> {
     if config.proxy_url.is_some() {
         return ClientBuilder::try_from(config);
     }
@@ -306,7 +361,10 @@ fn client_builder(config: Config) -> Result<ClientBuilder<GenericService>, kube:
     connector.set_reset_reader_on_write(config.reset_reader_on_write);
     let pool = hyper_util::client::legacy::Client::builder(TokioExecutor::new())
         .pool_max_idle_per_host(IDLE_CONNECTIONS)
-        .build::<_, kube::client::Body>(connector);
+        .build::<_, kube::client::Body>(TimedConnect {
+            inner: connector,
+            seconds: connects.clone(),
+        });
     let retry = config
         .default_retry
         .then(|| RetryLayer::new(RetryPolicy::server_retry()));
@@ -326,11 +384,101 @@ fn client_builder(config: Config) -> Result<ClientBuilder<GenericService>, kube:
     ))
 }
 
-/// Counts each request to one cluster by verb, and its answer by status code.
+/// Times each new connection (TCP and TLS) to an API server.
+#[derive(Clone)]
+struct TimedConnect<C> {
+    inner: C,
+    seconds: Histogram,
+}
+
+impl<C> tower::Service<http::Uri> for TimedConnect<C>
+where
+    C: tower::Service<http::Uri>,
+    C::Future: Send + 'static,
+{
+    type Response = C::Response;
+    type Error = C::Error;
+    type Future = futures::future::BoxFuture<'static, Result<C::Response, C::Error>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, uri: http::Uri) -> Self::Future {
+        let (started, seconds) = (Instant::now(), self.seconds.clone());
+        let connecting = self.inner.call(uri);
+        Box::pin(async move {
+            let connected = connecting.await;
+            seconds.observe(started.elapsed().as_secs_f64());
+            connected
+        })
+    }
+}
+
+/// Records how long the service it wraps (the rate limiter) keeps each request waiting
+/// before it may be sent: from the first readiness poll to ready. The kube client's
+/// buffer polls readiness once per request, so one figure per request (0 when the
+/// limiter let it through at once); while one waits, the requests behind it in the
+/// buffer wait too.
+#[derive(Clone)]
+struct TimedReady(Histogram);
+
+impl<S> tower::Layer<S> for TimedReady {
+    type Service = TimedReadyService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        TimedReadyService {
+            inner,
+            seconds: self.0.clone(),
+            since: None,
+        }
+    }
+}
+
+/// The service [`TimedReady`] wraps.
+struct TimedReadyService<S> {
+    inner: S,
+    seconds: Histogram,
+    /// The first readiness poll of the request under way.
+    since: Option<Instant>,
+}
+
+impl<S, R> tower::Service<R> for TimedReadyService<S>
+where
+    S: tower::Service<R>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        let since = *self.since.get_or_insert_with(Instant::now);
+        let ready = self.inner.poll_ready(cx);
+        if ready.is_ready() {
+            self.since = None;
+            self.seconds.observe(since.elapsed().as_secs_f64());
+        }
+        ready
+    }
+
+    fn call(&mut self, request: R) -> Self::Future {
+        self.inner.call(request)
+    }
+}
+
+/// Counts each request to one cluster by verb, and its answer by status code, and times
+/// it (sent to answered).
 #[derive(Clone)]
 struct CountRequests {
     side: Side,
     metrics: Arc<Metrics>,
+    waits: ApiWaits,
 }
 
 impl<S> tower::Layer<S> for CountRequests {
@@ -369,13 +517,20 @@ where
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         let verb = crate::metrics::verb(&request);
-        let CountRequests { side, metrics } = self.counter.clone();
+        let CountRequests {
+            side,
+            metrics,
+            waits,
+        } = self.counter.clone();
         if let Some(verb) = verb {
             metrics.api_requests.sent(side, verb);
         }
+        let sent = Instant::now();
         let answer = self.inner.call(request);
         Box::pin(async move {
             let answer = answer.await;
+            // A watch's answer comes at once; its events are not counted here.
+            waits.request.observe(sent.elapsed().as_secs_f64());
             if let Some(verb) = verb {
                 let status = answer.as_ref().ok().map(http::Response::status);
                 metrics.api_requests.answered(side, verb, status);
@@ -803,7 +958,48 @@ pub fn needed_permissions(side: Side, features: Features) -> Vec<Permission> {
 
 #[cfg(test)]
 mod tests {
+    use tower::{Service, ServiceExt};
+
     use super::*;
+
+    /// The value of the series line `series` in `text`.
+    fn value(text: &str, series: &str) -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {series} in {text}"))
+    }
+
+    /// Requests through a rate limiter of `burst` per `window`: each is recorded once, and
+    /// the time they were held adds up to the windows they waited for.
+    #[tokio::test]
+    async fn the_rate_limiters_hold_is_recorded_per_request() {
+        // (burst, window ms, requests, least total hold ms, most total hold ms)
+        let cases = [
+            (10, 40, 5, 0, 30),
+            (1, 40, 3, 70, 1000),
+            (2, 40, 5, 70, 1000),
+        ];
+        for (burst, window, requests, least, most) in cases {
+            let metrics = Metrics::default();
+            let held = metrics.api_waits(Side::Lower).throttle;
+            let mut service = ServiceBuilder::new()
+                .layer(TimedReady(held))
+                .layer(RateLimitLayer::new(burst, Duration::from_millis(window)))
+                .service_fn(|()| async { Ok::<_, BoxError>(()) });
+            for _ in 0..requests {
+                service.ready().await.unwrap().call(()).await.unwrap();
+            }
+            let text = metrics.render();
+            let series = "tensile_api_throttle_seconds";
+            let label = "{cluster=\"lower\"}";
+            let count = value(&text, &format!("{series}_count{label}"));
+            let sum = value(&text, &format!("{series}_sum{label}")) * 1000.0;
+            let case = format!("{burst} per {window} ms, {requests} requests: held {sum} ms");
+            assert_eq!(count, f64::from(requests), "{case}");
+            assert!(sum >= f64::from(least) && sum <= f64::from(most), "{case}");
+        }
+    }
 
     #[test]
     fn needed_permissions_follow_the_features() {

@@ -17,6 +17,7 @@ pub mod lower_view;
 pub mod member;
 pub mod metrics;
 pub mod node;
+pub mod runtime;
 pub mod shutdown;
 pub mod side;
 pub mod status;

@@ -26,9 +26,31 @@ use tracing::{error, info, warn};
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    runtime.enable_all();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let argv: Vec<_> = std::env::args_os().collect();
+    let env = |name| std::env::var_os(name);
+    if let Some(workers) = tensile::runtime::workers(
+        cores,
+        &argv,
+        env(tensile::runtime::WORKERS_ENV).as_ref(),
+        env(tensile::runtime::MEMBERS_NAMESPACE_ENV).as_ref(),
+    ) {
+        runtime.worker_threads(workers);
+    }
+    match runtime.build() {
+        Ok(runtime) => runtime.block_on(start(argv)),
+        Err(error) => {
+            eprintln!("virtual-node: cannot start the async runtime: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Everything `main` does, on the runtime it built.
+async fn start(argv: Vec<std::ffi::OsString>) -> ExitCode {
     match cli::compat_command(&argv, true) {
         Some(CompatCommand::Version) => {
             println!("virtual-node {}", env!("CARGO_PKG_VERSION"));
@@ -195,8 +217,13 @@ async fn run(args: Args, started: CancellationToken) -> Result<(), String> {
 
     // Federated, the members share one watch of each upper kind.
     let upper_watches = args.members_namespace.as_ref().map(|_| {
-        let (watches, run) =
-            UpperWatches::new(&upper.client, &args.namespace, &optional, shutdown.clone());
+        let (watches, run) = UpperWatches::new(
+            &upper.client,
+            &args.namespace,
+            &optional,
+            &metrics,
+            shutdown.clone(),
+        );
         tasks.spawn("shared upper watches", run);
         watches
     });

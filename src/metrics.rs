@@ -31,6 +31,27 @@ pub fn latency_histogram() -> Histogram {
     Histogram::new(LATENCY_BUCKETS)
 }
 
+/// Upper bounds of the wait histograms' buckets, in seconds: from a timer tick to a burst
+/// that keeps a pod waiting most of a minute.
+pub const WAIT_BUCKETS: [f64; 14] = [
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+];
+
+/// A histogram over [`WAIT_BUCKETS`].
+pub fn wait_histogram() -> Histogram {
+    Histogram::new(WAIT_BUCKETS)
+}
+
+/// A family of histograms over [`WAIT_BUCKETS`].
+type WaitFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+fn wait_family<L: Clone + std::hash::Hash + Eq>() -> WaitFamily<L> {
+    Family::new_with_constructor(wait_histogram)
+}
+
+/// How often the runtime probe wakes ([`Metrics::probe_runtime`]).
+const RUNTIME_PROBE: Duration = Duration::from_millis(50);
+
 /// The verbs counted, from the HTTP method (a GET with `watch=` is a watch).
 pub const VERBS: [&str; 6] = ["get", "watch", "create", "update", "patch", "delete"];
 
@@ -77,6 +98,31 @@ pub struct ResponseLabels {
 pub struct ErrorLabels {
     /// The error's kind (`Error::metric_label`).
     pub error: &'static str,
+}
+
+/// Label of the API wait histograms.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClusterLabels {
+    /// `upper` or `lower` (every member's lower cluster together).
+    pub cluster: &'static str,
+}
+
+/// Label of the work queue wait histogram.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueLabels {
+    /// `pod queue`, `status queue` (every member's together).
+    pub queue: &'static str,
+}
+
+/// Where a request to one cluster waits ([`Metrics::api_waits`]).
+#[derive(Clone, Debug)]
+pub struct ApiWaits {
+    /// Sent to answered (response headers).
+    pub request: Histogram,
+    /// Held by the client's rate limiter before it is sent.
+    pub throttle: Histogram,
+    /// A new connection: TCP and TLS.
+    pub connect: Histogram,
 }
 
 /// Label of the reconcile duration histogram.
@@ -304,6 +350,18 @@ pub struct Metrics {
     leader: Family<LeaseLabels, Gauge>,
     /// 1 while a member runs, 0 while it fails or restarts, by node.
     member_up: Family<NodeLabels, Gauge>,
+    /// API requests: sent to answered, by cluster.
+    api_request_seconds: WaitFamily<ClusterLabels>,
+    /// API requests: held by the rate limiter, by cluster.
+    api_throttle_seconds: WaitFamily<ClusterLabels>,
+    /// New API server connections (TCP and TLS), by cluster.
+    api_connect_seconds: WaitFamily<ClusterLabels>,
+    /// Work queue keys: ready for a worker to taken by one, by queue.
+    queue_wait_seconds: WaitFamily<QueueLabels>,
+    /// How late the runtime wakes a timer task ([`Metrics::probe_runtime`]).
+    runtime_lag_seconds: Histogram,
+    /// The shared upper pod watch: each event decoded and routed to its member.
+    upper_pod_watch_seconds: Histogram,
 }
 
 impl Default for Metrics {
@@ -412,6 +470,41 @@ impl Default for Metrics {
             "API answers received, by status code (`error`: none came)",
             api_requests.answered.clone(),
         );
+        let (api_request_seconds, api_throttle_seconds, api_connect_seconds) =
+            (wait_family(), wait_family(), wait_family());
+        let queue_wait_seconds: WaitFamily<QueueLabels> = wait_family();
+        let runtime_lag_seconds = wait_histogram();
+        let upper_pod_watch_seconds = wait_histogram();
+        registry.register(
+            "upper_pod_watch_event_seconds",
+            "The upper pod watch members share: each event decoded and routed to its member, on one task",
+            upper_pod_watch_seconds.clone(),
+        );
+        registry.register(
+            "api_request_seconds",
+            "API requests: sent to answered (response headers), by cluster",
+            api_request_seconds.clone(),
+        );
+        registry.register(
+            "api_throttle_seconds",
+            "API requests: held by the client's rate limiter (--kube-api-qps, --client-qps) before being sent, by cluster",
+            api_throttle_seconds.clone(),
+        );
+        registry.register(
+            "api_connect_seconds",
+            "New connections to an API server (TCP and TLS), by cluster",
+            api_connect_seconds.clone(),
+        );
+        registry.register(
+            "queue_wait_seconds",
+            "Work queue keys: ready for a worker to taken by one, by queue (every member's together)",
+            queue_wait_seconds.clone(),
+        );
+        registry.register(
+            "runtime_lag_seconds",
+            "How late the async runtime wakes a task whose timer fired (busy workers, or threads the OS does not run)",
+            runtime_lag_seconds.clone(),
+        );
         // Dashboards read every kind of reconcile error before the first one.
         for error in RECONCILE_ERROR_LABELS {
             reconcile_errors.get_or_create(&ErrorLabels { error }).get();
@@ -457,6 +550,12 @@ impl Default for Metrics {
             ready: AtomicBool::new(false),
             leader,
             member_up,
+            api_request_seconds,
+            api_throttle_seconds,
+            api_connect_seconds,
+            queue_wait_seconds,
+            runtime_lag_seconds,
+            upper_pod_watch_seconds,
         }
     }
 }
@@ -552,6 +651,45 @@ impl Metrics {
         self.leader.get_or_create(&labels).set(i64::from(leading));
     }
 
+    /// The histograms of where requests to `side` wait, to be kept by its client.
+    pub fn api_waits(&self, side: Side) -> ApiWaits {
+        let labels = ClusterLabels {
+            cluster: side_label(side),
+        };
+        ApiWaits {
+            request: self.api_request_seconds.get_or_create(&labels).clone(),
+            throttle: self.api_throttle_seconds.get_or_create(&labels).clone(),
+            connect: self.api_connect_seconds.get_or_create(&labels).clone(),
+        }
+    }
+
+    /// The histogram of the shared upper pod watch's handling of each event.
+    pub fn upper_pod_watch(&self) -> Histogram {
+        self.upper_pod_watch_seconds.clone()
+    }
+
+    /// The wait histogram of the work queues named `queue`, to be kept by each.
+    pub fn queue_wait(&self, queue: &'static str) -> Histogram {
+        self.queue_wait_seconds
+            .get_or_create(&QueueLabels { queue })
+            .clone()
+    }
+
+    /// Sleeps [`RUNTIME_PROBE`] at a time until `shutdown`, recording how late each wake
+    /// is (`tensile_runtime_lag_seconds`): the time a ready task waits for a runtime
+    /// worker, every member's tasks being on the same workers.
+    pub async fn probe_runtime(self: Arc<Self>, shutdown: CancellationToken) {
+        loop {
+            let slept = tokio::time::Instant::now();
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep(RUNTIME_PROBE) => {}
+            }
+            let late = slept.elapsed().saturating_sub(RUNTIME_PROBE);
+            self.runtime_lag_seconds.observe(late.as_secs_f64());
+        }
+    }
+
     /// OpenMetrics text exposition.
     pub fn render(&self) -> String {
         self.set_read_at_scrape();
@@ -563,12 +701,14 @@ impl Metrics {
     }
 }
 
-/// Serves `/healthz`, `/readyz` and `/metrics` on `listener` until `shutdown`.
+/// Serves `/healthz`, `/readyz` and `/metrics` on `listener` until `shutdown`, and runs
+/// the runtime probe ([`Metrics::probe_runtime`]) meanwhile.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
+    tokio::spawn(metrics.clone().probe_runtime(shutdown.clone()));
     let app = Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route(

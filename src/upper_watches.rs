@@ -22,7 +22,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt::Debug;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
@@ -36,6 +36,7 @@ use kube::core::{NamespaceResourceScope, PartialObjectMeta};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, Resource};
+use prometheus_client::metrics::histogram::Histogram;
 use serde::de::DeserializeOwned;
 use tokio::sync::{Notify, broadcast, mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -86,14 +87,19 @@ pub struct ServiceStores {
 impl UpperWatches {
     /// The watches over `upper` (in `namespace`, unless empty) that the `optional`
     /// controllers need, and the future that drives them until `shutdown`.
+    /// The pod watch's handling of each event is recorded in `metrics`.
     pub fn new(
         upper: &Client,
         namespace: &str,
         optional: &OptionalControllers,
+        metrics: &crate::metrics::Metrics,
         shutdown: CancellationToken,
     ) -> (Arc<Self>, BoxFuture<'static, ()>) {
         let mut pumps: Vec<BoxFuture<'static, ()>> = Vec::new();
-        let pods = Arc::new(PodRouter::default());
+        let pods = Arc::new(PodRouter {
+            handled: metrics.upper_pod_watch(),
+            ..PodRouter::default()
+        });
         pumps.push(
             pods.clone()
                 .pump(scoped(upper, namespace), shutdown.clone())
@@ -396,9 +402,11 @@ where
 /// that a member that starts again (a restart, a crash loop) is handed its node's pods at
 /// once: no list of every bound pod, which would hold back every member's pod events and
 /// then wake each member for each of its pods. Only a node never seen needs a list.
-#[derive(Default)]
 pub struct PodRouter {
     routing: Mutex<Routing>,
+    /// Each watch event's handling: decoded (the watch stream's poll that yielded it) and
+    /// routed (`tensile_upper_pod_watch_event_seconds`). One task does it for every member.
+    handled: Histogram,
     /// A node needs a list.
     relist: Notify,
     /// Lists begun.
@@ -464,6 +472,17 @@ fn hand_list(member: &PodSender, pods: &BTreeMap<PodKey, Pod>) -> bool {
             .values()
             .all(|pod| member.send(watcher::Event::InitApply(pod.clone())).is_ok())
         && member.send(watcher::Event::InitDone).is_ok()
+}
+
+impl Default for PodRouter {
+    fn default() -> Self {
+        Self {
+            routing: Mutex::default(),
+            handled: crate::metrics::wait_histogram(),
+            relist: Notify::default(),
+            lists: AtomicU64::default(),
+        }
+    }
 }
 
 impl PodRouter {
@@ -615,7 +634,14 @@ impl PodRouter {
         let bound = watcher::Config::default().fields("spec.nodeName!=");
         loop {
             let watch = watcher::watcher(api.clone(), bound.clone()).default_backoff();
-            let mut events = errors_logged_as_events(watch);
+            let mut watched = errors_logged_as_events(watch);
+            // Each event with the time its poll took (decoding it).
+            let mut events = futures::stream::poll_fn(move |cx| {
+                let polled = Instant::now();
+                watched
+                    .poll_next_unpin(cx)
+                    .map(|event| event.map(|event| (event, polled.elapsed())))
+            });
             let mut wanted = false;
             loop {
                 tokio::select! {
@@ -629,9 +655,12 @@ impl PodRouter {
                         }
                     }
                     event = events.next() => match event {
-                        Some(event) => {
+                        Some((event, decoded)) => {
                             let listed = matches!(event, watcher::Event::InitDone);
+                            let routing = Instant::now();
                             self.route(event);
+                            self.handled
+                                .observe((decoded + routing.elapsed()).as_secs_f64());
                             if listed && std::mem::take(&mut wanted) && self.needs_list() {
                                 tokio::time::sleep(RELIST_SETTLE).await;
                                 break;

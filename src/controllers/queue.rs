@@ -9,8 +9,9 @@
 use std::collections::{HashSet, VecDeque};
 use std::hash::Hash;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -26,12 +27,15 @@ pub struct WorkQueue<K> {
     state: Mutex<State<K>>,
     /// Woken when a key becomes ready for a worker, or on close.
     ready: Notify,
+    /// How long each key waited, ready, for a worker (`tensile_queue_wait_seconds`).
+    wait: Option<Histogram>,
 }
 
 #[derive(Debug)]
 struct State<K> {
-    /// Keys ready for a worker, in the order they were added.
-    order: VecDeque<K>,
+    /// Keys ready for a worker, in the order they were added, with when each became
+    /// ready.
+    order: VecDeque<(K, Instant)>,
     /// Keys added and not yet taken: those in `order`, and those added while being
     /// reconciled (put in `order` when that reconcile is done).
     waiting: HashSet<K>,
@@ -51,6 +55,7 @@ impl<K> Default for WorkQueue<K> {
                 closed: false,
             }),
             ready: Notify::new(),
+            wait: None,
         }
     }
 }
@@ -70,7 +75,7 @@ impl<K: Clone + Eq + Hash> WorkQueue<K> {
         }
         state.waiting.insert(key.clone());
         if !state.running.contains(&key) {
-            state.order.push_back(key);
+            state.order.push_back((key, Instant::now()));
             drop(state);
             self.ready.notify_one();
         }
@@ -104,11 +109,14 @@ impl<K: Clone + Eq + Hash> WorkQueue<K> {
                 if state.closed {
                     return None;
                 }
-                if let Some(key) = state.order.pop_front() {
+                if let Some((key, since)) = state.order.pop_front() {
                     state.waiting.remove(&key);
                     state.running.insert(key.clone());
                     let more = !state.order.is_empty();
                     drop(state);
+                    if let Some(wait) = &self.wait {
+                        wait.observe(since.elapsed().as_secs_f64());
+                    }
                     if more {
                         // Another worker may be waiting for what is left.
                         self.ready.notify_one();
@@ -125,7 +133,7 @@ impl<K: Clone + Eq + Hash> WorkQueue<K> {
         let mut state = self.state();
         state.running.remove(key);
         if state.waiting.contains(key) {
-            state.order.push_back(key.clone());
+            state.order.push_back((key.clone(), Instant::now()));
             drop(state);
             self.ready.notify_one();
         } else {
@@ -151,16 +159,20 @@ impl<K: Clone + Eq + Hash> WorkQueue<K> {
     pub fn heap_bytes(&self) -> usize {
         let state = self.state();
         let slot = size_of::<K>();
-        state.order.capacity() * slot
+        state.order.capacity() * size_of::<(K, Instant)>()
             + (state.waiting.capacity() + state.running.capacity()) * (slot + 1)
     }
 
-    /// A queue whose memory `metrics` reports as `owner`'s, for the member `scope`.
+    /// A queue whose memory `metrics` reports as `owner`'s, for the member `scope`, and
+    /// whose keys' waits it records under `owner` (every member's together).
     pub fn measured(metrics: &Metrics, scope: &str, owner: &'static str) -> Arc<Self>
     where
         K: Send + Sync + 'static,
     {
-        let queue = Arc::new(Self::default());
+        let queue = Arc::new(Self {
+            wait: Some(metrics.queue_wait(owner)),
+            ..Self::default()
+        });
         let measured = Arc::downgrade(&queue);
         metrics.measure_memory(scope, owner, move || {
             measured.upgrade().map_or(0, |queue| queue.heap_bytes())
@@ -297,6 +309,40 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Each key taken from a measured queue records how long it waited, ready, for a
+    /// worker: from its add, or from the done of the reconcile it was added during.
+    #[tokio::test]
+    async fn a_measured_queue_records_each_keys_wait() {
+        let metrics = Metrics::default();
+        let queue = WorkQueue::<u32>::measured(&metrics, "node", "pod queue");
+        queue.add(1);
+        queue.add(2);
+        let held = Duration::from_millis(30);
+        tokio::time::sleep(held).await;
+        assert_eq!(queue.next().await, Some(1));
+        assert_eq!(queue.next().await, Some(2));
+        // Added while running: waits from its done on.
+        queue.add(1);
+        queue.done(&1);
+        assert_eq!(queue.next().await, Some(1));
+        let text = metrics.render();
+        let value = |series: &str| -> f64 {
+            text.lines()
+                .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("no {series} in {text}"))
+        };
+        let label = "{queue=\"pod queue\"}";
+        assert_eq!(
+            value(&format!("tensile_queue_wait_seconds_count{label}")),
+            3.0
+        );
+        let sum = value(&format!("tensile_queue_wait_seconds_sum{label}"));
+        // The two first waited at least `held` each; the third hardly at all.
+        assert!(sum >= 2.0 * held.as_secs_f64(), "{sum}");
+        assert!(sum < 2.0 * held.as_secs_f64() + 1.0, "{sum}");
     }
 
     #[tokio::test]

@@ -20,7 +20,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::runtime::events::{Recorder, Reporter};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::{Instrument, info, info_span};
+use tracing::{Instrument, info, info_span, warn};
 
 use crate::cli::{Args, OptionalControllers};
 use crate::clusters::{self, Cluster, RateLimit};
@@ -635,15 +635,16 @@ fn context(
         controller: "tensile-virtual-node".into(),
         instance: Some(spec.node.clone()),
     };
+    let upper = member_upper_client(shared, &spec.node);
     Arc::new(
         Context::new(
-            shared.upper.client.clone(),
+            upper.clone(),
             lower.client.clone(),
             owner,
             spec.ignore_labels.clone(),
             shared.args.enable_serviceaccount,
             shared.args.namespace.clone(),
-            Recorder::new(shared.upper.client.clone(), reporter),
+            Recorder::new(upper, reporter),
             shared.metrics.clone(),
         )
         .sharing(shared.upper_watches.clone())
@@ -652,6 +653,21 @@ fn context(
         // Checked at start: a bad address never gets this far.
         .with_upper_identity(shared.args.upper_identity().ok().flatten()),
     )
+}
+
+/// The upper client of the member's controllers: in a federated process
+/// (`--members-namespace`), one of its own, with its own `--kube-api-qps` budget and
+/// connections, as a single-cluster process has (see [`clusters::MemberClients`]); else
+/// the process's.
+fn member_upper_client(shared: &Shared, node: &str) -> kube::Client {
+    if shared.upper_watches.is_none() {
+        return shared.upper.client.clone();
+    }
+    shared.upper.member_clients.build().unwrap_or_else(|error| {
+        // The same configuration built the shared client at start: not expected.
+        warn!(%node, %error, "upper cluster: no client of the member's own; sharing the process's");
+        shared.upper.client.clone()
+    })
 }
 
 /// The pod watches' stores and the changes that wake the two pod controllers.

@@ -5,6 +5,7 @@
 //! the upper API server's open watches, and isolation: the other members' reflection p99
 //! with one member's lower API server frozen, against the same burst without.
 
+use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -15,7 +16,7 @@ use kube::Client;
 use kube::api::Api;
 use nix::sys::signal::Signal;
 use tensile_harness::fixtures::bound_pod;
-use tensile_harness::measure::footprint;
+use tensile_harness::measure::{footprint, scrape};
 use tensile_harness::virtual_node::join_member;
 use tensile_harness::{
     Cluster, ClusterOptions, ClusterPair, Component, VirtualNode, VirtualNodeOptions,
@@ -42,6 +43,10 @@ struct Side {
     total: Duration,
     /// Open upper watches (every client's) with every node Ready.
     watches: u64,
+    /// Where the pods waited during the burst.
+    waits: Waits,
+    /// The processes' tokio threads (workers, blocking pool), together.
+    workers: usize,
 }
 
 /// Runs the comparison for `clusters` lower clusters and `pods` pods in all.
@@ -214,6 +219,11 @@ pub async fn run(binary: &Path, clusters: usize, args: &Args) -> Result<()> {
             ms(separate.total),
         ),
         (
+            "tokio threads (workers, blocking pool)",
+            federated.workers.to_string(),
+            separate.workers.to_string(),
+        ),
+        (
             "upper watches opened (apiserver gauge)",
             federated.watches.to_string(),
             separate.watches.to_string(),
@@ -222,6 +232,7 @@ pub async fn run(binary: &Path, clusters: usize, args: &Args) -> Result<()> {
     for (what, federated, separate) in rows {
         println!("  {what:<44} {federated:>24} {separate:>24}");
     }
+    print_waits(&federated.waits, &separate.waits);
     if clusters > 1 {
         println!(
             "  one more idle member: {:.2} MiB resident (one member {}, {clusters} members {})",
@@ -316,9 +327,13 @@ async fn measure(
                 .map(move |node| labelled(bound_pod(&format!("{node}-{i:05}"), node)))
         })
         .collect();
+    let (metrics_before, queued_before) =
+        (scrape_all(processes).await?, run_queue_seconds(processes));
     let cpu_before = cpu(processes)?;
     let (ns, latencies, _) = burst(upper, prefix, pods, concurrency).await?;
     let cpu_after = cpu(processes)?;
+    let queued = run_queue_seconds(processes) - queued_before;
+    let waits = waits(&metrics_before, &scrape_all(processes).await?, queued);
     let loaded = settled_rss(processes).await?;
     let side = Side {
         idle,
@@ -328,6 +343,8 @@ async fn measure(
         p99: latencies.p99,
         total: latencies.total,
         watches,
+        waits,
+        workers: runtime_workers(processes),
     };
     Ok((side, ns.name))
 }
@@ -345,4 +362,323 @@ async fn open_watches(upper: &Client) -> Result<u64> {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     Ok(open as u64)
+}
+
+/// The histograms of where a pod waits, as the bench prints them: (row, series name,
+/// label that selects the series, empty for none).
+const WAIT_ROWS: [(&str, &str, &str); 12] = [
+    (
+        "shared upper pod watch: decode + route an event",
+        "tensile_upper_pod_watch_event_seconds",
+        "",
+    ),
+    (
+        "pod queue: ready -> taken by a worker",
+        "tensile_queue_wait_seconds",
+        "queue=\"pod queue\"",
+    ),
+    (
+        "status queue: ready -> taken by a worker",
+        "tensile_queue_wait_seconds",
+        "queue=\"status queue\"",
+    ),
+    (
+        "pod reconcile",
+        "tensile_reconcile_duration_seconds",
+        "controller=\"pod\"",
+    ),
+    (
+        "status reconcile",
+        "tensile_reconcile_duration_seconds",
+        "controller=\"status\"",
+    ),
+    (
+        "upper request: held by the rate limiter",
+        "tensile_api_throttle_seconds",
+        "cluster=\"upper\"",
+    ),
+    (
+        "upper request: sent -> answered",
+        "tensile_api_request_seconds",
+        "cluster=\"upper\"",
+    ),
+    (
+        "upper: new connection (TCP + TLS)",
+        "tensile_api_connect_seconds",
+        "cluster=\"upper\"",
+    ),
+    (
+        "lower request: held by the rate limiter",
+        "tensile_api_throttle_seconds",
+        "cluster=\"lower\"",
+    ),
+    (
+        "lower request: sent -> answered",
+        "tensile_api_request_seconds",
+        "cluster=\"lower\"",
+    ),
+    (
+        "lower: new connection (TCP + TLS)",
+        "tensile_api_connect_seconds",
+        "cluster=\"lower\"",
+    ),
+    (
+        "runtime: a woken task waits for a worker",
+        "tensile_runtime_lag_seconds",
+        "",
+    ),
+];
+
+/// One histogram's change over a burst.
+#[derive(Debug, Default, PartialEq)]
+struct Histogram {
+    count: f64,
+    sum: f64,
+    /// (upper bound, cumulative count), by bound.
+    buckets: Vec<(f64, f64)>,
+}
+
+impl Histogram {
+    /// The series `name` whose labels include `label` (all when empty), as it changed
+    /// from `before` to `after` (scrapes, every process's summed).
+    fn delta(
+        before: &BTreeMap<String, f64>,
+        after: &BTreeMap<String, f64>,
+        name: &str,
+        label: &str,
+    ) -> Self {
+        let change = |series: &str| {
+            after.get(series).copied().unwrap_or(0.0) - before.get(series).copied().unwrap_or(0.0)
+        };
+        let matches = |series: &str, suffix: &str| {
+            series
+                .strip_prefix(name)
+                .and_then(|s| s.strip_prefix(suffix))
+                .is_some_and(|rest| {
+                    rest.is_empty() || (rest.starts_with('{') && rest.contains(label))
+                })
+        };
+        let mut histogram = Self::default();
+        let mut buckets = BTreeMap::<u64, (f64, f64)>::new();
+        for series in after.keys() {
+            if matches(series, "_count") {
+                histogram.count += change(series);
+            } else if matches(series, "_sum") {
+                histogram.sum += change(series);
+            } else if matches(series, "_bucket")
+                && let Some(le) = series
+                    .split_once("le=\"")
+                    .and_then(|(_, rest)| rest.split_once('"'))
+                    .and_then(|(le, _)| le.parse::<f64>().ok())
+            {
+                buckets.entry(le.to_bits()).or_insert((le, 0.0)).1 += change(series);
+            }
+        }
+        histogram.buckets = buckets.into_values().collect();
+        histogram
+            .buckets
+            .sort_by(|a, b| a.0.partial_cmp(&b.0).unwrap_or(std::cmp::Ordering::Equal));
+        histogram
+    }
+
+    /// The mean, seconds.
+    fn mean(&self) -> Option<f64> {
+        (self.count > 0.0).then(|| self.sum / self.count)
+    }
+
+    /// The `q` quantile, seconds, interpolated within its bucket as Prometheus'
+    /// `histogram_quantile` does; the largest finite bound when it falls in `+Inf`.
+    fn quantile(&self, q: f64) -> Option<f64> {
+        if self.count <= 0.0 {
+            return None;
+        }
+        let rank = q * self.count;
+        let (mut lower, mut below) = (0.0, 0.0);
+        for &(bound, cumulative) in &self.buckets {
+            if cumulative >= rank {
+                if bound.is_infinite() {
+                    return Some(lower);
+                }
+                let within = cumulative - below;
+                let share = if within > 0.0 {
+                    (rank - below) / within
+                } else {
+                    1.0
+                };
+                return Some(lower + (bound - lower) * share);
+            }
+            (lower, below) = (bound, cumulative);
+        }
+        Some(lower)
+    }
+
+    /// `count, mean / p99` for the table.
+    fn cell(&self) -> String {
+        match (self.mean(), self.quantile(0.99)) {
+            (Some(mean), Some(p99)) => format!(
+                "{:.0}, {:.1} / {:.1} ms, sum {:.1} s",
+                self.count,
+                mean * 1000.0,
+                p99 * 1000.0,
+                self.sum
+            ),
+            _ => "-".into(),
+        }
+    }
+}
+
+/// Where the pods waited during one burst: the processes' wait histograms, and the time
+/// their threads were runnable but not run by the OS.
+#[derive(Debug, Default)]
+struct Waits {
+    histograms: Vec<Histogram>,
+    /// Seconds the processes' threads waited on a run queue (`/proc/<pid>/task/*/schedstat`).
+    run_queue: f64,
+    /// Upper requests answered 429 (throttled by the API server).
+    upper_429: f64,
+}
+
+/// The processes' tokio threads (the workers and the blocking pool's: `tokio-rt-worker`,
+/// `tokio-runtime-worker` in older tokio), together.
+fn runtime_workers(processes: &[&VirtualNode]) -> usize {
+    processes
+        .iter()
+        .filter_map(|p| std::fs::read_dir(format!("/proc/{}/task", p.pid())).ok())
+        .flat_map(|tasks| tasks.flatten())
+        .filter(|task| {
+            std::fs::read_to_string(task.path().join("comm")).is_ok_and(|comm| {
+                comm.starts_with("tokio-rt-worker") || comm.starts_with("tokio-runtime-w")
+            })
+        })
+        .count()
+}
+
+/// Every process's metrics, summed by series.
+async fn scrape_all(processes: &[&VirtualNode]) -> Result<BTreeMap<String, f64>> {
+    let mut sum = BTreeMap::new();
+    for process in processes {
+        for (series, value) in scrape(process.metrics_port).await? {
+            *sum.entry(series).or_insert(0.0) += value;
+        }
+    }
+    Ok(sum)
+}
+
+/// Seconds the processes' threads have spent runnable but waiting for a CPU (the second
+/// figure of `/proc/<pid>/task/<tid>/schedstat`; threads that ended are not counted).
+fn run_queue_seconds(processes: &[&VirtualNode]) -> f64 {
+    let mut nanos = 0u64;
+    for process in processes {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", process.pid())) else {
+            continue;
+        };
+        for task in tasks.flatten() {
+            let waited = std::fs::read_to_string(task.path().join("schedstat"))
+                .ok()
+                .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok());
+            nanos += waited.unwrap_or(0);
+        }
+    }
+    nanos as f64 / 1e9
+}
+
+fn waits(before: &BTreeMap<String, f64>, after: &BTreeMap<String, f64>, run_queue: f64) -> Waits {
+    let upper_429 = after
+        .iter()
+        .filter(|(series, _)| {
+            series.starts_with("tensile_api_responses_total{")
+                && series.contains("cluster=\"upper\"")
+                && series.contains("code=\"429\"")
+        })
+        .map(|(series, value)| value - before.get(series).copied().unwrap_or(0.0))
+        .sum();
+    Waits {
+        histograms: WAIT_ROWS
+            .iter()
+            .map(|(_, name, label)| Histogram::delta(before, after, name, label))
+            .collect(),
+        run_queue,
+        upper_429,
+    }
+}
+
+/// Where the pods waited during the burst, both ways: one row per wait histogram (its
+/// count, mean and p99 over the burst), the OS run-queue wait and the upper 429s.
+fn print_waits(federated: &Waits, separate: &Waits) {
+    println!("  where a pod waits during the burst (count, mean / p99; every process's summed):");
+    for ((what, _, _), (one, many)) in WAIT_ROWS
+        .iter()
+        .zip(federated.histograms.iter().zip(&separate.histograms))
+    {
+        println!("    {what:<42} {:>34} {:>34}", one.cell(), many.cell());
+    }
+    println!(
+        "    {:<42} {:>34} {:>34}",
+        "threads runnable, not run by the OS",
+        format!("{:.1} s", federated.run_queue),
+        format!("{:.1} s", separate.run_queue)
+    );
+    println!(
+        "    {:<42} {:>34} {:>34}",
+        "upper answers 429 (API server throttled)",
+        federated.upper_429.to_string(),
+        separate.upper_429.to_string()
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn series(pairs: &[(&str, f64)]) -> BTreeMap<String, f64> {
+        pairs.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect()
+    }
+
+    #[test]
+    fn histogram_deltas_and_quantiles() {
+        let before = series(&[
+            ("w_bucket{q=\"a\",le=\"0.1\"}", 1.0),
+            ("w_bucket{q=\"a\",le=\"1.0\"}", 1.0),
+            ("w_bucket{q=\"a\",le=\"+Inf\"}", 1.0),
+            ("w_sum{q=\"a\"}", 0.05),
+            ("w_count{q=\"a\"}", 1.0),
+        ]);
+        let after = series(&[
+            ("w_bucket{q=\"a\",le=\"0.1\"}", 51.0),
+            ("w_bucket{q=\"a\",le=\"1.0\"}", 101.0),
+            ("w_bucket{q=\"a\",le=\"+Inf\"}", 101.0),
+            ("w_sum{q=\"a\"}", 25.05),
+            ("w_count{q=\"a\"}", 101.0),
+            // Another label and another name: not counted.
+            ("w_count{q=\"b\"}", 7.0),
+            ("w_total_count{q=\"a\"}", 7.0),
+        ]);
+        let h = Histogram::delta(&before, &after, "w", "q=\"a\"");
+        assert_eq!(h.count, 100.0);
+        assert_eq!(h.buckets.len(), 3);
+        let cases = [
+            (0.5, Some(0.1)),
+            (0.25, Some(0.05)),
+            (0.99, Some(0.1 + 0.9 * 49.0 / 50.0)),
+        ];
+        for (q, want) in cases {
+            let got = h.quantile(q);
+            assert!(
+                (got.unwrap_or(-1.0) - want.unwrap_or(-1.0)).abs() < 1e-9,
+                "{q}: {got:?}"
+            );
+        }
+        assert!((h.mean().unwrap_or(0.0) - 0.25).abs() < 1e-9);
+        // Past the largest finite bound: that bound.
+        let inf = series(&[
+            ("w_bucket{le=\"1\"}", 0.0),
+            ("w_bucket{le=\"+Inf\"}", 10.0),
+            ("w_count", 10.0),
+            ("w_sum", 50.0),
+        ]);
+        let h = Histogram::delta(&BTreeMap::new(), &inf, "w", "");
+        assert_eq!(h.quantile(0.99), Some(1.0));
+        assert_eq!(Histogram::default().quantile(0.99), None);
+        assert_eq!(Histogram::default().cell(), "-");
+    }
 }

@@ -61,7 +61,8 @@ struct Args {
     /// The virtual-node binary (default: beside this one).
     #[arg(long)]
     virtual_node: Option<PathBuf>,
-    /// virtual-node's tokio worker threads (`TOKIO_WORKER_THREADS`); default: one per core.
+    /// virtual-node's tokio worker threads (`TOKIO_WORKER_THREADS`); default: one per core
+    /// (a federated process: at least `tensile::runtime::FEDERATED_MIN_WORKERS`).
     /// With `--lower-clusters`, the one process's (serving every member).
     /// `--runtime-workers 16` on a small machine gives it the runtime a 16-core box gets
     /// by default, and the allocator arenas its threads bring.
