@@ -96,6 +96,7 @@ pub async fn run(ctx: Arc<Context>, pods: PodStores, shutdown: CancellationToken
         upper: upper_pods,
         lower: lower_pods,
         synced,
+        ..
     } = pods;
     tokio::select! {
         () = shutdown.cancelled() => return,

@@ -508,7 +508,7 @@ pub async fn run(
                     lower_pods
                         .state()
                         .iter()
-                        .map(|p| p.meta.namespace.clone())
+                        .map(|p| p.meta.namespace.as_ref().into())
                         .collect()
                 })
                 .contains(ns)

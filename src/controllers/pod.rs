@@ -18,13 +18,13 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use futures::StreamExt;
 use tokio::sync::watch;
 
-use super::pod_store::PodStore;
+use super::pod_store::{PodStore, WholePods};
 use super::pod_watch::{PodQueue, PodStores, Triggers, run_controller};
 use super::stores::Ready;
 use super::{Context, Error, api_error, dependencies};
 use crate::api::{Deleted, delete_exact, is_status};
 use crate::node::burst::{
-    Burst, DELETION_COST_ANNOTATION, DELETION_COST_MARK, deletion_cost_to_write,
+    Burst, DELETION_COST_ANNOTATION, DELETION_COST_MARK, deletion_cost_to_write, with_deletion_cost,
 };
 use crate::side::Side;
 use crate::translate::admission::{
@@ -241,6 +241,18 @@ pub async fn write_upper_status(
     status: &PodStatus,
     key: &str,
 ) -> Result<StatusWrite, Error> {
+    write_upper_status_and_cost(api, upper, status, None, key).await
+}
+
+/// [`write_upper_status`], with the deletion cost `cost` in the same write if given
+/// ([`with_deletion_cost`]).
+pub async fn write_upper_status_and_cost(
+    api: &Api<Pod>,
+    upper: &Pod,
+    status: &PodStatus,
+    cost: Option<i32>,
+    key: &str,
+) -> Result<StatusWrite, Error> {
     let uid = upper.metadata.uid.as_deref().ok_or_else(|| {
         Error::Translate(TranslateError::MissingField {
             kind: "Pod",
@@ -249,6 +261,10 @@ pub async fn write_upper_status(
         })
     })?;
     let patch = upper_status_patch(uid, status);
+    let patch = match cost {
+        Some(cost) => with_deletion_cost(patch, cost),
+        None => patch,
+    };
     match api
         .patch_status(
             &upper.name_any(),
@@ -269,6 +285,8 @@ struct PodContext {
     ctx: Arc<Context>,
     upper_pods: PodStore,
     lower_pods: PodStore,
+    /// Upper pods whole while their lower copy is being made.
+    whole: WholePods,
     synced: Ready,
 }
 
@@ -285,6 +303,7 @@ pub async fn run(
         ctx,
         upper_pods: stores.upper.clone(),
         lower_pods: stores.lower,
+        whole: stores.whole,
         synced: stores.synced,
     });
     let queue = PodQueue::measured(&pod_ctx.ctx.metrics, &pod_ctx.ctx.owner.node, "pod queue");
@@ -355,7 +374,7 @@ fn wake_every_pod(
 
 /// The deletion cost virtual-node writes on `upper` (one of its pods) at `priority`, if
 /// one is to be written ([`deletion_cost_to_write`]): none on a pod being deleted.
-fn deletion_cost_due(upper: &StoredPod, priority: u32) -> Option<i32> {
+pub(crate) fn deletion_cost_due(upper: &StoredPod, priority: u32) -> Option<i32> {
     if upper.meta.deletion_timestamp.is_some() {
         return None;
     }
@@ -447,9 +466,12 @@ async fn reconcile(stored: &StoredPod, pc: &PodContext) -> Result<(), Error> {
         // The scale-in order upstairs, after the pod's own step (its lower copy is never
         // made later for it), and never holding it back: a pod that cannot take the
         // annotation (its annotations at the API server's limit), or a refused write, is
-        // left without it until its next event.
+        // left without it until its next event. Until the pod shows it ran below, the
+        // status reflector's first write carries it (no write of its own); this write is
+        // for the pods that ran before, and for a new burst priority.
         let priority = ctx.bursting.borrow().priority;
         if let Some(cost) = deletion_cost_due(stored, priority)
+            && was_mirrored(&stored.to_pod())
             && let Err(error) = write_deletion_cost(stored, cost, ctx).await
         {
             warn!(
@@ -730,14 +752,22 @@ async fn create(
     key: &str,
 ) -> Result<(), Error> {
     let ctx = &pc.ctx;
-    // The store holds a pruned pod; the lower pod is made from the whole one.
-    let upper_api: Api<Pod> =
-        Api::namespaced(ctx.upper.clone(), &stored.namespace().unwrap_or_default());
-    let Some(upper) = upper_pod_now(&upper_api, stored, key).await? else {
-        // Gone or replaced meanwhile: its own watch event brings the next step.
-        return Ok(());
+    let (namespace, name) = (stored.namespace().unwrap_or_default(), stored.name_any());
+    let upper_api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &namespace);
+    // The store holds a pruned pod; the lower pod is made from the whole one, as its watch
+    // delivered it (kept until the copy is made), else as the API server has it.
+    let whole = pc
+        .whole
+        .get(&namespace, &name, stored.metadata.uid.as_deref());
+    let upper = match whole {
+        Some(upper) => upper,
+        None => match upper_pod_now(&upper_api, stored, key).await? {
+            Some(upper) => Arc::new(upper),
+            // Gone or replaced meanwhile: its own watch event brings the next step.
+            None => return Ok(()),
+        },
     };
-    let upper = &upper;
+    let upper = &*upper;
     if host_ports_taken_here(upper, ctx, key).await? {
         return reject(
             upper,
@@ -758,6 +788,7 @@ async fn create(
     let pod = lower_pod(upper, &translation)?;
     match lower_api.create(&PostParams::default(), &pod).await {
         Ok(_) => {
+            pc.whole.forget(&namespace, &name);
             ctx.metrics.lower_creates.inc();
             info!(object = %key, kind = "Pod", cluster = "lower", "created the lower pod");
             Ok(())

@@ -12,9 +12,11 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use hashbrown::HashTable;
+use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher;
 
 use super::shrink::shrunk_capacity;
+use crate::translate::pod::was_mirrored;
 use crate::translate::stored::StoredPod;
 
 /// Below this many slots a table is never shrunk: not worth rebuilding.
@@ -47,7 +49,7 @@ impl Departed {
         let now = Instant::now();
         let mut pods = self.lock();
         pods.retain(|_, (since, _)| now.duration_since(*since) < DEPARTED_FOR);
-        let key = (pod.meta.namespace.clone(), pod.meta.name.clone());
+        let key = (pod.meta.namespace.as_ref().into(), pod.meta.name.clone());
         pods.insert(key, (now, pod));
         if let Some(to) = shrunk_capacity(pods.capacity(), pods.len(), KEEP) {
             pods.shrink_to(to);
@@ -58,6 +60,155 @@ impl Departed {
     pub fn take(&self, namespace: &str, name: &str) -> Option<Arc<StoredPod>> {
         let key: (Box<str>, Box<str>) = (namespace.into(), name.into());
         self.lock().remove(&key).map(|(_, pod)| pod)
+    }
+}
+
+/// The most pods a [`WholePods`] keeps: a burst queued faster than its copies are made
+/// holds this many whole at most (a decoded pod is ~14 KB: 2048 of them raised the peak
+/// of a 10 000-pod burst by ~28 MiB); the pods past it are read from the API when their
+/// copy is made, as all were before.
+const WHOLE_AT_MOST: usize = 1024;
+
+/// Upper pods kept whole, as their watch last delivered them, while their lower copy is
+/// being made: the store keeps pods pruned ([`StoredPod`]), and the lower pod is made
+/// from the whole upper one, which would otherwise be read again (one upper GET per pod
+/// created). A pod is kept from its watch event until its lower copy is made (the pod
+/// controller forgets it), appears in the lower store, or the pod no longer needs one
+/// ([`wants_lower_copy`]); only pods waiting for their copy are held, never the
+/// mirrored ones. Clones share the table.
+#[derive(Clone, Default)]
+pub struct WholePods {
+    inner: Arc<Mutex<WholeTable>>,
+}
+
+#[derive(Default)]
+struct WholeTable {
+    pods: HashTable<Arc<Pod>>,
+    hasher: RandomState,
+}
+
+/// A whole pod's namespace and name, as [`WholePods`] is keyed.
+fn whole_key(pod: &Pod) -> (&str, &str) {
+    (
+        pod.metadata.namespace.as_deref().unwrap_or_default(),
+        pod.metadata.name.as_deref().unwrap_or_default(),
+    )
+}
+
+/// Whether the upper pod `pod` may yet need a lower copy made from it: not being deleted,
+/// not finished, and not shown as having run below ([`was_mirrored`]). Pure.
+pub fn wants_lower_copy(pod: &Pod) -> bool {
+    let finished = matches!(
+        pod.status.as_ref().and_then(|s| s.phase.as_deref()),
+        Some("Succeeded" | "Failed")
+    );
+    pod.metadata.deletion_timestamp.is_none() && !finished && !was_mirrored(pod)
+}
+
+impl WholeTable {
+    fn find(&self, namespace: &str, name: &str) -> Option<&Arc<Pod>> {
+        let hash = self.hasher.hash_one((namespace, name));
+        self.pods.find(hash, |p| whole_key(p) == (namespace, name))
+    }
+
+    fn remove(&mut self, namespace: &str, name: &str) {
+        let hash = self.hasher.hash_one((namespace, name));
+        if let Ok(entry) = self
+            .pods
+            .find_entry(hash, |p| whole_key(p) == (namespace, name))
+        {
+            entry.remove();
+        }
+        if let Some(to) = shrunk_capacity(self.pods.capacity(), self.pods.len(), KEEP) {
+            let hasher = &self.hasher;
+            self.pods.shrink_to(to, |p| hasher.hash_one(whole_key(p)));
+        }
+    }
+
+    /// Keeps `pod` in place of its earlier version; a new one only while fewer than
+    /// `at_most` are kept.
+    fn insert(&mut self, pod: &Pod, at_most: usize) {
+        let (namespace, name) = whole_key(pod);
+        let hash = self.hasher.hash_one((namespace, name));
+        let hasher = &self.hasher;
+        let full = self.pods.len() >= at_most;
+        let kept = || {
+            let mut pod = pod.clone();
+            // Never read for the copy, and a good part of a pod's size.
+            pod.metadata.managed_fields = None;
+            Arc::new(pod)
+        };
+        match self.pods.entry(
+            hash,
+            |p| whole_key(p) == (namespace, name),
+            |p| hasher.hash_one(whole_key(p)),
+        ) {
+            hashbrown::hash_table::Entry::Occupied(mut entry) => *entry.get_mut() = kept(),
+            hashbrown::hash_table::Entry::Vacant(entry) if !full => {
+                entry.insert(kept());
+            }
+            hashbrown::hash_table::Entry::Vacant(_) => {}
+        }
+    }
+}
+
+impl WholePods {
+    fn lock(&self) -> std::sync::MutexGuard<'_, WholeTable> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes in the upper pod `pod` as its watch delivered it: kept whole while it
+    /// [`wants_lower_copy`] and `lower` (the lower store) holds no pod of its name,
+    /// forgotten otherwise. Judged and kept under the table's lock, which
+    /// [`WholePods::forget`] takes after the lower store took the copy in, so a pod is never
+    /// kept after its copy was seen.
+    pub fn offer(&self, pod: &Pod, lower: &PodStore) {
+        let (namespace, name) = whole_key(pod);
+        let mut table = self.lock();
+        if wants_lower_copy(pod) && lower.get(namespace, name).is_none() {
+            table.insert(pod, WHOLE_AT_MOST);
+        } else if !table.pods.is_empty() {
+            table.remove(namespace, name);
+        }
+    }
+
+    /// Forgets the pod `namespace/name`: its copy is made, or it is gone.
+    pub fn forget(&self, namespace: &str, name: &str) {
+        let mut table = self.lock();
+        if !table.pods.is_empty() {
+            table.remove(namespace, name);
+        }
+    }
+
+    /// The whole pod `namespace/name` of UID `uid`, if kept.
+    pub fn get(&self, namespace: &str, name: &str, uid: Option<&str>) -> Option<Arc<Pod>> {
+        let table = self.lock();
+        table
+            .find(namespace, name)
+            .filter(|p| uid.is_some() && p.metadata.uid.as_deref() == uid)
+            .cloned()
+    }
+
+    /// Keeps only the pods `store` (the upper store, after a relist) still holds.
+    pub fn retain_stored(&self, store: &PodStore) {
+        let mut table = self.lock();
+        if table.pods.is_empty() {
+            return;
+        }
+        table.pods.retain(|p| {
+            let (namespace, name) = whole_key(p);
+            store.get(namespace, name).is_some()
+        });
+    }
+
+    /// How many pods it keeps.
+    pub fn len(&self) -> usize {
+        self.lock().pods.len()
+    }
+
+    /// Whether it keeps none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -273,6 +424,121 @@ mod tests {
             .collect();
         pods.sort();
         pods
+    }
+
+    /// A whole upper pod is kept only while it waits for its lower copy, and always in its
+    /// latest version.
+    #[test]
+    fn whole_pods_are_kept_only_until_their_copy_is_made() {
+        use serde_json::json;
+        let whole_pod = |uid: &str, extra: serde_json::Value| -> Pod {
+            let mut pod = json!({
+                "metadata": {"namespace": "ns", "name": "p", "uid": uid},
+                "spec": {"containers": [{"name": "c", "image": "i"}]},
+            });
+            if let (Some(p), Some(e)) = (pod.as_object_mut(), extra.as_object()) {
+                for (k, v) in e {
+                    match (p.get_mut(k).and_then(|x| x.as_object_mut()), v.as_object()) {
+                        (Some(into), Some(v)) => into.extend(v.clone()),
+                        _ => {
+                            p.insert(k.clone(), v.clone());
+                        }
+                    }
+                }
+            }
+            serde_json::from_value(pod).unwrap()
+        };
+        // (case, pod offered, lower copy stored, kept)
+        let cases = [
+            ("new pod", whole_pod("u1", json!({})), false, true),
+            (
+                "its copy is stored",
+                whole_pod("u1", json!({})),
+                true,
+                false,
+            ),
+            (
+                "being deleted",
+                whole_pod(
+                    "u1",
+                    json!({"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"}}),
+                ),
+                false,
+                false,
+            ),
+            (
+                "finished",
+                whole_pod("u1", json!({"status": {"phase": "Succeeded"}})),
+                false,
+                false,
+            ),
+            (
+                "ran below",
+                whole_pod(
+                    "u1",
+                    json!({"status": {"phase": "Running", "startTime": "2026-01-01T00:00:00Z"}}),
+                ),
+                false,
+                false,
+            ),
+            (
+                "pending with a reason of ours",
+                whole_pod(
+                    "u1",
+                    json!({"status": {"phase": "Pending", "reason": "MissingDependency"}}),
+                ),
+                false,
+                true,
+            ),
+        ];
+        for (case, offered, copy, kept) in cases {
+            let (whole, lower) = (WholePods::default(), PodStore::default());
+            if copy {
+                lower.apply(Arc::new(pod("ns", "p", "l1")));
+            }
+            // Kept before: an offer that does not keep forgets the earlier version.
+            whole.offer(&whole_pod("u1", json!({})), &PodStore::default());
+            whole.offer(&offered, &lower);
+            assert_eq!(whole.get("ns", "p", Some("u1")).is_some(), kept, "{case}");
+            assert_eq!(whole.len(), usize::from(kept), "{case}: nothing else kept");
+        }
+        let (whole, lower) = (WholePods::default(), PodStore::default());
+        whole.offer(&whole_pod("u1", json!({})), &lower);
+        assert!(whole.get("ns", "p", Some("u2")).is_none(), "another UID");
+        assert!(whole.get("ns", "p", None).is_none(), "no UID");
+        assert!(
+            whole.get("other", "p", Some("u1")).is_none(),
+            "another namespace"
+        );
+        whole.forget("ns", "p");
+        assert!(whole.is_empty(), "forgotten once its copy is made");
+    }
+
+    #[test]
+    fn whole_pods_are_kept_up_to_a_bound_without_managed_fields() {
+        let mut table = WholeTable::default();
+        let pod = |name: &str| {
+            let mut pod = Pod::default();
+            pod.metadata.namespace = Some("ns".into());
+            pod.metadata.name = Some(name.into());
+            pod.metadata.managed_fields = Some(vec![Default::default()]);
+            pod
+        };
+        for name in ["a", "b", "c"] {
+            table.insert(&pod(name), 2);
+        }
+        assert_eq!(table.pods.len(), 2, "no third pod");
+        assert!(table.find("ns", "c").is_none());
+        let mut newer = pod("a");
+        newer.metadata.uid = Some("u2".into());
+        table.insert(&newer, 2);
+        let kept = table.find("ns", "a").unwrap();
+        assert_eq!(
+            kept.metadata.uid.as_deref(),
+            Some("u2"),
+            "a newer version, at the bound"
+        );
+        assert_eq!(kept.metadata.managed_fields, None);
     }
 
     #[test]

@@ -17,7 +17,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::Context;
-use super::pod_store::{Departed, PodStore, Touched, Writer};
+use super::pod_store::{Departed, PodStore, Touched, WholePods, Writer};
 use super::queue::{self, WorkQueue};
 use super::stores::{Ready, errors_logged_as, every};
 use crate::side::Side;
@@ -101,6 +101,8 @@ pub struct PodStores {
     pub lower: PodStore,
     /// Whether both have listed once.
     pub synced: Ready,
+    /// Upper pods kept whole while their lower copy is being made.
+    pub whole: WholePods,
 }
 
 /// A pod controller's queue: pods by namespace and name.
@@ -109,21 +111,31 @@ pub type PodQueue = WorkQueue<ObjectRef<Pod>>;
 /// How a pod store keeps each pod ([`StoredPod::new`] or [`StoredPod::summarized`]).
 type Keep = fn(Pod, &mut SharedSpecs) -> StoredPod;
 
+/// Upper pods kept whole ([`WholePods`]) beside the store, and the lower store that
+/// tells whether a pod's copy exists.
+type KeepWhole = Option<(WholePods, PodStore)>;
+
 /// The pod watch events of `watch` filling a [`PodStore`] with [`StoredPod`]s made by
-/// `keep`; the pods it touched, and whether it has listed once.
+/// `keep` (and offering each pod to `whole`, if given, before it is stored); the pods it
+/// touched, and whether it has listed once.
 fn pod_reflector(
     watch: BoxStream<'static, Result<watcher::Event<Pod>, watcher::Error>>,
     keep: Keep,
+    whole: KeepWhole,
     side: Side,
 ) -> (PodStore, PodStream, Ready) {
     let store = PodStore::default();
     let mut writer = Writer::new(store.clone());
+    let stored = store.clone();
     let (listed_tx, listed_rx) = watch::channel(false);
     // Pods are stored compactly: a full pod's spec detail is read only when its lower pod
     // is created, and is most of its memory.
     let mut shared = SharedSpecs::default();
     let touched = watch
         .map_ok(move |event| {
+            if let Some((whole, lower)) = &whole {
+                offer_whole(&event, whole, lower);
+            }
             let event = match event {
                 watcher::Event::Apply(pod) => watcher::Event::Apply(keep(pod, &mut shared)),
                 watcher::Event::Delete(pod) => watcher::Event::Delete(keep(pod, &mut shared)),
@@ -134,6 +146,9 @@ fn pod_reflector(
             let listed = matches!(event, watcher::Event::InitDone);
             let touched = writer.apply(event);
             if listed {
+                if let Some((whole, _)) = &whole {
+                    whole.retain_stored(&stored);
+                }
                 listed_tx.send_replace(true);
             }
             touched
@@ -143,15 +158,29 @@ fn pod_reflector(
     (store, touched, Ready::listed(listed_rx))
 }
 
+/// Offers the upper pod of `event` to `whole` (or forgets it, deleted).
+fn offer_whole(event: &watcher::Event<Pod>, whole: &WholePods, lower: &PodStore) {
+    match event {
+        watcher::Event::Apply(pod) | watcher::Event::InitApply(pod) => whole.offer(pod, lower),
+        watcher::Event::Delete(pod) => whole.forget(
+            pod.metadata.namespace.as_deref().unwrap_or_default(),
+            pod.metadata.name.as_deref().unwrap_or_default(),
+        ),
+        watcher::Event::Init | watcher::Event::InitDone => {}
+    }
+}
+
 /// Polls `touched` (which keeps its store current, on `side`) and hands every changed
 /// pod, deletions included, to the status reflector, and to the pod controller those that
-/// [`wakes_pod_controller`] (`lower` is the lower store). A controller that has stopped is
+/// [`wakes_pod_controller`] (`lower` is the lower store). A lower pod touched is one whose
+/// upper pod need no longer be kept whole (`made`). A controller that has stopped is
 /// skipped; the store is kept current for the other.
 async fn fan_out(
     mut touched: PodStream,
     side: Side,
     lower: PodStore,
     departed: Option<(PodStore, Departed)>,
+    made: Option<WholePods>,
     mut pods: mpsc::Sender<Arc<StoredPod>>,
     mut status: mpsc::Sender<Arc<StoredPod>>,
 ) {
@@ -160,6 +189,9 @@ async fn fan_out(
         let lower_copy = || lower.get(&pod.meta.namespace, &pod.meta.name).is_some();
         if let Some((upper, departed)) = &departed {
             keep_if_departed(&pod, &lower, upper, departed);
+        }
+        if let Some(whole) = &made {
+            whole.forget(&pod.meta.namespace, &pod.meta.name);
         }
         // Each send fails only once that controller has stopped.
         if wakes_pod_controller(side, status_only, lower_copy) {
@@ -212,13 +244,6 @@ pub fn watches(ctx: &Context) -> PodWatches {
             watcher::watcher(upper_api, node).default_backoff().boxed()
         }
     };
-    let (upper_store, upper_stream, upper_ready) = pod_reflector(
-        upper_watch,
-        // An upper status is only compared with the lower one (as a digest) between
-        // reconciles; the lower status is what gets written up, so it is kept whole.
-        StoredPod::summarized,
-        Side::Upper,
-    );
     let lower_watch = watcher::watcher(
         Api::all(ctx.lower.clone()),
         watcher::Config::default().labels(&ctx.owner.selector()),
@@ -226,7 +251,16 @@ pub fn watches(ctx: &Context) -> PodWatches {
     .default_backoff()
     .boxed();
     let (lower_store, lower_stream, lower_ready) =
-        pod_reflector(lower_watch, StoredPod::new, Side::Lower);
+        pod_reflector(lower_watch, StoredPod::new, None, Side::Lower);
+    let whole = WholePods::default();
+    let (upper_store, upper_stream, upper_ready) = pod_reflector(
+        upper_watch,
+        // An upper status is only compared with the lower one (as a digest) between
+        // reconciles; the lower status is what gets written up, so it is kept whole.
+        StoredPod::summarized,
+        Some((whole.clone(), lower_store.clone())),
+        Side::Upper,
+    );
     let mirrored = lower_store.clone();
     ctx.metrics
         .count_mirrored(&ctx.owner.node, "pods", move || mirrored.len());
@@ -245,6 +279,7 @@ pub fn watches(ctx: &Context) -> PodWatches {
             Side::Upper,
             lower_store.clone(),
             None,
+            None,
             pods_upper,
             status_upper,
         ),
@@ -253,6 +288,7 @@ pub fn watches(ctx: &Context) -> PodWatches {
             Side::Lower,
             lower_store.clone(),
             Some((upper_store.clone(), ctx.departed.clone())),
+            Some(whole.clone()),
             pods_lower,
             status_lower,
         ),
@@ -264,6 +300,7 @@ pub fn watches(ctx: &Context) -> PodWatches {
             upper: upper_store,
             lower: lower_store,
             synced: upper_ready.and(&lower_ready),
+            whole,
         },
         pump,
         pods: Triggers {

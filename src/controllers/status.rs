@@ -14,7 +14,7 @@ use kube::api::Api;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info_span, warn};
 
-use super::pod::{StatusWrite, reflects_status, write_upper_status};
+use super::pod::{StatusWrite, deletion_cost_due, reflects_status, write_upper_status_and_cost};
 use super::pod_watch::{PodQueue, PodStores, Triggers, run_controller};
 use super::{Context, Error};
 use crate::translate::pod::{status_is_informative, upper_status};
@@ -103,8 +103,11 @@ async fn reflect_status(
     let api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &upper.namespace().unwrap_or_default());
     let write_started = Instant::now();
     // The UID precondition keeps a store that lags a same-name re-create from writing
-    // the old pod's status onto the new one.
-    let written = write_upper_status(&api, &upper, &desired, key).await;
+    // the old pod's status onto the new one. The pod's deletion cost, while it has none
+    // of ours, goes in the same write (the pod controller writes it only for pods that
+    // ran below before).
+    let cost = deletion_cost_due(&stored_upper, ctx.bursting.borrow().priority);
+    let written = write_upper_status_and_cost(&api, &upper, &desired, cost, key).await;
     ctx.metrics
         .status_write_seconds
         .observe(write_started.elapsed().as_secs_f64());

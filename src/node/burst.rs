@@ -130,9 +130,61 @@ pub fn deletion_cost_to_write(
     }
 }
 
+/// `patch` (a merge or strategic merge patch of an upper pod) with deletion cost `cost`
+/// written too, marked as virtual-node's: folded into the first status write of a burst
+/// pod (the pods/status subresource takes annotations), so that the cost costs no write
+/// of its own. Pure.
+pub fn with_deletion_cost(mut patch: serde_json::Value, cost: i32) -> serde_json::Value {
+    let cost = cost.to_string();
+    if let Some(patch) = patch.as_object_mut() {
+        let metadata = patch
+            .entry("metadata")
+            .or_insert_with(|| serde_json::json!({}));
+        if let Some(metadata) = metadata.as_object_mut() {
+            let annotations = metadata
+                .entry("annotations")
+                .or_insert_with(|| serde_json::json!({}));
+            if let Some(annotations) = annotations.as_object_mut() {
+                annotations.insert(DELETION_COST_ANNOTATION.into(), cost.clone().into());
+                annotations.insert(DELETION_COST_MARK.into(), cost.into());
+            }
+        }
+    }
+    patch
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_deletion_cost_joins_a_patch() {
+        use serde_json::json;
+        let both = json!({DELETION_COST_ANNOTATION: "-3", DELETION_COST_MARK: "-3"});
+        // (case, patch, written)
+        let cases = [
+            (
+                "a status patch with its UID precondition",
+                json!({"metadata": {"uid": "u1"}, "status": {"phase": "Running"}}),
+                json!({"metadata": {"uid": "u1", "annotations": both.clone()},
+                       "status": {"phase": "Running"}}),
+            ),
+            (
+                "other annotations kept",
+                json!({"metadata": {"annotations": {"a": "1"}}}),
+                json!({"metadata": {"annotations": {"a": "1", DELETION_COST_ANNOTATION: "-3",
+                                                    DELETION_COST_MARK: "-3"}}}),
+            ),
+            (
+                "no metadata yet",
+                json!({"status": {}}),
+                json!({"metadata": {"annotations": both}, "status": {}}),
+            ),
+        ];
+        for (case, patch, want) in cases {
+            assert_eq!(with_deletion_cost(patch, -3), want, "{case}");
+        }
+    }
 
     #[test]
     fn priorities_parse() {

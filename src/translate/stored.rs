@@ -10,9 +10,11 @@
 //! buffer each instead of a `BTreeMap` (whose smallest node reserves room for eleven
 //! entries: half a kilobyte for the two to five a pod has).
 
+use std::borrow::Borrow;
 use std::collections::{BTreeMap, HashSet};
-use std::sync::Arc;
+use std::hash::Hash;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock};
 
 use k8s_openapi::api::core::v1::{
     Container, EphemeralContainer, ObjectReference, Pod, PodSpec, PodStatus,
@@ -25,19 +27,34 @@ use super::pod::{StatusDigest, digest_in_sync, status_digest, status_in_sync, st
 
 /// A string map of a few entries in one allocation: each key and value as its length in
 /// decimal, a colon, then itself (`3:app3:web`). Entries keep the map's (sorted) order.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Pairs(Box<str>);
+/// Equal maps of many pods (a workload's labels, tensile's own marks below) share one
+/// buffer through [`SharedSpecs`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Pairs(Arc<str>);
+
+impl Default for Pairs {
+    fn default() -> Self {
+        static EMPTY: LazyLock<Arc<str>> = LazyLock::new(|| Arc::from(""));
+        Self(EMPTY.clone())
+    }
+}
 
 impl Pairs {
     /// Packs `map`.
     pub fn new(map: &BTreeMap<String, String>) -> Self {
-        let mut text = String::with_capacity(map.iter().map(|(k, v)| k.len() + v.len() + 8).sum());
-        for part in map.iter().flat_map(|(k, v)| [k, v]) {
+        Self(Self::text(map.iter()).into())
+    }
+
+    /// The packed text of `entries`.
+    fn text<'a>(entries: impl Iterator<Item = (&'a String, &'a String)> + Clone) -> String {
+        let mut text =
+            String::with_capacity(entries.clone().map(|(k, v)| k.len() + v.len() + 8).sum());
+        for part in entries.flat_map(|(k, v)| [k, v]) {
             text.push_str(&part.len().to_string());
             text.push(':');
             text.push_str(part);
         }
-        Self(text.into_boxed_str())
+        text
     }
 
     /// The keys and values, one after the other.
@@ -68,7 +85,7 @@ impl Pairs {
         self.0.is_empty()
     }
 
-    /// The heap bytes it holds.
+    /// The heap bytes it holds (shared with the equal maps of other pods).
     pub fn heap_bytes(&self) -> usize {
         self.0.len()
     }
@@ -88,28 +105,57 @@ impl Pairs {
 /// every field is inline.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StoredMeta {
-    /// `metadata.namespace`.
-    pub namespace: Box<str>,
+    /// `metadata.namespace`, shared with the other pods of the namespace.
+    pub namespace: Arc<str>,
     /// `metadata.name`.
     pub name: Box<str>,
     /// `metadata.uid`.
     pub uid: Option<Box<str>>,
     /// `metadata.deletionTimestamp`.
     pub deletion_timestamp: Option<Time>,
-    /// `metadata.deletionGracePeriodSeconds`.
-    pub deletion_grace_period_seconds: Option<i64>,
+    /// `metadata.deletionGracePeriodSeconds` ([`StoredMeta::deletion_grace_period_seconds`]).
+    grace: Grace,
+}
+
+/// An optional grace period in eight bytes instead of sixteen (every stored pod has one
+/// field of it): `i64::MIN`, which no grace period is, for none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Grace(i64);
+
+impl Default for Grace {
+    fn default() -> Self {
+        Self(i64::MIN)
+    }
+}
+
+impl Grace {
+    fn new(seconds: Option<i64>) -> Self {
+        Self(seconds.filter(|s| *s != i64::MIN).unwrap_or(i64::MIN))
+    }
+
+    fn get(self) -> Option<i64> {
+        (self.0 != i64::MIN).then_some(self.0)
+    }
 }
 
 impl StoredMeta {
-    /// What [`StoredPod`] keeps of `metadata` (labels and annotations apart).
-    fn new(metadata: ObjectMeta) -> Self {
+    /// What [`StoredPod`] keeps of `metadata` (labels and annotations apart), its
+    /// namespace shared through `shared`.
+    fn new(metadata: ObjectMeta, shared: &mut SharedSpecs) -> Self {
         Self {
-            namespace: metadata.namespace.unwrap_or_default().into_boxed_str(),
+            namespace: shared
+                .namespaces
+                .share(metadata.namespace.unwrap_or_default().as_str()),
             name: metadata.name.unwrap_or_default().into_boxed_str(),
             uid: metadata.uid.map(String::into_boxed_str),
             deletion_timestamp: metadata.deletion_timestamp,
-            deletion_grace_period_seconds: metadata.deletion_grace_period_seconds,
+            grace: Grace::new(metadata.deletion_grace_period_seconds),
         }
+    }
+
+    /// `metadata.deletionGracePeriodSeconds`.
+    pub fn deletion_grace_period_seconds(&self) -> Option<i64> {
+        self.grace.get()
     }
 
     /// `namespace/name`.
@@ -127,20 +173,23 @@ pub struct StoredPod {
     pub meta: StoredMeta,
     /// `metadata.labels`.
     labels: Pairs,
-    /// `metadata.annotations`.
+    /// `metadata.annotations`, but [`UPPER_UID_ANNOTATION`] (a lower pod's own, kept in
+    /// `upper_uid`): the rest are equal for a workload's pods, and shared.
     annotations: Pairs,
+    /// The [`UPPER_UID_ANNOTATION`] annotation.
+    upper_uid: Option<Box<str>>,
     /// The spec fields a reconcile compares (nodeName, container names and images,
     /// ephemeral container names, tolerations, activeDeadlineSeconds), as the JSON of a
     /// `PodSpec` with only those set. The pods of one workload on one node have equal
     /// ones, which a [`SharedSpecs`] keeps once: three tolerations alone are 300 bytes a
     /// pod.
-    spec: Option<Arc<[u8]>>,
+    spec: Option<Arc<Box<[u8]>>>,
     /// `status`, packed; only its [`status_summary`] for a pod stored
     /// [`StoredPod::summarized`].
     status: Option<PackedStatus>,
     /// What [`status_in_sync`] compares of the status, for a pod stored
     /// [`StoredPod::summarized`].
-    status_digest: Option<StatusDigest>,
+    status_digest: Option<Box<StatusDigest>>,
     /// Which version it is, and what it was last found in step with.
     version: Version,
 }
@@ -220,44 +269,81 @@ fn compared_spec(spec: PodSpec) -> PodSpec {
     }
 }
 
-/// Equal buffers of many [`StoredPod`]s, kept once. One per pod store (the watch that
-/// fills it is its only writer). Values no stored pod holds any more are swept out once
-/// it has doubled since the last sweep, so it stays within twice the distinct values in
-/// use.
+/// Equal buffers of many [`StoredPod`]s, kept once: their compared specs, label and
+/// annotation maps ([`Pairs`]) and namespaces. One per pod store (the watch that fills it
+/// is its only writer).
 #[derive(Debug, Default)]
 pub struct SharedSpecs {
-    specs: HashSet<Arc<[u8]>>,
+    specs: Interned<Box<[u8]>>,
+    pairs: Interned<str>,
+    namespaces: Interned<str>,
+}
+
+/// Equal values kept once. Values no stored pod holds any more are swept out once it has
+/// doubled since the last sweep, so it stays within twice the distinct values in use.
+#[derive(Debug)]
+struct Interned<T: ?Sized> {
+    values: HashSet<Arc<T>>,
     /// How many it kept after the last sweep.
     swept_to: usize,
 }
 
-/// Below this, a [`SharedSpecs`] is never swept: the sweep would cost more than it frees.
+impl<T: ?Sized> Default for Interned<T> {
+    fn default() -> Self {
+        Self {
+            values: HashSet::new(),
+            swept_to: 0,
+        }
+    }
+}
+
+/// Below this, an [`Interned`] set is never swept: the sweep would cost more than it frees.
 const SWEEP_FLOOR: usize = 64;
 
-impl SharedSpecs {
-    /// The shared copy of `json`.
-    fn share(&mut self, json: Vec<u8>) -> Arc<[u8]> {
-        if let Some(shared) = self.specs.get(json.as_slice()) {
+impl<T: ?Sized + Eq + Hash> Interned<T> {
+    /// The shared copy of `value`.
+    fn share<V>(&mut self, value: V) -> Arc<T>
+    where
+        V: Borrow<T> + Into<Arc<T>>,
+        Arc<T>: Borrow<T>,
+    {
+        if let Some(shared) = self.values.get(value.borrow()) {
             return shared.clone();
         }
-        if self.specs.len() >= 2 * self.swept_to.max(SWEEP_FLOOR) {
-            // Held only here: no stored pod has this spec any more.
-            self.specs.retain(|spec| Arc::strong_count(spec) > 1);
-            self.swept_to = self.specs.len();
+        if self.values.len() >= 2 * self.swept_to.max(SWEEP_FLOOR) {
+            // Held only here: no stored pod has this value any more.
+            self.values.retain(|value| Arc::strong_count(value) > 1);
+            self.swept_to = self.values.len();
         }
-        let shared: Arc<[u8]> = json.into();
-        self.specs.insert(shared.clone());
+        let shared: Arc<T> = value.into();
+        self.values.insert(shared.clone());
         shared
+    }
+}
+
+impl SharedSpecs {
+    /// The shared copy of `json` (behind a thin pointer: a stored pod keeps one per
+    /// pod).
+    fn share(&mut self, json: Vec<u8>) -> Arc<Box<[u8]>> {
+        self.specs.share(json.into_boxed_slice())
+    }
+
+    /// The shared copy of `pairs`.
+    fn share_pairs(&mut self, pairs: Pairs) -> Pairs {
+        if pairs.is_empty() {
+            return Pairs::default();
+        }
+        Pairs(self.pairs.share(pairs.0))
     }
 
     /// How many distinct specs it holds.
     pub fn len(&self) -> usize {
-        self.specs.len()
+        self.specs.values.len()
     }
 
     /// Whether it holds none.
     pub fn is_empty(&self) -> bool {
-        self.specs.is_empty()
+        self.specs.values.is_empty()
     }
 }
 
@@ -279,12 +365,18 @@ impl StoredPod {
             spec,
             status,
         } = pod;
-        let labels = packed(metadata.labels.take());
-        let annotations = packed(metadata.annotations.take());
+        let labels = shared.share_pairs(packed(metadata.labels.take()));
+        let mut annotations = metadata.annotations.take();
+        let upper_uid = annotations
+            .as_mut()
+            .and_then(|a| a.remove(UPPER_UID_ANNOTATION))
+            .map(String::into_boxed_str);
+        let annotations = shared.share_pairs(packed(annotations));
         Self {
-            meta: StoredMeta::new(metadata),
+            meta: StoredMeta::new(metadata, shared),
             labels,
             annotations,
+            upper_uid,
             spec: spec
                 .map(compared_spec)
                 .as_ref()
@@ -307,7 +399,7 @@ impl StoredPod {
             .and_then(|s| s.readiness_gates.clone())
             .unwrap_or_default();
         let mut stored = Self::new(pod, shared);
-        stored.status_digest = Some(status_digest(status.as_ref()));
+        stored.status_digest = Some(Box::new(status_digest(status.as_ref())));
         stored.status = status
             .as_ref()
             .map(|status| status_summary(status, &gates))
@@ -340,6 +432,7 @@ impl StoredPod {
         self.meta == other.meta
             && self.labels == other.labels
             && self.annotations == other.annotations
+            && self.upper_uid == other.upper_uid
             && self.spec == other.spec
     }
 
@@ -364,6 +457,9 @@ impl StoredPod {
 
     /// The value of annotation `key`.
     pub fn annotation(&self, key: &str) -> Option<&str> {
+        if key == UPPER_UID_ANNOTATION {
+            return self.upper_uid.as_deref();
+        }
         self.annotations.get(key)
     }
 
@@ -385,7 +481,7 @@ impl StoredPod {
             #[serde(rename = "nodeName")]
             node_name: Option<String>,
         }
-        parsed::<Bound>(self.spec.as_deref()).and_then(|b| b.node_name)
+        parsed::<Bound>(self.spec_json()).and_then(|b| b.node_name)
     }
 
     /// The status (only its [`status_summary`] for a pod stored [`StoredPod::summarized`]).
@@ -401,22 +497,36 @@ impl StoredPod {
         }
     }
 
-    /// The heap bytes it holds, itself included (as kept behind an `Arc`), its spec apart
-    /// (shared with the pods of its workload): for `tensile_memory_bytes`.
+    /// The heap bytes it holds, itself included (as kept behind an `Arc`), what it shares
+    /// with other pods apart (its namespace, spec, labels and annotations but the upper
+    /// UID): for `tensile_memory_bytes`.
     pub fn heap_bytes(&self) -> usize {
         let meta = &self.meta;
         2 * size_of::<usize>()
             + size_of::<Self>()
-            + meta.namespace.len()
             + meta.name.len()
             + meta.uid.as_ref().map_or(0, |uid| uid.len())
-            + self.labels.heap_bytes()
-            + self.annotations.heap_bytes()
+            + self.upper_uid.as_ref().map_or(0, |uid| uid.len())
             + self.status.as_ref().map_or(0, PackedStatus::heap_bytes)
             + self
                 .status_digest
                 .as_ref()
-                .map_or(0, StatusDigest::heap_bytes)
+                .map_or(0, |d| size_of::<StatusDigest>() + d.heap_bytes())
+    }
+
+    /// The kept spec's JSON.
+    fn spec_json(&self) -> Option<&[u8]> {
+        self.spec.as_deref().map(|json| &**json)
+    }
+
+    /// `metadata.annotations` back; `None` when none.
+    fn annotation_map(&self) -> Option<BTreeMap<String, String>> {
+        let mut map = self.annotations.to_map();
+        if let Some(uid) = &self.upper_uid {
+            map.get_or_insert_default()
+                .insert(UPPER_UID_ANNOTATION.to_owned(), uid.to_string());
+        }
+        map
     }
 
     /// The reference an Event about this pod names (as `Resource::object_ref` makes it).
@@ -441,12 +551,12 @@ impl StoredPod {
                 name: Some(meta.name.to_string()),
                 uid: meta.uid.as_deref().map(str::to_owned),
                 deletion_timestamp: meta.deletion_timestamp.clone(),
-                deletion_grace_period_seconds: meta.deletion_grace_period_seconds,
+                deletion_grace_period_seconds: meta.deletion_grace_period_seconds(),
                 labels: self.labels.to_map(),
-                annotations: self.annotations.to_map(),
+                annotations: self.annotation_map(),
                 ..ObjectMeta::default()
             },
-            spec: Some(parsed(self.spec.as_deref()).unwrap_or_default()),
+            spec: Some(parsed(self.spec_json()).unwrap_or_default()),
             status: self.status(),
         }
     }
@@ -516,6 +626,13 @@ mod tests {
             (Some("ns"), Some("web"), Some("u"))
         );
         assert!(stored.heap_bytes() > size_of::<StoredPod>());
+        // With the `Arc`'s two counts, 192 bytes: one of the allocator's size classes
+        // (one more field and every stored pod takes 224).
+        assert!(
+            size_of::<StoredPod>() <= 176,
+            "{} bytes a stored pod",
+            size_of::<StoredPod>()
+        );
     }
 
     #[test]
@@ -767,6 +884,60 @@ mod tests {
             .flatten()
             .find(|c| c.type_ == "Ready");
         assert_eq!(ready.map(|c| c.status.as_str()), Some("True"));
+    }
+
+    /// Two lower copies of one workload's pods keep their own names and upper UIDs, and
+    /// share their namespace, labels and the rest of their annotations.
+    #[test]
+    fn a_workloads_pods_share_their_maps_and_namespace() {
+        let lower = |name: &str, upper_uid: &str| -> Pod {
+            serde_json::from_value(json!({
+                "metadata": {
+                    "name": name, "namespace": "team-a", "uid": format!("l-{name}"),
+                    "labels": {"app": "web", "tensile.dev/virtual-node": "vk",
+                               "tensile.dev/upper-cluster": "c1", "virtual-pod": "true"},
+                    "annotations": {UPPER_UID_ANNOTATION: upper_uid,
+                                    "tensile.dev/mirrored-keys": "{\"labels\":[\"app\"]}"},
+                },
+                "spec": {"containers": [{"name": "app", "image": "nginx:1"}]},
+            }))
+            .unwrap()
+        };
+        let mut shared = SharedSpecs::default();
+        let (pod_a, pod_b) = (lower("a", "u-a"), lower("b", "u-b"));
+        let a = StoredPod::new(pod_a.clone(), &mut shared);
+        let b = StoredPod::new(pod_b.clone(), &mut shared);
+        assert!(Arc::ptr_eq(&a.labels.0, &b.labels.0), "labels");
+        assert!(
+            Arc::ptr_eq(&a.annotations.0, &b.annotations.0),
+            "annotations"
+        );
+        assert!(
+            Arc::ptr_eq(&a.meta.namespace, &b.meta.namespace),
+            "namespace"
+        );
+        assert_eq!((a.upper_uid(), b.upper_uid()), (Some("u-a"), Some("u-b")));
+        assert_eq!(a.annotation(UPPER_UID_ANNOTATION), Some("u-a"));
+        assert_eq!(
+            a.annotation("tensile.dev/mirrored-keys"),
+            Some("{\"labels\":[\"app\"]}")
+        );
+        assert_eq!(a.to_pod().metadata.annotations, pod_a.metadata.annotations);
+        assert_eq!(b.to_pod().metadata.labels, pod_b.metadata.labels);
+        let mut other_upper = pod_a.clone();
+        other_upper
+            .metadata
+            .annotations
+            .as_mut()
+            .unwrap()
+            .insert(UPPER_UID_ANNOTATION.into(), "u-z".into());
+        assert!(
+            !a.same_but_status(&StoredPod::new(other_upper, &mut shared)),
+            "the upper UID is compared"
+        );
+        let bare = StoredPod::new(Pod::default(), &mut shared);
+        assert_eq!(bare.to_pod().metadata.annotations, None);
+        assert_eq!(bare.to_pod().metadata.labels, None);
     }
 
     #[test]

@@ -697,6 +697,31 @@ fn heap_by_owner(metrics: &BTreeMap<String, f64>, anonymous: f64) -> Result<Stri
     Ok(parts.join(", "))
 }
 
+/// Bytes per mirrored pod at the latest of `samples` ((pods, resident, anonymous) at each
+/// size): what the two pod stores hold (their `tensile_memory_bytes`) per pod, and the
+/// resident memory added per pod since the first size (from the second size on).
+fn per_pod(metrics: &BTreeMap<String, f64>, samples: &[(f64, f64, f64)]) -> String {
+    let stores: f64 = ["upper pods", "lower pods"]
+        .iter()
+        .map(|owner| {
+            metrics
+                .get(&format!("tensile_memory_bytes{{owner=\"{owner}\"}}"))
+                .copied()
+                .unwrap_or(0.0)
+        })
+        .sum();
+    let Some(&(pods, resident, _)) = samples.last() else {
+        return "no sample".to_owned();
+    };
+    let added = match samples.first() {
+        Some(&(first, at_first, _)) if pods > first => {
+            format!("{:.0} B", (resident - at_first) / (pods - first))
+        }
+        _ => "(one size)".to_owned(),
+    };
+    format!("{:.0} B / {added}", stores / pods.max(1.0))
+}
+
 fn requests_by_verb(
     metrics: &BTreeMap<String, f64>,
     base: &BTreeMap<String, f64>,
@@ -1094,6 +1119,11 @@ async fn run(args: Args) -> Result<()> {
                 &label,
                 "heap by owner (tensile_memory_bytes) / rest of anonymous",
                 heap_by_owner(&metrics, anonymous as f64)?,
+            );
+            report.row(
+                &label,
+                "bytes per mirrored pod: the two pod stores / resident over the first size",
+                per_pod(&metrics, &samples),
             );
             report.row(
                 &label,
