@@ -3,6 +3,7 @@
 
 pub mod burst;
 pub mod capacity;
+pub mod groups;
 pub mod quantity;
 pub mod resources;
 pub mod spec;
