@@ -29,6 +29,7 @@ use crate::kubelet_api;
 use crate::lower_view::NamespaceView;
 use crate::metrics::Metrics;
 use crate::node::burst::Burst;
+use crate::node::groups::{Granularity, LabelPatterns};
 use crate::node::{self, spec::NodeConfig};
 use crate::shutdown::Tasks;
 use crate::side::Side;
@@ -82,6 +83,11 @@ pub struct MemberSpec {
     /// Burst priority and share, changed in place on a running member (its node's label
     /// and capacity, its pods' deletion costs follow).
     pub bursting: Arc<watch::Sender<Burst>>,
+    /// One virtual node for the cluster, per lower node, or per value of a lower node
+    /// label (`--node-granularity`, `tensile.dev/node-granularity`).
+    pub granularity: Granularity,
+    /// Lower node labels a group's virtual node shows beside the documented ones.
+    pub lower_node_labels: LabelPatterns,
 }
 
 impl std::fmt::Debug for MemberSpec {
@@ -94,6 +100,7 @@ impl std::fmt::Debug for MemberSpec {
             .field("ignore_labels", &self.ignore_labels)
             .field("kubelet_port", &self.kubelet_port)
             .field("bursting", &*self.bursting.borrow())
+            .field("granularity", &self.granularity)
             .finish_non_exhaustive()
     }
 }
@@ -120,6 +127,8 @@ impl MemberSpec {
                 priority: args.burst_priority,
                 share: args.share.clone(),
             })),
+            granularity: args.node_granularity.clone(),
+            lower_node_labels: args.lower_node_labels.clone(),
         }
     }
 }
@@ -128,6 +137,7 @@ impl MemberSpec {
 /// that would run a command or read a file is refused ([`spec::lower_kubeconfig`]); no
 /// error quotes the kubeconfig's text.
 pub async fn member_spec(member: &spec::MemberSecret) -> Result<MemberSpec, String> {
+    granularity_supported(&member.granularity)?;
     let kubeconfig = spec::lower_kubeconfig(&member.kubeconfig).map_err(|e| e.to_string())?;
     let config = kube::Config::from_custom_kubeconfig(
         kubeconfig,
@@ -148,7 +158,21 @@ pub async fn member_spec(member: &spec::MemberSecret) -> Result<MemberSpec, Stri
         ignore_labels: member.ignore_labels.clone(),
         kubelet_port: member.kubelet_port,
         bursting: Arc::new(watch::Sender::new(member.bursting.clone())),
+        granularity: member.granularity.clone(),
+        lower_node_labels: member.lower_node_labels.clone(),
     })
+}
+
+/// Whether a member of `granularity` can run: only `cluster` so far. Grouping the lower
+/// nodes ([`node::groups`]) is there; one Node, Lease and pod route per group is not yet,
+/// so `node` and `label=<key>` are refused rather than shown as one node.
+pub fn granularity_supported(granularity: &Granularity) -> Result<(), String> {
+    match granularity {
+        Granularity::Cluster => Ok(()),
+        other => Err(format!(
+            "node granularity {other} is not supported yet (only cluster)"
+        )),
+    }
 }
 
 /// The taint the flags give every node (none with `--disable-taint`).
@@ -231,6 +255,7 @@ async fn run_member(
 ) -> Result<(), String> {
     let args = &shared.args;
     let upper = &shared.upper;
+    granularity_supported(&spec.granularity).map_err(|why| format!("node {}: {why}", spec.node))?;
     let owner = Owner::new(spec.node.clone(), shared.cluster_id.clone());
     // The start-up's calls to the lower cluster may hang (a lower API server that answers
     // `/version` and then nothing): a stop must not wait for them, or a restart of this
