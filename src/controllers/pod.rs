@@ -754,6 +754,7 @@ async fn create(
         owner: &ctx.owner,
         ignore_labels: &ctx.ignore_labels,
         upper_identity: ctx.tokens.as_ref().map(|t| &t.identity.api),
+        confinement: None,
     };
     let pod = lower_pod(upper, &translation)?;
     match lower_api.create(&PostParams::default(), &pod).await {
@@ -836,6 +837,7 @@ async fn propagate_update(
         owner: &ctx.owner,
         ignore_labels: &ctx.ignore_labels,
         upper_identity: ctx.tokens.as_ref().map(|t| &t.identity.api),
+        confinement: None,
     };
     let Some(patch) = lower_pod_update(upper, lower, &translation)? else {
         return Ok(false);

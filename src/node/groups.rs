@@ -6,18 +6,18 @@
 //! Here: the granularity's parsing, the group a lower node belongs to, the virtual node's
 //! name, the labels a group shows (those with one value across its lower nodes, from
 //! [`TOPOLOGY_LABELS`] and `--lower-node-labels`), its readiness and cordon, and the
-//! requirement that confines a pod's lower copy to the group ([`confine`]). The capacity of
+//! requirement that confines a pod's lower copy to the group ([`group_requirement`],
+//! [`Confinement::apply`]). The capacity of
 //! a group is [`super::capacity::LowerCapacity::capacity_of`] over [`Group::members`].
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::str::FromStr;
 
-use k8s_openapi::api::core::v1::{
-    Affinity, Node, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, PodSpec,
-};
+use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement};
 
 use crate::translate::hash::fnv1a;
+pub use crate::translate::scheduling::{Confinement, Placement};
 
 /// The member annotation and flag (`--node-granularity`) value: `cluster`, `node` or
 /// `label=<key>`.
@@ -240,60 +240,20 @@ pub fn virtual_node_name(base: &str, granularity: &Granularity, group: &str) -> 
 
 /// What confines a group's pods below: the lower node by name (`node`), or the label's
 /// value (`label=<key>`); `None` for `cluster`.
-pub fn group_requirement(
-    granularity: &Granularity,
-    group: &str,
-) -> Option<(Placement, NodeSelectorRequirement)> {
+pub fn group_requirement(granularity: &Granularity, group: &str) -> Option<Confinement> {
     let (placement, key) = match granularity {
         Granularity::Cluster => return None,
         Granularity::Node => (Placement::Field, NODE_NAME_FIELD),
         Granularity::Label(key) => (Placement::Expression, key.as_str()),
     };
-    let requirement = NodeSelectorRequirement {
-        key: key.to_owned(),
-        operator: "In".to_owned(),
-        values: Some(vec![group.to_owned()]),
-    };
-    Some((placement, requirement))
-}
-
-/// Where a requirement goes in a node selector term.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Placement {
-    /// `matchFields`.
-    Field,
-    /// `matchExpressions`.
-    Expression,
-}
-
-/// Adds the group's requirement to every alternative of the pod's required node affinity
-/// (what `clusterSelector` restored), or as its one alternative when it has none: the
-/// lower scheduler then places the pod within the group, whichever alternative it matches,
-/// and still by the lower taints. Adding it twice changes nothing.
-pub fn confine(spec: &mut PodSpec, placement: Placement, requirement: &NodeSelectorRequirement) {
-    let required = spec
-        .affinity
-        .get_or_insert_with(Affinity::default)
-        .node_affinity
-        .get_or_insert_with(NodeAffinity::default)
-        .required_during_scheduling_ignored_during_execution
-        .get_or_insert_with(|| NodeSelector {
-            node_selector_terms: Vec::new(),
-        });
-    if required.node_selector_terms.is_empty() {
-        required
-            .node_selector_terms
-            .push(NodeSelectorTerm::default());
-    }
-    for term in &mut required.node_selector_terms {
-        let list = match placement {
-            Placement::Field => term.match_fields.get_or_insert_with(Vec::new),
-            Placement::Expression => term.match_expressions.get_or_insert_with(Vec::new),
-        };
-        if !list.contains(requirement) {
-            list.push(requirement.clone());
-        }
-    }
+    Some(Confinement {
+        placement,
+        requirement: NodeSelectorRequirement {
+            key: key.to_owned(),
+            operator: "In".to_owned(),
+            values: Some(vec![group.to_owned()]),
+        },
+    })
 }
 
 /// A lower node, as far as its group needs it.
@@ -705,6 +665,8 @@ mod tests {
         assert_eq!(get("type"), Some("virtual-kubelet"));
     }
 
+    use k8s_openapi::api::core::v1::PodSpec;
+
     fn spec(value: serde_json::Value) -> PodSpec {
         serde_json::from_value(value).unwrap()
     }
@@ -721,7 +683,7 @@ mod tests {
         type Case = (
             &'static str,
             serde_json::Value,
-            (Placement, NodeSelectorRequirement),
+            Confinement,
             serde_json::Value,
         );
         let cases: Vec<Case> = vec![
@@ -759,9 +721,9 @@ mod tests {
                 json!([{"matchExpressions": [in_a]}]),
             ),
         ];
-        for (name, before, (placement, requirement), want) in cases {
+        for (name, before, confinement, want) in cases {
             let mut got = spec(before);
-            confine(&mut got, placement, &requirement);
+            confinement.apply(&mut got);
             let terms = serde_json::to_value(
                 &got.affinity
                     .unwrap()
@@ -780,8 +742,7 @@ mod tests {
                 {"weight": 1, "preference": {"matchExpressions": [ssd]}}]},
             "podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
                 {"topologyKey": "kubernetes.io/hostname"}]}}}));
-        let (placement, requirement) = zone_a();
-        confine(&mut kept, placement, &requirement);
+        zone_a().apply(&mut kept);
         let affinity = kept.affinity.unwrap();
         assert!(affinity.pod_anti_affinity.is_some());
         let node_affinity = affinity.node_affinity.unwrap();
