@@ -334,6 +334,7 @@ async fn run_member(
             lower.client.clone(),
             owner.clone(),
             capacity_tx,
+            None,
             shutdown.clone(),
         ),
     );
@@ -613,6 +614,7 @@ fn node_config(
         address: node_address(&shared.args),
         kubelet_port: i32::from(kubelet_port),
         lower_version: lower.version.clone(),
+        group_labels: BTreeMap::new(),
     }
 }
 

@@ -15,6 +15,9 @@ use std::fmt;
 use std::str::FromStr;
 
 use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+
+use super::capacity::LowerCapacity;
 
 use crate::translate::hash::fnv1a;
 pub use crate::translate::scheduling::{Confinement, Placement};
@@ -292,6 +295,8 @@ pub struct Groups {
     patterns: LabelPatterns,
     nodes: HashMap<String, LowerNode>,
     groups: BTreeMap<String, BTreeSet<String>>,
+    /// The nodes a relist under way has listed.
+    relisted: Option<BTreeSet<String>>,
 }
 
 impl Groups {
@@ -303,11 +308,32 @@ impl Groups {
             patterns,
             nodes: HashMap::new(),
             groups: BTreeMap::new(),
+            relisted: None,
         }
     }
 
+    /// A relist of the lower nodes begins.
+    pub fn relist_start(&mut self) {
+        self.relisted = Some(BTreeSet::new());
+    }
+
+    /// A relist is complete: the nodes it did not list are gone. Returns the groups that
+    /// changed.
+    pub fn relist_done(&mut self) -> BTreeSet<String> {
+        let Some(listed) = self.relisted.take() else {
+            return BTreeSet::new();
+        };
+        let gone: Vec<String> = self
+            .nodes
+            .keys()
+            .filter(|n| !listed.contains(*n))
+            .cloned()
+            .collect();
+        gone.iter().flat_map(|n| self.delete_node(n)).collect()
+    }
+
     /// A lower node was added or changed; returns the keys of the groups that changed
-    /// (the one it left and the one it joined).
+    /// (the one it left and the one it joined; none when nothing a group shows changed).
     pub fn apply_node(&mut self, node: &Node) -> BTreeSet<String> {
         let Some(name) = node.metadata.name.clone() else {
             return BTreeSet::new();
@@ -334,6 +360,12 @@ impl Groups {
                 .and_then(|s| s.unschedulable)
                 .unwrap_or(false),
         };
+        if let Some(listed) = self.relisted.as_mut() {
+            listed.insert(name.clone());
+        }
+        if self.nodes.get(&name) == Some(&seen) {
+            return BTreeSet::new();
+        }
         let mut changed = self.delete_node(&name);
         if let Some(group) = &seen.group {
             self.groups
@@ -383,6 +415,28 @@ impl Groups {
             cordoned: nodes.iter().all(|n| n.unschedulable),
         })
     }
+}
+
+/// What one group's virtual node offers: the group and its capacity.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GroupOffer {
+    /// The group (name, lower nodes, labels, readiness, cordon).
+    pub group: Group,
+    /// [`LowerCapacity::capacity_of`] its lower nodes.
+    pub capacity: BTreeMap<String, Quantity>,
+}
+
+/// Every group's offer, by group key: what a member of `node` or `label=<key>` granularity
+/// registers and keeps current, one virtual node each. Walks each group's lower nodes once.
+pub fn offers(groups: &Groups, capacity: &LowerCapacity) -> BTreeMap<String, GroupOffer> {
+    groups
+        .keys()
+        .filter_map(|key| groups.group(key))
+        .map(|group| {
+            let capacity = capacity.capacity_of(group.members.iter().map(String::as_str));
+            (group.key.clone(), GroupOffer { group, capacity })
+        })
+        .collect()
 }
 
 /// Whether a lower node's Ready condition is True.
@@ -620,6 +674,75 @@ mod tests {
         assert_eq!(groups.keys().collect::<Vec<_>>(), ["b"]);
         assert!(groups.delete_node("lost").is_empty());
         assert!(groups.delete_node("never").is_empty());
+        // The same node again changes nothing.
+        assert!(
+            groups
+                .apply_node(&node("n3", z("b", "p1"), false, true))
+                .is_empty()
+        );
+        // A relist that lists only n2 drops n3 (group b stays, with n2).
+        groups.relist_start();
+        groups.apply_node(&node("n2", z("b", "p1"), true, false));
+        assert_eq!(groups.relist_done(), BTreeSet::from(["b".into()]));
+        assert_eq!(
+            groups.group("b").unwrap().members,
+            BTreeSet::from(["n2".into()])
+        );
+        assert!(groups.relist_done().is_empty(), "no relist under way");
+    }
+
+    #[test]
+    fn offers_are_each_groups_nodes_capacity() {
+        use super::super::capacity::PodFeed;
+        use crate::translate::meta::Owner;
+        let sized = |name: &str, zone: &str, cpu: &str, ready: bool| {
+            let mut n = node(
+                name,
+                json!({"topology.kubernetes.io/zone": zone}),
+                ready,
+                false,
+            );
+            n.status.get_or_insert_default().allocatable =
+                Some([("cpu".to_owned(), Quantity(cpu.into()))].into());
+            n
+        };
+        let nodes = [
+            sized("a1", "a", "4", true),
+            sized("a2", "a", "4", true),
+            sized("b1", "b", "4", true),
+            sized("c1", "c", "4", false),
+        ];
+        let owner = Owner::new("vk", "cluster-1");
+        let mut capacity = LowerCapacity::new(&owner);
+        capacity.reset_nodes(&nodes);
+        let other: k8s_openapi::api::core::v1::Pod = serde_json::from_value(json!({
+            "metadata": {"name": "p", "namespace": "ns"},
+            "spec": {"nodeName": "a1", "containers": [
+                {"name": "c", "resources": {"requests": {"cpu": "1"}}}]},
+            "status": {"phase": "Running"},
+        }))
+        .unwrap();
+        capacity.reset_pods(PodFeed::OtherNodes, [&other]);
+        let mut groups = Groups::new("vk", zone(), LabelPatterns::default());
+        for n in &nodes {
+            groups.apply_node(n);
+        }
+        let got = offers(&groups, &capacity);
+        let cpu = |key: &str| {
+            got.get(key)
+                .and_then(|o| o.capacity.get("cpu"))
+                .map(|q| q.0.clone())
+        };
+        assert_eq!(
+            cpu("a").as_deref(),
+            Some("7"),
+            "two nodes less another's pod"
+        );
+        assert_eq!(cpu("b").as_deref(), Some("4"));
+        assert_eq!(cpu("c"), None, "NotReady: nothing offered");
+        assert!(!got["c"].group.ready, "and NotReady above");
+        assert_eq!(got["a"].group.name, "vk-a");
+        assert_eq!(got.len(), 3);
     }
 
     #[test]
