@@ -6,6 +6,7 @@
 //! shares — the upper client, the upper cluster's identity, the flags, the metrics and the
 //! leader election — is built once, in [`Shared`].
 
+pub mod fleet;
 pub mod join;
 pub mod leave;
 pub mod membership;
@@ -175,6 +176,19 @@ pub fn granularity_supported(granularity: &Granularity) -> Result<(), String> {
     }
 }
 
+/// Whether a member of `granularity` can run in this process: `cluster` always; `node`
+/// and `label=<key>` as the process's one member (the flags: its virtual nodes, their
+/// pods and its kubelet API are its own). Members of a federation
+/// (`--federation`) share the upper pod watch routed by node name, which does not route
+/// several names to a member yet: refused there ([`granularity_supported`]).
+pub fn granularity_runs(granularity: &Granularity, federated: bool) -> Result<(), String> {
+    if federated {
+        granularity_supported(granularity)
+    } else {
+        Ok(())
+    }
+}
+
 /// The taint the flags give every node (none with `--disable-taint`).
 pub fn flag_taint(args: &Args) -> Option<Taint> {
     (!args.disable_taint).then(|| Taint {
@@ -255,7 +269,11 @@ async fn run_member(
 ) -> Result<(), String> {
     let args = &shared.args;
     let upper = &shared.upper;
-    granularity_supported(&spec.granularity).map_err(|why| format!("node {}: {why}", spec.node))?;
+    granularity_runs(&spec.granularity, shared.upper_watches.is_some())
+        .map_err(|why| format!("node {}: {why}", spec.node))?;
+    // Node granularity: the member's virtual nodes, known before any is registered.
+    let group_nodes = (spec.granularity != Granularity::Cluster)
+        .then(|| Arc::new(node::groups::GroupNodes::default()));
     let owner = Owner::new(spec.node.clone(), shared.cluster_id.clone());
     // The start-up's calls to the lower cluster may hang (a lower API server that answers
     // `/version` and then nothing): a stop must not wait for them, or a restart of this
@@ -282,6 +300,7 @@ async fn run_member(
         &lower,
         namespaces.as_ref().map(|(view, _)| view.clone()),
         cordon_rx,
+        group_nodes.clone(),
     );
     let controllers::pod_watch::PodWatches {
         stores,
@@ -328,16 +347,36 @@ async fn run_member(
         kubelet_api::serve(kubelet_listener, kubelet_tls, kubelet_api, shutdown.clone()),
     );
     let (capacity_tx, capacity_rx) = watch::channel(None);
+    let (offers_tx, offers_rx) = watch::channel(BTreeMap::new());
+    let grouped = group_nodes.as_ref().map(|_| node::GroupWatch {
+        groups: node::groups::Groups::new(
+            &spec.node,
+            spec.granularity.clone(),
+            spec.lower_node_labels.clone(),
+        ),
+        tx: offers_tx,
+    });
     tasks.spawn(
         "capacity watch",
         node::watch_capacity(
             lower.client.clone(),
             owner.clone(),
             capacity_tx,
-            None,
+            grouped,
             shutdown.clone(),
         ),
     );
+    if let Some(nodes) = &group_nodes {
+        // The groups are published with the first capacity: their names are known before
+        // the upper pod watch lists, so the pods already bound to them are the member's.
+        let mut known = capacity_rx.clone();
+        tokio::select! {
+            biased;
+            () = shutdown.cancelled() => {}
+            _ = known.wait_for(Option::is_some) => {}
+        }
+        fleet::know(nodes, &spec.granularity, &offers_rx.borrow());
+    }
     if let (Some((view, suffix)), Some(raw_lower)) = (namespaces, raw_lower) {
         tasks.spawn(
             "namespace mapping",
@@ -408,6 +447,28 @@ async fn run_member(
     };
 
     let node_config = node_config(&shared, &spec, &lower, kubelet_port);
+    if let Some(nodes) = group_nodes {
+        // Node granularity: one Node and Lease per group, no Node `--nodename`.
+        let fleet = fleet::Fleet {
+            upper: upper.client.clone(),
+            upper_heartbeat: upper.heartbeat.clone(),
+            lower_heartbeat: lower.heartbeat.clone(),
+            base: node_config,
+            granularity: spec.granularity.clone(),
+            use_lease: args.enable_node_lease,
+            bursting: spec.bursting.subscribe(),
+            nodes,
+        };
+        tasks.spawn_fallible("virtual nodes", fleet.run(offers_rx, shutdown.clone()));
+        let watched = PodWatched {
+            stores,
+            pods: triggers.0,
+            status: triggers.1,
+        };
+        spawn_controllers(&mut tasks, &ctx, args, &shared.optional, watched, &shutdown);
+        started.cancel();
+        return tasks.supervise().await.map_err(|f| f.to_string());
+    }
     let bursting = spec.bursting.borrow().clone();
     let registered = if shutdown.is_cancelled() {
         None
@@ -657,6 +718,7 @@ fn context(
     lower: &Cluster,
     namespaces: Option<Arc<NamespaceView>>,
     cordoned: watch::Receiver<bool>,
+    groups: Option<Arc<node::groups::GroupNodes>>,
 ) -> Arc<Context> {
     let reporter = Reporter {
         controller: "tensile-virtual-node".into(),
@@ -676,6 +738,7 @@ fn context(
         .sharing(shared.upper_watches.clone())
         .viewing(namespaces)
         .bursting(spec.bursting.subscribe(), cordoned)
+        .grouping(groups)
         // Checked at start: a bad address never gets this far.
         .with_upper_identity(shared.args.upper_identity().ok().flatten()),
     )

@@ -13,6 +13,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::str::FromStr;
+use std::sync::{PoisonError, RwLock};
 
 use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -887,5 +888,52 @@ mod tests {
             )])
         );
         assert!(clashes([("a", "vk"), ("a", "vk")]).is_empty(), "one member");
+    }
+}
+
+/// The virtual nodes a member of `node` or `label=<key>` granularity has registered (or is
+/// registering), by name, each with what confines its pods below: what its controllers
+/// read to know an upper pod bound to one of them as theirs, and where its copy goes.
+/// A group gone below keeps its entry (its Node and pods stay until drained).
+#[derive(Debug, Default)]
+pub struct GroupNodes {
+    nodes: RwLock<BTreeMap<String, Option<Confinement>>>,
+}
+
+impl GroupNodes {
+    /// Adds (or replaces) the virtual node `name`.
+    pub fn insert(&self, name: &str, confinement: Option<Confinement>) {
+        self.nodes
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(name.to_owned(), confinement);
+    }
+
+    /// Whether `name` is one of the member's virtual nodes.
+    pub fn contains(&self, name: &str) -> bool {
+        self.nodes
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains_key(name)
+    }
+
+    /// What confines the pods of the virtual node `name` below, if it is one.
+    pub fn confinement(&self, name: &str) -> Option<Confinement> {
+        self.nodes
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(name)
+            .cloned()
+            .flatten()
+    }
+
+    /// The names of the member's virtual nodes.
+    pub fn names(&self) -> Vec<String> {
+        self.nodes
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .keys()
+            .cloned()
+            .collect()
     }
 }
