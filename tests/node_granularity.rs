@@ -309,7 +309,8 @@ async fn placed(
 /// each lower pod runs in the zone of its virtual node. `node` over the same nodes: 6
 /// virtual nodes of 4 CPU each; required anti-affinity by hostname puts each replica on a
 /// lower node of its own (its virtual node's), and a 6-CPU pod stays Pending upstairs
-/// though the lower cluster has 24 CPU free.
+/// though the lower cluster has 24 CPU free; a lower node cordoned (uncordoned) cordons
+/// (uncordons) its virtual node, and one removed leaves its virtual node cordoned.
 #[tokio::test]
 async fn one_virtual_node_per_zone_and_per_lower_node() {
     let pair = ClusterPair::shared().await.unwrap();
@@ -517,6 +518,56 @@ async fn one_virtual_node_per_zone_and_per_lower_node() {
         lower_pods.get_opt("big").await.unwrap().is_none(),
         "no copy of the 6-CPU pod below"
     );
+
+    // Following the lower cluster: a lower node cordoned cordons its virtual node (and
+    // uncordoned lifts that cordon); one removed leaves its virtual node cordoned.
+    let nodes: Api<Node> = Api::all(upper.clone());
+    let last = lower_names.last().unwrap();
+    let its = virtual_node_name("vk-ng", &Granularity::Node, last);
+    let cordon = |on: bool| json!({"spec": {"unschedulable": if on { Some(true) } else { None }}});
+    for (step, cordoned) in [("cordoned", true), ("uncordoned", false)] {
+        lower_nodes
+            .patch(
+                last,
+                &PatchParams::default(),
+                &Patch::Merge(cordon(cordoned)),
+            )
+            .await
+            .unwrap();
+        wait_for(
+            &format!("{its} {step} as its lower node"),
+            TIMEOUT,
+            || async {
+                let node = nodes.get(&its).await?;
+                let now = node.spec.as_ref().and_then(|s| s.unschedulable) == Some(true);
+                Ok((now == cordoned).then_some(()))
+            },
+        )
+        .await
+        .unwrap();
+    }
+    lower_nodes
+        .delete(last, &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_for(
+        &format!("{its} cordoned once its lower node is gone"),
+        TIMEOUT,
+        || async {
+            let node = nodes.get(&its).await?;
+            Ok((node.spec.as_ref().and_then(|s| s.unschedulable) == Some(true)).then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+    for other in &want[..5] {
+        let node = nodes.get(other).await.unwrap();
+        assert!(
+            tensile_harness::node_is_schedulable(&node),
+            "{other} untouched"
+        );
+    }
+
     upper_pods
         .delete("big", &DeleteParams::default())
         .await
