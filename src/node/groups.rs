@@ -488,6 +488,53 @@ pub fn clashes<'a>(
     by_name
 }
 
+/// The virtual nodes a member of `node` or `label=<key>` granularity has registered (or is
+/// registering), by name, each with what confines its pods below: what its controllers
+/// read to know an upper pod bound to one of them as theirs, and where its copy goes.
+/// A group gone below keeps its entry (its Node and pods stay until drained).
+#[derive(Debug, Default)]
+pub struct GroupNodes {
+    nodes: RwLock<BTreeMap<String, Option<Confinement>>>,
+}
+
+impl GroupNodes {
+    /// Adds (or replaces) the virtual node `name`.
+    pub fn insert(&self, name: &str, confinement: Option<Confinement>) {
+        self.nodes
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(name.to_owned(), confinement);
+    }
+
+    /// Whether `name` is one of the member's virtual nodes.
+    pub fn contains(&self, name: &str) -> bool {
+        self.nodes
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains_key(name)
+    }
+
+    /// What confines the pods of the virtual node `name` below, if it is one.
+    pub fn confinement(&self, name: &str) -> Option<Confinement> {
+        self.nodes
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(name)
+            .cloned()
+            .flatten()
+    }
+
+    /// The names of the member's virtual nodes.
+    pub fn names(&self) -> Vec<String> {
+        self.nodes
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .keys()
+            .cloned()
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -889,51 +936,35 @@ mod tests {
         );
         assert!(clashes([("a", "vk"), ("a", "vk")]).is_empty(), "one member");
     }
-}
 
-/// The virtual nodes a member of `node` or `label=<key>` granularity has registered (or is
-/// registering), by name, each with what confines its pods below: what its controllers
-/// read to know an upper pod bound to one of them as theirs, and where its copy goes.
-/// A group gone below keeps its entry (its Node and pods stay until drained).
-#[derive(Debug, Default)]
-pub struct GroupNodes {
-    nodes: RwLock<BTreeMap<String, Option<Confinement>>>,
-}
-
-impl GroupNodes {
-    /// Adds (or replaces) the virtual node `name`.
-    pub fn insert(&self, name: &str, confinement: Option<Confinement>) {
-        self.nodes
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(name.to_owned(), confinement);
-    }
-
-    /// Whether `name` is one of the member's virtual nodes.
-    pub fn contains(&self, name: &str) -> bool {
-        self.nodes
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .contains_key(name)
-    }
-
-    /// What confines the pods of the virtual node `name` below, if it is one.
-    pub fn confinement(&self, name: &str) -> Option<Confinement> {
-        self.nodes
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(name)
-            .cloned()
-            .flatten()
-    }
-
-    /// The names of the member's virtual nodes.
-    pub fn names(&self) -> Vec<String> {
-        self.nodes
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .keys()
-            .cloned()
-            .collect()
+    /// The virtual nodes a member knows: each by its name, with the requirement that
+    /// confines its pods below; a name it never had is no one's.
+    #[test]
+    fn group_nodes_know_their_names_and_confinements() {
+        let known = GroupNodes::default();
+        known.insert("vk-zone-a", group_requirement(&zone(), "zone-a"));
+        known.insert("vk-n1", group_requirement(&Granularity::Node, "n1"));
+        for (name, want) in [
+            (
+                "vk-zone-a",
+                Some((
+                    Placement::Expression,
+                    "topology.kubernetes.io/zone",
+                    "zone-a",
+                )),
+            ),
+            ("vk-n1", Some((Placement::Field, NODE_NAME_FIELD, "n1"))),
+            ("vk", None),
+            ("vk-zone-b", None),
+        ] {
+            assert_eq!(known.contains(name), want.is_some(), "{name}");
+            let got = known.confinement(name).map(|c| {
+                let values = c.requirement.values.unwrap_or_default();
+                (c.placement, c.requirement.key, values.join(","))
+            });
+            let want = want.map(|(p, k, v)| (p, k.to_owned(), v.to_owned()));
+            assert_eq!(got, want, "{name}");
+        }
+        assert_eq!(known.names(), ["vk-n1", "vk-zone-a"]);
     }
 }
