@@ -194,6 +194,20 @@ pub struct Args {
     #[arg(long, value_parser = crate::node::burst::parse_share, default_value = "")]
     pub share: crate::node::burst::Share,
 
+    /// How the lower cluster is shown upstairs: `cluster` (one virtual node, `--nodename`),
+    /// `node` (one per lower node) or `label=<key>` (one per value of that lower node label,
+    /// e.g. `label=topology.kubernetes.io/zone`). Member Secrets set theirs with the
+    /// annotation `tensile.dev/node-granularity`. Only `cluster` runs so far.
+    #[arg(long, value_parser = crate::node::groups::parse_granularity, default_value = "cluster")]
+    pub node_granularity: crate::node::groups::Granularity,
+
+    /// Lower node labels (keys, `*` matches any run of characters, comma-separated) that a
+    /// group's virtual node shows when its lower nodes agree on the value, beside
+    /// `topology.kubernetes.io/{zone,region}`, `node.kubernetes.io/instance-type`,
+    /// `kubernetes.io/{arch,os}`. Member Secrets: `tensile.dev/lower-node-labels`.
+    #[arg(long, value_parser = crate::node::groups::parse_label_patterns, default_value = "")]
+    pub lower_node_labels: crate::node::groups::LabelPatterns,
+
     /// The node's InternalIP (default: the first non-loopback address, else 127.0.0.1).
     #[arg(long, env = "VKUBELET_POD_IP")]
     pub node_ip: Option<String>,

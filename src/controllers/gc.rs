@@ -71,8 +71,12 @@ pub fn orphans<'a, U: AsRef<str>>(
 /// Whether `candidate` is an orphan given `live`, the upper pod of its name as the API
 /// server has it now: the same rule as [`orphans`], over an upper pod that counts only
 /// while bound to `node` (as the upper store holds only those).
-pub fn confirmed_orphan(candidate: &StoredPod, live: Option<&Pod>, node: &str) -> bool {
-    let bound = live.filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(node));
+pub fn confirmed_orphan(
+    candidate: &StoredPod,
+    live: Option<&Pod>,
+    serves: impl Fn(Option<&str>) -> bool,
+) -> bool {
+    let bound = live.filter(|p| serves(p.spec.as_ref().and_then(|s| s.node_name.as_deref())));
     is_orphan(
         candidate.upper_uid(),
         bound.and_then(|p| p.metadata.uid.as_deref()),
@@ -182,7 +186,7 @@ async fn collect(
     let (namespace, name) = (&*candidate.meta.namespace, &*candidate.meta.name);
     let upper_api: Api<Pod> = Api::namespaced(ctx.upper.clone(), namespace);
     let live = read_upper_pod(&upper_api, name, key).await?;
-    if !confirmed_orphan(candidate, live.as_ref(), &ctx.owner.node) {
+    if !confirmed_orphan(candidate, live.as_ref(), |node| ctx.serves(node)) {
         return Ok(Collected::Kept);
     }
     let lower_api: Api<Pod> = Api::namespaced(ctx.lower.clone(), namespace);
@@ -342,7 +346,7 @@ mod tests {
         ];
         for (name, candidate, live, want) in cases {
             assert_eq!(
-                confirmed_orphan(&candidate, live.as_ref(), "vk"),
+                confirmed_orphan(&candidate, live.as_ref(), |node| node == Some("vk")),
                 want,
                 "{name}"
             );

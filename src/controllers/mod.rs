@@ -195,6 +195,9 @@ pub struct Context {
     /// Whether the virtual node is cordoned (`spec.unschedulable`), as it changes: nothing
     /// new is created below while it is.
     pub cordoned: watch::Receiver<bool>,
+    /// A member of `node` or `label=<key>` granularity: its virtual nodes (the upper pods
+    /// bound to any of them are its own). `None`: the one node `owner.node`.
+    pub groups: Option<Arc<crate::node::groups::GroupNodes>>,
 }
 
 impl Context {
@@ -228,7 +231,28 @@ impl Context {
             namespaces: None,
             bursting: watch::channel(Burst::default()).1,
             cordoned: watch::channel(false).1,
+            groups: None,
         }
+    }
+
+    /// The same context, for a member whose virtual nodes are `groups`.
+    pub fn grouping(mut self, groups: Option<Arc<crate::node::groups::GroupNodes>>) -> Self {
+        self.groups = groups;
+        self
+    }
+
+    /// Whether an upper pod bound to `node` is this member's: bound to its node, or (node
+    /// granularity) to one of its virtual nodes.
+    pub fn serves(&self, node: Option<&str>) -> bool {
+        node.is_some_and(|node| {
+            node == self.owner.node || self.groups.as_ref().is_some_and(|g| g.contains(node))
+        })
+    }
+
+    /// What confines the lower copy of a pod bound to `node` (node granularity).
+    pub fn confinement(&self, node: Option<&str>) -> Option<crate::node::groups::Confinement> {
+        let groups = self.groups.as_ref()?;
+        groups.confinement(node?)
     }
 
     /// The same context, following the member's burst settings and its node's cordon.

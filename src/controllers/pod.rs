@@ -780,10 +780,13 @@ async fn create(
         .await;
     }
     dependencies::ensure_for_pod(ctx, upper, key).await?;
+    // Node granularity: the copy stays within the lower nodes of the pod's virtual node.
+    let confinement = ctx.confinement(upper.spec.as_ref().and_then(|s| s.node_name.as_deref()));
     let translation = PodTranslation {
         owner: &ctx.owner,
         ignore_labels: &ctx.ignore_labels,
         upper_identity: ctx.tokens.as_ref().map(|t| &t.identity.api),
+        confinement: confinement.as_ref(),
     };
     let pod = lower_pod(upper, &translation)?;
     match lower_api.create(&PostParams::default(), &pod).await {
@@ -813,7 +816,12 @@ async fn host_ports_taken_here(upper: &Pod, ctx: &Context, key: &str) -> Result<
         return Ok(false);
     }
     let all: Api<Pod> = Api::all(ctx.upper.clone());
-    let params = ListParams::default().fields(&format!("spec.nodeName={}", ctx.owner.node));
+    let node = upper
+        .spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .unwrap_or(&ctx.owner.node);
+    let params = ListParams::default().fields(&format!("spec.nodeName={node}"));
     let on_node = all
         .list(&params)
         .await
@@ -867,6 +875,7 @@ async fn propagate_update(
         owner: &ctx.owner,
         ignore_labels: &ctx.ignore_labels,
         upper_identity: ctx.tokens.as_ref().map(|t| &t.identity.api),
+        confinement: None,
     };
     let Some(patch) = lower_pod_update(upper, lower, &translation)? else {
         return Ok(false);

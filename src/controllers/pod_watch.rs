@@ -239,9 +239,36 @@ pub fn watches(ctx: &Context) -> PodWatches {
             } else {
                 Api::namespaced(ctx.upper.clone(), &ctx.namespace)
             };
-            let node =
-                watcher::Config::default().fields(&format!("spec.nodeName={}", ctx.owner.node));
-            watcher::watcher(upper_api, node).default_backoff().boxed()
+            match &ctx.groups {
+                None => {
+                    let node = watcher::Config::default()
+                        .fields(&format!("spec.nodeName={}", ctx.owner.node));
+                    watcher::watcher(upper_api, node).default_backoff().boxed()
+                }
+                // Node granularity: every bound pod, kept only if bound to one of the
+                // member's virtual nodes (a pod's node never changes once bound, and a
+                // virtual node is known before it is registered).
+                Some(groups) => {
+                    let groups = groups.clone();
+                    let bound = watcher::Config::default().fields("spec.nodeName!=");
+                    watcher::watcher(upper_api, bound)
+                        .default_backoff()
+                        .try_filter(move |event| {
+                            let ours = match event {
+                                watcher::Event::Apply(pod)
+                                | watcher::Event::Delete(pod)
+                                | watcher::Event::InitApply(pod) => pod
+                                    .spec
+                                    .as_ref()
+                                    .and_then(|s| s.node_name.as_deref())
+                                    .is_some_and(|n| groups.contains(n)),
+                                watcher::Event::Init | watcher::Event::InitDone => true,
+                            };
+                            futures::future::ready(ours)
+                        })
+                        .boxed()
+                }
+            }
         }
     };
     let lower_watch = watcher::watcher(

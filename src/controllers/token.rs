@@ -211,7 +211,12 @@ async fn ensure(
         // Not this pod's copy (yet): the pod controller replaces it.
         return Ok(None);
     }
-    if let Some(why) = not_ours(&upper, &ctx.owner.node, &ctx.namespace) {
+    // Node granularity: any of the member's virtual nodes is its own.
+    let bound = upper.spec.as_ref().and_then(|s| s.node_name.as_deref());
+    let node = bound
+        .filter(|b| ctx.serves(Some(b)))
+        .unwrap_or(&ctx.owner.node);
+    if let Some(why) = not_ours(&upper, node, &ctx.namespace) {
         // The marks of a lower pod are anyone's to copy who may create pods below: only an
         // upper pod bound to this node (and within --namespace) gets tokens, as
         // NodeRestriction allows a kubelet only for its own pods.

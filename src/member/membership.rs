@@ -33,6 +33,7 @@ use tracing::{Instrument, error, info, info_span, warn};
 
 use super::spec::{self, BadMember, Defaults, MEMBER_FINALIZER, MEMBER_LABEL, MemberSecret};
 use super::{LowerCheck, MemberSpec, Shared, leave};
+use crate::node::groups::{GRANULARITY_ANNOTATION, Granularity};
 use crate::translate::meta::Owner;
 
 /// Recorded on a member Secret when its member joins: the node it joined as. A changed
@@ -289,6 +290,17 @@ impl Membership {
         for (name, (secret, member)) in wanted {
             if self.leaving.contains_key(&name) {
                 // Labelled again while its member leaves: it joins once the leave is done.
+                continue;
+            }
+            // A running member keeps its granularity: its virtual nodes and their pods
+            // stay as they are.
+            if let Some(running) = self.running.get(&name)
+                && Some(&running.uid) == secret.uid().as_ref()
+                && running.spec.granularity != member.granularity
+            {
+                let why = granularity_change(&running.spec.granularity, &member.granularity);
+                self.complain(&secret, "MemberGranularityChanged", &why)
+                    .await;
                 continue;
             }
             let fingerprint = fingerprint(&member);
@@ -821,7 +833,17 @@ fn fingerprint(member: &MemberSecret) -> u64 {
     member.kubelet_port.hash(&mut hasher);
     member.qps.to_bits().hash(&mut hasher);
     member.burst.hash(&mut hasher);
+    format!("{:?}", member.lower_node_labels).hash(&mut hasher);
     hasher.finish()
+}
+
+/// Why a change of a running member's granularity is refused.
+fn granularity_change(running: &Granularity, wanted: &Granularity) -> String {
+    format!(
+        "annotation {GRANULARITY_ANNOTATION} changed from {running} to {wanted} on a running \
+         member: refused, the member keeps running as {running}. To change it, delete the \
+         Secret (the member leaves, its pods drained) and join again"
+    )
 }
 
 /// Runs member `spec` until `stop`, restarting it with backoff whenever it fails, panics
@@ -1019,7 +1041,23 @@ mod tests {
             qps: 1.0,
             burst: 1,
             bursting: Default::default(),
+            granularity: Default::default(),
+            lower_node_labels: Default::default(),
         }
+    }
+
+    #[test]
+    fn a_granularity_change_is_refused_and_says_how_to_change_it() {
+        let why = granularity_change(
+            &Granularity::Cluster,
+            &Granularity::Label("topology.kubernetes.io/zone".into()),
+        );
+        assert!(
+            why.contains("from cluster to label=topology.kubernetes.io/zone"),
+            "{why}"
+        );
+        assert!(why.contains("keeps running as cluster"), "{why}");
+        assert!(why.contains(GRANULARITY_ANNOTATION), "{why}");
     }
 
     /// A member keeps the node it joined as: a renamed Secret is refused (and says which

@@ -6,6 +6,7 @@
 //! shares — the upper client, the upper cluster's identity, the flags, the metrics and the
 //! leader election — is built once, in [`Shared`].
 
+pub mod fleet;
 pub mod join;
 pub mod leave;
 pub mod membership;
@@ -29,6 +30,7 @@ use crate::kubelet_api;
 use crate::lower_view::NamespaceView;
 use crate::metrics::Metrics;
 use crate::node::burst::Burst;
+use crate::node::groups::{Granularity, LabelPatterns};
 use crate::node::{self, spec::NodeConfig};
 use crate::shutdown::Tasks;
 use crate::side::Side;
@@ -82,6 +84,11 @@ pub struct MemberSpec {
     /// Burst priority and share, changed in place on a running member (its node's label
     /// and capacity, its pods' deletion costs follow).
     pub bursting: Arc<watch::Sender<Burst>>,
+    /// One virtual node for the cluster, per lower node, or per value of a lower node
+    /// label (`--node-granularity`, `tensile.dev/node-granularity`).
+    pub granularity: Granularity,
+    /// Lower node labels a group's virtual node shows beside the documented ones.
+    pub lower_node_labels: LabelPatterns,
 }
 
 impl std::fmt::Debug for MemberSpec {
@@ -94,6 +101,7 @@ impl std::fmt::Debug for MemberSpec {
             .field("ignore_labels", &self.ignore_labels)
             .field("kubelet_port", &self.kubelet_port)
             .field("bursting", &*self.bursting.borrow())
+            .field("granularity", &self.granularity)
             .finish_non_exhaustive()
     }
 }
@@ -120,6 +128,8 @@ impl MemberSpec {
                 priority: args.burst_priority,
                 share: args.share.clone(),
             })),
+            granularity: args.node_granularity.clone(),
+            lower_node_labels: args.lower_node_labels.clone(),
         }
     }
 }
@@ -128,6 +138,7 @@ impl MemberSpec {
 /// that would run a command or read a file is refused ([`spec::lower_kubeconfig`]); no
 /// error quotes the kubeconfig's text.
 pub async fn member_spec(member: &spec::MemberSecret) -> Result<MemberSpec, String> {
+    granularity_supported(&member.granularity)?;
     let kubeconfig = spec::lower_kubeconfig(&member.kubeconfig).map_err(|e| e.to_string())?;
     let config = kube::Config::from_custom_kubeconfig(
         kubeconfig,
@@ -148,7 +159,34 @@ pub async fn member_spec(member: &spec::MemberSecret) -> Result<MemberSpec, Stri
         ignore_labels: member.ignore_labels.clone(),
         kubelet_port: member.kubelet_port,
         bursting: Arc::new(watch::Sender::new(member.bursting.clone())),
+        granularity: member.granularity.clone(),
+        lower_node_labels: member.lower_node_labels.clone(),
     })
+}
+
+/// Whether a member of `granularity` can run: only `cluster` so far. Grouping the lower
+/// nodes ([`node::groups`]) is there; one Node, Lease and pod route per group is not yet,
+/// so `node` and `label=<key>` are refused rather than shown as one node.
+pub fn granularity_supported(granularity: &Granularity) -> Result<(), String> {
+    match granularity {
+        Granularity::Cluster => Ok(()),
+        other => Err(format!(
+            "node granularity {other} is not supported yet (only cluster)"
+        )),
+    }
+}
+
+/// Whether a member of `granularity` can run in this process: `cluster` always; `node`
+/// and `label=<key>` as the process's one member (the flags: its virtual nodes, their
+/// pods and its kubelet API are its own). Members of a federation
+/// (`--federation`) share the upper pod watch routed by node name, which does not route
+/// several names to a member yet: refused there ([`granularity_supported`]).
+pub fn granularity_runs(granularity: &Granularity, federated: bool) -> Result<(), String> {
+    if federated {
+        granularity_supported(granularity)
+    } else {
+        Ok(())
+    }
 }
 
 /// The taint the flags give every node (none with `--disable-taint`).
@@ -231,6 +269,11 @@ async fn run_member(
 ) -> Result<(), String> {
     let args = &shared.args;
     let upper = &shared.upper;
+    granularity_runs(&spec.granularity, shared.upper_watches.is_some())
+        .map_err(|why| format!("node {}: {why}", spec.node))?;
+    // Node granularity: the member's virtual nodes, known before any is registered.
+    let group_nodes = (spec.granularity != Granularity::Cluster)
+        .then(|| Arc::new(node::groups::GroupNodes::default()));
     let owner = Owner::new(spec.node.clone(), shared.cluster_id.clone());
     // The start-up's calls to the lower cluster may hang (a lower API server that answers
     // `/version` and then nothing): a stop must not wait for them, or a restart of this
@@ -257,6 +300,7 @@ async fn run_member(
         &lower,
         namespaces.as_ref().map(|(view, _)| view.clone()),
         cordon_rx,
+        group_nodes.clone(),
     );
     let controllers::pod_watch::PodWatches {
         stores,
@@ -303,15 +347,36 @@ async fn run_member(
         kubelet_api::serve(kubelet_listener, kubelet_tls, kubelet_api, shutdown.clone()),
     );
     let (capacity_tx, capacity_rx) = watch::channel(None);
+    let (offers_tx, offers_rx) = watch::channel(BTreeMap::new());
+    let grouped = group_nodes.as_ref().map(|_| node::GroupWatch {
+        groups: node::groups::Groups::new(
+            &spec.node,
+            spec.granularity.clone(),
+            spec.lower_node_labels.clone(),
+        ),
+        tx: offers_tx,
+    });
     tasks.spawn(
         "capacity watch",
         node::watch_capacity(
             lower.client.clone(),
             owner.clone(),
             capacity_tx,
+            grouped,
             shutdown.clone(),
         ),
     );
+    if let Some(nodes) = &group_nodes {
+        // The groups are published with the first capacity: their names are known before
+        // the upper pod watch lists, so the pods already bound to them are the member's.
+        let mut known = capacity_rx.clone();
+        tokio::select! {
+            biased;
+            () = shutdown.cancelled() => {}
+            _ = known.wait_for(Option::is_some) => {}
+        }
+        fleet::know(nodes, &spec.granularity, &offers_rx.borrow());
+    }
     if let (Some((view, suffix)), Some(raw_lower)) = (namespaces, raw_lower) {
         tasks.spawn(
             "namespace mapping",
@@ -382,6 +447,28 @@ async fn run_member(
     };
 
     let node_config = node_config(&shared, &spec, &lower, kubelet_port);
+    if let Some(nodes) = group_nodes {
+        // Node granularity: one Node and Lease per group, no Node `--nodename`.
+        let fleet = fleet::Fleet {
+            upper: upper.client.clone(),
+            upper_heartbeat: upper.heartbeat.clone(),
+            lower_heartbeat: lower.heartbeat.clone(),
+            base: node_config,
+            granularity: spec.granularity.clone(),
+            use_lease: args.enable_node_lease,
+            bursting: spec.bursting.subscribe(),
+            nodes,
+        };
+        tasks.spawn_fallible("virtual nodes", fleet.run(offers_rx, shutdown.clone()));
+        let watched = PodWatched {
+            stores,
+            pods: triggers.0,
+            status: triggers.1,
+        };
+        spawn_controllers(&mut tasks, &ctx, args, &shared.optional, watched, &shutdown);
+        started.cancel();
+        return tasks.supervise().await.map_err(|f| f.to_string());
+    }
     let bursting = spec.bursting.borrow().clone();
     let registered = if shutdown.is_cancelled() {
         None
@@ -588,6 +675,7 @@ fn node_config(
         address: node_address(&shared.args),
         kubelet_port: i32::from(kubelet_port),
         lower_version: lower.version.clone(),
+        group_labels: BTreeMap::new(),
     }
 }
 
@@ -630,6 +718,7 @@ fn context(
     lower: &Cluster,
     namespaces: Option<Arc<NamespaceView>>,
     cordoned: watch::Receiver<bool>,
+    groups: Option<Arc<node::groups::GroupNodes>>,
 ) -> Arc<Context> {
     let reporter = Reporter {
         controller: "tensile-virtual-node".into(),
@@ -650,6 +739,7 @@ fn context(
         .sharing(shared.upper_watches.clone())
         .viewing(namespaces)
         .bursting(spec.bursting.subscribe(), cordoned)
+        .grouping(groups)
         // Checked at start: a bad address never gets this far.
         .with_upper_identity(shared.args.upper_identity().ok().flatten()),
     )

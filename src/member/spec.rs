@@ -17,6 +17,8 @@
 //!     tensile.dev/client-burst: "1000"         # optional
 //!     tensile.dev/burst-priority: "1"          # optional; default 0 (fills first)
 //!     tensile.dev/share: "cpu=64,memory=256Gi" # optional; default no cap
+//!     tensile.dev/node-granularity: cluster    # optional; or node, label=<key>
+//!     tensile.dev/lower-node-labels: "example.com/pool,gpu-*"  # optional
 //! data: { kubeconfig: <base64 kubeconfig of the lower cluster> }
 //! ```
 //!
@@ -36,6 +38,8 @@ use kube::config::{AuthInfo, Kubeconfig, KubeconfigError};
 
 use crate::cli::{MIN_QPS, parse_node_name};
 use crate::node::burst::{Burst, parse_priority, parse_share};
+pub use crate::node::groups::{GRANULARITY_ANNOTATION, LOWER_NODE_LABELS_ANNOTATION};
+use crate::node::groups::{Granularity, LabelPatterns, parse_granularity, parse_label_patterns};
 
 /// The label that makes a Secret of `--members-namespace` a member.
 pub const MEMBER_LABEL: &str = "tensile.dev/lower-cluster";
@@ -96,6 +100,12 @@ pub struct MemberSecret {
     pub burst: u32,
     /// Burst priority and share: the settings a running member takes in place.
     pub bursting: Burst,
+    /// One virtual node for the cluster, per lower node, or per value of a lower node
+    /// label ([`GRANULARITY_ANNOTATION`]; default `cluster`).
+    pub granularity: Granularity,
+    /// Lower node labels a group's virtual node shows beside the documented ones
+    /// ([`LOWER_NODE_LABELS_ANNOTATION`]; default none).
+    pub lower_node_labels: LabelPatterns,
 }
 
 /// Why a member Secret cannot be used; said in an Event on it.
@@ -318,8 +328,21 @@ pub fn read(secret: &Secret, defaults: &Defaults) -> Result<MemberSecret, BadMem
         None => Default::default(),
         Some(value) => parse_share(value).map_err(|why| bad(SHARE_ANNOTATION, value, why))?,
     };
+    let granularity = match annotation(GRANULARITY_ANNOTATION) {
+        None => Granularity::Cluster,
+        Some(value) => {
+            parse_granularity(value).map_err(|why| bad(GRANULARITY_ANNOTATION, value, why))?
+        }
+    };
+    let lower_node_labels = match annotation(LOWER_NODE_LABELS_ANNOTATION) {
+        None => LabelPatterns::default(),
+        Some(value) => parse_label_patterns(value)
+            .map_err(|why| bad(LOWER_NODE_LABELS_ANNOTATION, value, why))?,
+    };
     Ok(MemberSecret {
         bursting: Burst { priority, share },
+        granularity,
+        lower_node_labels,
         node,
         kubeconfig,
         taint,
@@ -576,6 +599,61 @@ mod tests {
                 (Ok(got), Ok((priority, cpu))) => {
                     assert_eq!(got.bursting.priority, priority, "{case}");
                     assert_eq!(got.bursting.share.caps().get("cpu").copied(), cpu, "{case}");
+                }
+                (Err(error), Err(needle)) => {
+                    assert!(error.to_string().contains(needle), "{case}: {error}");
+                }
+                (got, want) => panic!("{case}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn granularity_and_lower_node_labels_read_from_their_annotations() {
+        let config: &[u8] = b"apiVersion: v1\nkind: Config\n";
+        // (case, annotations, granularity and whether `pool` is shown, or the error)
+        type Want = Result<(Granularity, bool), &'static str>;
+        type Case = (&'static str, Vec<(&'static str, &'static str)>, Want);
+        let cases: [Case; 6] = [
+            ("defaults", vec![], Ok((Granularity::Cluster, false))),
+            (
+                "node",
+                vec![(GRANULARITY_ANNOTATION, "node")],
+                Ok((Granularity::Node, false)),
+            ),
+            (
+                "zone, with a pattern",
+                vec![
+                    (GRANULARITY_ANNOTATION, "label=topology.kubernetes.io/zone"),
+                    (LOWER_NODE_LABELS_ANNOTATION, "po*"),
+                ],
+                Ok((
+                    Granularity::Label("topology.kubernetes.io/zone".into()),
+                    true,
+                )),
+            ),
+            (
+                "unknown granularity",
+                vec![(GRANULARITY_ANNOTATION, "rack")],
+                Err("annotation tensile.dev/node-granularity=\"rack\": must be cluster, node"),
+            ),
+            (
+                "bad label key",
+                vec![(GRANULARITY_ANNOTATION, "label=a b")],
+                Err("tensile.dev/node-granularity=\"label=a b\""),
+            ),
+            (
+                "bad pattern",
+                vec![(LOWER_NODE_LABELS_ANNOTATION, "a b")],
+                Err("tensile.dev/lower-node-labels=\"a b\""),
+            ),
+        ];
+        for (case, annotations, want) in cases {
+            let got = read(&secret("lower-a", &annotations, Some(config)), &defaults());
+            match (got, want) {
+                (Ok(got), Ok((granularity, pool))) => {
+                    assert_eq!(got.granularity, granularity, "{case}");
+                    assert_eq!(got.lower_node_labels.shows("pool"), pool, "{case}");
                 }
                 (Err(error), Err(needle)) => {
                     assert!(error.to_string().contains(needle), "{case}: {error}");

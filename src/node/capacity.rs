@@ -283,6 +283,29 @@ impl LowerCapacity {
             .collect()
     }
 
+    /// What the lower nodes `nodes` offer (a group's virtual node, [`super::groups`]): the
+    /// rules of [`LowerCapacity::capacity`] over those nodes only. Walks them, not the pods.
+    pub fn capacity_of<'a>(
+        &self,
+        nodes: impl IntoIterator<Item = &'a str>,
+    ) -> BTreeMap<String, Quantity> {
+        let mut allocatable: BTreeMap<String, Listed> = BTreeMap::new();
+        let mut requested = Resources::new();
+        for room in nodes.into_iter().filter_map(|name| self.nodes.get(name)) {
+            if let Some(offer) = room.offer.as_ref().filter(|o| o.usable) {
+                list(&mut allocatable, &offer.allocatable);
+                add(&mut requested, &room.requested);
+            }
+        }
+        allocatable
+            .into_iter()
+            .map(|(resource, listed)| {
+                let left = listed.amount - requested.get(&resource).copied().unwrap_or(0);
+                (resource, format_milli(left.max(0)))
+            })
+            .collect()
+    }
+
     /// The capacity, if the sums changed since the last call (the first call always
     /// answers), so a watch event that changes nothing costs no output.
     pub fn capacity_if_changed(&mut self) -> Option<BTreeMap<String, Quantity>> {
@@ -1050,5 +1073,53 @@ mod tests {
                 prop_assert_eq!(published.as_ref(), Some(&oracle), "published, after step {}", i);
             }
         }
+    }
+
+    #[test]
+    fn capacity_of_a_group_counts_its_nodes_only() {
+        let mut capacity = LowerCapacity::new(&owner("vk"));
+        capacity.reset_nodes(&[
+            node("n1", "10", true),
+            node("n2", "8", true),
+            node("n3", "6", false),
+        ]);
+        capacity.reset_pods(
+            PodFeed::OtherNodes,
+            &[
+                pod("other-1", "n1", "3", None, "Running"),
+                pod("other-2", "n2", "10", Some("vk-other"), "Running"),
+                pod("other-3", "n3", "1", None, "Running"),
+            ],
+        );
+        // Ours: the upper scheduler counts it already.
+        capacity.reset_pods(
+            PodFeed::OtherClusters,
+            &[pod("ours", "n1", "2", Some("vk"), "Running")],
+        );
+        let cases: Vec<(&str, Vec<&str>, Option<&str>)> = vec![
+            (
+                "one node, others' pods subtracted, ours not",
+                vec!["n1"],
+                Some("7"),
+            ),
+            (
+                "over-committed below: zero, never negative",
+                vec!["n2"],
+                Some("0"),
+            ),
+            ("not Ready: offers nothing", vec!["n3"], None),
+            ("a group of two", vec!["n1", "n2"], Some("5")),
+            ("unknown node", vec!["n9"], None),
+        ];
+        for (name, nodes, want) in cases {
+            let got = capacity.capacity_of(nodes.iter().copied());
+            assert_eq!(got.get("cpu").map(|q| q.0.as_str()), want, "{name}");
+        }
+        // Over every node, a group is the cluster.
+        assert_eq!(
+            capacity.capacity_of(["n1", "n2", "n3"]),
+            capacity.capacity(),
+            "whole cluster"
+        );
     }
 }

@@ -3,6 +3,7 @@
 
 pub mod burst;
 pub mod capacity;
+pub mod groups;
 pub mod quantity;
 pub mod resources;
 pub mod spec;
@@ -27,6 +28,7 @@ use tracing::{debug, info, warn};
 
 use self::burst::{BURST_PRIORITY_LABEL, Burst};
 use self::capacity::{LowerCapacity, PodFeed};
+use self::groups::{GroupOffer, Groups, offers};
 use self::spec::{NodeConfig, merge_taints, new_node, node_labels, node_status};
 use crate::clusters::{HEARTBEAT_TIMEOUT, HeartbeatClients};
 use crate::side::Side;
@@ -196,15 +198,18 @@ async fn write_status(
 }
 
 /// Folds the lower cluster's node watch and its two pod watches (the pods that are not
-/// ours, [`PodFeed`]) into [`LowerCapacity`] and publishes each new capacity. Returns when
-/// `shutdown` fires.
+/// ours, [`PodFeed`]) into [`LowerCapacity`] and publishes each new capacity, and with
+/// `grouped` each group's offer ([`GroupWatch`]). Returns when `shutdown` fires.
 pub async fn watch_capacity(
     lower: Client,
     owner: Owner,
     tx: watch::Sender<Option<BTreeMap<String, Quantity>>>,
+    mut grouped: Option<GroupWatch>,
     shutdown: CancellationToken,
 ) {
     let mut capacity = LowerCapacity::new(&owner);
+    // Published once even when the lower cluster has no group.
+    let mut groups_changed = true;
     let nodes = watcher(Api::<Node>::all(lower.clone()), watcher::Config::default())
         .map_ok(|e| Change::Node(Box::new(e)))
         .boxed();
@@ -230,14 +235,30 @@ pub async fn watch_capacity(
             }
             Some(Ok(Change::Node(event))) => {
                 nodes_synced |= matches!(*event, Event::InitDone);
-                match *event {
-                    Event::Init => capacity.relist_nodes_start(),
-                    Event::InitApply(n) | Event::Apply(n) => capacity.apply_node(&n),
-                    Event::Delete(n) => {
-                        capacity.delete_node(n.meta().name.as_deref().unwrap_or_default())
+                let groups = grouped.as_mut().map(|g| &mut g.groups);
+                let changed = match *event {
+                    Event::Init => {
+                        capacity.relist_nodes_start();
+                        if let Some(groups) = groups {
+                            groups.relist_start();
+                        }
+                        None
                     }
-                    Event::InitDone => capacity.relist_nodes_done(),
-                }
+                    Event::InitApply(n) | Event::Apply(n) => {
+                        capacity.apply_node(&n);
+                        groups.map(|g| g.apply_node(&n))
+                    }
+                    Event::Delete(n) => {
+                        let name = n.meta().name.as_deref().unwrap_or_default();
+                        capacity.delete_node(name);
+                        groups.map(|g| g.delete_node(name))
+                    }
+                    Event::InitDone => {
+                        capacity.relist_nodes_done();
+                        groups.map(Groups::relist_done)
+                    }
+                };
+                groups_changed |= changed.is_some_and(|c| !c.is_empty());
             }
             Some(Ok(Change::Pod(feed, event))) => {
                 pods_synced[feed.index()] |= matches!(*event, Event::InitDone);
@@ -250,10 +271,24 @@ pub async fn watch_capacity(
             }
         }
         // Only events that moved the sums produce an output to compare and publish.
-        if nodes_synced
-            && pods_synced.iter().all(|synced| *synced)
-            && let Some(now) = capacity.capacity_if_changed()
+        if !(nodes_synced && pods_synced.iter().all(|synced| *synced)) {
+            continue;
+        }
+        let total = capacity.capacity_if_changed();
+        if let Some(grouped) = grouped.as_ref()
+            && (total.is_some() || groups_changed)
         {
+            groups_changed = false;
+            let now = offers(&grouped.groups, &capacity);
+            grouped.tx.send_if_modified(|current| {
+                let changed = *current != now;
+                if changed {
+                    *current = now;
+                }
+                changed
+            });
+        }
+        if let Some(now) = total {
             tx.send_if_modified(|current| {
                 let changed = current.as_ref() != Some(&now);
                 if changed {
@@ -263,6 +298,16 @@ pub async fn watch_capacity(
             });
         }
     }
+}
+
+/// For a member of `node` or `label=<key>` granularity: its lower nodes grouped, folded
+/// from the capacity's node watch, and where every group's offer is published (by group
+/// key) as it changes.
+pub struct GroupWatch {
+    /// The lower nodes grouped.
+    pub groups: Groups,
+    /// Every group's offer.
+    pub tx: watch::Sender<BTreeMap<String, GroupOffer>>,
 }
 
 /// Every virtual node's cordon (`spec.unschedulable`), from one upper watch of the Nodes

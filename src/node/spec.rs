@@ -26,12 +26,16 @@ pub struct NodeConfig {
     pub kubelet_port: i32,
     /// Lower API server version, reported as kubelet version.
     pub lower_version: String,
+    /// For one group of a member of `node` or `label=<key>` granularity, the labels its
+    /// lower nodes agree on ([`super::groups::Group::labels`]), shown over tensile's own;
+    /// empty for a member that is one virtual node.
+    pub group_labels: BTreeMap<String, String>,
 }
 
 /// Labels tensile-kube's nodes carry (users' nodeSelectors depend on them).
 pub fn node_labels(config: &NodeConfig) -> BTreeMap<String, String> {
     let os = config.os.to_lowercase();
-    [
+    let own = [
         ("type", "virtual-kubelet"),
         ("kubernetes.io/role", "agent"),
         ("kubernetes.io/hostname", config.name.as_str()),
@@ -43,7 +47,8 @@ pub fn node_labels(config: &NodeConfig) -> BTreeMap<String, String> {
     ]
     .into_iter()
     .map(|(k, v)| (k.to_owned(), v.to_owned()))
-    .collect()
+    .collect();
+    super::groups::group_labels(&own, &config.group_labels)
 }
 
 /// The Node to create when none exists.
@@ -189,6 +194,7 @@ mod tests {
             address: "10.0.0.5".into(),
             kubelet_port: 10250,
             lower_version: "v1.36.3".into(),
+            group_labels: BTreeMap::new(),
         }
     }
 
@@ -205,6 +211,32 @@ mod tests {
         ] {
             assert_eq!(labels.get(k).map(String::as_str), Some(v), "{k}");
         }
+    }
+
+    #[test]
+    fn a_group_shows_what_its_lower_nodes_agree_on() {
+        let plain = node_labels(&config());
+        let zoned = NodeConfig {
+            name: "vk-node-a".into(),
+            group_labels: [
+                ("topology.kubernetes.io/zone", "a"),
+                ("kubernetes.io/arch", "arm64"),
+                ("type", "not-ours"),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect(),
+            ..config()
+        };
+        let labels = node_labels(&zoned);
+        let get = |k: &str| labels.get(k).map(String::as_str);
+        assert_eq!(get("topology.kubernetes.io/zone"), Some("a"));
+        assert_eq!(get("kubernetes.io/arch"), Some("arm64"));
+        assert_eq!(get("type"), Some("virtual-kubelet"), "tensile's own kept");
+        assert_eq!(get("kubernetes.io/hostname"), Some("vk-node-a"));
+        // Without group labels: exactly tensile-kube's set, as before.
+        assert_eq!(plain.len(), 8);
+        assert!(!plain.contains_key("topology.kubernetes.io/zone"));
     }
 
     #[test]

@@ -19,7 +19,7 @@ use super::meta::{
     DELETION_COST_ANNOTATION, DELETION_COST_MARK, MIRRORED_KEYS_ANNOTATION, Owner,
     TRIPPED_LABELS_ANNOTATION, UPPER_UID_ANNOTATION, VIRTUAL_POD_LABEL,
 };
-use super::scheduling::{parse_cluster_selector, restore_constraints};
+use super::scheduling::{Confinement, parse_cluster_selector, restore_constraints};
 use super::{TranslateError, lower_meta, object_ref};
 
 /// Where the kubelet mounts a pod's service-account credentials.
@@ -44,6 +44,10 @@ pub struct PodTranslation<'a> {
     /// With `--upper-identity`, where the lower pod reaches the upper API server: its
     /// service-account tokens are then the upper cluster's ([`give_upper_identity`]).
     pub upper_identity: Option<&'a UpperApi>,
+    /// With `node` or `label=<key>` granularity, what keeps the pod within the lower nodes
+    /// of the virtual node it is bound to, ANDed into what `clusterSelector` restores;
+    /// `None` for a member that is one virtual node.
+    pub confinement: Option<&'a Confinement>,
 }
 
 /// Type of the upper pod condition that records "this pod was mirrored": written with the
@@ -157,6 +161,9 @@ fn lower_pod_and_record(
     let stash = parse_cluster_selector(upper.metadata.annotations.as_ref())
         .map_err(|e| e.for_object(object.clone()))?;
     restore_constraints(&mut spec, stash.as_ref());
+    if let Some(confinement) = t.confinement {
+        confinement.apply(&mut spec);
+    }
     match t.upper_identity {
         Some(api) => {
             // Tokens of the upper cluster, from a Secret the token controller keeps; a
@@ -1151,6 +1158,7 @@ mod tests {
             upper_identity: None,
             owner: &OWNER,
             ignore_labels,
+            confinement: None,
         }
     }
 
@@ -1201,6 +1209,67 @@ mod tests {
                 }],
             },
         })
+    }
+
+    /// A pod bound to a group's virtual node is confined to the group below: the
+    /// requirement ANDed into each restored alternative, or alone without a stash; the
+    /// update path never touches the affinity (immutable below).
+    #[test]
+    fn a_group_confines_the_lower_pod() {
+        use crate::translate::scheduling::Placement;
+        let zone = Confinement {
+            placement: Placement::Expression,
+            requirement: serde_json::from_value(
+                json!({"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["a"]}),
+            )
+            .unwrap(),
+        };
+        let in_a = json!({"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["a"]});
+        let ssd = json!({"key": "disk", "operator": "In", "values": ["ssd"]});
+        let stash =
+            json!({"affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution":
+            {"nodeSelectorTerms": [{"matchExpressions": [ssd]}]}}}})
+            .to_string();
+        let cases = [
+            ("no stash", json!({}), json!([{"matchExpressions": [in_a]}])),
+            (
+                "stash: ANDed",
+                json!({"metadata": {"annotations": {"clusterSelector": stash}}}),
+                json!([{"matchExpressions": [ssd, in_a]}]),
+            ),
+        ];
+        for (name, patch, want) in cases {
+            let mut upper = upper_json();
+            merge(&mut upper, &patch);
+            let upper = pod(upper);
+            let t = PodTranslation {
+                confinement: Some(&zone),
+                ..translation(&[])
+            };
+            let lower = lower_pod(&upper, &t).unwrap();
+            let spec = serde_json::to_value(lower.spec.as_ref().unwrap()).unwrap();
+            assert_eq!(
+                spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+                    ["nodeSelectorTerms"],
+                want,
+                "{name}"
+            );
+            // Without it, as before: no required node affinity of its own.
+            let plain = lower_pod(&upper, &translation(&[])).unwrap();
+            let plain = serde_json::to_value(plain.spec.as_ref().unwrap()).unwrap();
+            assert!(
+                !plain["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+                    .to_string()
+                    .contains("topology.kubernetes.io/zone"),
+                "{name}"
+            );
+            // The update of the confined copy patches no affinity.
+            let patch = lower_pod_update(&upper, &lower, &t).unwrap();
+            assert!(
+                patch.is_none_or(|p| p["spec"].get("affinity").is_none()),
+                "{name}"
+            );
+        }
     }
 
     /// Applies a JSON merge patch (RFC 7386), to build fixtures and check patches.

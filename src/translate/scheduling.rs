@@ -268,6 +268,57 @@ pub fn avoid_nodes(spec: &mut PodSpec, nodes: &[String]) {
     }
 }
 
+/// Where a [`Confinement`]'s requirement goes in a node selector term.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// `matchFields`.
+    Field,
+    /// `matchExpressions`.
+    Expression,
+}
+
+/// A requirement that keeps a pod's lower copy within a group of lower nodes (one virtual
+/// node of a member of `node` or `label=<key>` granularity, `crate::node::groups`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Confinement {
+    /// Field or expression.
+    pub placement: Placement,
+    /// `metadata.name In [node]`, or `<key> In [value]`.
+    pub requirement: NodeSelectorRequirement,
+}
+
+impl Confinement {
+    /// Adds the requirement to every alternative of the pod's required node affinity (what
+    /// `clusterSelector` restored), or as its one alternative when it has none: the lower
+    /// scheduler then places the pod within the group, whichever alternative it matches,
+    /// and still by the lower taints. Applying it twice changes nothing.
+    pub fn apply(&self, spec: &mut PodSpec) {
+        let required = spec
+            .affinity
+            .get_or_insert_with(Affinity::default)
+            .node_affinity
+            .get_or_insert_with(NodeAffinity::default)
+            .required_during_scheduling_ignored_during_execution
+            .get_or_insert_with(|| NodeSelector {
+                node_selector_terms: Vec::new(),
+            });
+        if required.node_selector_terms.is_empty() {
+            required
+                .node_selector_terms
+                .push(NodeSelectorTerm::default());
+        }
+        for term in &mut required.node_selector_terms {
+            let list = match self.placement {
+                Placement::Field => term.match_fields.get_or_insert_with(Vec::new),
+                Placement::Expression => term.match_expressions.get_or_insert_with(Vec::new),
+            };
+            if !list.contains(&self.requirement) {
+                list.push(self.requirement.clone());
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

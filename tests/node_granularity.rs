@@ -1,0 +1,578 @@
+//! Node granularity (issue 36): `--node-granularity` and the member annotation
+//! `tensile.dev/node-granularity` are read and checked per member. The flags' member runs
+//! `node` and `label=<key>` (one virtual node per group of lower nodes: the upper scheduler
+//! sees zones and hosts, and capacity per group); a member Secret asking for them is still
+//! refused (`MemberInvalid`: the shared pod watch does not route several nodes to a member
+//! yet), and a running member's granularity change is refused with a
+//! `MemberGranularityChanged` Event while the member keeps running as it was. Its own test
+//! binary.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+
+use common::{TIMEOUT, kubectl, member_secret, metric};
+use k8s_openapi::api::core::v1::{Event, Node, Pod, Secret};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+use tensile::member::spec::GRANULARITY_ANNOTATION;
+use tensile::node::groups::{Granularity, virtual_node_name};
+use tensile_harness::fixtures::virtual_node_toleration;
+use tensile_harness::{
+    ClusterOptions, ClusterPair, TestNamespace, VirtualNode, VirtualNodeOptions, node_is_ready,
+    wait_for,
+};
+
+/// Waits for an Event of `reason` on the member Secret `secret` whose message says `says`.
+async fn event_on(events: &Api<Event>, secret: &str, reason: &str, says: &str) {
+    wait_for(
+        &format!("a {reason} Event on the member Secret {secret} saying {says:?}"),
+        TIMEOUT,
+        || async {
+            let found = events.list(&ListParams::default()).await?.items;
+            Ok(found
+                .iter()
+                .any(|e| {
+                    e.involved_object.name.as_deref() == Some(secret)
+                        && e.reason.as_deref() == Some(reason)
+                        && e.message.as_deref().is_some_and(|m| m.contains(says))
+                })
+                .then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+}
+
+/// The flags: a malformed granularity is a usage error; it registers no Node.
+#[tokio::test]
+async fn flags_refuse_what_does_not_run() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let upper = pair.upper.client().await.unwrap();
+    let nodes: Api<Node> = Api::all(upper);
+    for (node, granularity, says) in [("vk-gran-bad", "label=no such key", "is not a label key")] {
+        let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), node);
+        options.args = vec!["--node-granularity".into(), granularity.into()];
+        let mut vn = pair.start_virtual_node(&options).unwrap();
+        let deadline = tokio::time::Instant::now() + TIMEOUT;
+        let mut poll = tokio::time::interval(std::time::Duration::from_millis(200));
+        while vn.check_running().is_ok() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "virtual-node {node} still runs after {TIMEOUT:?}"
+            );
+            poll.tick().await;
+        }
+        let log = std::fs::read_to_string(vn.log()).unwrap();
+        assert!(log.contains(says), "{node}: log says {says:?}:\n{log}");
+        assert!(
+            nodes.get_opt(node).await.unwrap().is_none(),
+            "{node} registered"
+        );
+    }
+}
+
+/// Member Secrets: one joined as `cluster` runs; one asking `label=<zone>` is refused with
+/// an Event; changing the running member's annotation to `node` is refused with an Event
+/// and the member keeps its node (the same Node, Ready) and its place.
+#[tokio::test]
+async fn a_member_keeps_its_granularity() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let upper = pair.upper.client().await.unwrap();
+    let members = TestNamespace::create(&upper, "gran-members").await.unwrap();
+    let secrets: Api<Secret> = Api::namespaced(upper.clone(), &members.name);
+    let events: Api<Event> = Api::namespaced(upper.clone(), &members.name);
+    let nodes: Api<Node> = Api::all(upper.clone());
+    let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), "vk-gran");
+    options.flags_member = false;
+    options.args = vec!["--members-namespace".into(), members.name.clone()];
+    let mut vn = pair.start_virtual_node(&options).unwrap();
+
+    secrets
+        .create(
+            &PostParams::default(),
+            &member_secret("lower-whole", "vk-gran-whole", &pair.lower.kubeconfig),
+        )
+        .await
+        .unwrap();
+    let mut zoned = member_secret("lower-zoned", "vk-gran-zoned", &pair.lower.kubeconfig);
+    zoned.metadata.annotations.get_or_insert_default().insert(
+        GRANULARITY_ANNOTATION.into(),
+        "label=topology.kubernetes.io/zone".into(),
+    );
+    secrets
+        .create(&PostParams::default(), &zoned)
+        .await
+        .unwrap();
+
+    let ready = wait_for("node vk-gran-whole Ready", TIMEOUT, || async {
+        Ok(nodes.get_opt("vk-gran-whole").await?.filter(node_is_ready))
+    })
+    .await;
+    let whole = match ready {
+        Ok(node) => node,
+        Err(error) => {
+            let _ = vn.check_running();
+            panic!(
+                "{error:#}\n{}",
+                tensile_harness::process::tail(vn.log(), 40)
+            );
+        }
+    };
+    event_on(
+        &events,
+        "lower-zoned",
+        "MemberInvalid",
+        "node granularity label=topology.kubernetes.io/zone is not supported yet",
+    )
+    .await;
+    assert!(
+        nodes.get_opt("vk-gran-zoned").await.unwrap().is_none(),
+        "a refused member registers no Node"
+    );
+
+    secrets
+        .patch(
+            "lower-whole",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {GRANULARITY_ANNOTATION: "node"}}})),
+        )
+        .await
+        .unwrap();
+    event_on(
+        &events,
+        "lower-whole",
+        "MemberGranularityChanged",
+        "from cluster to node on a running member: refused, the member keeps running as cluster",
+    )
+    .await;
+    let after = nodes.get("vk-gran-whole").await.unwrap();
+    assert_eq!(after.metadata.uid, whole.metadata.uid, "the same Node");
+    assert!(node_is_ready(&after), "still Ready");
+    assert_eq!(
+        metric(&vn, r#"tensile_member_up{node="vk-gran-whole"}"#).await,
+        1,
+        "the member still runs"
+    );
+    vn.check_running().unwrap();
+}
+
+/// The zone label the `label=` scene groups by.
+const ZONE: &str = "topology.kubernetes.io/zone";
+
+/// A lower cluster beside the shared pair: 6 kwok nodes of 4 CPU, two in each of the zones
+/// `zone-a`, `zone-b`, `zone-c`; their names, sorted.
+async fn zoned_lower(pair: &ClusterPair) -> (tensile_harness::Cluster, Vec<String>) {
+    let mut options = ClusterOptions::new(
+        "lower-gran",
+        6,
+        (Ipv4Addr::new(10, 94, 0, 0), 16),
+        "10.249.0.0/16",
+    );
+    options.node_shape.cpu = "4".into();
+    let lower = pair.start_cluster(options).await.unwrap();
+    let nodes: Api<Node> = Api::all(lower.client().await.unwrap());
+    let mut names: Vec<String> = nodes
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|n| n.metadata.name)
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 6, "{names:?}");
+    for (i, name) in names.iter().enumerate() {
+        let zone = ["zone-a", "zone-b", "zone-c"][i / 2];
+        nodes
+            .patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"metadata": {"labels": {ZONE: zone}}})),
+            )
+            .await
+            .unwrap();
+    }
+    (lower, names)
+}
+
+/// Starts the flags' member `base` of `granularity` on the lower cluster `kubeconfig` and
+/// waits until the upper cluster shows `want` Ready virtual nodes labelled `clusterID=base`;
+/// them, by name.
+async fn start_grouped(
+    pair: &ClusterPair,
+    upper: &kube::Client,
+    kubeconfig: &std::path::Path,
+    base: &str,
+    granularity: &str,
+    want: usize,
+) -> (VirtualNode, BTreeMap<String, Node>) {
+    let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), base);
+    options.lower_kubeconfig = Some(kubeconfig.to_owned());
+    options.args = vec!["--node-granularity".into(), granularity.into()];
+    let mut vn = pair.start_virtual_node(&options).unwrap();
+    let nodes: Api<Node> = Api::all(upper.clone());
+    let listed = wait_for(
+        &format!("{want} Ready virtual nodes of {base}"),
+        TIMEOUT,
+        || async {
+            let list = nodes
+                .list(&ListParams::default().labels(&format!("clusterID={base}")))
+                .await?;
+            let ready: BTreeMap<String, Node> = list
+                .items
+                .into_iter()
+                .filter(node_is_ready)
+                .map(|n| (n.metadata.name.clone().unwrap_or_default(), n))
+                .collect();
+            Ok((ready.len() == want).then_some(ready))
+        },
+    )
+    .await;
+    match listed {
+        Ok(listed) => (vn, listed),
+        Err(error) => {
+            let _ = vn.check_running();
+            panic!(
+                "{error:#}\n{}",
+                tensile_harness::process::tail(vn.log(), 60)
+            );
+        }
+    }
+}
+
+/// Applies `object` to the upper cluster with the pinned kubectl.
+async fn apply(pair: &ClusterPair, object: &serde_json::Value) {
+    let out = kubectl(
+        pair,
+        pair.upper_kubeconfig(),
+        &["apply", "-f", "-"],
+        object.to_string().as_bytes(),
+    )
+    .await;
+    assert!(out.status.success(), "{out:?}");
+}
+
+/// Waits until `n` pods labelled `app=<app>` run below (in `namespace`) and their upper
+/// pods are bound; each upper pod's node beside its lower pod's node, by pod name.
+async fn placed(
+    upper: &Api<Pod>,
+    lower: &Api<Pod>,
+    app: &str,
+    n: usize,
+) -> BTreeMap<String, (String, String)> {
+    wait_for(
+        &format!("{n} pods of {app} running below"),
+        TIMEOUT,
+        || async {
+            let selector = ListParams::default().labels(&format!("app={app}"));
+            let below: BTreeMap<String, String> = lower
+                .list(&selector)
+                .await?
+                .items
+                .iter()
+                .filter(|p| common::running(p))
+                .filter_map(|p| {
+                    Some((
+                        p.metadata.name.clone()?,
+                        p.spec.as_ref()?.node_name.clone()?,
+                    ))
+                })
+                .collect();
+            let above: BTreeMap<String, String> = upper
+                .list(&selector)
+                .await?
+                .items
+                .iter()
+                .filter_map(|p| {
+                    Some((
+                        p.metadata.name.clone()?,
+                        p.spec.as_ref()?.node_name.clone()?,
+                    ))
+                })
+                .collect();
+            let both: BTreeMap<String, (String, String)> = above
+                .into_iter()
+                .filter_map(|(name, up)| Some((name.clone(), (up, below.get(&name)?.clone()))))
+                .collect();
+            Ok((both.len() == n).then_some(both))
+        },
+    )
+    .await
+    .unwrap()
+}
+
+/// `label=topology.kubernetes.io/zone` over 6 lower nodes in 3 zones: 3 virtual nodes, each
+/// with its zone; a Deployment spread over zones (maxSkew 1, DoNotSchedule) goes 2/2/2, and
+/// each lower pod runs in the zone of its virtual node. `node` over the same nodes: 6
+/// virtual nodes of 4 CPU each; required anti-affinity by hostname puts each replica on a
+/// lower node of its own (its virtual node's), and a 6-CPU pod stays Pending upstairs
+/// though the lower cluster has 24 CPU free; a lower node cordoned (uncordoned) cordons
+/// (uncordons) its virtual node, and one removed leaves its virtual node cordoned.
+#[tokio::test]
+async fn one_virtual_node_per_zone_and_per_lower_node() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let upper = pair.upper.client().await.unwrap();
+    let (lower, lower_names) = zoned_lower(pair).await;
+    let lower_client = lower.client().await.unwrap();
+    let lower_nodes: Api<Node> = Api::all(lower_client.clone());
+    let zone_of = |node: &Node| {
+        node.metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(ZONE))
+            .cloned()
+    };
+
+    // label=<zone>.
+    let (mut by_zone, zones) = start_grouped(
+        pair,
+        &upper,
+        &lower.kubeconfig,
+        "vk-zg",
+        "label=topology.kubernetes.io/zone",
+        3,
+    )
+    .await;
+    let shown: Vec<Option<String>> = zones.values().map(zone_of).collect();
+    assert_eq!(
+        shown,
+        [
+            Some("zone-a".into()),
+            Some("zone-b".into()),
+            Some("zone-c".into())
+        ],
+        "each zone's virtual node shows its zone: {:?}",
+        zones.keys().collect::<Vec<_>>()
+    );
+    let ns = TestNamespace::create(&upper, "gran-zone").await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower_client.clone(), &ns.name);
+    apply(
+        pair,
+        &json!({
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "spread", "namespace": ns.name},
+            "spec": {
+                "replicas": 6,
+                "selector": {"matchLabels": {"app": "spread"}},
+                "template": {
+                    "metadata": {"labels": {"app": "spread"}},
+                    "spec": {
+                        "nodeSelector": {"type": "virtual-kubelet", "clusterID": "vk-zg"},
+                        "tolerations": [virtual_node_toleration()],
+                        "topologySpreadConstraints": [{
+                            "maxSkew": 1, "topologyKey": ZONE,
+                            "whenUnsatisfiable": "DoNotSchedule",
+                            "labelSelector": {"matchLabels": {"app": "spread"}},
+                        }],
+                        "containers": [{"name": "app", "image": "nginx"}],
+                    },
+                },
+            },
+        }),
+    )
+    .await;
+    let placed_zones = placed(&upper_pods, &lower_pods, "spread", 6).await;
+    let mut per_zone: BTreeMap<String, usize> = BTreeMap::new();
+    for (pod, (up, down)) in &placed_zones {
+        let up_zone = zone_of(&zones[up]);
+        let down_zone = zone_of(&lower_nodes.get(down).await.unwrap());
+        assert_eq!(
+            up_zone, down_zone,
+            "{pod}: on {up} upstairs, on {down} below"
+        );
+        *per_zone.entry(up_zone.unwrap_or_default()).or_default() += 1;
+    }
+    assert_eq!(
+        per_zone.values().copied().collect::<Vec<_>>(),
+        [2, 2, 2],
+        "spread 2/2/2 over the zones: {per_zone:?}"
+    );
+    kubectl(
+        pair,
+        pair.upper_kubeconfig(),
+        &["delete", "deployment", "spread", "-n", &ns.name],
+        b"",
+    )
+    .await;
+    wait_for("the spread pods gone below", TIMEOUT, || async {
+        Ok(lower_pods
+            .list(&ListParams::default())
+            .await?
+            .items
+            .is_empty()
+            .then_some(()))
+    })
+    .await
+    .unwrap();
+    by_zone.check_running().unwrap();
+    by_zone.stop().unwrap();
+
+    // node.
+    let (mut each, hosts) =
+        start_grouped(pair, &upper, &lower.kubeconfig, "vk-ng", "node", 6).await;
+    let want: Vec<String> = lower_names
+        .iter()
+        .map(|n| virtual_node_name("vk-ng", &Granularity::Node, n))
+        .collect();
+    assert_eq!(hosts.keys().cloned().collect::<Vec<_>>(), want);
+    for (name, node) in &hosts {
+        let cpu = node
+            .status
+            .as_ref()
+            .and_then(|s| s.capacity.as_ref())
+            .and_then(|c| c.get("cpu"));
+        assert_eq!(
+            cpu.map(|q| q.0.as_str()),
+            Some("4"),
+            "{name}: one lower node's CPU"
+        );
+    }
+    apply(
+        pair,
+        &json!({
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "apart", "namespace": ns.name},
+            "spec": {
+                "replicas": 4,
+                "selector": {"matchLabels": {"app": "apart"}},
+                "template": {
+                    "metadata": {"labels": {"app": "apart"}},
+                    "spec": {
+                        "nodeSelector": {"type": "virtual-kubelet", "clusterID": "vk-ng"},
+                        "tolerations": [virtual_node_toleration()],
+                        "affinity": {"podAntiAffinity": {
+                            "requiredDuringSchedulingIgnoredDuringExecution": [{
+                                "topologyKey": "kubernetes.io/hostname",
+                                "labelSelector": {"matchLabels": {"app": "apart"}},
+                            }],
+                        }},
+                        "containers": [{"name": "app", "image": "nginx"}],
+                    },
+                },
+            },
+        }),
+    )
+    .await;
+    let apart = placed(&upper_pods, &lower_pods, "apart", 4).await;
+    let mut below: Vec<&String> = Vec::new();
+    for (pod, (up, down)) in &apart {
+        assert_eq!(
+            *up,
+            virtual_node_name("vk-ng", &Granularity::Node, down),
+            "{pod}: runs below on its virtual node's lower node"
+        );
+        below.push(down);
+    }
+    below.sort();
+    below.dedup();
+    assert_eq!(
+        below.len(),
+        4,
+        "each replica on its own lower node: {apart:?}"
+    );
+
+    let big: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "big"},
+        "spec": {
+            "nodeSelector": {"type": "virtual-kubelet", "clusterID": "vk-ng"},
+            "tolerations": [virtual_node_toleration()],
+            "containers": [{"name": "app", "image": "nginx",
+                            "resources": {"requests": {"cpu": "6"}}}],
+        },
+    }))
+    .unwrap();
+    upper_pods
+        .create(&PostParams::default(), &big)
+        .await
+        .unwrap();
+    let pending = wait_for("the 6-CPU pod found unschedulable", TIMEOUT, || async {
+        let pod = upper_pods.get("big").await?;
+        let unschedulable = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|c| {
+                c.iter().any(|c| {
+                    c.type_ == "PodScheduled"
+                        && c.status == "False"
+                        && c.reason.as_deref() == Some("Unschedulable")
+                })
+            });
+        Ok(unschedulable.then_some(pod))
+    })
+    .await
+    .unwrap();
+    assert!(
+        pending
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.as_ref())
+            .is_none(),
+        "the 6-CPU pod is bound to no node"
+    );
+    assert!(
+        lower_pods.get_opt("big").await.unwrap().is_none(),
+        "no copy of the 6-CPU pod below"
+    );
+
+    // Following the lower cluster: a lower node cordoned cordons its virtual node (and
+    // uncordoned lifts that cordon); one removed leaves its virtual node cordoned.
+    let nodes: Api<Node> = Api::all(upper.clone());
+    let last = lower_names.last().unwrap();
+    let its = virtual_node_name("vk-ng", &Granularity::Node, last);
+    let cordon = |on: bool| json!({"spec": {"unschedulable": if on { Some(true) } else { None }}});
+    for (step, cordoned) in [("cordoned", true), ("uncordoned", false)] {
+        lower_nodes
+            .patch(
+                last,
+                &PatchParams::default(),
+                &Patch::Merge(cordon(cordoned)),
+            )
+            .await
+            .unwrap();
+        wait_for(
+            &format!("{its} {step} as its lower node"),
+            TIMEOUT,
+            || async {
+                let node = nodes.get(&its).await?;
+                let now = node.spec.as_ref().and_then(|s| s.unschedulable) == Some(true);
+                Ok((now == cordoned).then_some(()))
+            },
+        )
+        .await
+        .unwrap();
+    }
+    lower_nodes
+        .delete(last, &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_for(
+        &format!("{its} cordoned once its lower node is gone"),
+        TIMEOUT,
+        || async {
+            let node = nodes.get(&its).await?;
+            Ok((node.spec.as_ref().and_then(|s| s.unschedulable) == Some(true)).then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+    for other in &want[..5] {
+        let node = nodes.get(other).await.unwrap();
+        assert!(
+            tensile_harness::node_is_schedulable(&node),
+            "{other} untouched"
+        );
+    }
+
+    upper_pods
+        .delete("big", &DeleteParams::default())
+        .await
+        .unwrap();
+    each.check_running().unwrap();
+    each.stop().unwrap();
+    ns.delete().await.unwrap();
+}
