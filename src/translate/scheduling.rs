@@ -235,21 +235,7 @@ pub fn avoid_nodes(spec: &mut PodSpec, nodes: &[String]) {
         operator: "NotIn".to_owned(),
         values: Some(nodes.to_vec()),
     };
-    let affinity = spec.affinity.get_or_insert_with(Affinity::default);
-    let node_affinity = affinity
-        .node_affinity
-        .get_or_insert_with(NodeAffinity::default);
-    let required = node_affinity
-        .required_during_scheduling_ignored_during_execution
-        .get_or_insert_with(|| NodeSelector {
-            node_selector_terms: Vec::new(),
-        });
-    if required.node_selector_terms.is_empty() {
-        required
-            .node_selector_terms
-            .push(NodeSelectorTerm::default());
-    }
-    for term in &mut required.node_selector_terms {
+    for term in required_terms(spec) {
         let expressions = term.match_expressions.get_or_insert_with(Vec::new);
         match expressions
             .iter_mut()
@@ -293,21 +279,7 @@ impl Confinement {
     /// scheduler then places the pod within the group, whichever alternative it matches,
     /// and still by the lower taints. Applying it twice changes nothing.
     pub fn apply(&self, spec: &mut PodSpec) {
-        let required = spec
-            .affinity
-            .get_or_insert_with(Affinity::default)
-            .node_affinity
-            .get_or_insert_with(NodeAffinity::default)
-            .required_during_scheduling_ignored_during_execution
-            .get_or_insert_with(|| NodeSelector {
-                node_selector_terms: Vec::new(),
-            });
-        if required.node_selector_terms.is_empty() {
-            required
-                .node_selector_terms
-                .push(NodeSelectorTerm::default());
-        }
-        for term in &mut required.node_selector_terms {
+        for term in required_terms(spec) {
             let list = match self.placement {
                 Placement::Field => term.match_fields.get_or_insert_with(Vec::new),
                 Placement::Expression => term.match_expressions.get_or_insert_with(Vec::new),
@@ -317,6 +289,26 @@ impl Confinement {
             }
         }
     }
+}
+
+/// The terms of the pod's required node affinity, made (with one empty term) when it has
+/// none: a requirement ANDed into each of them holds whichever term the scheduler takes.
+fn required_terms(spec: &mut PodSpec) -> &mut Vec<NodeSelectorTerm> {
+    let required = spec
+        .affinity
+        .get_or_insert_with(Affinity::default)
+        .node_affinity
+        .get_or_insert_with(NodeAffinity::default)
+        .required_during_scheduling_ignored_during_execution
+        .get_or_insert_with(|| NodeSelector {
+            node_selector_terms: Vec::new(),
+        });
+    if required.node_selector_terms.is_empty() {
+        required
+            .node_selector_terms
+            .push(NodeSelectorTerm::default());
+    }
+    &mut required.node_selector_terms
 }
 
 #[cfg(test)]

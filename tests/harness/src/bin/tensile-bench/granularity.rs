@@ -17,9 +17,9 @@ use kube::Client;
 use kube::api::{Api, ListParams};
 use tensile_harness::fixtures::bound_pod;
 use tensile_harness::measure::{footprint, scrape};
-use tensile_harness::{ClusterPair, NodeShape, VirtualNode, VirtualNodeOptions, node_is_ready};
+use tensile_harness::{ClusterPair, NodeShape, VirtualNode, node_is_ready};
 
-use super::{Args, burst, delete_and_wait, labelled, lower_for, ms};
+use super::{Args, burst, delete_and_wait, labelled, lower_for, ms, node_options};
 
 const KIB: f64 = 1024.0;
 const MIB: f64 = 1024.0 * 1024.0;
@@ -151,34 +151,7 @@ async fn side(
     node: &str,
 ) -> Result<Side> {
     eprintln!("--node-granularity {granularity}: starting {node} ...");
-    let qps = args.qps.to_string();
-    let burst_qps = (2 * args.qps).to_string();
-    let mut options = VirtualNodeOptions::new(binary, node);
-    options.args = [
-        "--node-granularity",
-        granularity,
-        "--client-qps",
-        &qps,
-        "--client-burst",
-        &burst_qps,
-        "--kube-api-qps",
-        &qps,
-        "--kube-api-burst",
-        &burst_qps,
-        "--pod-sync-workers",
-        "32",
-        "--log-level",
-        "warn",
-    ]
-    .iter()
-    .map(ToString::to_string)
-    .chain(args.node_arg.iter().cloned())
-    .collect();
-    if let Some(workers) = args.runtime_workers {
-        options
-            .envs
-            .push(("TOKIO_WORKER_THREADS".into(), workers.to_string()));
-    }
+    let options = node_options(binary, args, node, &["--node-granularity", granularity]);
     let started = Instant::now();
     let mut vn = pair.start_virtual_node(&options)?;
     let nodes = ready_nodes(upper, &vn, node, want).await?;

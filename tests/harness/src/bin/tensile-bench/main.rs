@@ -747,31 +747,7 @@ async fn start_node(
     args: &Args,
     node: &str,
 ) -> Result<VirtualNode> {
-    let qps = args.qps;
-    let mut options = VirtualNodeOptions::new(binary, node);
-    if let Some(workers) = args.runtime_workers {
-        options
-            .envs
-            .push(("TOKIO_WORKER_THREADS".into(), workers.to_string()));
-    }
-    options.args = [
-        "--client-qps",
-        &qps.to_string(),
-        "--client-burst",
-        &(2 * qps).to_string(),
-        "--kube-api-qps",
-        &qps.to_string(),
-        "--kube-api-burst",
-        &(2 * qps).to_string(),
-        "--pod-sync-workers",
-        "32",
-        "--log-level",
-        "warn",
-    ]
-    .iter()
-    .map(ToString::to_string)
-    .chain(args.node_arg.iter().cloned())
-    .collect();
+    let options = node_options(binary, args, node, &[]);
     let vn = pair.start_virtual_node(&options)?;
     let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(pair.upper.client().await?);
     wait_for(
@@ -781,6 +757,44 @@ async fn start_node(
     )
     .await?;
     Ok(vn)
+}
+
+/// The single-cluster scenarios' virtual-node `node`: the bench's rate limits, 32 pod
+/// workers, `first` and then `--node-arg`s, `--runtime-workers`.
+fn node_options(
+    binary: &std::path::Path,
+    args: &Args,
+    node: &str,
+    first: &[&str],
+) -> VirtualNodeOptions {
+    let (qps, burst) = (args.qps.to_string(), (2 * args.qps).to_string());
+    let mut options = VirtualNodeOptions::new(binary, node);
+    if let Some(workers) = args.runtime_workers {
+        options
+            .envs
+            .push(("TOKIO_WORKER_THREADS".into(), workers.to_string()));
+    }
+    let rates = [
+        "--client-qps",
+        &qps,
+        "--client-burst",
+        &burst,
+        "--kube-api-qps",
+        &qps,
+        "--kube-api-burst",
+        &burst,
+        "--pod-sync-workers",
+        "32",
+        "--log-level",
+        "warn",
+    ];
+    options.args = first
+        .iter()
+        .chain(&rates)
+        .map(ToString::to_string)
+        .chain(args.node_arg.iter().cloned())
+        .collect();
+    options
 }
 
 /// Pair options for a benchmark whose lower cluster has room for `pods` pods: nodes of
