@@ -456,6 +456,22 @@ impl Chunk {
 }
 
 impl StreamReader {
+    /// How the stream ended once its data ran out: `Ok` on the peer's FIN, an error on a
+    /// reset or when the connection ended first.
+    fn ended(&self) -> io::Result<()> {
+        match self.end.load(Ordering::Acquire) {
+            FIN => Ok(()),
+            RESET => Err(io::Error::new(
+                io::ErrorKind::ConnectionReset,
+                "stream reset",
+            )),
+            _ => Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "SPDY connection ended before the stream finished",
+            )),
+        }
+    }
+
     /// The next data received, as it came; `None` after the peer's FIN. Errors as
     /// [`AsyncRead`] does (reset, connection ended).
     pub async fn chunk(&mut self) -> io::Result<Option<Chunk>> {
@@ -471,17 +487,7 @@ impl StreamReader {
                 data: piece.data,
                 _budget: Some(piece.budget),
             })),
-            None => match self.end.load(Ordering::Acquire) {
-                FIN => Ok(None),
-                RESET => Err(io::Error::new(
-                    io::ErrorKind::ConnectionReset,
-                    "stream reset",
-                )),
-                _ => Err(io::Error::new(
-                    io::ErrorKind::ConnectionAborted,
-                    "SPDY connection ended before the stream finished",
-                )),
-            },
+            None => self.ended().map(|()| None),
         }
     }
 }
@@ -500,17 +506,7 @@ impl AsyncRead for StreamReader {
                     self.pending_budget = Some(piece.budget);
                 }
                 None => {
-                    return Poll::Ready(match self.end.load(Ordering::Acquire) {
-                        FIN => Ok(()),
-                        RESET => Err(io::Error::new(
-                            io::ErrorKind::ConnectionReset,
-                            "stream reset",
-                        )),
-                        _ => Err(io::Error::new(
-                            io::ErrorKind::ConnectionAborted,
-                            "SPDY connection ended before the stream finished",
-                        )),
-                    });
+                    return Poll::Ready(self.ended());
                 }
             }
         }
