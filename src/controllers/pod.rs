@@ -762,12 +762,12 @@ async fn create(
     let upper = match whole {
         Some(upper) => upper,
         None => match upper_pod_now(&upper_api, stored, key).await? {
-            Some(upper) => Arc::new(upper),
+            Some(upper) => upper,
             // Gone or replaced meanwhile: its own watch event brings the next step.
             None => return Ok(()),
         },
     };
-    let upper = &*upper;
+    let upper = &upper;
     if host_ports_taken_here(upper, ctx, key).await? {
         return reject(
             upper,

@@ -63,11 +63,12 @@ impl Departed {
     }
 }
 
-/// The most pods a [`WholePods`] keeps: a burst queued faster than its copies are made
-/// holds this many whole at most (a decoded pod is ~14 KB: 2048 of them raised the peak
-/// of a 10 000-pod burst by ~28 MiB); the pods past it are read from the API when their
-/// copy is made, as all were before.
-const WHOLE_AT_MOST: usize = 1024;
+/// The most bytes of pod JSON a [`WholePods`] keeps: a burst queued faster than its copies
+/// are made holds this much at most; the pods past it are read from the API when their
+/// copy is made, as all were before. Kept as JSON (a few KB a pod, where a decoded `Pod`
+/// is ~14 KB), so the bound holds several thousand pods at the peak 1024 decoded ones
+/// raised it.
+const WHOLE_BYTES_AT_MOST: usize = 16 << 20;
 
 /// Upper pods kept whole, as their watch last delivered them, while their lower copy is
 /// being made: the store keeps pods pruned ([`StoredPod`]), and the lower pod is made
@@ -83,8 +84,45 @@ pub struct WholePods {
 
 #[derive(Default)]
 struct WholeTable {
-    pods: HashTable<Arc<Pod>>,
+    pods: HashTable<WholePod>,
     hasher: RandomState,
+    /// The JSON bytes the pods hold.
+    bytes: usize,
+}
+
+/// One pod kept whole: its identity, and the pod as JSON (without its managedFields).
+struct WholePod {
+    namespace: Box<str>,
+    name: Box<str>,
+    uid: Option<Box<str>>,
+    json: Box<[u8]>,
+}
+
+impl WholePod {
+    /// `pod` as kept; `None` if it cannot be written as JSON (then read when its copy is
+    /// made).
+    fn new(pod: &Pod) -> Option<Self> {
+        let (namespace, name) = whole_key(pod);
+        // Never read for the copy, and a good part of a pod's size: written without it.
+        let managed = pod.metadata.managed_fields.is_some();
+        let json = if managed {
+            let mut pruned = pod.clone();
+            pruned.metadata.managed_fields = None;
+            serde_json::to_vec(&pruned)
+        } else {
+            serde_json::to_vec(pod)
+        };
+        Some(Self {
+            namespace: namespace.into(),
+            name: name.into(),
+            uid: pod.metadata.uid.as_deref().map(Box::from),
+            json: json.ok()?.into_boxed_slice(),
+        })
+    }
+
+    fn key(&self) -> (&str, &str) {
+        (&self.namespace, &self.name)
+    }
 }
 
 /// A whole pod's namespace and name, as [`WholePods`] is keyed.
@@ -106,46 +144,51 @@ pub fn wants_lower_copy(pod: &Pod) -> bool {
 }
 
 impl WholeTable {
-    fn find(&self, namespace: &str, name: &str) -> Option<&Arc<Pod>> {
+    fn find(&self, namespace: &str, name: &str) -> Option<&WholePod> {
         let hash = self.hasher.hash_one((namespace, name));
-        self.pods.find(hash, |p| whole_key(p) == (namespace, name))
+        self.pods.find(hash, |p| p.key() == (namespace, name))
     }
 
     fn remove(&mut self, namespace: &str, name: &str) {
         let hash = self.hasher.hash_one((namespace, name));
-        if let Ok(entry) = self
-            .pods
-            .find_entry(hash, |p| whole_key(p) == (namespace, name))
-        {
-            entry.remove();
+        if let Ok(entry) = self.pods.find_entry(hash, |p| p.key() == (namespace, name)) {
+            let (removed, _) = entry.remove();
+            self.bytes -= removed.json.len();
         }
+        self.shrink();
+    }
+
+    fn shrink(&mut self) {
         if let Some(to) = shrunk_capacity(self.pods.capacity(), self.pods.len(), KEEP) {
             let hasher = &self.hasher;
-            self.pods.shrink_to(to, |p| hasher.hash_one(whole_key(p)));
+            self.pods.shrink_to(to, |p| hasher.hash_one(p.key()));
         }
     }
 
-    /// Keeps `pod` in place of its earlier version; a new one only while fewer than
-    /// `at_most` are kept.
+    /// Keeps `pod` in place of its earlier version; a new one only while the pods kept
+    /// and it hold at most `at_most` bytes.
     fn insert(&mut self, pod: &Pod, at_most: usize) {
         let (namespace, name) = whole_key(pod);
+        let Some(kept) = WholePod::new(pod) else {
+            self.remove(namespace, name);
+            return;
+        };
         let hash = self.hasher.hash_one((namespace, name));
         let hasher = &self.hasher;
-        let full = self.pods.len() >= at_most;
-        let kept = || {
-            let mut pod = pod.clone();
-            // Never read for the copy, and a good part of a pod's size.
-            pod.metadata.managed_fields = None;
-            Arc::new(pod)
-        };
         match self.pods.entry(
             hash,
-            |p| whole_key(p) == (namespace, name),
-            |p| hasher.hash_one(whole_key(p)),
+            |p| p.key() == (namespace, name),
+            |p| hasher.hash_one(p.key()),
         ) {
-            hashbrown::hash_table::Entry::Occupied(mut entry) => *entry.get_mut() = kept(),
-            hashbrown::hash_table::Entry::Vacant(entry) if !full => {
-                entry.insert(kept());
+            hashbrown::hash_table::Entry::Occupied(mut entry) => {
+                self.bytes = self.bytes - entry.get().json.len() + kept.json.len();
+                *entry.get_mut() = kept;
+            }
+            hashbrown::hash_table::Entry::Vacant(entry)
+                if self.bytes + kept.json.len() <= at_most =>
+            {
+                self.bytes += kept.json.len();
+                entry.insert(kept);
             }
             hashbrown::hash_table::Entry::Vacant(_) => {}
         }
@@ -166,7 +209,7 @@ impl WholePods {
         let (namespace, name) = whole_key(pod);
         let mut table = self.lock();
         if wants_lower_copy(pod) && lower.get(namespace, name).is_none() {
-            table.insert(pod, WHOLE_AT_MOST);
+            table.insert(pod, WHOLE_BYTES_AT_MOST);
         } else if !table.pods.is_empty() {
             table.remove(namespace, name);
         }
@@ -180,13 +223,13 @@ impl WholePods {
         }
     }
 
-    /// The whole pod `namespace/name` of UID `uid`, if kept.
-    pub fn get(&self, namespace: &str, name: &str, uid: Option<&str>) -> Option<Arc<Pod>> {
+    /// The whole pod `namespace/name` of UID `uid`, if kept (decoded from its JSON).
+    pub fn get(&self, namespace: &str, name: &str, uid: Option<&str>) -> Option<Pod> {
         let table = self.lock();
-        table
+        let kept = table
             .find(namespace, name)
-            .filter(|p| uid.is_some() && p.metadata.uid.as_deref() == uid)
-            .cloned()
+            .filter(|p| uid.is_some() && p.uid.as_deref() == uid)?;
+        serde_json::from_slice(&kept.json).ok()
     }
 
     /// Keeps only the pods `store` (the upper store, after a relist) still holds.
@@ -195,10 +238,16 @@ impl WholePods {
         if table.pods.is_empty() {
             return;
         }
+        let mut dropped = 0;
         table.pods.retain(|p| {
-            let (namespace, name) = whole_key(p);
-            store.get(namespace, name).is_some()
+            let stored = store.get(&p.namespace, &p.name).is_some();
+            if !stored {
+                dropped += p.json.len();
+            }
+            stored
         });
+        table.bytes -= dropped;
+        table.shrink();
     }
 
     /// How many pods it keeps.
@@ -524,21 +573,29 @@ mod tests {
             pod.metadata.managed_fields = Some(vec![Default::default()]);
             pod
         };
+        let one = WholePod::new(&pod("a")).unwrap().json.len();
+        let bound = 2 * one + one / 2;
         for name in ["a", "b", "c"] {
-            table.insert(&pod(name), 2);
+            table.insert(&pod(name), bound);
         }
         assert_eq!(table.pods.len(), 2, "no third pod");
+        assert_eq!(table.bytes, 2 * one, "the bytes kept");
         assert!(table.find("ns", "c").is_none());
         let mut newer = pod("a");
         newer.metadata.uid = Some("u2".into());
-        table.insert(&newer, 2);
+        table.insert(&newer, bound);
         let kept = table.find("ns", "a").unwrap();
         assert_eq!(
-            kept.metadata.uid.as_deref(),
+            kept.uid.as_deref(),
             Some("u2"),
             "a newer version, at the bound"
         );
-        assert_eq!(kept.metadata.managed_fields, None);
+        let decoded: Pod = serde_json::from_slice(&kept.json).unwrap();
+        assert_eq!(decoded.metadata.managed_fields, None);
+        assert_eq!(decoded.metadata.uid.as_deref(), Some("u2"));
+        table.remove("ns", "a");
+        table.remove("ns", "b");
+        assert_eq!((table.pods.len(), table.bytes), (0, 0), "nothing left");
     }
 
     #[test]

@@ -58,6 +58,28 @@ pub fn resident_split(pid: u32) -> Result<(u64, u64)> {
     Ok((kib("RssAnon:") * 1024, kib("RssFile:") * 1024))
 }
 
+/// Waits until the resident memory of `pid` stops falling (by at most `SETTLED` over
+/// the last five one-second samples), at least five and at most thirty seconds; how long
+/// it waited. The allocator returns what a burst freed over seconds (jemalloc's decay),
+/// so a sample taken at a fixed moment lands anywhere on that curve.
+pub async fn settle_resident(pid: u32) -> Result<Duration> {
+    const SETTLED: u64 = 256 << 10;
+    let started = std::time::Instant::now();
+    let mut samples: Vec<u64> = Vec::new();
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        samples.push(footprint(pid)?.0);
+        let waited = started.elapsed();
+        let settled = match samples.as_slice() {
+            [.., before, _, _, _, now] => before.saturating_sub(*now) <= SETTLED,
+            _ => false,
+        };
+        if settled || waited >= Duration::from_secs(30) {
+            return Ok(waited);
+        }
+    }
+}
+
 /// The least-squares slope of `y` over `x`: e.g. the bytes each further mirrored pod
 /// costs, fitted over the footprint sizes. `None` with fewer than two distinct `x`.
 pub fn slope(points: &[(f64, f64)]) -> Option<f64> {

@@ -24,7 +24,8 @@ use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::{Value, json};
 use tensile_harness::fixtures::{bound_pod, pinned_spec, pod};
 use tensile_harness::measure::{
-    cpu_by_component, cpu_profile, footprint, percentile, resident_split, scrape, slope,
+    cpu_by_component, cpu_profile, footprint, percentile, resident_split, scrape, settle_resident,
+    slope,
 };
 use tensile_harness::{
     ClusterPair, NodeShape, PairOptions, TestNamespace, VirtualNode, VirtualNodeOptions,
@@ -1105,7 +1106,7 @@ async fn run(args: Args) -> Result<()> {
             create_all(&api, pods, args.concurrency, &timeline).await?;
             made = *size;
             wait_all_running(&timeline, made, &format!("{made} mirrored pods Running")).await?;
-            tokio::time::sleep(Duration::from_secs(5)).await; // settle before sampling memory
+            let settled = settle_resident(vn.pid()).await?;
             let (rss, peak, cpu) = footprint(vn.pid())?;
             let (anonymous, file_backed) = resident_split(vn.pid())?;
             samples.push((made as f64, rss as f64, anonymous as f64));
@@ -1115,9 +1116,10 @@ async fn run(args: Args) -> Result<()> {
                 &label,
                 "resident / peak memory (target < 64 MiB at 10000)",
                 format!(
-                    "{:.1} MiB / {:.1} MiB",
+                    "{:.1} MiB / {:.1} MiB (settled after {:.0} s)",
                     rss as f64 / 1048576.0,
-                    peak as f64 / 1048576.0
+                    peak as f64 / 1048576.0,
+                    settled.as_secs_f64()
                 ),
             );
             report.row(
