@@ -64,14 +64,14 @@ async fn get(url: &str, ca: &Path, cert: &ClientCert) -> (u16, String) {
     (code, body.to_owned())
 }
 
-/// Lets user `user` `get` `nodes/proxy` of `node` only (a ClusterRole and binding named
-/// `user`), and waits until the upper API server says so.
-async fn grant_proxy(client: &Client, user: &str, node: &str) {
+/// Lets user `user` `get` `nodes/<subresource>` of `node` only (a ClusterRole and binding
+/// named `user`), and waits until the upper API server says so.
+async fn grant(client: &Client, user: &str, node: &str, subresource: &str) {
     let pp = PostParams::default();
     let role: ClusterRole = serde_json::from_value(json!({
         "metadata": {"name": user},
-        "rules": [{"apiGroups": [""], "resources": ["nodes/proxy"], "verbs": ["get"],
-                   "resourceNames": [node]}],
+        "rules": [{"apiGroups": [""], "resources": [format!("nodes/{subresource}")],
+                   "verbs": ["get"], "resourceNames": [node]}],
     }))
     .unwrap();
     Api::<ClusterRole>::all(client.clone())
@@ -91,11 +91,11 @@ async fn grant_proxy(client: &Client, user: &str, node: &str) {
     let reviews: Api<SubjectAccessReview> = Api::all(client.clone());
     let sar: SubjectAccessReview = serde_json::from_value(json!({"spec": {
         "user": user,
-        "resourceAttributes": {"verb": "get", "resource": "nodes", "subresource": "proxy", "name": node},
+        "resourceAttributes": {"verb": "get", "resource": "nodes", "subresource": subresource, "name": node},
     }}))
     .unwrap();
     wait_for(
-        &format!("{user} may get nodes/proxy of {node}"),
+        &format!("{user} may get nodes/{subresource} of {node}"),
         TIMEOUT,
         || async {
             let answer = reviews.create(&PostParams::default(), &sar).await?;
@@ -126,7 +126,8 @@ fn cpu_sum(nodes: &BTreeMap<String, Node>) -> i128 {
 /// 3 each; a pod bound to each is Running and `kubectl logs` reads both through the one
 /// kubelet endpoint; a caller allowed `nodes/proxy` on the first virtual node only reads
 /// the log of the first's pod straight from the kubelet port and is refused (403, on the
-/// second node's name) the second's.
+/// second node's name) the second's, and `/pods` (the whole member's, reviewed on
+/// `--nodename`); `/metrics/resource` has no node series.
 #[tokio::test]
 async fn each_virtual_node_has_its_kubelet_api_and_the_share_spans_them() {
     let pair = ClusterPair::shared().await.unwrap();
@@ -246,7 +247,7 @@ async fn each_virtual_node_has_its_kubelet_api_and_the_share_spans_them() {
 
     // Allowed nodes/proxy on the first virtual node only.
     let user = "gapi-first-only";
-    grant_proxy(&upper, user, &names[0]).await;
+    grant(&upper, user, &names[0], "proxy").await;
     let cert = pair.upper.pki.issue_client(user, &[]).unwrap();
     let base = format!("https://127.0.0.1:{}", vn.kubelet_port);
     let ca = &pair.upper.pki.ca_cert;
@@ -273,16 +274,42 @@ async fn each_virtual_node_has_its_kubelet_api_and_the_share_spans_them() {
         "the second node's pod: {code} {body:?}"
     );
 
+    // A call that names no pod covers the whole member: reviewed on `--nodename`, which a
+    // grant on one virtual node does not open.
+    let (code, body) = get(&format!("{base}/pods"), ca, &cert).await;
+    assert!(
+        code == 403 && body.contains("subresource(s)=[pods proxy]"),
+        "/pods: {code} {body:?}"
+    );
+    // /metrics/resource of group nodes: no node series (no one virtual node's usage can be
+    // told from the call), rather than the member's total.
+    let scraper = "gapi-metrics";
+    grant(&upper, scraper, BASE, "metrics").await;
+    let scraper_cert = pair.upper.pki.issue_client(scraper, &[]).unwrap();
+    let (code, body) = get(&format!("{base}/metrics/resource"), ca, &scraper_cert).await;
+    println!("/metrics/resource: {code} {body:?}");
+    assert_eq!(code, 200, "/metrics/resource: {body:?}");
+    assert!(
+        body.contains("# TYPE node_cpu_usage_seconds_total counter")
+            && !body
+                .lines()
+                .any(|l| l.starts_with("node_cpu_usage_seconds_total ")
+                    || l.starts_with("node_memory_working_set_bytes ")),
+        "/metrics/resource: {body:?}"
+    );
+
     vn.check_running().unwrap();
     let dp = DeleteParams::default();
-    Api::<ClusterRoleBinding>::all(upper.clone())
-        .delete(user, &dp)
-        .await
-        .unwrap();
-    Api::<ClusterRole>::all(upper.clone())
-        .delete(user, &dp)
-        .await
-        .unwrap();
+    for name in [user, scraper] {
+        Api::<ClusterRoleBinding>::all(upper.clone())
+            .delete(name, &dp)
+            .await
+            .unwrap();
+        Api::<ClusterRole>::all(upper.clone())
+            .delete(name, &dp)
+            .await
+            .unwrap();
+    }
     ns.delete().await.unwrap();
     vn.stop().unwrap();
 }
