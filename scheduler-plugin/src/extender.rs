@@ -807,6 +807,46 @@ mod tests {
         assert!(passes("d", "vk-2"), "not vk-2's");
     }
 
+    /// Node granularity: a member shown as several virtual nodes (`vk-small-zone-a`, …,
+    /// named `<nodename>-<group>`, not configured with `--cluster`) carries
+    /// `type=virtual-kubelet` and the member's burst priority on each of them: prioritize
+    /// ranks them by it, as it ranks the member's single node, and filter passes them
+    /// untouched (the upper scheduler checks each against its own group's capacity, never
+    /// the member's summed one, so a pod no group can hold is refused upstairs), even when
+    /// unknown clusters fail.
+    #[test]
+    fn a_members_group_nodes_rank_by_its_burst_priority() {
+        let e = extender(OnUnknown::Fail);
+        for (name, priority) in [
+            ("vk-small-zone-a", "1"),
+            ("vk-small-zone-b", "1"),
+            ("vk-big-zone-a", "2"),
+        ] {
+            let meta = serde_json::from_value(json!({"name": name, "labels": {
+                "type": "virtual-kubelet", "tensile.dev/burst-priority": priority,
+                "topology.kubernetes.io/zone": name.rsplit('-').next()}}))
+            .unwrap();
+            e.upper.write().apply(&meta);
+        }
+        let names = [
+            "vk-big-zone-a",
+            "regular",
+            "vk-small-zone-a",
+            "vk-small-zone-b",
+        ];
+        let args = decode(
+            json!({"Pod": pod("64"), "NodeNames": names})
+                .to_string()
+                .as_bytes(),
+        )
+        .unwrap();
+        let scores: Vec<i64> = e.prioritize(&args).iter().map(|s| s.score).collect();
+        assert_eq!(scores, [8, 10, 9, 9]);
+        let (passed, outcomes) = e.filter(&args);
+        assert_eq!(passed.node_names.unwrap(), names);
+        assert!(outcomes.iter().all(|o| *o == Outcome::NotVirtual));
+    }
+
     #[test]
     fn ready_waits_for_the_upper_nodes() {
         let e = Extender {

@@ -196,8 +196,7 @@ impl Descheduler {
             .collect();
         let pods: Api<Pod> = Api::all(self.client.clone());
         let mut candidates = Vec::new();
-        for node in &virtual_nodes {
-            let fields = format!("spec.nodeName={node},status.phase=Pending");
+        for fields in select::pending_lists(&virtual_nodes) {
             let list = pods
                 .list(&ListParams::default().fields(&fields))
                 .await

@@ -304,6 +304,24 @@ pub fn has_local_storage(pod: &Pod) -> bool {
         .any(|v| v.host_path.is_some() || v.empty_dir.is_some())
 }
 
+/// Up to how many virtual nodes a round lists the Pending pods of each node apart (the
+/// API server's watch cache indexes pods by node); beyond, it lists every Pending pod
+/// bound to a node once and [`select`] keeps those on virtual nodes (node granularity: a
+/// member may show a thousand lower nodes as a thousand virtual nodes).
+pub const LIST_PER_NODE_UP_TO: usize = 16;
+
+/// The field selectors of the pod lists one round makes over `virtual_nodes`. Pure.
+pub fn pending_lists(virtual_nodes: &BTreeSet<String>) -> Vec<String> {
+    if virtual_nodes.len() <= LIST_PER_NODE_UP_TO {
+        virtual_nodes
+            .iter()
+            .map(|node| format!("spec.nodeName={node},status.phase=Pending"))
+            .collect()
+    } else {
+        vec!["spec.nodeName!=,status.phase=Pending".to_owned()]
+    }
+}
+
 /// One round's verdicts over `pods` (those bound to a node in `virtual_nodes`; others are
 /// not returned), longest bound first, with the per-node limit applied.
 pub fn select<'a>(
@@ -1039,6 +1057,59 @@ mod tests {
                 want.into_iter().map(|(n, m)| (n.to_owned(), m)).collect();
             assert_eq!(got, want, "limit {limit:?}");
         }
+    }
+
+    /// A member's virtual nodes, one per lower node or zone (`vk-zone-a`, …), are virtual
+    /// nodes like any: listed by node while there are few, in one list beyond; and a pod
+    /// refused below on a group node is moved off that group node (marked with its name),
+    /// its member's other group nodes still open to it.
+    #[test]
+    fn group_nodes_are_virtual_nodes_like_any() {
+        let few: BTreeSet<String> = ["vk", "vk-zone-a"].map(str::to_owned).into();
+        assert_eq!(
+            pending_lists(&few),
+            [
+                "spec.nodeName=vk,status.phase=Pending",
+                "spec.nodeName=vk-zone-a,status.phase=Pending"
+            ]
+        );
+        let many: BTreeSet<String> = (0..1000).map(|i| format!("vk-node-{i}")).collect();
+        assert_eq!(
+            pending_lists(&many),
+            ["spec.nodeName!=,status.phase=Pending"]
+        );
+        let empty = BTreeSet::new();
+        assert!(pending_lists(&empty).is_empty());
+
+        let pod: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p", "namespace": "ns",
+                         "annotations": {UNSCHEDULABLE_NODE_ANNOTATION: "vk-zone-b"}},
+            "spec": {"nodeName": "vk-zone-a", "containers": []},
+        }))
+        .unwrap();
+        let patch = mark_patch(&pod, "vk-zone-a");
+        assert_eq!(
+            patch["metadata"]["annotations"][UNSCHEDULABLE_NODE_ANNOTATION],
+            "vk-zone-a,vk-zone-b"
+        );
+        // Pods on regular nodes, listed with the rest beyond the limit, are not selected.
+        let regular: Pod = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "r", "namespace": "ns"},
+            "spec": {"nodeName": "worker-1", "containers": []},
+        }))
+        .unwrap();
+        let selected = select(
+            [&pod, &regular],
+            &many
+                .iter()
+                .cloned()
+                .chain(["vk-zone-a".to_owned()])
+                .collect(),
+            &Policy::default(),
+            Timestamp::now(),
+        );
+        let on: Vec<&str> = selected.iter().map(|(_, node, _)| node.as_str()).collect();
+        assert_eq!(on, ["vk-zone-a"]);
     }
 
     #[test]

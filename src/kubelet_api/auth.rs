@@ -219,9 +219,10 @@ impl<K: Eq + Hash, V: Clone> Answers<K, V> {
     }
 }
 
-/// Who asked for which subresource with which verb: a SubjectAccessReview's spec, as the
-/// kubelet's authorizer keys its cache.
-type DecisionKey = (User, &'static str, &'static str);
+/// Who asked for which subresource of which node with which verb: a SubjectAccessReview's
+/// spec, as the kubelet's authorizer keys its cache (a kubelet has one node; a member of
+/// `node` or `label=<key>` granularity answers for each of its virtual nodes).
+type DecisionKey = (User, String, &'static str, &'static str);
 /// Allowed or not, and the authorizer's reason.
 type Decision = (bool, String);
 /// A TokenReview's answer: the user, or why the token is refused.
@@ -469,20 +470,27 @@ impl Authenticator {
         })
     }
 
-    /// Whether `user` may `verb` `nodes/<subresource>` of this node for one of
-    /// `subresources`, asked in order as the kubelet does: the first allowed one lets the
-    /// call in, a failure to ask ends it. Each answer is a SubjectAccessReview in the upper
-    /// cluster, cached for the configured TTLs per user (name, uid, groups, extra), verb
-    /// and subresource.
+    /// The node this kubelet API answers for when a call names no pod bound to one of
+    /// its virtual nodes: `--nodename`.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// Whether `user` may `verb` `nodes/<subresource>` of `node` (the node the call is
+    /// for: see [`review_node`]) for one of `subresources`, asked in order as the kubelet
+    /// does: the first allowed one lets the call in, a failure to ask ends it. Each answer
+    /// is a SubjectAccessReview in the upper cluster, cached for the configured TTLs per
+    /// user (name, uid, groups, extra), node, verb and subresource.
     pub async fn authorize(
         &self,
         user: &User,
+        node: &str,
         verb: &'static str,
         subresources: &'static [&'static str],
     ) -> Result<(), Refused> {
         let mut reasons = Vec::new();
         for &subresource in subresources {
-            let (allowed, reason) = self.decision(user, verb, subresource).await?;
+            let (allowed, reason) = self.decision(user, node, verb, subresource).await?;
             if allowed {
                 return Ok(());
             }
@@ -501,10 +509,11 @@ impl Authenticator {
     async fn decision(
         &self,
         user: &User,
+        node: &str,
         verb: &'static str,
         subresource: &'static str,
     ) -> Result<Decision, Refused> {
-        let key = (user.clone(), verb, subresource);
+        let key = (user.clone(), node.to_owned(), verb, subresource);
         let cached = self
             .decisions
             .lock()
@@ -513,14 +522,14 @@ impl Authenticator {
         if let Some(decision) = cached {
             return Ok(decision);
         }
-        let review = access_review(user, &self.node, verb, subresource);
+        let review = access_review(user, node, verb, subresource);
         let answer = Api::<SubjectAccessReview>::all(self.upper.clone())
             .create(&PostParams::default(), &review)
             .await
             .map_err(|source| Refused::Review {
                 review: format!(
-                    "SubjectAccessReview of {} to {verb} nodes/{subresource} of {}",
-                    user.name, self.node
+                    "SubjectAccessReview of {} to {verb} nodes/{subresource} of {node}",
+                    user.name
                 ),
                 source,
             })?;
@@ -541,9 +550,44 @@ impl Authenticator {
     }
 }
 
+/// The node a call is authorized on, as the kubelet of that node would: a call about a
+/// pod (logs, exec, attach, port-forward) is for the node the upper pod is bound to
+/// (`bound`: one of this member's virtual nodes, which all share one endpoint; the API
+/// server sent the call there because the pod is bound there), any other call (or one
+/// about a pod bound to none of them) for `own`, `--nodename`. Pure.
+pub fn review_node<'a>(own: &'a str, bound: Option<&'a str>) -> &'a str {
+    bound.filter(|b| !b.is_empty()).unwrap_or(own)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A call about a pod is authorized on the node the pod is bound to; every other call
+    /// on `--nodename` (a `cluster` member: always `--nodename`, as before).
+    #[test]
+    fn calls_are_authorized_on_the_node_of_their_pod() {
+        // (case, own, the upper pod's node, reviewed)
+        let cases = [
+            ("cluster member: its one node", "vk", Some("vk"), "vk"),
+            ("group node a", "vk", Some("vk-zone-a"), "vk-zone-a"),
+            ("group node b", "vk", Some("vk-zone-b"), "vk-zone-b"),
+            ("no pod bound here, or a node-wide call", "vk", None, "vk"),
+            ("an empty nodeName", "vk", Some(""), "vk"),
+        ];
+        for (case, own, bound, want) in cases {
+            assert_eq!(review_node(own, bound), want, "{case}");
+            assert_eq!(
+                access_review(&User::default(), review_node(own, bound), "get", "proxy")
+                    .spec
+                    .resource_attributes
+                    .and_then(|a| a.name)
+                    .as_deref(),
+                Some(want),
+                "{case}"
+            );
+        }
+    }
 
     /// A self-signed certificate with `attributes` in its subject.
     fn certificate(attributes: &[(rcgen::DnType, &str)]) -> Vec<u8> {
@@ -684,22 +728,34 @@ mod tests {
             extra: BTreeMap::from([("scope".to_owned(), vec!["logs".to_owned()])]),
             ..alice.clone()
         };
+        let vk = || "vk".to_owned();
         let mut answers: Answers<DecisionKey, bool> = Answers::new();
-        answers.insert((alice.clone(), "get", "proxy"), true, minute, now);
-        answers.insert((with_extra.clone(), "get", "proxy"), false, minute, now);
+        answers.insert((alice.clone(), vk(), "get", "proxy"), true, minute, now);
+        answers.insert(
+            (with_extra.clone(), vk(), "get", "proxy"),
+            false,
+            minute,
+            now,
+        );
         // (key, at, answer)
         let cases = [
-            ((alice.clone(), "get", "proxy"), now, Some(true)),
+            ((alice.clone(), vk(), "get", "proxy"), now, Some(true)),
             (
-                (alice.clone(), "get", "proxy"),
+                (alice.clone(), vk(), "get", "proxy"),
                 now + minute / 2,
                 Some(true),
             ),
-            ((alice.clone(), "get", "proxy"), now + minute, None),
-            ((alice.clone(), "create", "proxy"), now, None),
-            ((alice.clone(), "get", "pods"), now, None),
-            ((with_uid, "get", "proxy"), now, None),
-            ((with_extra, "get", "proxy"), now, Some(false)),
+            ((alice.clone(), vk(), "get", "proxy"), now + minute, None),
+            ((alice.clone(), vk(), "create", "proxy"), now, None),
+            ((alice.clone(), vk(), "get", "pods"), now, None),
+            ((with_uid, vk(), "get", "proxy"), now, None),
+            // Another virtual node of the member: asked again.
+            (
+                (alice.clone(), "vk-zone-a".to_owned(), "get", "proxy"),
+                now,
+                None,
+            ),
+            ((with_extra, vk(), "get", "proxy"), now, Some(false)),
         ];
         for (key, at, want) in cases {
             assert_eq!(answers.get(&key, at), want, "{key:?} at +{:?}", at - now);

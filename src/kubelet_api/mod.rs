@@ -300,7 +300,11 @@ async fn handle(
             Err(refused) => return refusal(&refused),
         };
         let (verb, subresources) = (route::verb(req.method()), route::subresources(&route));
-        if let Err(refused) = api.auth.authorize(&user, verb, subresources).await {
+        let node = match call_node(&api, &route).await {
+            Ok(node) => node,
+            Err(response) => return response,
+        };
+        if let Err(refused) = api.auth.authorize(&user, &node, verb, subresources).await {
             return refusal(&refused);
         }
     }
@@ -385,6 +389,46 @@ fn refusal(refused: &Refused) -> Response<Body> {
     text(refused.status(), refused.to_string())
 }
 
+/// Waits (at most 5 s) until the member's pod watches have listed once: which pods are
+/// bound to its nodes is known.
+async fn synced(api: &KubeletApi) -> Result<(), Response<Body>> {
+    let stores = &api.lower_pods;
+    if stores.synced.is_ready() {
+        return Ok(());
+    }
+    match tokio::time::timeout(Duration::from_secs(5), stores.synced.wait()).await {
+        Ok(Ok(())) => Ok(()),
+        _ => Err(text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "node {}: the pods bound to it are not known yet",
+                api.owner.node
+            ),
+        )),
+    }
+}
+
+/// The node a call is authorized on ([`auth::review_node`]): for a call about a pod, the
+/// node its upper pod is bound to (with `node` or `label=<key>` granularity, all the
+/// member's virtual nodes share this endpoint, and the path names no node); otherwise
+/// `--nodename`.
+async fn call_node(api: &KubeletApi, route: &Route) -> Result<String, Response<Body>> {
+    let (Route::Logs(target)
+    | Route::Exec(target, ..)
+    | Route::Attach(target, _)
+    | Route::PortForward(target)) = route
+    else {
+        return Ok(api.auth.node().to_owned());
+    };
+    synced(api).await?;
+    let bound = api
+        .lower_pods
+        .upper
+        .get(&target.namespace, &target.pod)
+        .and_then(|pod| pod.node_name());
+    Ok(auth::review_node(api.auth.node(), bound.as_deref()).to_owned())
+}
+
 /// The lower pod's API, if the target is a pod this node mirrors (else the kubelet's 404).
 async fn mirrored(api: &KubeletApi, target: &Target) -> Result<Api<Pod>, Response<Body>> {
     let lower = lower_target(target);
@@ -411,20 +455,7 @@ async fn mirrored(api: &KubeletApi, target: &Target) -> Result<Api<Pod>, Respons
         .and_then(|a| a.get(UPPER_UID_ANNOTATION))
         .map(String::as_str);
     let stores = &api.lower_pods;
-    if !stores.synced.is_ready() {
-        match tokio::time::timeout(Duration::from_secs(5), stores.synced.wait()).await {
-            Ok(Ok(())) => {}
-            _ => {
-                return Err(text(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    format!(
-                        "node {}: the pods bound to it are not known yet",
-                        api.owner.node
-                    ),
-                ));
-            }
-        }
-    }
+    synced(api).await?;
     let bound = stores
         .upper
         .get(&target.namespace, &target.pod)

@@ -76,13 +76,24 @@ struct State {
     fallback_logged: Option<String>,
     /// The last scrape's errors, logged at warn only when they change.
     last_errors: String,
+    /// When the last scrape was taken, and its text (reused for a member of group nodes).
+    last_scrape: Option<(Instant, String)>,
 }
+
+/// How long the `/metrics/resource` of a member of `node` or `label=<key>` granularity is
+/// answered again from its last scrape: metrics-server scrapes each of its virtual nodes
+/// at this one endpoint in turn (every `--metric-resolution`, 15 s by default), and one
+/// scrape of the lower kubelets answers them all.
+pub const GROUP_SCRAPE_REUSE: Duration = Duration::from_secs(5);
 
 /// Serves `/metrics/resource` of one virtual node. Scrapes are taken one at a time: the
 /// counters they keep advance in order.
 #[derive(Debug)]
 pub struct ResourceMetrics {
     state: tokio::sync::Mutex<State>,
+    /// A member of `node` or `label=<key>` granularity, whose virtual nodes share this
+    /// endpoint (see [`ResourceMetrics::for_group_nodes`]).
+    grouped: bool,
 }
 
 impl Default for ResourceMetrics {
@@ -94,7 +105,25 @@ impl Default for ResourceMetrics {
                 fallback_since: None,
                 fallback_logged: None,
                 last_errors: String::new(),
+                last_scrape: None,
             }),
+            grouped: false,
+        }
+    }
+}
+
+impl ResourceMetrics {
+    /// For a member shown as several virtual nodes, all reached at this one endpoint (the
+    /// API server and metrics-server call a node's address and port, which the member's
+    /// virtual nodes share, and the path names no node): the series of every pod of the
+    /// member, whichever of its virtual nodes is scraped, and no node series (no one
+    /// virtual node's usage can be told from the call, and the member's total shown on
+    /// each would be wrong on each); a scrape younger than [`GROUP_SCRAPE_REUSE`] is
+    /// answered again rather than taken again.
+    pub fn for_group_nodes() -> Self {
+        Self {
+            grouped: true,
+            ..Self::default()
         }
     }
 }
@@ -281,6 +310,12 @@ impl ResourceMetrics {
         lower_pods: &LowerPods,
     ) -> String {
         let mut state = self.state.lock().await;
+        if self.grouped
+            && let Some((at, text)) = &state.last_scrape
+            && at.elapsed() < GROUP_SCRAPE_REUSE
+        {
+            return text.clone();
+        }
         let mut errors: Vec<ScrapeError> = Vec::new();
         let (pods, listed) = match mirrored(lower_pods, owner, view).await {
             Ok(pods) => (pods, true),
@@ -364,16 +399,20 @@ impl ResourceMetrics {
             .filter_map(|(pod, u)| u.cpu.map(|s| (pod, s.value)))
             .collect();
         let on_node: HashSet<&PodName> = pods.iter().map(|p| &p.upper).collect();
-        let node = NodeUsage {
-            cpu: Some(Sample {
-                value: if listed {
-                    state.node_cpu.observe(&current, &on_node)
-                } else {
-                    state.node_cpu.total()
-                },
-                timestamp_ms: Some(resource_metrics::newest_cpu(&usage, now)),
-            }),
-            memory: Some(resource_metrics::node_memory(&usage, now)),
+        let node = if self.grouped {
+            NodeUsage::default()
+        } else {
+            NodeUsage {
+                cpu: Some(Sample {
+                    value: if listed {
+                        state.node_cpu.observe(&current, &on_node)
+                    } else {
+                        state.node_cpu.total()
+                    },
+                    timestamp_ms: Some(resource_metrics::newest_cpu(&usage, now)),
+                }),
+                memory: Some(resource_metrics::node_memory(&usage, now)),
+            }
         };
         let summary: String = errors
             .iter()
@@ -393,7 +432,11 @@ impl ResourceMetrics {
         } else if !summary.is_empty() {
             debug!(node = %owner.node, cluster = "lower", errors = %summary, "kubelet API: /metrics/resource still incomplete");
         }
-        resource_metrics::render(&usage, &node, !errors.is_empty())
+        let text = resource_metrics::render(&usage, &node, !errors.is_empty());
+        if self.grouped {
+            state.last_scrape = Some((Instant::now(), text.clone()));
+        }
+        text
     }
 }
 

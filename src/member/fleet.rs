@@ -71,14 +71,22 @@ impl Fleet {
     ) -> Result<(), String> {
         let mut running: HashMap<String, Running> = HashMap::new();
         let mut beats = JoinSet::new();
+        let (mut bursting, mut bursting_open) = (self.bursting.clone(), true);
         loop {
             let now = offers.borrow_and_update().clone();
+            // The member's share spans all its virtual nodes: each offers its part.
+            let parts = bursting.borrow_and_update().share.split(
+                &now.iter()
+                    .map(|(key, offer)| (key.clone(), offer.capacity.clone()))
+                    .collect(),
+            );
             for (key, offer) in &now {
+                let part = parts.get(key).unwrap_or(&offer.capacity);
                 if let Some(r) = running.get_mut(key) {
                     r.capacity.send_if_modified(|c| {
-                        let changed = c.as_ref() != Some(&offer.capacity);
+                        let changed = c.as_ref() != Some(part);
                         if changed {
-                            *c = Some(offer.capacity.clone());
+                            *c = Some(part.clone());
                         }
                         changed
                     });
@@ -90,7 +98,7 @@ impl Fleet {
                 }
                 let span = info_span!("virtual node", node = %offer.group.name, group = %key);
                 let (started, beat) = self
-                    .start(key, offer, shutdown.child_token())
+                    .start(key, offer, part, shutdown.child_token())
                     .instrument(span.clone())
                     .await?;
                 if started.cordoned_below {
@@ -115,6 +123,7 @@ impl Fleet {
             tokio::select! {
                 () = shutdown.cancelled() => break,
                 changed = offers.changed() => if changed.is_err() { break },
+                changed = bursting.changed(), if bursting_open => bursting_open = changed.is_ok(),
                 Some(_) = beats.join_next() => {}
             }
         }
@@ -125,11 +134,14 @@ impl Fleet {
         Ok(())
     }
 
-    /// Registers the virtual node of group `key`; its keep-alive, to run until `stop`.
+    /// Registers the virtual node of group `key`, offering `part` (its part of the
+    /// member's share, [`crate::node::burst::Share::split`]); its keep-alive, to run until
+    /// `stop`.
     async fn start(
         &self,
         key: &str,
         offer: &GroupOffer,
+        part: &BTreeMap<String, Quantity>,
         stop: CancellationToken,
     ) -> Result<(Running, impl Future<Output = ()> + Send + 'static), String> {
         self.nodes
@@ -140,13 +152,13 @@ impl Fleet {
             ..self.base.clone()
         };
         let bursting = self.bursting.borrow().clone();
-        let offered = bursting.share.cap(&offer.capacity);
+        let offered = bursting.share.cap(part);
         let registered = node::register(&self.upper, &config, &offered, &bursting)
             .await
             .map_err(|e| format!("node {} (group {key}): {e}", config.name))?;
         info!(node = %config.name, group = %key, "virtual node registered");
         let uid = registered.metadata.uid.clone().unwrap_or_default();
-        let (capacity, capacity_rx) = watch::channel(Some(offer.capacity.clone()));
+        let (capacity, capacity_rx) = watch::channel(Some(part.clone()));
         let beat = node::keep_alive(
             self.upper_heartbeat.clone(),
             self.lower_heartbeat.clone(),

@@ -917,7 +917,10 @@ async fn kubelet_api_setup(
         lower: lower.clone(),
         owner: owner.clone(),
         auth,
-        resource_metrics: Default::default(),
+        resource_metrics: match spec.granularity {
+            crate::node::groups::Granularity::Cluster => Default::default(),
+            _ => kubelet_api::resource_scrape::ResourceMetrics::for_group_nodes(),
+        },
         namespaces: namespaces.map(|(view, _)| view.clone()),
         lower_pods,
     });

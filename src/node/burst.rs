@@ -98,9 +98,77 @@ impl Share {
             .collect()
     }
 
+    /// What each of a member's virtual nodes (node granularity: one per group, `offered`
+    /// by group key) offers under this share, the share spanning them all: per capped
+    /// resource, when the groups' room adds up to more than the cap, the cap is split in
+    /// proportion to each group's room (largest remainders first, ties in key order;
+    /// whole units, except CPU in millicores), so the virtual nodes together never offer
+    /// more than the cap; otherwise each offers its room. One group alone offers what
+    /// [`Share::cap`] gives. Deterministic and pure: recomputed whenever the groups'
+    /// offers or the share change.
+    pub fn split<K: Ord + Clone>(
+        &self,
+        offered: &BTreeMap<K, BTreeMap<String, Quantity>>,
+    ) -> BTreeMap<K, BTreeMap<String, Quantity>> {
+        let mut parts: BTreeMap<K, BTreeMap<String, Quantity>> = offered
+            .iter()
+            .map(|(key, offer)| (key.clone(), self.cap(offer)))
+            .collect();
+        for (resource, &cap) in &self.0 {
+            let rooms: Vec<(&K, i128)> = offered
+                .iter()
+                .filter_map(|(key, offer)| offer.get(resource).map(|q| (key, milli(q).max(0))))
+                .collect();
+            let total: i128 = rooms.iter().map(|(_, room)| room).sum();
+            if rooms.len() < 2 || total <= cap {
+                // What `cap` gave each: its room, or (alone) the cap.
+                continue;
+            }
+            let unit: i128 = if resource == "cpu" { 1 } else { 1000 };
+            let (cap_units, total_units) = (cap.max(0) / unit, total / unit);
+            let units: Vec<(&K, i128)> = rooms.iter().map(|(k, room)| (*k, room / unit)).collect();
+            // Each group's floor of its proportional part, and what the floor left out.
+            let mut shares: Vec<(&K, i128, i128)> = units
+                .iter()
+                .map(|(key, room)| {
+                    let (part, left) = proportion(*room, cap_units, total_units);
+                    (*key, part, left)
+                })
+                .collect();
+            let given: i128 = shares.iter().map(|(_, part, _)| part).sum();
+            let mut order: Vec<usize> = (0..shares.len()).collect();
+            // Stable: equal remainders keep key order.
+            order.sort_by(|a, b| shares[*b].2.cmp(&shares[*a].2));
+            let extra = usize::try_from((cap_units.min(total_units) - given).max(0)).unwrap_or(0);
+            for &i in order.iter().take(extra) {
+                shares[i].1 += 1;
+            }
+            for (key, part, _) in shares {
+                if let Some(offer) = parts.get_mut(key) {
+                    offer.insert(resource.clone(), format_milli(part * unit));
+                }
+            }
+        }
+        parts
+    }
+
     /// The caps, as the Resources arithmetic has them.
     pub fn caps(&self) -> &Resources {
         &self.0
+    }
+}
+
+/// `room * cap / total` rounded down, and the remainder of that division (which orders
+/// who gets the units the rounding left over). `total` is more than 0.
+fn proportion(room: i128, cap: i128, total: i128) -> (i128, i128) {
+    match room.checked_mul(cap) {
+        Some(product) => (product / total, product % total),
+        // Beyond any real quantity; approximate rather than fail.
+        None => {
+            #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation)]
+            let part = (room as f64 * cap as f64 / total as f64) as i128;
+            (part.min(room), 0)
+        }
     }
 }
 
@@ -293,6 +361,117 @@ mod tests {
         for (case, share, room, want) in cases {
             let share = parse_share(share).unwrap();
             assert_eq!(share.cap(&list(room)), list(want), "{case}");
+        }
+    }
+
+    /// A member's share spans all its virtual nodes: the cap is split in proportion to
+    /// each group's room when they would offer more together, and one group alone gets
+    /// exactly what `cap` gives it (the `cluster` result).
+    #[test]
+    fn a_share_spans_all_of_a_members_virtual_nodes() {
+        let share = |text: &str| parse_share(text).unwrap();
+        let groups =
+            |offers: &[(&str, &[(&str, &str)])]| -> BTreeMap<String, BTreeMap<String, Quantity>> {
+                offers
+                    .iter()
+                    .map(|(key, pairs)| ((*key).to_owned(), list(pairs)))
+                    .collect()
+            };
+        // (case, share, offers by group, what each offers)
+        type Offers<'a> = &'a [(&'a str, &'a [(&'a str, &'a str)])];
+        let cases: &[(&str, &str, Offers, Offers)] = &[
+            (
+                "no cap: each its room",
+                "",
+                &[("a", &[("cpu", "4")]), ("b", &[("cpu", "8")])],
+                &[("a", &[("cpu", "4")]), ("b", &[("cpu", "8")])],
+            ),
+            (
+                "room under the cap: each its room",
+                "cpu=16",
+                &[("a", &[("cpu", "4")]), ("b", &[("cpu", "8")])],
+                &[("a", &[("cpu", "4")]), ("b", &[("cpu", "8")])],
+            ),
+            (
+                "the cap split by room, 1:2",
+                "cpu=6,memory=3Gi",
+                &[
+                    ("a", &[("cpu", "4"), ("memory", "4Gi"), ("pods", "110")]),
+                    ("b", &[("cpu", "8"), ("memory", "8Gi"), ("pods", "110")]),
+                ],
+                &[
+                    (
+                        "a",
+                        &[("cpu", "2"), ("memory", "1073741824"), ("pods", "110")],
+                    ),
+                    (
+                        "b",
+                        &[("cpu", "4"), ("memory", "2147483648"), ("pods", "110")],
+                    ),
+                ],
+            ),
+            (
+                "millicores for CPU, the rounding's leftover to the largest remainder",
+                "cpu=1",
+                &[
+                    ("a", &[("cpu", "1")]),
+                    ("b", &[("cpu", "1")]),
+                    ("c", &[("cpu", "1")]),
+                ],
+                &[
+                    ("a", &[("cpu", "334m")]),
+                    ("b", &[("cpu", "333m")]),
+                    ("c", &[("cpu", "333m")]),
+                ],
+            ),
+            (
+                "whole units otherwise: ties in key order",
+                "pods=5",
+                &[("a", &[("pods", "10")]), ("b", &[("pods", "10")])],
+                &[("a", &[("pods", "3")]), ("b", &[("pods", "2")])],
+            ),
+            (
+                "a group with no room gets none",
+                "cpu=2",
+                &[("a", &[("cpu", "0")]), ("b", &[("cpu", "8")])],
+                &[("a", &[("cpu", "0")]), ("b", &[("cpu", "2")])],
+            ),
+            (
+                "a zero cap",
+                "cpu=0",
+                &[("a", &[("cpu", "4")]), ("b", &[("cpu", "8")])],
+                &[("a", &[("cpu", "0")]), ("b", &[("cpu", "0")])],
+            ),
+            (
+                "a capped resource one group lacks is not added to it",
+                "nvidia.com/gpu=2",
+                &[("a", &[("nvidia.com/gpu", "4")]), ("b", &[("cpu", "8")])],
+                &[("a", &[("nvidia.com/gpu", "2")]), ("b", &[("cpu", "8")])],
+            ),
+        ];
+        for (case, text, offers, want) in cases {
+            let share = share(text);
+            let offered = groups(offers);
+            let got = share.split(&offered);
+            assert_eq!(got, groups(want), "{case}");
+            for (resource, cap) in share.caps() {
+                let sum: i128 = got
+                    .values()
+                    .filter_map(|o| o.get(resource))
+                    .map(milli)
+                    .sum();
+                assert!(sum <= *cap, "{case}: {resource} {sum} over the cap {cap}");
+            }
+        }
+        // One group: what `cap` gives, byte for byte (the cluster's result).
+        for text in ["", "cpu=2", "cpu=1500m,memory=1.5", "pods=0"] {
+            let share = share(text);
+            let alone = groups(&[("only", &[("cpu", "4"), ("memory", "8Gi"), ("pods", "110")])]);
+            assert_eq!(
+                share.split(&alone)["only"],
+                share.cap(&alone["only"]),
+                "{text}"
+            );
         }
     }
 

@@ -1,0 +1,315 @@
+//! Node granularity (issue 36), what runs per virtual node beyond registration: the
+//! kubelet API serves the pods of every virtual node of the member (`kubectl logs` on
+//! each), and authorizes a call about a pod on the node that pod is bound to, as that
+//! node's kubelet would (a caller allowed `nodes/proxy` on one group node only is refused
+//! on the other's pods); and a member's share spans all its virtual nodes (their
+//! allocatable adds up to the cap, not the cap each). Its own test binary.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::path::Path;
+
+use common::{TIMEOUT, kubectl};
+use k8s_openapi::api::authorization::v1::SubjectAccessReview;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use kube::Client;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use serde_json::json;
+use tensile::node::groups::{Granularity, virtual_node_name};
+use tensile::node::quantity::milli;
+use tensile_harness::fixtures::bound_pod;
+use tensile_harness::pki::ClientCert;
+use tensile_harness::{
+    ClusterOptions, ClusterPair, KWOK_LOG_LINES, TestNamespace, VirtualNodeOptions, node_is_ready,
+    wait_for,
+};
+use tokio::process::Command;
+
+/// The member's name (`--nodename`).
+const BASE: &str = "vk-gapi";
+
+/// `GET url` on the kubelet port with a client certificate: the HTTP status code and the
+/// body.
+async fn get(url: &str, ca: &Path, cert: &ClientCert) -> (u16, String) {
+    let output = Command::new("curl")
+        .args([
+            "-sS",
+            "--max-time",
+            "30",
+            "-w",
+            "\n%{http_code}",
+            "--cacert",
+        ])
+        .arg(ca)
+        .arg("--cert")
+        .arg(&cert.cert)
+        .arg("--key")
+        .arg(&cert.key)
+        .arg(url)
+        .output()
+        .await
+        .unwrap();
+    let out = String::from_utf8_lossy(&output.stdout).into_owned();
+    let (body, code) = out.rsplit_once('\n').unwrap_or(("", &out));
+    let code = code.trim().parse().unwrap_or_else(|_| {
+        panic!(
+            "curl {url}: {out} {}",
+            String::from_utf8_lossy(&output.stderr)
+        )
+    });
+    (code, body.to_owned())
+}
+
+/// Lets user `user` `get` `nodes/<subresource>` of `node` only (a ClusterRole and binding
+/// named `user`), and waits until the upper API server says so.
+async fn grant(client: &Client, user: &str, node: &str, subresource: &str) {
+    let pp = PostParams::default();
+    let role: ClusterRole = serde_json::from_value(json!({
+        "metadata": {"name": user},
+        "rules": [{"apiGroups": [""], "resources": [format!("nodes/{subresource}")],
+                   "verbs": ["get"], "resourceNames": [node]}],
+    }))
+    .unwrap();
+    Api::<ClusterRole>::all(client.clone())
+        .create(&pp, &role)
+        .await
+        .unwrap();
+    let binding: ClusterRoleBinding = serde_json::from_value(json!({
+        "metadata": {"name": user},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": user},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}],
+    }))
+    .unwrap();
+    Api::<ClusterRoleBinding>::all(client.clone())
+        .create(&pp, &binding)
+        .await
+        .unwrap();
+    let reviews: Api<SubjectAccessReview> = Api::all(client.clone());
+    let sar: SubjectAccessReview = serde_json::from_value(json!({"spec": {
+        "user": user,
+        "resourceAttributes": {"verb": "get", "resource": "nodes", "subresource": subresource, "name": node},
+    }}))
+    .unwrap();
+    wait_for(
+        &format!("{user} may get nodes/{subresource} of {node}"),
+        TIMEOUT,
+        || async {
+            let answer = reviews.create(&PostParams::default(), &sar).await?;
+            Ok(answer.status.is_some_and(|s| s.allowed).then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+}
+
+/// The sum of the allocatable CPU of `nodes`, in millicores.
+fn cpu_sum(nodes: &BTreeMap<String, Node>) -> i128 {
+    nodes
+        .values()
+        .filter_map(|n| {
+            n.status
+                .as_ref()?
+                .allocatable
+                .as_ref()?
+                .get("cpu")
+                .map(milli)
+        })
+        .sum()
+}
+
+/// A member of `node` granularity over 2 lower kwok nodes of 4 CPU, its share `cpu=3`:
+/// its 2 virtual nodes offer 3 CPU together (1500m each: the cap split by their room), not
+/// 3 each; a pod bound to each is Running and `kubectl logs` reads both through the one
+/// kubelet endpoint; a caller allowed `nodes/proxy` on the first virtual node only reads
+/// the log of the first's pod straight from the kubelet port and is refused (403, on the
+/// second node's name) the second's, and `/pods` (the whole member's, reviewed on
+/// `--nodename`); `/metrics/resource` has no node series.
+#[tokio::test]
+async fn each_virtual_node_has_its_kubelet_api_and_the_share_spans_them() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let upper = pair.upper.client().await.unwrap();
+    let mut options = ClusterOptions::new(
+        "lower-gapi",
+        2,
+        (Ipv4Addr::new(10, 93, 0, 0), 16),
+        "10.223.0.0/16",
+    );
+    options.node_shape.cpu = "4".into();
+    let lower = pair.start_cluster(options).await.unwrap();
+    let lower_client = lower.client().await.unwrap();
+    let mut lower_names: Vec<String> = Api::<Node>::all(lower_client.clone())
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|n| n.metadata.name)
+        .collect();
+    lower_names.sort();
+    let names: Vec<String> = lower_names
+        .iter()
+        .map(|n| virtual_node_name(BASE, &Granularity::Node, n))
+        .collect();
+
+    let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), BASE);
+    options.lower_kubeconfig = Some(lower.kubeconfig.clone());
+    options.args = vec![
+        "--node-granularity".into(),
+        "node".into(),
+        "--share".into(),
+        "cpu=3".into(),
+    ];
+    let mut vn = pair.start_virtual_node(&options).unwrap();
+    let nodes: Api<Node> = Api::all(upper.clone());
+    let listed = wait_for(
+        "2 Ready virtual nodes whose allocatable CPU is known",
+        TIMEOUT,
+        || async {
+            let list = nodes
+                .list(&ListParams::default().labels(&format!("clusterID={BASE}")))
+                .await?;
+            let ready: BTreeMap<String, Node> = list
+                .items
+                .into_iter()
+                .filter(node_is_ready)
+                .map(|n| (n.metadata.name.clone().unwrap_or_default(), n))
+                .collect();
+            Ok((ready.len() == 2).then_some(ready))
+        },
+    )
+    .await;
+    let grouped = match listed {
+        Ok(listed) => listed,
+        Err(error) => {
+            let _ = vn.check_running();
+            panic!(
+                "{error:#}\n{}",
+                tensile_harness::process::tail(vn.log(), 60)
+            );
+        }
+    };
+    assert_eq!(grouped.keys().cloned().collect::<Vec<_>>(), names);
+
+    // The share spans both virtual nodes.
+    let per_node: Vec<String> = grouped
+        .values()
+        .map(|n| {
+            n.status.as_ref().unwrap().allocatable.as_ref().unwrap()["cpu"]
+                .0
+                .clone()
+        })
+        .collect();
+    println!("allocatable cpu per virtual node: {per_node:?}");
+    assert_eq!(
+        cpu_sum(&grouped),
+        3000,
+        "the virtual nodes offer cpu=3 together: {per_node:?}"
+    );
+    assert_eq!(
+        per_node,
+        ["1500m", "1500m"],
+        "split by their room (4 CPU each)"
+    );
+
+    // A pod bound to each virtual node; kubectl logs reads both.
+    let ns = TestNamespace::create(&upper, "gran-api").await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let pod_names = ["on-first", "on-second"];
+    for (pod, node) in pod_names.iter().zip(&names) {
+        pods.create(&PostParams::default(), &bound_pod(pod, node))
+            .await
+            .unwrap();
+    }
+    for pod in pod_names {
+        wait_for(&format!("pod {pod} Running upstairs"), TIMEOUT, || async {
+            Ok(pods.get(pod).await.ok().filter(common::running).map(|_| ()))
+        })
+        .await
+        .unwrap();
+        let out = kubectl(
+            pair,
+            pair.upper_kubeconfig(),
+            &["logs", pod, "-c", "app", "-n", &ns.name],
+            b"",
+        )
+        .await;
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains(KWOK_LOG_LINES[0]),
+            "kubectl logs {pod}: {text} {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    // Allowed nodes/proxy on the first virtual node only.
+    let user = "gapi-first-only";
+    grant(&upper, user, &names[0], "proxy").await;
+    let cert = pair.upper.pki.issue_client(user, &[]).unwrap();
+    let base = format!("https://127.0.0.1:{}", vn.kubelet_port);
+    let ca = &pair.upper.pki.ca_cert;
+    let (code, body) = get(
+        &format!("{base}/containerLogs/{}/{}/app", ns.name, pod_names[0]),
+        ca,
+        &cert,
+    )
+    .await;
+    println!("the first node's pod: {code} {body:?}");
+    assert!(
+        code == 200 && body.contains(KWOK_LOG_LINES[0]),
+        "the first node's pod: {code} {body:?}"
+    );
+    let (code, body) = get(
+        &format!("{base}/containerLogs/{}/{}/app", ns.name, pod_names[1]),
+        ca,
+        &cert,
+    )
+    .await;
+    println!("the second node's pod: {code} {body:?}");
+    assert!(
+        code == 403 && body.contains("subresource(s)=[proxy]"),
+        "the second node's pod: {code} {body:?}"
+    );
+
+    // A call that names no pod covers the whole member: reviewed on `--nodename`, which a
+    // grant on one virtual node does not open.
+    let (code, body) = get(&format!("{base}/pods"), ca, &cert).await;
+    assert!(
+        code == 403 && body.contains("subresource(s)=[pods proxy]"),
+        "/pods: {code} {body:?}"
+    );
+    // /metrics/resource of group nodes: no node series (no one virtual node's usage can be
+    // told from the call), rather than the member's total.
+    let scraper = "gapi-metrics";
+    grant(&upper, scraper, BASE, "metrics").await;
+    let scraper_cert = pair.upper.pki.issue_client(scraper, &[]).unwrap();
+    let (code, body) = get(&format!("{base}/metrics/resource"), ca, &scraper_cert).await;
+    println!("/metrics/resource: {code} {body:?}");
+    assert_eq!(code, 200, "/metrics/resource: {body:?}");
+    assert!(
+        body.contains("# TYPE node_cpu_usage_seconds_total counter")
+            && !body
+                .lines()
+                .any(|l| l.starts_with("node_cpu_usage_seconds_total ")
+                    || l.starts_with("node_memory_working_set_bytes ")),
+        "/metrics/resource: {body:?}"
+    );
+
+    vn.check_running().unwrap();
+    let dp = DeleteParams::default();
+    for name in [user, scraper] {
+        Api::<ClusterRoleBinding>::all(upper.clone())
+            .delete(name, &dp)
+            .await
+            .unwrap();
+        Api::<ClusterRole>::all(upper.clone())
+            .delete(name, &dp)
+            .await
+            .unwrap();
+    }
+    ns.delete().await.unwrap();
+    vn.stop().unwrap();
+}
