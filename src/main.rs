@@ -22,10 +22,9 @@ use tracing::{error, info, warn};
 /// jemalloc, not glibc's malloc: glibc gives each busy thread its own arena and keeps
 /// what a burst freed in each. With 16 tokio workers (a 16-core box's default) virtual-node
 /// held 100 MiB at 10 000 pods under glibc and 63 MiB under jemalloc (`tensile-bench`,
-/// docs/benchmarks.md); mimalloc held 86 MiB with 2 workers. Built with its background
-/// threads on (the `background_threads` feature), which return the pages a burst freed
-/// while the process is idle: 2.02 → 1.36 KB resident a further mirrored pod from 1 000
-/// to 10 000 (release, 2 cores).
+/// docs/benchmarks.md); mimalloc held 86 MiB with 2 workers. Its background threads (the
+/// `background_threads` feature) did not lower the resident memory after a burst beyond
+/// the runs' spread (1.2–2.0 against 1.6–2.0 KB a further pod, release, 2 cores).
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
