@@ -896,8 +896,12 @@ mod tests {
     /// One step of a router scene: a watch event routed, or a virtual node added to the
     /// set member's nodes (by its fleet, before it registers the Node).
     enum Step {
-        Route(watcher::Event<Pod>),
+        Route(Box<watcher::Event<Pod>>),
         Add(&'static str),
+    }
+
+    fn route(event: watcher::Event<Pod>) -> Step {
+        Step::Route(Box::new(event))
     }
 
     /// A member of several virtual nodes is handed, on one channel, one list covering all
@@ -916,48 +920,28 @@ mod tests {
         assert_eq!(ready_now(&mut set), Vec::<String>::new());
         let steps: Vec<(Step, &[&str], &[&str])> = vec![
             // (step, then ready for the set member, for the member by name)
-            (Step::Route(Apply(pod("early", "vk-z-a"))), &[], &[]),
-            (Step::Route(InitApply(pod("tail", "vk-z-a"))), &[], &[]),
-            (Step::Route(Init), &["init"], &["init"]),
-            (
-                Step::Route(InitApply(pod("a1", "vk-z-a"))),
-                &["list a1"],
-                &[],
-            ),
-            (Step::Route(InitApply(pod("b0", "vk-z-b"))), &[], &[]),
-            (
-                Step::Route(InitApply(pod("o1", "vk-one"))),
-                &[],
-                &["list o1"],
-            ),
-            (Step::Route(InitApply(pod("real", "node-1"))), &[], &[]),
-            (Step::Route(InitDone), &["listed"], &["listed"]),
+            (route(Apply(pod("early", "vk-z-a"))), &[], &[]),
+            (route(InitApply(pod("tail", "vk-z-a"))), &[], &[]),
+            (route(Init), &["init"], &["init"]),
+            (route(InitApply(pod("a1", "vk-z-a"))), &["list a1"], &[]),
+            (route(InitApply(pod("b0", "vk-z-b"))), &[], &[]),
+            (route(InitApply(pod("o1", "vk-one"))), &[], &["list o1"]),
+            (route(InitApply(pod("real", "node-1"))), &[], &[]),
+            (route(InitDone), &["listed"], &["listed"]),
             (Step::Add("vk-z-b"), &[], &[]),
-            (Step::Route(Apply(pod("b1", "vk-z-b"))), &["apply b1"], &[]),
-            (
-                Step::Route(Delete(pod("a1", "vk-z-a"))),
-                &["delete a1"],
-                &[],
-            ),
-            (Step::Route(Apply(pod("o2", "vk-one"))), &[], &["apply o2"]),
-            (Step::Route(Apply(pod("r2", "node-1"))), &[], &[]),
+            (route(Apply(pod("b1", "vk-z-b"))), &["apply b1"], &[]),
+            (route(Delete(pod("a1", "vk-z-a"))), &["delete a1"], &[]),
+            (route(Apply(pod("o2", "vk-one"))), &[], &["apply o2"]),
+            (route(Apply(pod("r2", "node-1"))), &[], &[]),
             // The watch's own relist: both are handed it.
-            (Step::Route(Init), &["init"], &["init"]),
-            (
-                Step::Route(InitApply(pod("b1", "vk-z-b"))),
-                &["list b1"],
-                &[],
-            ),
-            (
-                Step::Route(InitApply(pod("o2", "vk-one"))),
-                &[],
-                &["list o2"],
-            ),
-            (Step::Route(InitDone), &["listed"], &["listed"]),
+            (route(Init), &["init"], &["init"]),
+            (route(InitApply(pod("b1", "vk-z-b"))), &["list b1"], &[]),
+            (route(InitApply(pod("o2", "vk-one"))), &[], &["list o2"]),
+            (route(InitDone), &["listed"], &["listed"]),
         ];
         for (i, (step, for_set, for_one)) in steps.into_iter().enumerate() {
             match step {
-                Step::Route(event) => router.route(event),
+                Step::Route(event) => router.route(*event),
                 Step::Add(node) => groups.insert(node, None),
             }
             assert_eq!(ready_now(&mut set), for_set, "step {i}: the set member");

@@ -283,7 +283,9 @@ impl Membership {
             if let Some(running) = self.running.remove(&name) {
                 info!(secret = %name, node = %running.node, "member Secret gone: stopping its member");
                 self.shared.metrics.forget_member(&running.node);
+                let node = running.node.clone();
                 stop(running).await;
+                self.shared.node_names.release(&node);
             }
         }
 
@@ -327,7 +329,10 @@ impl Membership {
                 continue;
             }
             let spec = match super::member_spec(&member).await {
-                Ok(spec) => spec,
+                Ok(spec) => MemberSpec {
+                    secret: Some(secret.object_ref(&())),
+                    ..spec
+                },
                 Err(why) => {
                     // A rotation to a bad kubeconfig leaves the running member as it is.
                     self.complain(&secret, "MemberInvalid", &why).await;
@@ -488,6 +493,10 @@ impl Membership {
                 match outcome {
                     Ok(()) => {
                         remove_finalizer(&shared, &namespace, &secret).await;
+                        // Gone for good: its virtual node names are free.
+                        if let Some(node) = &node {
+                            shared.node_names.release(node);
+                        }
                     }
                     Err(error) => {
                         warn!(secret = %secret.name_any(), %error, "member leave failed; trying again");
