@@ -11,6 +11,8 @@
 //!   and the Node deleted — across a restart of this process too;
 //! - a Secret that cannot be used (no kubeconfig, an unreadable one, a node name another
 //!   member or a real node has) is named in a Warning Event on it and in the log.
+//!   A virtual node name of one group that another member has already is refused alone
+//!   ([`super::names`], `MemberNodeNameClash`); the member runs its other groups.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};

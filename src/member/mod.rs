@@ -1,4 +1,5 @@
-//! A member: one lower cluster joined to the upper one as one virtual node, with its lower
+//! A member: one lower cluster joined to the upper one as one virtual node (or, of `node`
+//! or `label=<key>` granularity, one per group of lower nodes: [`fleet`]), with its lower
 //! client, watches, controllers, node keep-alive and kubelet API. [`run`] is its one entry
 //! point: `main` runs the member of the single-cluster flags (`--nodename`,
 //! `--client-kubeconfig`), and the [`membership`] controller those of member Secrets

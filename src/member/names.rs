@@ -292,7 +292,7 @@ impl Admission {
     }
 
     /// Keeps `admitted` to what of `offers` is the member's until `shutdown`: at each
-    /// change, when another member gives names up, and every [`RECHECK`].
+    /// change, when another member gives names up, and every `RECHECK`.
     pub async fn follow(
         mut self,
         mut offers: watch::Receiver<BTreeMap<String, GroupOffer>>,
