@@ -238,6 +238,7 @@ async fn run(args: Args, started: CancellationToken) -> Result<(), String> {
         leading,
         optional,
         upper_watches,
+        node_names: Default::default(),
     });
     if let Some(namespace) = args.members_namespace.clone() {
         // Without a member of the flags, the process has started once the members of the

@@ -9,14 +9,17 @@
 //!   ([`SharedStore`]).
 //! - Upper ConfigMaps and Secrets: one metadata index ([`SharedIndex`]).
 //! - Upper pods: every pod bound to a node, watched once and handed by its node to the
-//!   member of that node ([`PodRouter`]), which stores it compactly as it always has. Pods
-//!   of other nodes are dropped as they arrive.
+//!   member of that node ([`PodRouter`]), which stores it compactly as it always has. A
+//!   member of `node` or `label=<key>` granularity takes the pods of every one of its
+//!   virtual nodes on one channel ([`PodRouter::subscribe_set`]). Pods of other nodes are
+//!   dropped as they arrive.
 //!
 //! A member is woken by the objects touched on a broadcast that never waits for a slow
 //! member: one that falls behind is handed every stored object again. Pods are routed on
 //! unbounded channels instead (a member's pod watch never drops a change); a member that
 //! restarts is handed its node's pods from the router, which keeps them; only a node
-//! never had before makes the pod watch list again.
+//! never had before, and each start of a member of several virtual nodes, makes the pod
+//! watch list again.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt::Debug;
@@ -44,6 +47,7 @@ use tracing::{debug, warn};
 
 use crate::cli::OptionalControllers;
 use crate::controllers::stores::{MetaIndex, ObjectStream, Ready, Reflected, indexed};
+use crate::node::groups::GroupNodes;
 use crate::side::Side;
 use crate::translate::meta::OWNER_NODE_LABEL;
 
@@ -415,6 +419,20 @@ pub struct PodRouter {
 
 type PodSender = mpsc::UnboundedSender<watcher::Event<Pod>>;
 
+/// A member of `node` or `label=<key>` granularity: its virtual nodes (as its fleet adds
+/// them) and its channel.
+struct SetRoute {
+    nodes: Arc<GroupNodes>,
+    sender: PodSender,
+}
+
+impl SetRoute {
+    /// Whether a pod bound to `node` is this member's.
+    fn serves(&self, node: &str) -> bool {
+        self.nodes.contains(node)
+    }
+}
+
 /// A pod's namespace and name.
 type PodKey = (String, String);
 
@@ -426,6 +444,12 @@ struct Routing {
     waiting: HashMap<String, PodSender>,
     /// Node → its pods, for every node a member has had.
     nodes: HashMap<String, NodePods>,
+    /// Members of several virtual nodes, by member, that have had a list's start: each
+    /// event of a pod bound to a node no member has by name is offered to them.
+    sets: HashMap<String, SetRoute>,
+    /// Members of several virtual nodes waiting for the next list's start (their pods are
+    /// not kept here: each (re)start of such a member costs a list).
+    sets_waiting: HashMap<String, SetRoute>,
     /// Between a list's start and end.
     listing: bool,
 }
@@ -463,6 +487,27 @@ fn kept(pod: &Pod) -> Pod {
     let mut pod = pod.clone();
     pod.metadata.managed_fields = None;
     pod
+}
+
+/// The events of `receiver` from the first list's start on. Until a list begins, what
+/// arrives is a list's tail or changes with no list before them: the member's store would
+/// not know what the list left out.
+fn from_a_list_on(
+    receiver: mpsc::UnboundedReceiver<watcher::Event<Pod>>,
+) -> BoxStream<'static, Result<watcher::Event<Pod>, watcher::Error>> {
+    futures::stream::unfold(
+        (receiver, false),
+        |(mut receiver, mut listing)| async move {
+            loop {
+                let event = receiver.recv().await?;
+                listing |= matches!(event, watcher::Event::Init);
+                if listing {
+                    return Some((Ok(event), (receiver, listing)));
+                }
+            }
+        },
+    )
+    .boxed()
 }
 
 /// Hands `member` the node's `pods` as a list; whether it still listens.
@@ -519,20 +564,49 @@ impl PodRouter {
         if needs_list {
             self.relist.notify_one();
         }
-        // Until a list begins, what arrives is a list's tail or changes with no list
-        // before them: the store would not know what the list left out.
-        futures::stream::unfold(
-            (receiver, false),
-            |(mut receiver, mut listing)| async move {
-                loop {
-                    let event = receiver.recv().await?;
-                    listing |= matches!(event, watcher::Event::Init);
-                    if listing {
-                        return Some((Ok(event), (receiver, listing)));
-                    }
-                }
-            },
-        )
+        from_a_list_on(receiver)
+    }
+
+    /// The pod watch events of every node in `nodes`, to the member `member` of `node` or
+    /// `label=<key>` granularity, as one watch would have them: a list of the pods bound to
+    /// any of them (from the next list of every bound pod, which this asks for), then
+    /// every change. A later subscription of the same member replaces this one.
+    ///
+    /// The subscription begins when the stream is first polled, so that the member has
+    /// put the virtual nodes it knows into `nodes` by then (its pod watch is polled once
+    /// its groups are known): the list it is handed holds their pods.
+    ///
+    /// After that list, a pod is the member's when `nodes` holds its node at the time of
+    /// the event. A node that joins `nodes` later (a group that appears below) is
+    /// inserted by the member's fleet before its Node is registered
+    /// (`member::fleet::Fleet::start`), and the upper scheduler binds pods only to a
+    /// Node that exists, so every pod it binds there arrives after the name is in `nodes`
+    /// and is routed. Only a pod created already bound to that name (`spec.nodeName` set
+    /// by hand) before its Node existed is missed until the next list, as the member's
+    /// own watch would miss it (`controllers::pod_watch`).
+    pub fn subscribe_set(
+        self: &Arc<Self>,
+        member: &str,
+        nodes: Arc<GroupNodes>,
+    ) -> BoxStream<'static, Result<watcher::Event<Pod>, watcher::Error>> {
+        let router = self.clone();
+        let member = member.to_owned();
+        futures::stream::once(async move {
+            let (sender, receiver) = mpsc::unbounded_channel();
+            {
+                let mut routing = router
+                    .routing
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                routing.sets.remove(&member);
+                routing
+                    .sets_waiting
+                    .insert(member, SetRoute { nodes, sender });
+            }
+            router.relist.notify_one();
+            from_a_list_on(receiver)
+        })
+        .flatten()
         .boxed()
     }
 
@@ -541,14 +615,11 @@ impl PodRouter {
         self.lists.load(Ordering::Relaxed)
     }
 
-    /// Whether a node was had that no list covers.
+    /// Whether a node was had that no list covers, or a member of several nodes waits
+    /// for a list.
     fn needs_list(&self) -> bool {
-        self.routing
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .nodes
-            .values()
-            .any(|n| !n.covered())
+        let routing = self.routing.lock().unwrap_or_else(PoisonError::into_inner);
+        !routing.sets_waiting.is_empty() || routing.nodes.values().any(|n| !n.covered())
     }
 
     /// Whether a list is under way.
@@ -559,8 +630,9 @@ impl PodRouter {
             .listing
     }
 
-    /// Keeps `event` for its pod's node (if had) and hands it to that node's member, or,
-    /// for a list's start and end, to every member. A member gone is forgotten.
+    /// Keeps `event` for its pod's node (if had) and hands it to that node's member (or to
+    /// the members of several nodes that have it, if no member has it by name), or, for a
+    /// list's start and end, to every member. A member gone is forgotten.
     fn route(&self, event: watcher::Event<Pod>) {
         let mut routing = self.routing.lock().unwrap_or_else(PoisonError::into_inner);
         let routing = &mut *routing;
@@ -574,6 +646,11 @@ impl PodRouter {
                 routing
                     .routes
                     .retain(|_, member| member.send(watcher::Event::Init).is_ok());
+                let waited = std::mem::take(&mut routing.sets_waiting);
+                routing.sets.extend(waited);
+                routing
+                    .sets
+                    .retain(|_, set| set.sender.send(watcher::Event::Init).is_ok());
                 return;
             }
             watcher::Event::InitDone => {
@@ -587,6 +664,9 @@ impl PodRouter {
                 routing
                     .routes
                     .retain(|_, member| member.send(watcher::Event::InitDone).is_ok());
+                routing
+                    .sets
+                    .retain(|_, set| set.sender.send(watcher::Event::InitDone).is_ok());
                 for (node, member) in std::mem::take(&mut routing.waiting) {
                     let pods = routing.nodes.get(&node).map(|n| &n.pods);
                     if hand_list(&member, pods.unwrap_or(&BTreeMap::new())) {
@@ -620,12 +700,18 @@ impl PodRouter {
                 node
             }
         };
-        if let Some(node) = node.map(str::to_owned)
-            && let Some(member) = routing.routes.get(&node)
-            && member.send(event).is_err()
-        {
-            routing.routes.remove(&node);
+        let Some(node) = node.map(str::to_owned) else {
+            return;
+        };
+        if let Some(member) = routing.routes.get(&node) {
+            if member.send(event).is_err() {
+                routing.routes.remove(&node);
+            }
+            return;
         }
+        routing
+            .sets
+            .retain(|_, set| !set.serves(&node) || set.sender.send(event.clone()).is_ok());
     }
 
     /// Watches the pods of `api` bound to a node until `shutdown`, listing again (after
@@ -805,6 +891,119 @@ mod tests {
         let mut c = router.subscribe("vk-c");
         assert!(router.needs_list());
         assert_eq!(ready_now(&mut c), Vec::<String>::new());
+    }
+
+    /// One step of a router scene: a watch event routed, or a virtual node added to the
+    /// set member's nodes (by its fleet, before it registers the Node).
+    enum Step {
+        Route(Box<watcher::Event<Pod>>),
+        Add(&'static str),
+    }
+
+    fn route(event: watcher::Event<Pod>) -> Step {
+        Step::Route(Box::new(event))
+    }
+
+    /// A member of several virtual nodes is handed, on one channel, one list covering all
+    /// its nodes (from the next list of every bound pod on, none of an earlier list's
+    /// tail), then the changes of each pod whose node its set holds at the time; a member
+    /// by name beside it is served as before, and pods of other nodes go nowhere.
+    #[tokio::test]
+    async fn a_set_member_is_handed_every_node_of_its_set() {
+        use watcher::Event::{Apply, Delete, Init, InitApply, InitDone};
+        let router = Arc::new(PodRouter::default());
+        let groups = Arc::new(GroupNodes::default());
+        groups.insert("vk-z-a", None);
+        let mut one = router.subscribe("vk-one");
+        let mut set = router.subscribe_set("vk-z", groups.clone());
+        // Subscribed on its first poll.
+        assert_eq!(ready_now(&mut set), Vec::<String>::new());
+        let steps: Vec<(Step, &[&str], &[&str])> = vec![
+            // (step, then ready for the set member, for the member by name)
+            (route(Apply(pod("early", "vk-z-a"))), &[], &[]),
+            (route(InitApply(pod("tail", "vk-z-a"))), &[], &[]),
+            (route(Init), &["init"], &["init"]),
+            (route(InitApply(pod("a1", "vk-z-a"))), &["list a1"], &[]),
+            (route(InitApply(pod("b0", "vk-z-b"))), &[], &[]),
+            (route(InitApply(pod("o1", "vk-one"))), &[], &["list o1"]),
+            (route(InitApply(pod("real", "node-1"))), &[], &[]),
+            (route(InitDone), &["listed"], &["listed"]),
+            (Step::Add("vk-z-b"), &[], &[]),
+            (route(Apply(pod("b1", "vk-z-b"))), &["apply b1"], &[]),
+            (route(Delete(pod("a1", "vk-z-a"))), &["delete a1"], &[]),
+            (route(Apply(pod("o2", "vk-one"))), &[], &["apply o2"]),
+            (route(Apply(pod("r2", "node-1"))), &[], &[]),
+            // The watch's own relist: both are handed it.
+            (route(Init), &["init"], &["init"]),
+            (route(InitApply(pod("b1", "vk-z-b"))), &["list b1"], &[]),
+            (route(InitApply(pod("o2", "vk-one"))), &[], &["list o2"]),
+            (route(InitDone), &["listed"], &["listed"]),
+        ];
+        for (i, (step, for_set, for_one)) in steps.into_iter().enumerate() {
+            match step {
+                Step::Route(event) => router.route(*event),
+                Step::Add(node) => groups.insert(node, None),
+            }
+            assert_eq!(ready_now(&mut set), for_set, "step {i}: the set member");
+            assert_eq!(ready_now(&mut one), for_one, "step {i}: the member by name");
+        }
+        assert!(!router.needs_list());
+    }
+
+    /// A set member that starts again (replacing its subscription) ends the earlier one
+    /// and waits for the next list, never handed the tail of a list under way; one gone is
+    /// forgotten.
+    #[tokio::test]
+    async fn a_restarted_set_member_waits_for_the_next_list() {
+        let router = Arc::new(PodRouter::default());
+        let groups = Arc::new(GroupNodes::default());
+        groups.insert("vk-z-a", None);
+        let mut first = router.subscribe_set("vk-z", groups.clone());
+        assert!(!router.needs_list(), "subscribed only once polled");
+        assert_eq!(ready_now(&mut first), Vec::<String>::new());
+        assert!(router.needs_list(), "a set member waits for a list");
+        router.route(watcher::Event::Init);
+        router.route(watcher::Event::InitApply(pod("a1", "vk-z-a")));
+        router.route(watcher::Event::InitDone);
+        assert_eq!(ready_now(&mut first), ["init", "list a1", "listed"]);
+        let lists = router.lists();
+
+        router.route(watcher::Event::Init);
+        router.route(watcher::Event::InitApply(pod("a1", "vk-z-a")));
+        let mut second = router.subscribe_set("vk-z", groups.clone());
+        assert_eq!(ready_now(&mut second), Vec::<String>::new());
+        assert_eq!(ready_now(&mut first), ["init", "list a1"]);
+        assert_eq!(
+            first.next().now_or_never().map(|e| e.is_none()),
+            Some(true),
+            "replaced, the first subscription ends"
+        );
+        router.route(watcher::Event::InitApply(pod("a2", "vk-z-a")));
+        router.route(watcher::Event::InitDone);
+        assert_eq!(
+            ready_now(&mut second),
+            Vec::<String>::new(),
+            "no list's tail"
+        );
+        assert!(router.needs_list(), "it asks for a list");
+        router.route(watcher::Event::Init);
+        router.route(watcher::Event::InitApply(pod("a1", "vk-z-a")));
+        router.route(watcher::Event::InitApply(pod("a2", "vk-z-a")));
+        router.route(watcher::Event::InitDone);
+        assert_eq!(
+            ready_now(&mut second),
+            ["init", "list a1", "list a2", "listed"]
+        );
+        assert_eq!(router.lists(), lists + 2);
+        assert!(!router.needs_list());
+
+        drop(second);
+        router.route(watcher::Event::Apply(pod("a3", "vk-z-a")));
+        let routing = router.routing.lock().unwrap();
+        assert!(
+            routing.sets.is_empty() && routing.sets_waiting.is_empty(),
+            "a member gone is forgotten"
+        );
     }
 
     /// A member that subscribes while the watch's first list is under way (part of it

@@ -232,7 +232,11 @@ fn keep_if_departed(
 /// this node's.
 pub fn watches(ctx: &Context) -> PodWatches {
     let upper_watch = match &ctx.upper_watches {
-        Some(shared) => shared.pods.subscribe(&ctx.owner.node),
+        Some(shared) => match &ctx.groups {
+            None => shared.pods.subscribe(&ctx.owner.node),
+            // Node granularity: the pods of every one of the member's virtual nodes.
+            Some(groups) => shared.pods.subscribe_set(&ctx.owner.node, groups.clone()),
+        },
         None => {
             let upper_api: Api<Pod> = if ctx.namespace.is_empty() {
                 Api::all(ctx.upper.clone())

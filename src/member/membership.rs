@@ -11,6 +11,8 @@
 //!   and the Node deleted — across a restart of this process too;
 //! - a Secret that cannot be used (no kubeconfig, an unreadable one, a node name another
 //!   member or a real node has) is named in a Warning Event on it and in the log.
+//!   A virtual node name of one group that another member has already is refused alone
+//!   ([`super::names`], `MemberNodeNameClash`); the member runs its other groups.
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
@@ -283,7 +285,9 @@ impl Membership {
             if let Some(running) = self.running.remove(&name) {
                 info!(secret = %name, node = %running.node, "member Secret gone: stopping its member");
                 self.shared.metrics.forget_member(&running.node);
+                let node = running.node.clone();
                 stop(running).await;
+                self.shared.node_names.release(&node);
             }
         }
 
@@ -327,7 +331,10 @@ impl Membership {
                 continue;
             }
             let spec = match super::member_spec(&member).await {
-                Ok(spec) => spec,
+                Ok(spec) => MemberSpec {
+                    secret: Some(secret.object_ref(&())),
+                    ..spec
+                },
                 Err(why) => {
                     // A rotation to a bad kubeconfig leaves the running member as it is.
                     self.complain(&secret, "MemberInvalid", &why).await;
@@ -488,6 +495,10 @@ impl Membership {
                 match outcome {
                     Ok(()) => {
                         remove_finalizer(&shared, &namespace, &secret).await;
+                        // Gone for good: its virtual node names are free.
+                        if let Some(node) = &node {
+                            shared.node_names.release(node);
+                        }
                     }
                     Err(error) => {
                         warn!(secret = %secret.name_any(), %error, "member leave failed; trying again");

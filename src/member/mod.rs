@@ -1,4 +1,5 @@
-//! A member: one lower cluster joined to the upper one as one virtual node, with its lower
+//! A member: one lower cluster joined to the upper one as one virtual node (or, of `node`
+//! or `label=<key>` granularity, one per group of lower nodes: [`fleet`]), with its lower
 //! client, watches, controllers, node keep-alive and kubelet API. [`run`] is its one entry
 //! point: `main` runs the member of the single-cluster flags (`--nodename`,
 //! `--client-kubeconfig`), and the [`membership`] controller those of member Secrets
@@ -10,13 +11,14 @@ pub mod fleet;
 pub mod join;
 pub mod leave;
 pub mod membership;
+pub mod names;
 pub mod spec;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use k8s_openapi::api::core::v1::{Node, Taint};
+use k8s_openapi::api::core::v1::{Node, ObjectReference, Taint};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::runtime::events::{Recorder, Reporter};
 use tokio::sync::watch;
@@ -63,6 +65,8 @@ pub struct Shared {
     /// With `--members-namespace`, the upper watches every member reads (one of each kind,
     /// however many members); `None`: the one member watches for itself.
     pub upper_watches: Option<Arc<UpperWatches>>,
+    /// The virtual node names the members claimed: each is one member's.
+    pub node_names: Arc<names::NodeNames>,
 }
 
 /// What is a member's own: its lower cluster, its node, and the options that may differ
@@ -89,6 +93,9 @@ pub struct MemberSpec {
     pub granularity: Granularity,
     /// Lower node labels a group's virtual node shows beside the documented ones.
     pub lower_node_labels: LabelPatterns,
+    /// The member Secret it comes from (`None`: the flags' member): where what concerns
+    /// the member alone is said (a virtual node name another member has).
+    pub secret: Option<ObjectReference>,
 }
 
 impl std::fmt::Debug for MemberSpec {
@@ -130,6 +137,7 @@ impl MemberSpec {
             })),
             granularity: args.node_granularity.clone(),
             lower_node_labels: args.lower_node_labels.clone(),
+            secret: None,
         }
     }
 }
@@ -138,7 +146,6 @@ impl MemberSpec {
 /// that would run a command or read a file is refused ([`spec::lower_kubeconfig`]); no
 /// error quotes the kubeconfig's text.
 pub async fn member_spec(member: &spec::MemberSecret) -> Result<MemberSpec, String> {
-    granularity_supported(&member.granularity)?;
     let kubeconfig = spec::lower_kubeconfig(&member.kubeconfig).map_err(|e| e.to_string())?;
     let config = kube::Config::from_custom_kubeconfig(
         kubeconfig,
@@ -161,32 +168,9 @@ pub async fn member_spec(member: &spec::MemberSecret) -> Result<MemberSpec, Stri
         bursting: Arc::new(watch::Sender::new(member.bursting.clone())),
         granularity: member.granularity.clone(),
         lower_node_labels: member.lower_node_labels.clone(),
+        // The membership controller names it.
+        secret: None,
     })
-}
-
-/// Whether a member of `granularity` can run: only `cluster` so far. Grouping the lower
-/// nodes ([`node::groups`]) is there; one Node, Lease and pod route per group is not yet,
-/// so `node` and `label=<key>` are refused rather than shown as one node.
-pub fn granularity_supported(granularity: &Granularity) -> Result<(), String> {
-    match granularity {
-        Granularity::Cluster => Ok(()),
-        other => Err(format!(
-            "node granularity {other} is not supported yet (only cluster)"
-        )),
-    }
-}
-
-/// Whether a member of `granularity` can run in this process: `cluster` always; `node`
-/// and `label=<key>` as the process's one member (the flags: its virtual nodes, their
-/// pods and its kubelet API are its own). Members of a federation
-/// (`--federation`) share the upper pod watch routed by node name, which does not route
-/// several names to a member yet: refused there ([`granularity_supported`]).
-pub fn granularity_runs(granularity: &Granularity, federated: bool) -> Result<(), String> {
-    if federated {
-        granularity_supported(granularity)
-    } else {
-        Ok(())
-    }
 }
 
 /// The taint the flags give every node (none with `--disable-taint`).
@@ -269,8 +253,6 @@ async fn run_member(
 ) -> Result<(), String> {
     let args = &shared.args;
     let upper = &shared.upper;
-    granularity_runs(&spec.granularity, shared.upper_watches.is_some())
-        .map_err(|why| format!("node {}: {why}", spec.node))?;
     // Node granularity: the member's virtual nodes, known before any is registered.
     let group_nodes = (spec.granularity != Granularity::Cluster)
         .then(|| Arc::new(node::groups::GroupNodes::default()));
@@ -347,7 +329,18 @@ async fn run_member(
         kubelet_api::serve(kubelet_listener, kubelet_tls, kubelet_api, shutdown.clone()),
     );
     let (capacity_tx, capacity_rx) = watch::channel(None);
-    let (offers_tx, offers_rx) = watch::channel(BTreeMap::new());
+    // Every group below (`offers`), and those whose name is the member's (`admitted`, what
+    // its fleet registers): a name another member has is refused.
+    let (offers_tx, mut offers) = watch::channel(BTreeMap::new());
+    let (admitted_tx, offers_rx) = watch::channel(BTreeMap::new());
+    let mut admission = names::Admission::new(
+        shared.node_names.clone(),
+        names::Claimant::new(&spec.node, spec.secret.as_ref()),
+        shared.upper_watches.as_ref().map(|_| upper.client.clone()),
+        spec.secret
+            .clone()
+            .map(|secret| (ctx.recorder.clone(), secret)),
+    );
     let grouped = group_nodes.as_ref().map(|_| node::GroupWatch {
         groups: node::groups::Groups::new(
             &spec.node,
@@ -375,7 +368,23 @@ async fn run_member(
             () = shutdown.cancelled() => {}
             _ = known.wait_for(Option::is_some) => {}
         }
+        let known = offers.borrow_and_update().clone();
+        tokio::select! {
+            biased;
+            () = shutdown.cancelled() => {}
+            admitted = admission.admit(known) => {
+                admitted_tx.send_replace(admitted);
+            }
+        }
         fleet::know(nodes, &spec.granularity, &offers_rx.borrow());
+        tasks.spawn(
+            "virtual node names",
+            admission.follow(offers, admitted_tx, shutdown.clone()),
+        );
+    } else if let Err(clash) = admission.claim_node(&spec.node).await {
+        shutdown.cancel();
+        tasks.supervise().await.map_err(|f| f.to_string())?;
+        return Err(clash);
     }
     if let (Some((view, suffix)), Some(raw_lower)) = (namespaces, raw_lower) {
         tasks.spawn(
