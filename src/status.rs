@@ -20,6 +20,7 @@ use serde::Serialize;
 
 use crate::member::spec::{KUBECONFIG_KEY, MEMBER_LABEL, SHARE_ANNOTATION, node_name};
 use crate::node::burst::BURST_PRIORITY_LABEL;
+use crate::node::groups::MEMBER_NODE_LABEL;
 use crate::node::quantity::format_readable;
 use crate::node::resources::{self, Resources};
 use crate::side::Side;
@@ -188,6 +189,9 @@ pub async fn run(args: &StatusArgs) -> Result<String, StatusError> {
     })
 }
 
+/// Beyond this many virtual nodes, their pods are read in one list of every bound pod.
+const ONE_LIST_BEYOND: usize = 16;
+
 async fn read(client: &Client, args: &StatusArgs) -> Result<Inputs, StatusError> {
     let mut inputs = Inputs::default();
     let nodes: Api<Node> = Api::all(client.clone());
@@ -212,16 +216,37 @@ async fn read(client: &Client, args: &StatusArgs) -> Result<Inputs, StatusError>
     names.sort();
     names.dedup();
     let pods: Api<Pod> = Api::all(client.clone());
-    for name in names
+    let asked: Vec<&String> = names
         .iter()
         .filter(|n| args.nodes.is_empty() || args.nodes.contains(n))
-    {
-        let params = ListParams::default().fields(&format!("spec.nodeName={name}"));
+        .collect();
+    if asked.len() > ONE_LIST_BEYOND {
+        // Many virtual nodes (a member of node or label= granularity): one list of every
+        // bound pod rather than one per node.
+        let params = ListParams::default().fields("spec.nodeName!=");
         match pods.list(&params).await {
             Ok(list) => {
-                inputs.pods.insert(name.clone(), list.items);
+                for name in &asked {
+                    inputs.pods.insert((*name).clone(), Vec::new());
+                }
+                for pod in list.items {
+                    let node = pod.spec.as_ref().and_then(|s| s.node_name.clone());
+                    if let Some(kept) = node.and_then(|n| inputs.pods.get_mut(&n)) {
+                        kept.push(pod);
+                    }
+                }
             }
-            Err(error) => inputs.unread.push(format!("pods on {name}: {error}")),
+            Err(error) => inputs.unread.push(format!("pods bound to a node: {error}")),
+        }
+    } else {
+        for name in asked {
+            let params = ListParams::default().fields(&format!("spec.nodeName={name}"));
+            match pods.list(&params).await {
+                Ok(list) => {
+                    inputs.pods.insert(name.clone(), list.items);
+                }
+                Err(error) => inputs.unread.push(format!("pods on {name}: {error}")),
+            }
         }
     }
     let events: Api<Event> = Api::all(client.clone());
@@ -254,35 +279,54 @@ pub fn summarize(inputs: &Inputs, members_namespace: &str, only: &[String]) -> S
     let secrets: BTreeMap<String, &Secret> =
         inputs.secrets.iter().map(|s| (node_name(s), s)).collect();
     let mut rows: BTreeMap<String, NodeStatus> = BTreeMap::new();
+    // Each row's member node name: its own, or for a group's virtual node its member's.
+    let mut member_of: BTreeMap<String, String> = BTreeMap::new();
     for node in &inputs.nodes {
         let name = node.name_any();
         if wanted(&name) {
             rows.insert(name.clone(), node_row(node, inputs.pods.get(&name)));
+            member_of.insert(name.clone(), member_node(node));
         }
     }
     for (name, secret) in &secrets {
-        if !wanted(name) {
-            continue;
+        let mut nodes: Vec<String> = member_of
+            .iter()
+            .filter(|(_, member)| *member == name)
+            .map(|(node, _)| node.clone())
+            .collect();
+        if nodes.is_empty() && wanted(name) {
+            // No Node yet (or none of that name): the member alone.
+            rows.insert(
+                name.clone(),
+                NodeStatus {
+                    node: name.clone(),
+                    ..NodeStatus::default()
+                },
+            );
+            member_of.insert(name.clone(), name.clone());
+            nodes.push(name.clone());
         }
-        let row = rows.entry(name.clone()).or_insert_with(|| NodeStatus {
-            node: name.clone(),
-            ..NodeStatus::default()
-        });
-        row.member = Some(format!("{members_namespace}/{}", secret.name_any()));
-        row.lower_server = secret
-            .data
-            .as_ref()
-            .and_then(|d| d.get(KUBECONFIG_KEY))
-            .and_then(|k| lower_server(&k.0));
-        row.share = secret
-            .metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get(SHARE_ANNOTATION))
-            .cloned();
+        for node in nodes {
+            let Some(row) = rows.get_mut(&node) else {
+                continue;
+            };
+            row.member = Some(format!("{members_namespace}/{}", secret.name_any()));
+            row.lower_server = secret
+                .data
+                .as_ref()
+                .and_then(|d| d.get(KUBECONFIG_KEY))
+                .and_then(|k| lower_server(&k.0));
+            row.share = secret
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(SHARE_ANNOTATION))
+                .cloned();
+        }
     }
     for row in rows.values_mut() {
-        let secret = secrets.get(&row.node).copied();
+        let member = member_of.get(&row.node).unwrap_or(&row.node);
+        let secret = secrets.get(member).copied();
         row.last_error = last_warning(&inputs.events, &row.node, secret, members_namespace);
     }
     let leases = inputs
@@ -307,6 +351,15 @@ pub fn summarize(inputs: &Inputs, members_namespace: &str, only: &[String]) -> S
         leases,
         unread: inputs.unread.clone(),
     }
+}
+
+/// The member node name of `node`: [`MEMBER_NODE_LABEL`] on a group's virtual node, else
+/// its own name.
+fn member_node(node: &Node) -> String {
+    node.labels()
+        .get(MEMBER_NODE_LABEL)
+        .cloned()
+        .unwrap_or_else(|| node.name_any())
 }
 
 fn node_row(node: &Node, pods: Option<&Vec<Pod>>) -> NodeStatus {
@@ -646,6 +699,59 @@ mod tests {
         );
         let json = serde_json::to_string(&status).unwrap();
         assert!(!json.contains("secret-token"), "{json}");
+    }
+
+    #[test]
+    fn a_members_group_nodes_each_joined_with_it() {
+        let grouped = |name: &str| {
+            node(
+                name,
+                json!({"metadata": {"labels": {MEMBER_NODE_LABEL: "vk-z"}}}),
+            )
+        };
+        let inputs = Inputs {
+            nodes: vec![grouped("vk-z-zone-a"), grouped("vk-z-zone-b")],
+            secrets: vec![secret(
+                "lower-z",
+                "vk-z",
+                json!({"tensile.dev/share": "cpu=3"}),
+            )],
+            events: vec![event(
+                "Secret",
+                "lower-z",
+                "MemberNodeNameClash",
+                "2026-11-26T11:00:00Z",
+            )],
+            ..Inputs::default()
+        };
+        let status = summarize(&inputs, "tensile-system", &[]);
+        let names: Vec<&str> = status.nodes.iter().map(|r| r.node.as_str()).collect();
+        assert_eq!(
+            names,
+            ["vk-z-zone-a", "vk-z-zone-b"],
+            "no row for the member's own name"
+        );
+        for row in &status.nodes {
+            assert_eq!(
+                row.member.as_deref(),
+                Some("tensile-system/lower-z"),
+                "{}",
+                row.node
+            );
+            assert_eq!(row.share.as_deref(), Some("cpu=3"), "{}", row.node);
+            assert_eq!(
+                row.last_error.as_ref().map(|e| e.reason.as_str()),
+                Some("MemberNodeNameClash"),
+                "{}",
+                row.node
+            );
+        }
+        let only = summarize(&inputs, "tensile-system", &["vk-z-zone-b".to_owned()]);
+        assert_eq!(only.nodes.len(), 1);
+        assert_eq!(
+            only.nodes[0].member.as_deref(),
+            Some("tensile-system/lower-z")
+        );
     }
 
     #[test]

@@ -47,6 +47,10 @@ const OWN_LABELS: [&str; 5] = [
     "clusterID",
     super::burst::BURST_PRIORITY_LABEL,
 ];
+/// The label on each virtual node of a member of `node` or `label=<key>` granularity: its
+/// member's `--nodename` (the name a `cluster` member's one node has), which joins the
+/// node with its member (`virtual-node status`). Set over any lower node's value.
+pub const MEMBER_NODE_LABEL: &str = "tensile.dev/member-node";
 /// The well-known hostname label.
 const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
 /// The field a node-granularity group's pods are confined by: the lower node's name (its
@@ -407,6 +411,7 @@ impl Groups {
         let nodes: Vec<&LowerNode> = members.iter().filter_map(|m| self.nodes.get(m)).collect();
         let mut labels = nodes.first().map(|n| n.labels.clone()).unwrap_or_default();
         labels.retain(|k, v| nodes.iter().all(|n| n.labels.get(k) == Some(v)));
+        labels.insert(MEMBER_NODE_LABEL.to_owned(), self.base.clone());
         Some(Group {
             key: key.to_owned(),
             name: virtual_node_name(&self.base, &self.granularity, key),
@@ -699,6 +704,7 @@ mod tests {
             a.labels,
             BTreeMap::from([
                 ("kubernetes.io/arch".into(), "arm64".into()),
+                (MEMBER_NODE_LABEL.into(), "vk".into()),
                 ("topology.kubernetes.io/zone".into(), "a".into()),
             ])
         );
@@ -805,7 +811,11 @@ mod tests {
         let w1 = groups.group("w1").unwrap();
         assert_eq!(w1.name, "vk-w1");
         assert!(w1.cordoned, "cordoned below, cordoned above");
-        assert_eq!(w1.labels.len(), 1);
+        assert_eq!(w1.labels.len(), 2);
+        assert_eq!(
+            w1.labels.get(MEMBER_NODE_LABEL).map(String::as_str),
+            Some("vk")
+        );
     }
 
     #[test]
