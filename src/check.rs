@@ -10,7 +10,7 @@ use std::fmt::Write;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Namespace, Secret};
+use k8s_openapi::api::core::v1::{Namespace, Node, Secret};
 use kube::Api;
 use kube::api::ListParams;
 
@@ -18,6 +18,7 @@ use crate::cli::Args;
 use crate::clusters::{self, Cluster, RateLimit};
 use crate::member::spec::{self, MEMBER_LABEL};
 use crate::metrics::Metrics;
+use crate::node::groups::{Granularity, Groups, LabelPatterns};
 use crate::side::Side;
 
 /// One check's outcome.
@@ -42,6 +43,10 @@ impl Report {
             ok: true,
             what: what.into(),
         });
+    }
+
+    fn push(&mut self, line: Line) {
+        self.lines.push(line);
     }
 
     fn fail(&mut self, what: impl Into<String>) {
@@ -110,6 +115,16 @@ pub async fn check(args: &Args) -> Report {
     let features = args.features();
     for cluster in [&upper, &lower].into_iter().flatten() {
         permissions(&mut report, cluster, features, &cluster.side.to_string()).await;
+    }
+    if let Some(lower) = &lower {
+        groups(
+            &mut report,
+            lower,
+            &args.nodename,
+            &args.node_granularity,
+            &args.lower_node_labels,
+        )
+        .await;
     }
     if let Some(upper) = &upper {
         identity(&mut report, args, upper).await;
@@ -229,9 +244,86 @@ async fn members(
                     &format!("node {node}: lower"),
                 )
                 .await;
+                groups(
+                    report,
+                    &lower,
+                    &node,
+                    &member.granularity,
+                    &member.lower_node_labels,
+                )
+                .await;
             }
             Err(error) => report.fail(format!("node {node} (member Secret {name}): {error}")),
         }
+    }
+}
+
+/// The virtual nodes a member of `node` or `label=<key>` granularity would register from
+/// the lower nodes as they are now: a failure when none would (`label=<key>` that no
+/// lower node carries). Nothing for `cluster`.
+async fn groups(
+    report: &mut Report,
+    lower: &Cluster,
+    base: &str,
+    granularity: &Granularity,
+    patterns: &LabelPatterns,
+) {
+    if *granularity == Granularity::Cluster {
+        return;
+    }
+    let nodes: Api<Node> = Api::all(lower.client.clone());
+    match nodes.list(&ListParams::default()).await {
+        Ok(list) => report.push(granularity_line(base, granularity, patterns, &list.items)),
+        Err(error) => report.fail(format!(
+            "node {base}: lower cluster: listing Nodes for --node-granularity {granularity}: {error}"
+        )),
+    }
+}
+
+/// What `groups` reports for the lower `nodes`. Pure.
+fn granularity_line(
+    base: &str,
+    granularity: &Granularity,
+    patterns: &LabelPatterns,
+    nodes: &[Node],
+) -> Line {
+    let mut groups = Groups::new(base, granularity.clone(), patterns.clone());
+    for node in nodes {
+        groups.apply_node(node);
+    }
+    let names: Vec<String> = groups
+        .keys()
+        .filter_map(|key| groups.group(key))
+        .map(|group| group.name)
+        .collect();
+    if names.is_empty() {
+        return Line {
+            ok: false,
+            what: format!(
+                "node {base}: --node-granularity {granularity}: none of the {} lower nodes \
+                 makes a virtual node (no lower node carries the label?)",
+                nodes.len()
+            ),
+        };
+    }
+    const SHOWN: usize = 5;
+    let more = names.len().saturating_sub(SHOWN);
+    let mut shown = names
+        .iter()
+        .take(SHOWN)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if more > 0 {
+        let _ = write!(shown, " and {more} more");
+    }
+    Line {
+        ok: true,
+        what: format!(
+            "node {base}: --node-granularity {granularity}: {} virtual nodes from {} lower nodes ({shown})",
+            names.len(),
+            nodes.len()
+        ),
     }
 }
 
@@ -307,5 +399,60 @@ mod tests {
             report.render(),
             "✓ upper cluster reachable\n✗ lower cluster: may not create pods\n1 of 2 checks failed\n"
         );
+    }
+
+    #[test]
+    fn the_virtual_nodes_a_granularity_would_make() {
+        let node = |name: &str, zone: Option<&str>| -> Node {
+            let mut node = Node::default();
+            node.metadata.name = Some(name.into());
+            if let Some(zone) = zone {
+                node.metadata.labels =
+                    Some([("topology.kubernetes.io/zone".to_owned(), zone.to_owned())].into());
+            }
+            node
+        };
+        let zone: Granularity = "label=topology.kubernetes.io/zone".parse().unwrap();
+        let zoned = [
+            node("n1", Some("a")),
+            node("n2", Some("b")),
+            node("n3", Some("a")),
+        ];
+        let bare = [node("n1", None), node("n2", None)];
+        let seven: Vec<Node> = (0..7).map(|i| node(&format!("w{i}"), None)).collect();
+        for (case, granularity, nodes, ok, says) in [
+            (
+                "zones",
+                &zone,
+                &zoned[..],
+                true,
+                "2 virtual nodes from 3 lower nodes (vk-a, vk-b)",
+            ),
+            (
+                "no lower node has the label",
+                &zone,
+                &bare[..],
+                false,
+                "none of the 2 lower nodes",
+            ),
+            (
+                "no lower node at all",
+                &Granularity::Node,
+                &[][..],
+                false,
+                "none of the 0",
+            ),
+            (
+                "many",
+                &Granularity::Node,
+                &seven[..],
+                true,
+                "(vk-w0, vk-w1, vk-w2, vk-w3, vk-w4 and 2 more)",
+            ),
+        ] {
+            let line = granularity_line("vk", granularity, &LabelPatterns::default(), nodes);
+            assert_eq!(line.ok, ok, "{case}: {}", line.what);
+            assert!(line.what.contains(says), "{case}: {}", line.what);
+        }
     }
 }
