@@ -29,7 +29,7 @@ use tracing::{debug, info, warn};
 use self::burst::{BURST_PRIORITY_LABEL, Burst};
 use self::capacity::{LowerCapacity, PodFeed};
 use self::groups::{GroupOffer, Groups, offers};
-use self::spec::{NodeConfig, merge_taints, new_node, node_labels, node_status};
+use self::spec::{LowerReadiness, NodeConfig, merge_taints, new_node, node_labels, node_status};
 use crate::clusters::{HEARTBEAT_TIMEOUT, HeartbeatClients};
 use crate::side::Side;
 use crate::translate::meta::Owner;
@@ -107,6 +107,17 @@ pub async fn register(
     capacity: &BTreeMap<String, Quantity>,
     bursting: &Burst,
 ) -> Result<Node, NodeError> {
+    register_as(upper, config, capacity, &LowerReadiness::Ready, bursting).await
+}
+
+/// [`register`], its status showing `readiness` (a group's virtual node).
+pub async fn register_as(
+    upper: &Client,
+    config: &NodeConfig,
+    capacity: &BTreeMap<String, Quantity>,
+    readiness: &LowerReadiness,
+    bursting: &Burst,
+) -> Result<Node, NodeError> {
     let nodes: Api<Node> = Api::all(upper.clone());
     let name = config.name.as_str();
     let existing = nodes
@@ -160,7 +171,7 @@ pub async fn register(
             }
         }
     };
-    write_status(upper, config, capacity, node.status.as_ref()).await
+    write_status(upper, config, capacity, readiness, node.status.as_ref()).await
 }
 
 /// Set by a member's leave beside the cordon it makes, so that the cordon is told from a
@@ -184,9 +195,16 @@ async fn write_status(
     upper: &Client,
     config: &NodeConfig,
     capacity: &BTreeMap<String, Quantity>,
+    readiness: &LowerReadiness,
     previous: Option<&NodeStatus>,
 ) -> Result<Node, NodeError> {
-    let status = node_status(config, capacity, previous, Time(Timestamp::now()));
+    let status = node_status(
+        config,
+        capacity,
+        readiness,
+        previous,
+        Time(Timestamp::now()),
+    );
     Api::<Node>::all(upper.clone())
         .patch_status(
             &config.name,
@@ -545,6 +563,27 @@ pub async fn keep_alive(
     config: NodeConfig,
     use_lease: bool,
     offer: Offer,
+    last: Node,
+    shutdown: CancellationToken,
+) {
+    // Never changes: its sender is gone.
+    let readiness = watch::channel(LowerReadiness::Ready).1;
+    keep_group_alive(
+        upper, lower, config, use_lease, offer, readiness, last, shutdown,
+    )
+    .await;
+}
+
+/// [`keep_alive`] for a group's virtual node, whose status also shows `readiness` (the
+/// group's lower nodes), written again as it changes.
+#[allow(clippy::too_many_arguments)]
+pub async fn keep_group_alive(
+    upper: HeartbeatClients,
+    lower: HeartbeatClients,
+    config: NodeConfig,
+    use_lease: bool,
+    offer: Offer,
+    mut readiness: watch::Receiver<LowerReadiness>,
     mut last: Node,
     shutdown: CancellationToken,
 ) {
@@ -552,6 +591,9 @@ pub async fn keep_alive(
         mut capacity,
         mut bursting,
     } = offer;
+    let mut readiness_open = true;
+    // What register wrote; a change since then is still to be seen (and written).
+    let mut written_readiness = readiness.borrow().clone();
     let mut upper = Beat::new(upper, &config.name);
     let mut lower = Beat::new(lower, &config.name);
     let mut tick = tokio::time::interval(LEASE_RENEW);
@@ -571,6 +613,11 @@ pub async fn keep_alive(
                 let share = bursting.borrow_and_update().share.clone();
                 let offered = capacity.borrow().as_ref().map(|c| share.cap(c));
                 write = offered.is_some() && offered != written_capacity;
+            }
+            changed = readiness.changed(), if readiness_open => {
+                readiness_open = changed.is_ok();
+                readiness.mark_unchanged();
+                write = readiness_open;
             }
             _ = tick.tick() => {
                 let probe = lower
@@ -617,6 +664,8 @@ pub async fn keep_alive(
                     write = true;
                 }
                 write |= last_status_write.elapsed() >= STATUS_REFRESH;
+                // A readiness write that failed is tried again.
+                write |= *readiness.borrow() != written_readiness;
             }
             changed = capacity.changed() => {
                 if changed.is_err() {
@@ -656,16 +705,29 @@ pub async fn keep_alive(
         let Some(current) = capacity.borrow().as_ref().map(|c| share.cap(c)) else {
             continue;
         };
+        let ready = readiness.borrow().clone();
+        if ready != written_readiness {
+            match &ready {
+                LowerReadiness::Ready => {
+                    info!(node = %config.name, object = %config.name, kind = "Node", cluster = "upper", "a lower node of the group is Ready: the virtual node is Ready")
+                }
+                LowerReadiness::GroupNotReady(group) => {
+                    warn!(node = %config.name, object = %config.name, kind = "Node", cluster = "upper", %group, "every lower node of the group is NotReady: the virtual node is NotReady")
+                }
+            }
+        }
         let written = upper
             .call("writing the status of", |client| {
-                let (config, current, previous) = (&config, &current, last.status.as_ref());
-                async move { write_status(&client, config, current, previous).await }
+                let (config, current, ready, previous) =
+                    (&config, &current, &ready, last.status.as_ref());
+                async move { write_status(&client, config, current, ready, previous).await }
             })
             .await;
         match written {
             Ok(node) => {
                 last = node;
                 written_capacity = Some(current);
+                written_readiness = ready;
                 last_status_write = tokio::time::Instant::now();
             }
             Err(error) => {
