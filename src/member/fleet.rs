@@ -31,7 +31,7 @@ use crate::clusters::HeartbeatClients;
 use crate::node::burst::Burst;
 use crate::node::groups::{Granularity, GroupNodes, GroupOffer, group_requirement};
 use crate::node::spec::{LowerReadiness, NodeConfig};
-use crate::node::{self, CORDONED_BY_ANNOTATION};
+use crate::node::{self, CORDONED_BY_ANNOTATION, SharedBeat};
 
 /// [`CORDONED_BY_ANNOTATION`]'s value on the cordon of a virtual node whose lower nodes
 /// are all cordoned: lifted when one of them is uncordoned (a user's cordon is kept).
@@ -124,6 +124,11 @@ impl Fleet {
         let mut beats = JoinSet::new();
         let mut drains: JoinSet<(String, u64)> = JoinSet::new();
         let mut drain_ids = 0_u64;
+        // One heartbeat client per cluster for all the member's virtual nodes.
+        let beats_on = (
+            SharedBeat::new(self.upper_heartbeat.clone()),
+            SharedBeat::new(self.lower_heartbeat.clone()),
+        );
         loop {
             let now = offers.borrow_and_update().clone();
             for (key, offer) in &now {
@@ -158,7 +163,7 @@ impl Fleet {
                     drain.finished.cancelled().await;
                 }
                 match self
-                    .start(key, offer, shutdown.child_token())
+                    .start(key, offer, &beats_on, shutdown.child_token())
                     .instrument(span.clone())
                     .await
                 {
@@ -266,6 +271,7 @@ impl Fleet {
         &self,
         key: &str,
         offer: &GroupOffer,
+        (upper_beat, lower_beat): &(SharedBeat, SharedBeat),
         stop: CancellationToken,
     ) -> Result<(Running, impl Future<Output = ()> + Send + 'static), String> {
         self.nodes
@@ -292,8 +298,8 @@ impl Fleet {
         let (capacity, capacity_rx) = watch::channel(Some(offer.capacity.clone()));
         let (readiness, readiness_rx) = watch::channel(readiness);
         let beat = node::keep_group_alive(
-            self.upper_heartbeat.clone(),
-            self.lower_heartbeat.clone(),
+            upper_beat.clone(),
+            lower_beat.clone(),
             config.clone(),
             self.use_lease,
             node::Offer {

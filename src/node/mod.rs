@@ -9,6 +9,7 @@ pub mod resources;
 pub mod spec;
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
@@ -466,20 +467,91 @@ where
     watcher::watcher(api, config).default_backoff()
 }
 
-/// One cluster's heartbeat client ([`HeartbeatClients`]), made anew after a failed call so
-/// that the next call never waits on a connection that stopped answering (the kubelet
-/// closes its heartbeat connections on a failure the same way, kubernetes#48638).
-struct Beat {
+/// One cluster's heartbeat client ([`HeartbeatClients`]), shared by the virtual nodes of
+/// one member (a member of `node` granularity may have a thousand: a client each, with its
+/// connections and TLS sessions, cost more than the rest of a virtual node), made anew
+/// after a call on it failed so that the next call never waits on a connection that
+/// stopped answering (the kubelet closes its heartbeat connections on a failure the same
+/// way, kubernetes#48638). Calls in flight keep the client they started on.
+#[derive(Clone)]
+pub struct SharedBeat {
     clients: HeartbeatClients,
+    current: Arc<Mutex<BeatClient>>,
+}
+
+/// The client a [`SharedBeat`] hands out, and which one it is.
+#[derive(Default)]
+struct BeatClient {
+    /// Counts the clients made, so a failure on an old one does not drop a newer one.
+    made: u64,
     client: Option<Client>,
+    /// When the API server last answered a health probe.
+    answered: Option<tokio::time::Instant>,
+}
+
+/// A lower health probe answered this recently counts for every virtual node of the
+/// member (shorter than [`LEASE_RENEW`], so a lone node probes at each renewal as before;
+/// a thousand nodes probe about once in this time, not a thousand times per renewal).
+const SHARED_PROBE: Duration = HEARTBEAT_TIMEOUT;
+
+impl SharedBeat {
+    /// No client yet: the first call makes it.
+    pub fn new(clients: HeartbeatClients) -> Self {
+        Self {
+            clients,
+            current: Arc::new(Mutex::new(BeatClient::default())),
+        }
+    }
+
+    fn side(&self) -> Side {
+        self.clients.side()
+    }
+
+    /// The current client (made if there is none) and which one it is.
+    fn client(&self) -> Result<(u64, Client), kube::Error> {
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(client) = &current.client {
+            return Ok((current.made, client.clone()));
+        }
+        let client = self.clients.build()?;
+        current.made += 1;
+        current.client = Some(client.clone());
+        Ok((current.made, client))
+    }
+
+    /// A call on client `made` failed: the next call makes a new one, unless another
+    /// failure already did. A probe's answer no longer counts.
+    fn failed(&self, made: u64) {
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        current.answered = None;
+        if current.made == made {
+            current.client = None;
+        }
+    }
+
+    /// The API server answered a health probe now.
+    fn answered(&self) {
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        current.answered = Some(tokio::time::Instant::now());
+    }
+
+    /// Whether the API server answered a health probe within `within`.
+    fn answered_within(&self, within: Duration) -> bool {
+        let current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        current.answered.is_some_and(|at| at.elapsed() < within)
+    }
+}
+
+/// One node's calls on a [`SharedBeat`].
+struct Beat {
+    shared: SharedBeat,
     node: String,
 }
 
 impl Beat {
-    fn new(clients: HeartbeatClients, node: &str) -> Self {
+    fn new(shared: SharedBeat, node: &str) -> Self {
         Self {
-            clients,
-            client: None,
+            shared,
             node: node.to_owned(),
         }
     }
@@ -494,19 +566,12 @@ impl Beat {
     where
         F: Future<Output = Result<T, NodeError>>,
     {
-        let side = self.clients.side();
-        let client = match &self.client {
-            Some(client) => client.clone(),
-            None => {
-                let client = self.clients.build().map_err(|source| NodeError::Client {
-                    side,
-                    node: self.node.clone(),
-                    source,
-                })?;
-                self.client = Some(client.clone());
-                client
-            }
-        };
+        let side = self.shared.side();
+        let (made, client) = self.shared.client().map_err(|source| NodeError::Client {
+            side,
+            node: self.node.clone(),
+            source,
+        })?;
         let outcome = tokio::time::timeout(HEARTBEAT_TIMEOUT, call(client))
             .await
             .unwrap_or_else(|_| {
@@ -518,7 +583,7 @@ impl Beat {
                 })
             });
         if outcome.is_err() {
-            self.client = None;
+            self.shared.failed(made);
         }
         outcome
     }
@@ -535,7 +600,7 @@ impl Beat {
         match self.call(action, &call).await {
             Ok(value) => Ok(value),
             Err(error) => {
-                debug!(%error, node = %self.node, cluster = %self.clients.side(), "heartbeat call failed; trying once more on new connections");
+                debug!(%error, node = %self.node, cluster = %self.shared.side(), "heartbeat call failed; trying once more on new connections");
                 self.call(action, &call).await
             }
         }
@@ -569,17 +634,25 @@ pub async fn keep_alive(
     // Never changes: its sender is gone.
     let readiness = watch::channel(LowerReadiness::Ready).1;
     keep_group_alive(
-        upper, lower, config, use_lease, offer, readiness, last, shutdown,
+        SharedBeat::new(upper),
+        SharedBeat::new(lower),
+        config,
+        use_lease,
+        offer,
+        readiness,
+        last,
+        shutdown,
     )
     .await;
 }
 
-/// [`keep_alive`] for a group's virtual node, whose status also shows `readiness` (the
-/// group's lower nodes), written again as it changes.
+/// [`keep_alive`] for a group's virtual node, on the heartbeat clients its member's nodes
+/// share, its status also showing `readiness` (the group's lower nodes), written again as
+/// it changes.
 #[allow(clippy::too_many_arguments)]
 pub async fn keep_group_alive(
-    upper: HeartbeatClients,
-    lower: HeartbeatClients,
+    upper: SharedBeat,
+    lower: SharedBeat,
     config: NodeConfig,
     use_lease: bool,
     offer: Offer,
@@ -596,6 +669,8 @@ pub async fn keep_group_alive(
     let mut written_readiness = readiness.borrow().clone();
     let mut upper = Beat::new(upper, &config.name);
     let mut lower = Beat::new(lower, &config.name);
+    // Kept for its UID and status; what the API server adds for its writers is not read.
+    last.metadata.managed_fields = None;
     let mut tick = tokio::time::interval(LEASE_RENEW);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut lower_healthy = true;
@@ -620,17 +695,28 @@ pub async fn keep_group_alive(
                 write = readiness_open;
             }
             _ = tick.tick() => {
-                let probe = lower
-                    .call_twice("probing the API server for", |client| {
-                        let node = config.name.clone();
-                        async move {
-                            client
-                                .apiserver_version()
-                                .await
-                                .map_err(|source| NodeError::Lower { node, source })
-                        }
-                    })
-                    .await;
+                // The member's other virtual nodes probe the same API server: an answer
+                // one of them had within the last few seconds is this node's too.
+                let probe = if lower.shared.answered_within(SHARED_PROBE) {
+                    Ok(())
+                } else {
+                    let probe = lower
+                        .call_twice("probing the API server for", |client| {
+                            let node = config.name.clone();
+                            async move {
+                                client
+                                    .apiserver_version()
+                                    .await
+                                    .map(drop)
+                                    .map_err(|source| NodeError::Lower { node, source })
+                            }
+                        })
+                        .await;
+                    if probe.is_ok() {
+                        lower.shared.answered();
+                    }
+                    probe
+                };
                 let healthy = probe.is_ok();
                 if healthy != lower_healthy {
                     if let Err(error) = probe {
@@ -724,7 +810,8 @@ pub async fn keep_group_alive(
             })
             .await;
         match written {
-            Ok(node) => {
+            Ok(mut node) => {
+                node.metadata.managed_fields = None;
                 last = node;
                 written_capacity = Some(current);
                 written_readiness = ready;
