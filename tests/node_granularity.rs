@@ -246,6 +246,77 @@ async fn start_grouped(
     }
 }
 
+/// A ValidatingAdmissionPolicy (and its binding) of the upper cluster that refuses to
+/// create the Node `name`.
+struct RefuseNode(String);
+
+impl RefuseNode {
+    /// Deletes the policy and its binding.
+    async fn lift(self, pair: &ClusterPair) {
+        for kind in [
+            "validatingadmissionpolicybinding",
+            "validatingadmissionpolicy",
+        ] {
+            let out = kubectl(
+                pair,
+                pair.upper_kubeconfig(),
+                &["delete", kind, &self.0],
+                b"",
+            )
+            .await;
+            assert!(out.status.success(), "{out:?}");
+        }
+    }
+}
+
+/// Refuses the creation of the Node `name` in the upper cluster until lifted; returns once
+/// the API server refuses it.
+async fn refuse_node(pair: &ClusterPair, name: &str) -> RefuseNode {
+    let policy = format!("refuse-{name}");
+    apply(
+        pair,
+        &json!({
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicy",
+            "metadata": {"name": policy},
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {"resourceRules": [{
+                    "apiGroups": [""], "apiVersions": ["v1"],
+                    "operations": ["CREATE"], "resources": ["nodes"],
+                }]},
+                "validations": [{
+                    "expression": format!("object.metadata.name != '{name}'"),
+                    "message": "refused by the test",
+                }],
+            },
+        }),
+    )
+    .await;
+    apply(
+        pair,
+        &json!({
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicyBinding",
+            "metadata": {"name": policy},
+            "spec": {"policyName": policy, "validationActions": ["Deny"]},
+        }),
+    )
+    .await;
+    let nodes: Api<Node> = Api::all(pair.upper.client().await.unwrap());
+    let probe: Node = serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
+    let dry_run = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
+    wait_for(&format!("Node {name} refused"), TIMEOUT, || async {
+        Ok(nodes.create(&dry_run, &probe).await.is_err().then_some(()))
+    })
+    .await
+    .unwrap();
+    RefuseNode(policy)
+}
+
 /// Applies `object` to the upper cluster with the pinned kubectl.
 async fn apply(pair: &ClusterPair, object: &serde_json::Value) {
     let out = kubectl(
@@ -542,9 +613,37 @@ async fn one_virtual_node_per_zone_and_per_lower_node() {
         }
     };
     holds("start", all.clone()).await;
+    // The added lower node's virtual node cannot be registered at first (an admission
+    // policy refuses its Node): tried again with backoff, the member's other virtual
+    // nodes run on; registered once the policy is gone.
     let added = "lower-gran-added".to_owned();
-    lower.add_nodes(std::slice::from_ref(&added)).await.unwrap();
     let added_vn = virtual_node_name("vk-ng", &Granularity::Node, &added);
+    let refuse = refuse_node(pair, &added_vn).await;
+    lower.add_nodes(std::slice::from_ref(&added)).await.unwrap();
+    let retried = "registering the virtual node failed; trying again";
+    wait_for("a registration tried again", TIMEOUT, || async {
+        let log = std::fs::read_to_string(each.log())?;
+        Ok(log
+            .lines()
+            .any(|l| l.contains(retried) && l.contains(&added_vn))
+            .then_some(()))
+    })
+    .await
+    .unwrap();
+    each.check_running().unwrap();
+    let log = std::fs::read_to_string(each.log()).unwrap();
+    assert!(
+        !log.contains("member failed; restarting it"),
+        "the member runs on:\n{}",
+        tensile_harness::process::tail(each.log(), 40)
+    );
+    for other in &want {
+        assert!(
+            node_is_ready(&nodes.get(other).await.unwrap()),
+            "{other} stays Ready"
+        );
+    }
+    refuse.lift(pair).await;
     wait_for(
         &format!("{added_vn} Ready for the added lower node"),
         TIMEOUT,

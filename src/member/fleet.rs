@@ -4,9 +4,9 @@
 //! running meanwhile), kept alive with the group's own capacity and readiness (NotReady
 //! while every lower node of the group is), cordoned while every lower node of the group
 //! is. A group gone below drains its virtual node as a member's leave does
-//! ([`super::leave::drain`]: cordoned, its pods evicted, PodDisruptionBudgets respected),
-//! then deletes its Node and Lease; should the group come back meanwhile, the drain stops
-//! and the leave's cordon is lifted. The ownership marks below stay the member's
+//! ([`super::leave::drain`]: cordoned, its pods evicted, PodDisruptionBudgets respected,
+//! the node kept alive meanwhile), then deletes its Node and Lease; should the group come
+//! back meanwhile, the drain stops and the leave's cordon is lifted. The ownership marks below stay the member's
 //! (`--nodename`).
 
 use std::collections::{BTreeMap, HashMap};
@@ -31,7 +31,7 @@ use crate::clusters::HeartbeatClients;
 use crate::node::burst::Burst;
 use crate::node::groups::{Granularity, GroupNodes, GroupOffer, group_requirement};
 use crate::node::spec::{LowerReadiness, NodeConfig};
-use crate::node::{self, CORDONED_BY_ANNOTATION, SharedBeat};
+use crate::node::{self, CORDONED_BY_ANNOTATION, CORDONED_BY_LEAVE, SharedBeat};
 
 /// [`CORDONED_BY_ANNOTATION`]'s value on the cordon of a virtual node whose lower nodes
 /// are all cordoned: lifted when one of them is uncordoned (a user's cordon is kept).
@@ -82,6 +82,8 @@ struct Draining {
     stop: CancellationToken,
     /// Cancelled once it has ended.
     finished: CancellationToken,
+    /// Its virtual node, kept alive until the drain is over (`None`: an earlier run's).
+    node: Option<Running>,
 }
 
 /// The names of the virtual nodes `offers` asks for, each with what confines its pods
@@ -132,6 +134,21 @@ impl Fleet {
         loop {
             let now = offers.borrow_and_update().clone();
             for (key, offer) in &now {
+                if let Some(drain) = draining.remove(key) {
+                    let span = info_span!("virtual node", node = %offer.group.name, group = %key);
+                    info!(parent: &span, cluster = "upper",
+                        "group back below: stopping its virtual node's drain");
+                    drain.stop.cancel();
+                    drain.finished.cancelled().await;
+                    // Still alive (the drain had not come to deleting it): kept, the
+                    // drain's cordon lifted; else registered anew below.
+                    if let Some(node) = drain.node.filter(|n| !n.stop.is_cancelled()) {
+                        self.uncordon(&node.name, &node.uid, CORDONED_BY_LEAVE)
+                            .instrument(span)
+                            .await;
+                        running.insert(key.clone(), node);
+                    }
+                }
                 if let Some(r) = running.get_mut(key) {
                     r.capacity.send_if_modified(|c| {
                         let changed = c.as_ref() != Some(&offer.capacity);
@@ -156,12 +173,6 @@ impl Fleet {
                     continue;
                 }
                 let span = info_span!("virtual node", node = %offer.group.name, group = %key);
-                if let Some(drain) = draining.remove(key) {
-                    info!(parent: &span, cluster = "upper",
-                        "group back below: stopping its virtual node's drain");
-                    drain.stop.cancel();
-                    drain.finished.cancelled().await;
-                }
                 match self
                     .start(key, offer, &beats_on, shutdown.child_token())
                     .instrument(span.clone())
@@ -191,7 +202,7 @@ impl Fleet {
                 .filter(|k| !now.contains_key(*k))
                 .cloned()
                 .collect();
-            let mut gone: Vec<(String, String, Option<String>)> = Vec::new();
+            let mut gone: Vec<(String, String, Option<Running>)> = Vec::new();
             for key in unregistered {
                 retrying.remove(&key);
                 let name = crate::node::groups::virtual_node_name(
@@ -207,12 +218,13 @@ impl Fleet {
                 .cloned()
                 .collect();
             for key in registered {
+                // Kept alive while it drains, as a leaving member's node is: its pods'
+                // readiness (and so their disruption budgets) stay as they are.
                 if let Some(r) = running.remove(&key) {
-                    r.stop.cancel();
-                    gone.push((key, r.name, Some(r.uid)));
+                    gone.push((key, r.name.clone(), Some(r)));
                 }
             }
-            for (key, name, uid) in gone {
+            for (key, name, node) in gone {
                 drain_ids += 1;
                 let (stop, finished) = (shutdown.child_token(), CancellationToken::new());
                 let drain = GroupDrain {
@@ -221,7 +233,8 @@ impl Fleet {
                     recorder: recorder.clone(),
                     key: key.clone(),
                     name: name.clone(),
-                    uid,
+                    uid: node.as_ref().map(|n| n.uid.clone()),
+                    keep_alive: node.as_ref().map(|n| n.stop.clone()),
                     bound: Bound {
                         until: Instant::now() + self.drain_timeout,
                         timeout: self.drain_timeout,
@@ -237,7 +250,15 @@ impl Fleet {
                     }
                     .instrument(span),
                 );
-                draining.insert(key, Draining { id, stop, finished });
+                draining.insert(
+                    key,
+                    Draining {
+                        id,
+                        stop,
+                        finished,
+                        node,
+                    },
+                );
             }
             let next_retry = retrying.values().map(|r| r.at).min();
             tokio::select! {
@@ -259,6 +280,9 @@ impl Fleet {
         }
         for d in draining.values() {
             d.stop.cancel();
+            if let Some(node) = &d.node {
+                node.stop.cancel();
+            }
         }
         while beats.join_next().await.is_some() {}
         while drains.join_next().await.is_some() {}
@@ -351,14 +375,15 @@ impl Fleet {
             self.cordon(name, uid, CORDONED_BY_LOWER).await;
             return;
         }
+        self.uncordon(name, uid, CORDONED_BY_LOWER).await;
+    }
+
+    /// Lifts the cordon of the virtual node `name` (`uid` as the precondition) if it is
+    /// the one marked `by` (never a user's).
+    async fn uncordon(&self, name: &str, uid: &str, by: &str) {
         let nodes: Api<Node> = Api::all(self.upper.clone());
         let ours = match nodes.get_opt(name).await {
-            Ok(Some(node)) => node
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(CORDONED_BY_ANNOTATION))
-                .is_some_and(|v| v == CORDONED_BY_LOWER),
+            Ok(Some(node)) => cordoned_by(&node, by),
             Ok(None) => false,
             Err(error) => {
                 warn!(%error, node = name, cluster = "upper", "reading the virtual node to uncordon it");
@@ -371,7 +396,8 @@ impl Fleet {
         info!(
             node = name,
             cluster = "upper",
-            "a lower node of the group is uncordoned: lifting its virtual node's cordon"
+            by,
+            "lifting the virtual node's cordon"
         );
         let patch = json!({
             "metadata": {"uid": uid, "annotations": {CORDONED_BY_ANNOTATION: null}},
@@ -406,6 +432,8 @@ struct GroupDrain {
     name: String,
     /// The Node registered (`None`: an earlier run's, its UID read).
     uid: Option<String>,
+    /// Stops the Node's keep-alive, once its pods are gone and before it is deleted.
+    keep_alive: Option<CancellationToken>,
     bound: Bound,
 }
 
@@ -449,6 +477,9 @@ impl GroupDrain {
                 .await?;
                 if stop.is_cancelled() {
                     return Err(LeaveError::Shutdown);
+                }
+                if let Some(keep_alive) = &self.keep_alive {
+                    keep_alive.cancel();
                 }
                 leave::delete_node_of(&self.upper, &self.name, self.uid.as_deref()).await
             }
