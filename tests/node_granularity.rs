@@ -16,6 +16,7 @@ use std::net::Ipv4Addr;
 use common::{TIMEOUT, kubectl, member_secret, metric};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Event, Node, Pod, Secret};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use tensile::member::spec::GRANULARITY_ANNOTATION;
@@ -651,7 +652,7 @@ async fn one_virtual_node_per_zone_and_per_lower_node() {
     )
     .await
     .unwrap();
-    all.insert(added_vn);
+    all.insert(added_vn.clone());
     holds("a lower node added", all.clone()).await;
 
     let last = lower_names.last().unwrap();
@@ -821,6 +822,78 @@ async fn one_virtual_node_per_zone_and_per_lower_node() {
     .await
     .unwrap();
     holds("a lower node removed", all.clone()).await;
+
+    // A group back while its virtual node drains: a PodDisruptionBudget holds the drain
+    // (its one pod may not go); the lower node returns: the drain stops, the leave's
+    // cordon is lifted, the same Node and pod stay.
+    apply(
+        pair,
+        &json!({
+            "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": {"name": "kept", "namespace": ns.name},
+            "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "kept"}}},
+        }),
+    )
+    .await;
+    let kept_uid = upper_pods
+        .create(&PostParams::default(), &bound_pod("kept", &added_vn))
+        .await
+        .unwrap()
+        .metadata
+        .uid;
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(upper.clone(), &ns.name);
+    wait_for("the budget allows no disruption", TIMEOUT, || async {
+        let status = pdbs.get("kept").await?.status;
+        Ok(status
+            .filter(|s| s.current_healthy == Some(1) && s.disruptions_allowed.unwrap_or(0) == 0)
+            .map(drop))
+    })
+    .await
+    .unwrap();
+    let before = nodes.get(&added_vn).await.unwrap();
+    lower_nodes
+        .delete(&added, &DeleteParams::default())
+        .await
+        .unwrap();
+    let leave_cordon = |node: &Node| {
+        !tensile_harness::node_is_schedulable(node)
+            && node
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get("tensile.dev/cordoned-by"))
+                .is_some_and(|by| by == "leave")
+    };
+    wait_for(&format!("{added_vn} draining"), TIMEOUT, || async {
+        Ok(nodes.get_opt(&added_vn).await?.filter(leave_cordon))
+    })
+    .await
+    .unwrap();
+    lower.add_nodes(std::slice::from_ref(&added)).await.unwrap();
+    let back = wait_for(
+        &format!("{added_vn} uncordoned and Ready once its lower node is back"),
+        TIMEOUT,
+        || async {
+            Ok(nodes.get_opt(&added_vn).await?.filter(|n| {
+                node_is_ready(n)
+                    && tensile_harness::node_is_schedulable(n)
+                    && n.metadata
+                        .annotations
+                        .as_ref()
+                        .is_none_or(|a| !a.contains_key("tensile.dev/cordoned-by"))
+            }))
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(back.metadata.uid, before.metadata.uid, "the same Node");
+    let kept = upper_pods.get("kept").await.unwrap();
+    assert_eq!(kept.metadata.uid, kept_uid, "the budget's pod stays");
+    assert!(
+        kept.metadata.deletion_timestamp.is_none(),
+        "the budget's pod is not evicted"
+    );
+    holds("a lower node back during its drain", all.clone()).await;
     for other in &want[..5] {
         let node = nodes.get(other).await.unwrap();
         assert!(

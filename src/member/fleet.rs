@@ -438,10 +438,21 @@ struct GroupDrain {
 }
 
 impl GroupDrain {
+    /// [`GroupDrain::drain`] until `stop` fires, which ends it at once, even in the middle
+    /// of a call (an eviction a disruption budget refuses is retried within the client
+    /// for minutes): what it did is read from the cluster by whoever comes next.
+    async fn run(&self, stop: &CancellationToken) {
+        tokio::select! {
+            biased;
+            () = stop.cancelled() => {}
+            () = self.drain(stop) => {}
+        }
+    }
+
     /// Drains the Node as a member's leave does, then deletes it and its Lease (under
     /// its UID) and forgets its name, once its pods (and so their lower copies) are gone.
     /// A failure is tried again with backoff; returns when done or when `stop` fires.
-    async fn run(&self, stop: &CancellationToken) {
+    async fn drain(&self, stop: &CancellationToken) {
         let object = ObjectReference {
             api_version: Some("v1".into()),
             kind: Some("Node".into()),
