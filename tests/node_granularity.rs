@@ -767,7 +767,7 @@ async fn one_virtual_node_per_zone_and_per_lower_node() {
         || async {
             let below = lower_pods.get_opt("drained").await?;
             Ok(below
-                .filter(|p| common::running(p))
+                .filter(common::running)
                 .and_then(|p| p.spec.and_then(|s| s.node_name))
                 .filter(|n| n == last)
                 .map(drop))
