@@ -10,16 +10,20 @@
 
 mod common;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 
 use common::{TIMEOUT, kubectl, member_secret, metric};
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Event, Node, Pod, Secret};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use tensile::member::spec::GRANULARITY_ANNOTATION;
 use tensile::node::groups::{Granularity, virtual_node_name};
-use tensile_harness::fixtures::virtual_node_toleration;
+use tensile_harness::cluster::KWOK_NODE_ANNOTATION;
+use tensile_harness::fixtures::{bound_pod, virtual_node_toleration};
+use tensile_harness::invariant;
 use tensile_harness::{
     ClusterOptions, ClusterPair, TestNamespace, VirtualNode, VirtualNodeOptions, node_is_ready,
     wait_for,
@@ -243,6 +247,77 @@ async fn start_grouped(
     }
 }
 
+/// A ValidatingAdmissionPolicy (and its binding) of the upper cluster that refuses to
+/// create the Node `name`.
+struct RefuseNode(String);
+
+impl RefuseNode {
+    /// Deletes the policy and its binding.
+    async fn lift(self, pair: &ClusterPair) {
+        for kind in [
+            "validatingadmissionpolicybinding",
+            "validatingadmissionpolicy",
+        ] {
+            let out = kubectl(
+                pair,
+                pair.upper_kubeconfig(),
+                &["delete", kind, &self.0],
+                b"",
+            )
+            .await;
+            assert!(out.status.success(), "{out:?}");
+        }
+    }
+}
+
+/// Refuses the creation of the Node `name` in the upper cluster until lifted; returns once
+/// the API server refuses it.
+async fn refuse_node(pair: &ClusterPair, name: &str) -> RefuseNode {
+    let policy = format!("refuse-{name}");
+    apply(
+        pair,
+        &json!({
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicy",
+            "metadata": {"name": policy},
+            "spec": {
+                "failurePolicy": "Fail",
+                "matchConstraints": {"resourceRules": [{
+                    "apiGroups": [""], "apiVersions": ["v1"],
+                    "operations": ["CREATE"], "resources": ["nodes"],
+                }]},
+                "validations": [{
+                    "expression": format!("object.metadata.name != '{name}'"),
+                    "message": "refused by the test",
+                }],
+            },
+        }),
+    )
+    .await;
+    apply(
+        pair,
+        &json!({
+            "apiVersion": "admissionregistration.k8s.io/v1",
+            "kind": "ValidatingAdmissionPolicyBinding",
+            "metadata": {"name": policy},
+            "spec": {"policyName": policy, "validationActions": ["Deny"]},
+        }),
+    )
+    .await;
+    let nodes: Api<Node> = Api::all(pair.upper.client().await.unwrap());
+    let probe: Node = serde_json::from_value(json!({"metadata": {"name": name}})).unwrap();
+    let dry_run = PostParams {
+        dry_run: true,
+        ..PostParams::default()
+    };
+    wait_for(&format!("Node {name} refused"), TIMEOUT, || async {
+        Ok(nodes.create(&dry_run, &probe).await.is_err().then_some(()))
+    })
+    .await
+    .unwrap();
+    RefuseNode(policy)
+}
+
 /// Applies `object` to the upper cluster with the pinned kubectl.
 async fn apply(pair: &ClusterPair, object: &serde_json::Value) {
     let out = kubectl(
@@ -310,7 +385,9 @@ async fn placed(
 /// virtual nodes of 4 CPU each; required anti-affinity by hostname puts each replica on a
 /// lower node of its own (its virtual node's), and a 6-CPU pod stays Pending upstairs
 /// though the lower cluster has 24 CPU free; a lower node cordoned (uncordoned) cordons
-/// (uncordons) its virtual node, and one removed leaves its virtual node cordoned.
+/// (uncordons) its virtual node, one NotReady makes its virtual node NotReady (and Ready
+/// again), one added makes a virtual node, and one removed drains its virtual node (its pod
+/// evicted, the lower copy gone) and deletes it; the invariant holds after each step.
 #[tokio::test]
 async fn one_virtual_node_per_zone_and_per_lower_node() {
     let pair = ClusterPair::shared().await.unwrap();
@@ -519,9 +596,65 @@ async fn one_virtual_node_per_zone_and_per_lower_node() {
         "no copy of the 6-CPU pod below"
     );
 
-    // Following the lower cluster: a lower node cordoned cordons its virtual node (and
-    // uncordoned lifts that cordon); one removed leaves its virtual node cordoned.
+    // Following the lower cluster, the invariant checked after each step: a lower node
+    // added makes a virtual node; one cordoned cordons its virtual node (and uncordoned
+    // lifts that cordon); one NotReady makes its virtual node NotReady (and Ready again);
+    // one removed drains its virtual node (its pod evicted upstairs, the lower copy gone)
+    // and deletes it and its Lease.
     let nodes: Api<Node> = Api::all(upper.clone());
+    let mut all: BTreeSet<String> = want.iter().cloned().collect();
+    let holds = |step: &'static str, all: BTreeSet<String>| {
+        let (upper, lower_client, ns) = (upper.clone(), lower_client.clone(), ns.name.clone());
+        async move {
+            let report =
+                invariant::converge_nodes(&upper, &lower_client, "vk-ng", &all, Some(&ns), TIMEOUT)
+                    .await
+                    .unwrap();
+            assert!(report.holds(), "after {step}: {report}");
+        }
+    };
+    holds("start", all.clone()).await;
+    // The added lower node's virtual node cannot be registered at first (an admission
+    // policy refuses its Node): tried again with backoff, the member's other virtual
+    // nodes run on; registered once the policy is gone.
+    let added = "lower-gran-added".to_owned();
+    let added_vn = virtual_node_name("vk-ng", &Granularity::Node, &added);
+    let refuse = refuse_node(pair, &added_vn).await;
+    lower.add_nodes(std::slice::from_ref(&added)).await.unwrap();
+    let retried = "registering the virtual node failed; trying again";
+    wait_for("a registration tried again", TIMEOUT, || async {
+        let log = std::fs::read_to_string(each.log())?;
+        Ok(log
+            .lines()
+            .any(|l| l.contains(retried) && l.contains(&added_vn))
+            .then_some(()))
+    })
+    .await
+    .unwrap();
+    each.check_running().unwrap();
+    let log = std::fs::read_to_string(each.log()).unwrap();
+    assert!(
+        !log.contains("member failed; restarting it"),
+        "the member runs on:\n{}",
+        tensile_harness::process::tail(each.log(), 40)
+    );
+    for other in &want {
+        assert!(
+            node_is_ready(&nodes.get(other).await.unwrap()),
+            "{other} stays Ready"
+        );
+    }
+    refuse.lift(pair).await;
+    wait_for(
+        &format!("{added_vn} Ready for the added lower node"),
+        TIMEOUT,
+        || async { Ok(nodes.get_opt(&added_vn).await?.filter(node_is_ready)) },
+    )
+    .await
+    .unwrap();
+    all.insert(added_vn.clone());
+    holds("a lower node added", all.clone()).await;
+
     let last = lower_names.last().unwrap();
     let its = virtual_node_name("vk-ng", &Granularity::Node, last);
     let cordon = |on: bool| json!({"spec": {"unschedulable": if on { Some(true) } else { None }}});
@@ -545,21 +678,222 @@ async fn one_virtual_node_per_zone_and_per_lower_node() {
         )
         .await
         .unwrap();
+        holds(step, all.clone()).await;
     }
+
+    // NotReady below: kwok no longer manages the lower node, whose Ready turns False.
+    lower_nodes
+        .patch(
+            last,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {KWOK_NODE_ANNOTATION: null}}})),
+        )
+        .await
+        .unwrap();
+    let mut below = lower_nodes.get_status(last).await.unwrap();
+    for condition in below
+        .status
+        .as_mut()
+        .and_then(|s| s.conditions.as_mut())
+        .unwrap()
+        .iter_mut()
+        .filter(|c| c.type_ == "Ready")
+    {
+        condition.status = "False".into();
+        condition.reason = Some("KubeletNotReady".into());
+    }
+    lower_nodes
+        .replace_status(last, &PostParams::default(), &below)
+        .await
+        .unwrap();
+    let not_ready = wait_for(
+        &format!("{its} NotReady as its lower node"),
+        TIMEOUT,
+        || async { Ok(nodes.get(&its).await?).map(|n| (!node_is_ready(&n)).then_some(n)) },
+    )
+    .await
+    .unwrap();
+    let condition = not_ready
+        .status
+        .and_then(|s| s.conditions)
+        .unwrap_or_default()
+        .into_iter()
+        .find(|c| c.type_ == "Ready")
+        .unwrap();
+    assert_eq!(
+        (condition.status.as_str(), condition.reason.as_deref()),
+        ("False", Some("LowerNodesNotReady")),
+        "{condition:?}"
+    );
+    assert!(
+        condition
+            .message
+            .as_deref()
+            .is_some_and(|m| m.contains(&format!("every lower node of group {last} is NotReady"))),
+        "{condition:?}"
+    );
+    for other in &want[..5] {
+        assert!(
+            node_is_ready(&nodes.get(other).await.unwrap()),
+            "{other} stays Ready"
+        );
+    }
+    holds("a lower node NotReady", all.clone()).await;
+    lower_nodes
+        .patch(
+            last,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": {KWOK_NODE_ANNOTATION: "fake"}}})),
+        )
+        .await
+        .unwrap();
+    wait_for(&format!("{its} Ready again"), TIMEOUT, || async {
+        Ok(nodes.get_opt(&its).await?.filter(node_is_ready))
+    })
+    .await
+    .unwrap();
+    holds("a lower node Ready again", all.clone()).await;
+
+    // A pod on the virtual node whose lower node goes.
+    let drained_uid = upper_pods
+        .create(&PostParams::default(), &bound_pod("drained", &its))
+        .await
+        .unwrap()
+        .metadata
+        .uid;
+    wait_for(
+        "the pod on the leaving node running below",
+        TIMEOUT,
+        || async {
+            let below = lower_pods.get_opt("drained").await?;
+            Ok(below
+                .filter(common::running)
+                .and_then(|p| p.spec.and_then(|s| s.node_name))
+                .filter(|n| n == last)
+                .map(drop))
+        },
+    )
+    .await
+    .unwrap();
+    holds("a pod on the leaving node", all.clone()).await;
+    let leaving = nodes.get(&its).await.unwrap();
     lower_nodes
         .delete(last, &DeleteParams::default())
         .await
         .unwrap();
     wait_for(
-        &format!("{its} cordoned once its lower node is gone"),
+        &format!("{its} drained and deleted once its lower node is gone"),
         TIMEOUT,
         || async {
-            let node = nodes.get(&its).await?;
-            Ok((node.spec.as_ref().and_then(|s| s.unschedulable) == Some(true)).then_some(()))
+            let gone = nodes.get_opt(&its).await?.is_none();
+            let pod = upper_pods.get_opt("drained").await?;
+            let evicted = pod.is_none_or(|p| p.metadata.uid != drained_uid);
+            Ok((gone && evicted).then_some(()))
         },
     )
     .await
     .unwrap();
+    let leases: Api<Lease> = Api::namespaced(upper.clone(), "kube-node-lease");
+    assert!(
+        leases.get_opt(&its).await.unwrap().is_none(),
+        "{its}: the Lease goes with the Node"
+    );
+    wait_for("the drained pod's lower copy gone", TIMEOUT, || async {
+        Ok(lower_pods.get_opt("drained").await?.is_none().then_some(()))
+    })
+    .await
+    .unwrap();
+    let events: Api<Event> = Api::namespaced(upper.clone(), "default");
+    wait_for(
+        "a LowerGroupGone Event on the leaving node",
+        TIMEOUT,
+        || async {
+            let found = events.list(&ListParams::default()).await?.items;
+            Ok(found
+                .iter()
+                .any(|e| {
+                    e.involved_object.name.as_deref() == Some(its.as_str())
+                        && e.involved_object.uid == leaving.metadata.uid
+                        && e.reason.as_deref() == Some("LowerGroupGone")
+                })
+                .then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+    holds("a lower node removed", all.clone()).await;
+
+    // A group back while its virtual node drains: a PodDisruptionBudget holds the drain
+    // (its one pod may not go); the lower node returns: the drain stops, the leave's
+    // cordon is lifted, the same Node and pod stay.
+    apply(
+        pair,
+        &json!({
+            "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": {"name": "kept", "namespace": ns.name},
+            "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "kept"}}},
+        }),
+    )
+    .await;
+    let kept_uid = upper_pods
+        .create(&PostParams::default(), &bound_pod("kept", &added_vn))
+        .await
+        .unwrap()
+        .metadata
+        .uid;
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(upper.clone(), &ns.name);
+    wait_for("the budget allows no disruption", TIMEOUT, || async {
+        let status = pdbs.get("kept").await?.status;
+        Ok(status
+            .filter(|s| s.current_healthy == Some(1) && s.disruptions_allowed.unwrap_or(0) == 0)
+            .map(drop))
+    })
+    .await
+    .unwrap();
+    let before = nodes.get(&added_vn).await.unwrap();
+    lower_nodes
+        .delete(&added, &DeleteParams::default())
+        .await
+        .unwrap();
+    let leave_cordon = |node: &Node| {
+        !tensile_harness::node_is_schedulable(node)
+            && node
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get("tensile.dev/cordoned-by"))
+                .is_some_and(|by| by == "leave")
+    };
+    wait_for(&format!("{added_vn} draining"), TIMEOUT, || async {
+        Ok(nodes.get_opt(&added_vn).await?.filter(leave_cordon))
+    })
+    .await
+    .unwrap();
+    lower.add_nodes(std::slice::from_ref(&added)).await.unwrap();
+    let back = wait_for(
+        &format!("{added_vn} uncordoned and Ready once its lower node is back"),
+        TIMEOUT,
+        || async {
+            Ok(nodes.get_opt(&added_vn).await?.filter(|n| {
+                node_is_ready(n)
+                    && tensile_harness::node_is_schedulable(n)
+                    && n.metadata
+                        .annotations
+                        .as_ref()
+                        .is_none_or(|a| !a.contains_key("tensile.dev/cordoned-by"))
+            }))
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(back.metadata.uid, before.metadata.uid, "the same Node");
+    let kept = upper_pods.get("kept").await.unwrap();
+    assert_eq!(kept.metadata.uid, kept_uid, "the budget's pod stays");
+    assert!(
+        kept.metadata.deletion_timestamp.is_none(),
+        "the budget's pod is not evicted"
+    );
+    holds("a lower node back during its drain", all.clone()).await;
     for other in &want[..5] {
         let node = nodes.get(other).await.unwrap();
         assert!(

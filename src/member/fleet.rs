@@ -1,31 +1,44 @@
 //! The virtual nodes of a member of `node` or `label=<key>` granularity: one Node and
 //! Lease per group of lower nodes ([`crate::node::groups`]), registered as its group
-//! appears below, kept alive with the group's own capacity, cordoned while every lower
-//! node of the group is, and cordoned (its Lease no longer renewed, so it goes NotReady)
-//! once its group is gone. The ownership marks below stay the member's (`--nodename`).
+//! appears below (a registration that fails is tried again with backoff, the other groups
+//! running meanwhile), kept alive with the group's own capacity and readiness (NotReady
+//! while every lower node of the group is), cordoned while every lower node of the group
+//! is. A group gone below drains its virtual node as a member's leave does
+//! ([`super::leave::drain`]: cordoned, its pods evicted, PodDisruptionBudgets respected,
+//! the node kept alive meanwhile), then deletes its Node and Lease; should the group come
+//! back meanwhile, the drain stops and the leave's cordon is lifted. The ownership marks below stay the member's
+//! (`--nodename`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
+use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Node;
+use backon::BackoffBuilder;
+use k8s_openapi::api::core::v1::{Node, ObjectReference};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::Client;
 use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::events::{EventType, Recorder, Reporter};
 use serde_json::json;
 use tokio::sync::watch;
 use tokio::task::JoinSet;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, info_span, warn};
 
+use super::leave::{self, Bound, LeaveError};
 use crate::clusters::HeartbeatClients;
 use crate::node::burst::Burst;
 use crate::node::groups::{Granularity, GroupNodes, GroupOffer, group_requirement};
-use crate::node::spec::NodeConfig;
-use crate::node::{self, CORDONED_BY_ANNOTATION, CORDONED_BY_LEAVE};
+use crate::node::spec::{LowerReadiness, NodeConfig};
+use crate::node::{self, CORDONED_BY_ANNOTATION, CORDONED_BY_LEAVE, SharedBeat};
 
 /// [`CORDONED_BY_ANNOTATION`]'s value on the cordon of a virtual node whose lower nodes
 /// are all cordoned: lifted when one of them is uncordoned (a user's cordon is kept).
 pub const CORDONED_BY_LOWER: &str = "lower";
+
+/// The longest wait before a group's registration is tried again.
+const MAX_REGISTER_DELAY: Duration = Duration::from_secs(60);
 
 /// What the member's virtual nodes share.
 pub struct Fleet {
@@ -40,6 +53,9 @@ pub struct Fleet {
     pub bursting: watch::Receiver<Burst>,
     /// Where the member's controllers learn its virtual nodes.
     pub nodes: Arc<GroupNodes>,
+    /// How long the drain of a group gone below may take (`--leave-timeout`): past it, the
+    /// pods left are deleted with no grace period, as a member's leave does.
+    pub drain_timeout: Duration,
 }
 
 /// One registered virtual node.
@@ -47,8 +63,27 @@ struct Running {
     name: String,
     uid: String,
     capacity: watch::Sender<Option<BTreeMap<String, Quantity>>>,
+    readiness: watch::Sender<LowerReadiness>,
     cordoned_below: bool,
     stop: CancellationToken,
+}
+
+/// A group whose registration failed: when it is tried again.
+struct Retry {
+    at: Instant,
+    delays: backon::ExponentialBackoff,
+}
+
+/// The drain of a group gone below.
+struct Draining {
+    /// Which drain (a group may go, come back and go again).
+    id: u64,
+    /// Stops it (the group came back, or shutdown).
+    stop: CancellationToken,
+    /// Cancelled once it has ended.
+    finished: CancellationToken,
+    /// Its virtual node, kept alive until the drain is over (`None`: an earlier run's).
+    node: Option<Running>,
 }
 
 /// The names of the virtual nodes `offers` asks for, each with what confines its pods
@@ -60,17 +95,42 @@ pub fn know(nodes: &GroupNodes, granularity: &Granularity, offers: &BTreeMap<Str
     }
 }
 
+fn register_delays() -> backon::ExponentialBackoff {
+    backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_secs(1))
+        .with_max_delay(MAX_REGISTER_DELAY)
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
 impl Fleet {
-    /// Follows `offers` until `shutdown`: a group's virtual node registered as it appears,
-    /// its capacity and cordon kept, and cordoned when the group is gone. A registration
-    /// that fails ends the member (it restarts).
+    /// Follows `offers` until `shutdown`: a group's virtual node registered as it appears
+    /// (tried again with backoff while that fails), its capacity, readiness and cordon
+    /// kept, and drained and deleted when the group is gone.
     pub async fn run(
         self,
         mut offers: watch::Receiver<BTreeMap<String, GroupOffer>>,
         shutdown: CancellationToken,
     ) -> Result<(), String> {
+        let recorder = Recorder::new(
+            self.upper.clone(),
+            Reporter {
+                controller: "tensile-virtual-node".into(),
+                instance: Some(format!("fleet/{}", self.base.name)),
+            },
+        );
         let mut running: HashMap<String, Running> = HashMap::new();
+        let mut retrying: HashMap<String, Retry> = HashMap::new();
+        let mut draining: HashMap<String, Draining> = HashMap::new();
         let mut beats = JoinSet::new();
+        let mut drains: JoinSet<(String, u64)> = JoinSet::new();
+        let mut drain_ids = 0_u64;
+        // One heartbeat client per cluster for all the member's virtual nodes.
+        let beats_on = (
+            SharedBeat::new(self.upper_heartbeat.clone()),
+            SharedBeat::new(self.lower_heartbeat.clone()),
+        );
         let (mut bursting, mut bursting_open) = (self.bursting.clone(), true);
         loop {
             let now = offers.borrow_and_update().clone();
@@ -82,6 +142,21 @@ impl Fleet {
             );
             for (key, offer) in &now {
                 let part = parts.get(key).unwrap_or(&offer.capacity);
+                if let Some(drain) = draining.remove(key) {
+                    let span = info_span!("virtual node", node = %offer.group.name, group = %key);
+                    info!(parent: &span, cluster = "upper",
+                        "group back below: stopping its virtual node's drain");
+                    drain.stop.cancel();
+                    drain.finished.cancelled().await;
+                    // Still alive (the drain had not come to deleting it): kept, the
+                    // drain's cordon lifted; else registered anew below.
+                    if let Some(node) = drain.node.filter(|n| !n.stop.is_cancelled()) {
+                        self.uncordon(&node.name, &node.uid, CORDONED_BY_LEAVE)
+                            .instrument(span)
+                            .await;
+                        running.insert(key.clone(), node);
+                    }
+                }
                 if let Some(r) = running.get_mut(key) {
                     r.capacity.send_if_modified(|c| {
                         let changed = c.as_ref() != Some(part);
@@ -90,58 +165,148 @@ impl Fleet {
                         }
                         changed
                     });
+                    let readiness = LowerReadiness::of_group(key, offer.group.ready);
+                    r.readiness.send_if_modified(|r| {
+                        let changed = *r != readiness;
+                        *r = readiness;
+                        changed
+                    });
                     if r.cordoned_below != offer.group.cordoned {
                         r.cordoned_below = offer.group.cordoned;
                         self.cordon_below(&r.name, &r.uid, r.cordoned_below).await;
                     }
                     continue;
                 }
-                let span = info_span!("virtual node", node = %offer.group.name, group = %key);
-                let (started, beat) = self
-                    .start(key, offer, part, shutdown.child_token())
-                    .instrument(span.clone())
-                    .await?;
-                if started.cordoned_below {
-                    self.cordon_below(&started.name, &started.uid, true).await;
+                if retrying.get(key).is_some_and(|r| r.at > Instant::now()) {
+                    continue;
                 }
-                beats.spawn(beat.instrument(span));
-                running.insert(key.clone(), started);
+                let span = info_span!("virtual node", node = %offer.group.name, group = %key);
+                match self
+                    .start(key, offer, part, &beats_on, shutdown.child_token())
+                    .instrument(span.clone())
+                    .await
+                {
+                    Ok((started, beat)) => {
+                        retrying.remove(key);
+                        beats.spawn(beat.instrument(span));
+                        running.insert(key.clone(), started);
+                    }
+                    Err(error) => {
+                        let retry = retrying.entry(key.clone()).or_insert_with(|| Retry {
+                            at: Instant::now(),
+                            delays: register_delays(),
+                        });
+                        let delay = retry.delays.next().unwrap_or(MAX_REGISTER_DELAY);
+                        retry.at = Instant::now() + delay;
+                        warn!(parent: &span, %error, cluster = "upper", retry_in = ?delay,
+                            "registering the virtual node failed; trying again (the member's other virtual nodes run on)");
+                    }
+                }
             }
-            let gone: Vec<String> = running
+            // A group gone before it was registered: its Node, if one is there from an
+            // earlier run, is drained as any other.
+            let unregistered: Vec<String> = retrying
                 .keys()
                 .filter(|k| !now.contains_key(*k))
                 .cloned()
                 .collect();
-            for key in gone {
+            let mut gone: Vec<(String, String, Option<Running>)> = Vec::new();
+            for key in unregistered {
+                retrying.remove(&key);
+                let name = crate::node::groups::virtual_node_name(
+                    &self.base.name,
+                    &self.granularity,
+                    &key,
+                );
+                gone.push((key, name, None));
+            }
+            let registered: Vec<String> = running
+                .keys()
+                .filter(|k| !now.contains_key(*k))
+                .cloned()
+                .collect();
+            for key in registered {
+                // Kept alive while it drains, as a leaving member's node is: its pods'
+                // readiness (and so their disruption budgets) stay as they are.
                 if let Some(r) = running.remove(&key) {
-                    r.stop.cancel();
-                    info!(node = %r.name, group = %key, cluster = "upper",
-                        "group gone below: cordoning its virtual node; its lease is no longer renewed");
-                    self.cordon(&r.name, &r.uid, CORDONED_BY_LEAVE).await;
+                    gone.push((key, r.name.clone(), Some(r)));
                 }
             }
+            for (key, name, node) in gone {
+                drain_ids += 1;
+                let (stop, finished) = (shutdown.child_token(), CancellationToken::new());
+                let drain = GroupDrain {
+                    upper: self.upper.clone(),
+                    nodes: self.nodes.clone(),
+                    recorder: recorder.clone(),
+                    key: key.clone(),
+                    name: name.clone(),
+                    uid: node.as_ref().map(|n| n.uid.clone()),
+                    keep_alive: node.as_ref().map(|n| n.stop.clone()),
+                    bound: Bound {
+                        until: Instant::now() + self.drain_timeout,
+                        timeout: self.drain_timeout,
+                    },
+                };
+                let (id, task_stop, done) = (drain_ids, stop.clone(), finished.clone());
+                let span = info_span!("virtual node", node = %name, group = %key);
+                drains.spawn(
+                    async move {
+                        let _finished = done.drop_guard();
+                        drain.run(&task_stop).await;
+                        (drain.key, id)
+                    }
+                    .instrument(span),
+                );
+                draining.insert(
+                    key,
+                    Draining {
+                        id,
+                        stop,
+                        finished,
+                        node,
+                    },
+                );
+            }
+            let next_retry = retrying.values().map(|r| r.at).min();
             tokio::select! {
                 () = shutdown.cancelled() => break,
                 changed = offers.changed() => if changed.is_err() { break },
                 changed = bursting.changed(), if bursting_open => bursting_open = changed.is_ok(),
                 Some(_) = beats.join_next() => {}
+                Some(done) = drains.join_next() => {
+                    if let Ok((key, id)) = done
+                        && draining.get(&key).is_some_and(|d| d.id == id)
+                    {
+                        draining.remove(&key);
+                    }
+                }
+                () = tokio::time::sleep_until(next_retry.unwrap_or_else(Instant::now)), if next_retry.is_some() => {}
             }
         }
         for r in running.values() {
             r.stop.cancel();
         }
+        for d in draining.values() {
+            d.stop.cancel();
+            if let Some(node) = &d.node {
+                node.stop.cancel();
+            }
+        }
         while beats.join_next().await.is_some() {}
+        while drains.join_next().await.is_some() {}
         Ok(())
     }
 
-    /// Registers the virtual node of group `key`, offering `part` (its part of the
-    /// member's share, [`crate::node::burst::Share::split`]); its keep-alive, to run until
-    /// `stop`.
+    /// Registers the virtual node of group `key` (lifting the cordon of a drain it comes
+    /// back from), cordoned if the group is, offering `part` (its part of the member's
+    /// share, [`crate::node::burst::Share::split`]); its keep-alive, to run until `stop`.
     async fn start(
         &self,
         key: &str,
         offer: &GroupOffer,
         part: &BTreeMap<String, Quantity>,
+        (upper_beat, lower_beat): &(SharedBeat, SharedBeat),
         stop: CancellationToken,
     ) -> Result<(Running, impl Future<Output = ()> + Send + 'static), String> {
         self.nodes
@@ -153,21 +318,30 @@ impl Fleet {
         };
         let bursting = self.bursting.borrow().clone();
         let offered = bursting.share.cap(part);
-        let registered = node::register(&self.upper, &config, &offered, &bursting)
+        let readiness = LowerReadiness::of_group(key, offer.group.ready);
+        let registered = node::register_as(&self.upper, &config, &offered, &readiness, &bursting)
             .await
             .map_err(|e| format!("node {} (group {key}): {e}", config.name))?;
         info!(node = %config.name, group = %key, "virtual node registered");
         let uid = registered.metadata.uid.clone().unwrap_or_default();
+        // The cordon a lower cordon made is followed from now on: made if the group is
+        // cordoned, lifted if it no longer is (an earlier run's).
+        if offer.group.cordoned || cordoned_by(&registered, CORDONED_BY_LOWER) {
+            self.cordon_below(&config.name, &uid, offer.group.cordoned)
+                .await;
+        }
         let (capacity, capacity_rx) = watch::channel(Some(part.clone()));
-        let beat = node::keep_alive(
-            self.upper_heartbeat.clone(),
-            self.lower_heartbeat.clone(),
+        let (readiness, readiness_rx) = watch::channel(readiness);
+        let beat = node::keep_group_alive(
+            upper_beat.clone(),
+            lower_beat.clone(),
             config.clone(),
             self.use_lease,
             node::Offer {
                 capacity: capacity_rx,
                 bursting: self.bursting.clone(),
             },
+            readiness_rx,
             registered,
             stop.clone(),
         );
@@ -176,6 +350,7 @@ impl Fleet {
                 name: config.name,
                 uid,
                 capacity,
+                readiness,
                 cordoned_below: offer.group.cordoned,
                 stop,
             },
@@ -211,14 +386,15 @@ impl Fleet {
             self.cordon(name, uid, CORDONED_BY_LOWER).await;
             return;
         }
+        self.uncordon(name, uid, CORDONED_BY_LOWER).await;
+    }
+
+    /// Lifts the cordon of the virtual node `name` (`uid` as the precondition) if it is
+    /// the one marked `by` (never a user's).
+    async fn uncordon(&self, name: &str, uid: &str, by: &str) {
         let nodes: Api<Node> = Api::all(self.upper.clone());
         let ours = match nodes.get_opt(name).await {
-            Ok(Some(node)) => node
-                .metadata
-                .annotations
-                .as_ref()
-                .and_then(|a| a.get(CORDONED_BY_ANNOTATION))
-                .is_some_and(|v| v == CORDONED_BY_LOWER),
+            Ok(Some(node)) => cordoned_by(&node, by),
             Ok(None) => false,
             Err(error) => {
                 warn!(%error, node = name, cluster = "upper", "reading the virtual node to uncordon it");
@@ -231,7 +407,8 @@ impl Fleet {
         info!(
             node = name,
             cluster = "upper",
-            "a lower node of the group is uncordoned: lifting its virtual node's cordon"
+            by,
+            "lifting the virtual node's cordon"
         );
         let patch = json!({
             "metadata": {"uid": uid, "annotations": {CORDONED_BY_ANNOTATION: null}},
@@ -243,5 +420,120 @@ impl Fleet {
         {
             warn!(%error, node = name, cluster = "upper", "uncordoning the virtual node");
         }
+    }
+}
+
+/// Whether `node` is cordoned with the mark `by`.
+fn cordoned_by(node: &Node, by: &str) -> bool {
+    node::resources::node_cordoned(node)
+        && node
+            .metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get(CORDONED_BY_ANNOTATION))
+            .is_some_and(|v| v == by)
+}
+
+/// The drain of the virtual node of a group gone below, then its deletion.
+struct GroupDrain {
+    upper: Client,
+    nodes: Arc<GroupNodes>,
+    recorder: Recorder,
+    key: String,
+    name: String,
+    /// The Node registered (`None`: an earlier run's, its UID read).
+    uid: Option<String>,
+    /// Stops the Node's keep-alive, once its pods are gone and before it is deleted.
+    keep_alive: Option<CancellationToken>,
+    bound: Bound,
+}
+
+impl GroupDrain {
+    /// [`GroupDrain::drain`] until `stop` fires, which ends it at once, even in the middle
+    /// of a call (an eviction a disruption budget refuses is retried within the client
+    /// for minutes): what it did is read from the cluster by whoever comes next.
+    async fn run(&self, stop: &CancellationToken) {
+        tokio::select! {
+            biased;
+            () = stop.cancelled() => {}
+            () = self.drain(stop) => {}
+        }
+    }
+
+    /// Drains the Node as a member's leave does, then deletes it and its Lease (under
+    /// its UID) and forgets its name, once its pods (and so their lower copies) are gone.
+    /// A failure is tried again with backoff; returns when done or when `stop` fires.
+    async fn drain(&self, stop: &CancellationToken) {
+        let object = ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Node".into()),
+            name: Some(self.name.clone()),
+            uid: self.uid.clone(),
+            ..ObjectReference::default()
+        };
+        info!(
+            cluster = "upper",
+            "every lower node of the group is gone: draining its virtual node, then deleting it"
+        );
+        leave::say(
+            &self.recorder,
+            &object,
+            EventType::Normal,
+            "LowerGroupGone",
+            format!(
+                "every lower node of group {} is gone: draining node {} (its pods evicted, PodDisruptionBudgets respected), then deleting it",
+                self.key, self.name
+            ),
+        )
+        .await;
+        let mut delays = register_delays();
+        loop {
+            let done = async {
+                leave::drain(
+                    &self.upper,
+                    &self.name,
+                    self.bound,
+                    (&self.recorder, &object),
+                    stop,
+                )
+                .await?;
+                if stop.is_cancelled() {
+                    return Err(LeaveError::Shutdown);
+                }
+                if let Some(keep_alive) = &self.keep_alive {
+                    keep_alive.cancel();
+                }
+                leave::delete_node_of(&self.upper, &self.name, self.uid.as_deref()).await
+            }
+            .await;
+            let error = match done {
+                Ok(()) => break,
+                Err(LeaveError::Shutdown) => return,
+                Err(error) => error,
+            };
+            let delay = delays.next().unwrap_or(MAX_REGISTER_DELAY);
+            warn!(%error, cluster = "upper", retry_in = ?delay,
+                "draining the virtual node of a group gone below; trying again");
+            tokio::select! {
+                () = stop.cancelled() => return,
+                () = tokio::time::sleep(delay) => {}
+            }
+        }
+        self.nodes.remove(&self.name);
+        info!(
+            cluster = "upper",
+            "virtual node of a group gone below drained and deleted"
+        );
+        leave::say(
+            &self.recorder,
+            &object,
+            EventType::Normal,
+            "LowerGroupNodeDeleted",
+            format!(
+                "group {} gone below: node {} drained and deleted",
+                self.key, self.name
+            ),
+        )
+        .await;
     }
 }

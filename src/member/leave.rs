@@ -161,13 +161,12 @@ pub async fn drain(
     shutdown: &CancellationToken,
 ) -> Result<(), LeaveError> {
     let nodes: Api<Node> = Api::all(upper.clone());
-    let cordoned_already = nodes
+    let found = nodes
         .get_opt(node)
         .await
-        .map_err(upper_error("reading node", node))?
-        .is_none_or(|n| crate::node::resources::node_cordoned(&n));
+        .map_err(upper_error("reading node", node))?;
     // A user's cordon (or none to make: the Node is gone) is left as it is, unmarked.
-    if !cordoned_already {
+    if let Some(found) = found.filter(|n| !crate::node::resources::node_cordoned(n)) {
         let cordoned = nodes
             .patch(
                 node,
@@ -175,16 +174,20 @@ pub async fn drain(
                 // Marked as the leave's: should the member join again before the Node
                 // goes, this cordon (and only this, never a user's) is lifted.
                 &Patch::Merge(&json!({
-                    "metadata": {"annotations": {
-                        crate::node::CORDONED_BY_ANNOTATION: crate::node::CORDONED_BY_LEAVE,
-                    }},
+                    "metadata": {
+                        "uid": found.uid(),
+                        "annotations": {
+                            crate::node::CORDONED_BY_ANNOTATION: crate::node::CORDONED_BY_LEAVE,
+                        },
+                    },
                     "spec": {"unschedulable": true},
                 })),
             )
             .await;
         match cordoned {
             Ok(_) => info!(%node, cluster = "upper", "member leaving: node cordoned"),
-            Err(error) if is_status(&error, 404) => {}
+            // Gone, or another Node of that name now (not this leave's to cordon).
+            Err(error) if is_status(&error, 404) || is_status(&error, 409) => {}
             Err(error) => return Err(upper_error("cordoning node", node)(error)),
         }
     }
@@ -457,21 +460,43 @@ where
 /// Deletes the Node `node` (under its UID, if it still is the one read) and its Lease in
 /// `kube-node-lease`.
 pub async fn delete_node(upper: &Client, node: &str) -> Result<(), LeaveError> {
+    delete_node_of(upper, node, None).await
+}
+
+/// [`delete_node`] under `uid` when given (the Node a fleet registered: one of that name
+/// registered since is left alone), else under the UID read.
+pub async fn delete_node_of(
+    upper: &Client,
+    node: &str,
+    uid: Option<&str>,
+) -> Result<(), LeaveError> {
     let nodes: Api<Node> = Api::all(upper.clone());
-    if let Some(found) = nodes
-        .get_opt(node)
-        .await
-        .map_err(upper_error("reading node", node))?
-    {
-        delete_exact(&nodes, node, found.uid(), None)
+    let uid = match uid {
+        Some(uid) => Some(uid.to_owned()),
+        None => nodes
+            .get_opt(node)
+            .await
+            .map_err(upper_error("reading node", node))?
+            .and_then(|found| found.uid()),
+    };
+    if uid.is_some() {
+        delete_exact(&nodes, node, uid.clone(), None)
             .await
             .map_err(upper_error("deleting node", node))?;
     }
     let leases: Api<Lease> = Api::namespaced(upper.clone(), crate::node::LEASE_NAMESPACE);
+    // The Lease of a Node of that name registered since (owned by another UID) stays.
+    let of_another = |lease: &Lease| {
+        lease
+            .owner_references()
+            .iter()
+            .any(|o| o.kind == "Node" && uid.as_ref().is_some_and(|uid| *uid != o.uid))
+    };
     if let Some(lease) = leases
         .get_opt(node)
         .await
         .map_err(upper_error("reading the node lease", node))?
+        .filter(|lease| !of_another(lease))
     {
         delete_exact(&leases, node, lease.uid(), None)
             .await

@@ -467,6 +467,7 @@ async fn run_member(
             use_lease: args.enable_node_lease,
             bursting: spec.bursting.subscribe(),
             nodes,
+            drain_timeout: args.leave_timeout,
         };
         tasks.spawn_fallible("virtual nodes", fleet.run(offers_rx, shutdown.clone()));
         let watched = PodWatched {

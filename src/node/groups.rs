@@ -496,7 +496,7 @@ pub fn clashes<'a>(
 /// The virtual nodes a member of `node` or `label=<key>` granularity has registered (or is
 /// registering), by name, each with what confines its pods below: what its controllers
 /// read to know an upper pod bound to one of them as theirs, and where its copy goes.
-/// A group gone below keeps its entry (its Node and pods stay until drained).
+/// A group gone below keeps its entry until its virtual node is drained and deleted.
 #[derive(Debug, Default)]
 pub struct GroupNodes {
     nodes: RwLock<BTreeMap<String, Option<Confinement>>>,
@@ -509,6 +509,14 @@ impl GroupNodes {
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(name.to_owned(), confinement);
+    }
+
+    /// Forgets the virtual node `name` (its Node deleted, its pods gone).
+    pub fn remove(&self, name: &str) {
+        self.nodes
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(name);
     }
 
     /// Whether `name` is one of the member's virtual nodes.

@@ -9,6 +9,7 @@ pub mod resources;
 pub mod spec;
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
@@ -29,7 +30,7 @@ use tracing::{debug, info, warn};
 use self::burst::{BURST_PRIORITY_LABEL, Burst};
 use self::capacity::{LowerCapacity, PodFeed};
 use self::groups::{GroupOffer, Groups, offers};
-use self::spec::{NodeConfig, merge_taints, new_node, node_labels, node_status};
+use self::spec::{LowerReadiness, NodeConfig, merge_taints, new_node, node_labels, node_status};
 use crate::clusters::{HEARTBEAT_TIMEOUT, HeartbeatClients};
 use crate::side::Side;
 use crate::translate::meta::Owner;
@@ -107,6 +108,17 @@ pub async fn register(
     capacity: &BTreeMap<String, Quantity>,
     bursting: &Burst,
 ) -> Result<Node, NodeError> {
+    register_as(upper, config, capacity, &LowerReadiness::Ready, bursting).await
+}
+
+/// [`register`], its status showing `readiness` (a group's virtual node).
+pub async fn register_as(
+    upper: &Client,
+    config: &NodeConfig,
+    capacity: &BTreeMap<String, Quantity>,
+    readiness: &LowerReadiness,
+    bursting: &Burst,
+) -> Result<Node, NodeError> {
     let nodes: Api<Node> = Api::all(upper.clone());
     let name = config.name.as_str();
     let existing = nodes
@@ -160,7 +172,7 @@ pub async fn register(
             }
         }
     };
-    write_status(upper, config, capacity, node.status.as_ref()).await
+    write_status(upper, config, capacity, readiness, node.status.as_ref()).await
 }
 
 /// Set by a member's leave beside the cordon it makes, so that the cordon is told from a
@@ -184,9 +196,16 @@ async fn write_status(
     upper: &Client,
     config: &NodeConfig,
     capacity: &BTreeMap<String, Quantity>,
+    readiness: &LowerReadiness,
     previous: Option<&NodeStatus>,
 ) -> Result<Node, NodeError> {
-    let status = node_status(config, capacity, previous, Time(Timestamp::now()));
+    let status = node_status(
+        config,
+        capacity,
+        readiness,
+        previous,
+        Time(Timestamp::now()),
+    );
     Api::<Node>::all(upper.clone())
         .patch_status(
             &config.name,
@@ -448,20 +467,91 @@ where
     watcher::watcher(api, config).default_backoff()
 }
 
-/// One cluster's heartbeat client ([`HeartbeatClients`]), made anew after a failed call so
-/// that the next call never waits on a connection that stopped answering (the kubelet
-/// closes its heartbeat connections on a failure the same way, kubernetes#48638).
-struct Beat {
+/// One cluster's heartbeat client ([`HeartbeatClients`]), shared by the virtual nodes of
+/// one member (a member of `node` granularity may have a thousand: a client each, with its
+/// connections and TLS sessions, cost more than the rest of a virtual node), made anew
+/// after a call on it failed so that the next call never waits on a connection that
+/// stopped answering (the kubelet closes its heartbeat connections on a failure the same
+/// way, kubernetes#48638). Calls in flight keep the client they started on.
+#[derive(Clone)]
+pub struct SharedBeat {
     clients: HeartbeatClients,
+    current: Arc<Mutex<BeatClient>>,
+}
+
+/// The client a [`SharedBeat`] hands out, and which one it is.
+#[derive(Default)]
+struct BeatClient {
+    /// Counts the clients made, so a failure on an old one does not drop a newer one.
+    made: u64,
     client: Option<Client>,
+    /// When the API server last answered a health probe.
+    answered: Option<tokio::time::Instant>,
+}
+
+/// A lower health probe answered this recently counts for every virtual node of the
+/// member (shorter than [`LEASE_RENEW`], so a lone node probes at each renewal as before;
+/// a thousand nodes probe about once in this time, not a thousand times per renewal).
+const SHARED_PROBE: Duration = HEARTBEAT_TIMEOUT;
+
+impl SharedBeat {
+    /// No client yet: the first call makes it.
+    pub fn new(clients: HeartbeatClients) -> Self {
+        Self {
+            clients,
+            current: Arc::new(Mutex::new(BeatClient::default())),
+        }
+    }
+
+    fn side(&self) -> Side {
+        self.clients.side()
+    }
+
+    /// The current client (made if there is none) and which one it is.
+    fn client(&self) -> Result<(u64, Client), kube::Error> {
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(client) = &current.client {
+            return Ok((current.made, client.clone()));
+        }
+        let client = self.clients.build()?;
+        current.made += 1;
+        current.client = Some(client.clone());
+        Ok((current.made, client))
+    }
+
+    /// A call on client `made` failed: the next call makes a new one, unless another
+    /// failure already did. A probe's answer no longer counts.
+    fn failed(&self, made: u64) {
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        current.answered = None;
+        if current.made == made {
+            current.client = None;
+        }
+    }
+
+    /// The API server answered a health probe now.
+    fn answered(&self) {
+        let mut current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        current.answered = Some(tokio::time::Instant::now());
+    }
+
+    /// Whether the API server answered a health probe within `within`.
+    fn answered_within(&self, within: Duration) -> bool {
+        let current = self.current.lock().unwrap_or_else(PoisonError::into_inner);
+        current.answered.is_some_and(|at| at.elapsed() < within)
+    }
+}
+
+/// One node's calls on a [`SharedBeat`].
+struct Beat {
+    shared: SharedBeat,
     node: String,
 }
 
 impl Beat {
-    fn new(clients: HeartbeatClients, node: &str) -> Self {
+    fn new(shared: SharedBeat, node: &str) -> Self {
         Self {
-            clients,
-            client: None,
+            shared,
             node: node.to_owned(),
         }
     }
@@ -476,19 +566,12 @@ impl Beat {
     where
         F: Future<Output = Result<T, NodeError>>,
     {
-        let side = self.clients.side();
-        let client = match &self.client {
-            Some(client) => client.clone(),
-            None => {
-                let client = self.clients.build().map_err(|source| NodeError::Client {
-                    side,
-                    node: self.node.clone(),
-                    source,
-                })?;
-                self.client = Some(client.clone());
-                client
-            }
-        };
+        let side = self.shared.side();
+        let (made, client) = self.shared.client().map_err(|source| NodeError::Client {
+            side,
+            node: self.node.clone(),
+            source,
+        })?;
         let outcome = tokio::time::timeout(HEARTBEAT_TIMEOUT, call(client))
             .await
             .unwrap_or_else(|_| {
@@ -500,7 +583,7 @@ impl Beat {
                 })
             });
         if outcome.is_err() {
-            self.client = None;
+            self.shared.failed(made);
         }
         outcome
     }
@@ -517,7 +600,7 @@ impl Beat {
         match self.call(action, &call).await {
             Ok(value) => Ok(value),
             Err(error) => {
-                debug!(%error, node = %self.node, cluster = %self.clients.side(), "heartbeat call failed; trying once more on new connections");
+                debug!(%error, node = %self.node, cluster = %self.shared.side(), "heartbeat call failed; trying once more on new connections");
                 self.call(action, &call).await
             }
         }
@@ -545,6 +628,35 @@ pub async fn keep_alive(
     config: NodeConfig,
     use_lease: bool,
     offer: Offer,
+    last: Node,
+    shutdown: CancellationToken,
+) {
+    // Never changes: its sender is gone.
+    let readiness = watch::channel(LowerReadiness::Ready).1;
+    keep_group_alive(
+        SharedBeat::new(upper),
+        SharedBeat::new(lower),
+        config,
+        use_lease,
+        offer,
+        readiness,
+        last,
+        shutdown,
+    )
+    .await;
+}
+
+/// [`keep_alive`] for a group's virtual node, on the heartbeat clients its member's nodes
+/// share, its status also showing `readiness` (the group's lower nodes), written again as
+/// it changes.
+#[allow(clippy::too_many_arguments)]
+pub async fn keep_group_alive(
+    upper: SharedBeat,
+    lower: SharedBeat,
+    config: NodeConfig,
+    use_lease: bool,
+    offer: Offer,
+    mut readiness: watch::Receiver<LowerReadiness>,
     mut last: Node,
     shutdown: CancellationToken,
 ) {
@@ -552,8 +664,13 @@ pub async fn keep_alive(
         mut capacity,
         mut bursting,
     } = offer;
+    let mut readiness_open = true;
+    // What register wrote; a change since then is still to be seen (and written).
+    let mut written_readiness = readiness.borrow().clone();
     let mut upper = Beat::new(upper, &config.name);
     let mut lower = Beat::new(lower, &config.name);
+    // Kept for its UID and status; what the API server adds for its writers is not read.
+    last.metadata.managed_fields = None;
     let mut tick = tokio::time::interval(LEASE_RENEW);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut lower_healthy = true;
@@ -572,18 +689,34 @@ pub async fn keep_alive(
                 let offered = capacity.borrow().as_ref().map(|c| share.cap(c));
                 write = offered.is_some() && offered != written_capacity;
             }
+            changed = readiness.changed(), if readiness_open => {
+                readiness_open = changed.is_ok();
+                readiness.mark_unchanged();
+                write = readiness_open;
+            }
             _ = tick.tick() => {
-                let probe = lower
-                    .call_twice("probing the API server for", |client| {
-                        let node = config.name.clone();
-                        async move {
-                            client
-                                .apiserver_version()
-                                .await
-                                .map_err(|source| NodeError::Lower { node, source })
-                        }
-                    })
-                    .await;
+                // The member's other virtual nodes probe the same API server: an answer
+                // one of them had within the last few seconds is this node's too.
+                let probe = if lower.shared.answered_within(SHARED_PROBE) {
+                    Ok(())
+                } else {
+                    let probe = lower
+                        .call_twice("probing the API server for", |client| {
+                            let node = config.name.clone();
+                            async move {
+                                client
+                                    .apiserver_version()
+                                    .await
+                                    .map(drop)
+                                    .map_err(|source| NodeError::Lower { node, source })
+                            }
+                        })
+                        .await;
+                    if probe.is_ok() {
+                        lower.shared.answered();
+                    }
+                    probe
+                };
                 let healthy = probe.is_ok();
                 if healthy != lower_healthy {
                     if let Err(error) = probe {
@@ -617,6 +750,8 @@ pub async fn keep_alive(
                     write = true;
                 }
                 write |= last_status_write.elapsed() >= STATUS_REFRESH;
+                // A readiness write that failed is tried again.
+                write |= *readiness.borrow() != written_readiness;
             }
             changed = capacity.changed() => {
                 if changed.is_err() {
@@ -656,16 +791,30 @@ pub async fn keep_alive(
         let Some(current) = capacity.borrow().as_ref().map(|c| share.cap(c)) else {
             continue;
         };
+        let ready = readiness.borrow().clone();
+        if ready != written_readiness {
+            match &ready {
+                LowerReadiness::Ready => {
+                    info!(node = %config.name, object = %config.name, kind = "Node", cluster = "upper", "a lower node of the group is Ready: the virtual node is Ready")
+                }
+                LowerReadiness::GroupNotReady(group) => {
+                    warn!(node = %config.name, object = %config.name, kind = "Node", cluster = "upper", %group, "every lower node of the group is NotReady: the virtual node is NotReady")
+                }
+            }
+        }
         let written = upper
             .call("writing the status of", |client| {
-                let (config, current, previous) = (&config, &current, last.status.as_ref());
-                async move { write_status(&client, config, current, previous).await }
+                let (config, current, ready, previous) =
+                    (&config, &current, &ready, last.status.as_ref());
+                async move { write_status(&client, config, current, ready, previous).await }
             })
             .await;
         match written {
-            Ok(node) => {
+            Ok(mut node) => {
+                node.metadata.managed_fields = None;
                 last = node;
                 written_capacity = Some(current);
+                written_readiness = ready;
                 last_status_write = tokio::time::Instant::now();
             }
             Err(error) => {

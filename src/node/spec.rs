@@ -93,23 +93,60 @@ fn condition(type_: &str, status: &str, reason: &str, message: &str, now: &Time)
     }
 }
 
-/// The status to write: capacity = allocatable = what the lower cluster offers; healthy
-/// conditions (the node goes NotReady through its Lease when the lower cluster stops
-/// answering); transition times kept from `previous` where a condition did not change.
+/// Whether the lower nodes behind a virtual node are ready: a member of `node` or
+/// `label=<key>` granularity shows a group whose lower nodes are all NotReady as NotReady.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum LowerReadiness {
+    /// Some lower node behind it is Ready (always, for a member that is one virtual node).
+    #[default]
+    Ready,
+    /// Every lower node of this group (its key) is NotReady.
+    GroupNotReady(String),
+}
+
+impl LowerReadiness {
+    /// The readiness of group `key` whose lower nodes are (some) `ready`.
+    pub fn of_group(key: &str, ready: bool) -> Self {
+        if ready {
+            Self::Ready
+        } else {
+            Self::GroupNotReady(key.to_owned())
+        }
+    }
+}
+
+/// The reason of a group's NotReady condition.
+pub const LOWER_NODES_NOT_READY: &str = "LowerNodesNotReady";
+
+/// The status to write: capacity = allocatable = what the lower cluster offers;
+/// conditions healthy but Ready, which follows `readiness` (and the node goes NotReady
+/// through its Lease when the lower cluster stops answering); transition times kept from
+/// `previous` where a condition did not change.
 pub fn node_status(
     config: &NodeConfig,
     capacity: &BTreeMap<String, Quantity>,
+    readiness: &LowerReadiness,
     previous: Option<&NodeStatus>,
     now: Time,
 ) -> NodeStatus {
-    let mut conditions = vec![
-        condition(
+    let ready = match readiness {
+        LowerReadiness::Ready => condition(
             "Ready",
             "True",
             "KubeletReady",
             "tensile virtual node: lower cluster reachable",
             &now,
         ),
+        LowerReadiness::GroupNotReady(group) => condition(
+            "Ready",
+            "False",
+            LOWER_NODES_NOT_READY,
+            &format!("tensile virtual node: every lower node of group {group} is NotReady"),
+            &now,
+        ),
+    };
+    let mut conditions = vec![
+        ready,
         condition(
             "MemoryPressure",
             "False",
@@ -297,7 +334,13 @@ mod tests {
         let capacity: BTreeMap<String, Quantity> =
             [("cpu".to_owned(), Quantity("24".into()))].into();
         let now = Time(Timestamp::from_second(1_000).unwrap());
-        let status = node_status(&config(), &capacity, None, now.clone());
+        let status = node_status(
+            &config(),
+            &capacity,
+            &LowerReadiness::Ready,
+            None,
+            now.clone(),
+        );
         assert_eq!(status.capacity, Some(capacity.clone()));
         assert_eq!(status.allocatable, Some(capacity.clone()));
         assert_eq!(
@@ -327,8 +370,82 @@ mod tests {
 
         // A later write keeps the transition time of an unchanged condition.
         let later = Time(Timestamp::from_second(2_000).unwrap());
-        let again = node_status(&config(), &capacity, Some(&status), later.clone());
+        let again = node_status(
+            &config(),
+            &capacity,
+            &LowerReadiness::Ready,
+            Some(&status),
+            later.clone(),
+        );
         assert_eq!(ready(&again).last_transition_time, Some(now));
         assert_eq!(ready(&again).last_heartbeat_time, Some(later));
+    }
+
+    /// A group whose lower nodes are all NotReady is NotReady above, saying which group;
+    /// Ready again when one recovers; each flip is a transition, an unchanged status
+    /// keeps its transition time.
+    #[test]
+    fn ready_follows_the_groups_lower_nodes() {
+        let capacity = BTreeMap::new();
+        let at = |second| Time(Timestamp::from_second(second).unwrap());
+        let ready = |s: &NodeStatus| {
+            s.conditions
+                .as_ref()
+                .unwrap()
+                .iter()
+                .find(|c| c.type_ == "Ready")
+                .cloned()
+                .unwrap()
+        };
+        let down = LowerReadiness::of_group("zone-a", false);
+        let up = LowerReadiness::of_group("zone-a", true);
+        assert_eq!(down, LowerReadiness::GroupNotReady("zone-a".into()));
+        assert_eq!(up, LowerReadiness::Ready);
+        // (readiness, status, reason, message contains, transition at)
+        let cases = [
+            (&up, "True", "KubeletReady", "reachable", 1),
+            (
+                &down,
+                "False",
+                LOWER_NODES_NOT_READY,
+                "every lower node of group zone-a is NotReady",
+                2,
+            ),
+            (&down, "False", LOWER_NODES_NOT_READY, "zone-a", 2),
+            (&up, "True", "KubeletReady", "reachable", 4),
+        ];
+        let mut previous: Option<NodeStatus> = None;
+        for (second, (readiness, status, reason, message, transition)) in (1..).zip(cases) {
+            let now = node_status(
+                &config(),
+                &capacity,
+                readiness,
+                previous.as_ref(),
+                at(second),
+            );
+            let got = ready(&now);
+            assert_eq!(got.status, status, "at {second}");
+            assert_eq!(got.reason.as_deref(), Some(reason), "at {second}");
+            assert!(
+                got.message.as_deref().unwrap_or_default().contains(message),
+                "at {second}: {:?}",
+                got.message
+            );
+            assert_eq!(
+                got.last_transition_time,
+                Some(at(transition)),
+                "at {second}"
+            );
+            assert_eq!(got.last_heartbeat_time, Some(at(second)), "at {second}");
+            // The other conditions stay healthy.
+            let pressure = now
+                .conditions
+                .as_ref()
+                .unwrap()
+                .iter()
+                .filter(|c| c.type_ != "Ready");
+            assert!(pressure.clone().all(|c| c.status == "False"), "at {second}");
+            previous = Some(now);
+        }
     }
 }

@@ -110,6 +110,65 @@ pub async fn check(
     Ok(report)
 }
 
+/// [`check`] for a member of `node` or `label=<key>` granularity: the upper pods bound to
+/// any of its virtual nodes `nodes` against the lower pods its `owner` mark (`--nodename`)
+/// owns, over pods in `namespace` (every namespace when `None`).
+pub async fn check_nodes(
+    upper: &Client,
+    lower: &Client,
+    owner: &str,
+    nodes: &BTreeSet<String>,
+    namespace: Option<&str>,
+) -> Result<Report> {
+    let (upper_pods, lower_pods): (Api<Pod>, Api<Pod>) = match namespace {
+        Some(ns) => (
+            Api::namespaced(upper.clone(), ns),
+            Api::namespaced(lower.clone(), ns),
+        ),
+        None => (Api::all(upper.clone()), Api::all(lower.clone())),
+    };
+    let bound: Vec<Pod> = upper_pods
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|p| {
+            p.spec
+                .as_ref()
+                .and_then(|s| s.node_name.as_ref())
+                .is_some_and(|n| nodes.contains(n))
+        })
+        .collect();
+    let owned = lower_pods
+        .list(&ListParams::default().labels(&format!("{OWNER_NODE_LABEL}={owner}")))
+        .await?
+        .items;
+    let mut report = pods(&bound, &owned);
+    for (ns, mounted) in mounted_objects(&bound) {
+        copies_of(upper, lower, &ns, &mounted, &mut report).await?;
+    }
+    Ok(report)
+}
+
+/// Polls [`check_nodes`] until the invariant holds or `timeout` passes; the last report.
+pub async fn converge_nodes(
+    upper: &Client,
+    lower: &Client,
+    owner: &str,
+    nodes: &BTreeSet<String>,
+    namespace: Option<&str>,
+    timeout: Duration,
+) -> Result<Report> {
+    let started = Instant::now();
+    loop {
+        let report = check_nodes(upper, lower, owner, nodes, namespace).await?;
+        if report.holds() || started.elapsed() > timeout {
+            return Ok(report);
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 /// The UIDs of the pods of `api`, by name: taken before and after a fault, they show
 /// which pods were re-created.
 pub async fn uids_by_name(api: &Api<Pod>) -> Result<BTreeMap<String, String>> {
