@@ -1,9 +1,9 @@
 //! Node granularity (issue 36): `--node-granularity` and the member annotation
 //! `tensile.dev/node-granularity` are read and checked per member. The flags' member runs
 //! `node` and `label=<key>` (one virtual node per group of lower nodes: the upper scheduler
-//! sees zones and hosts, and capacity per group); a member Secret asking for them is still
-//! refused (`MemberInvalid`: the shared pod watch does not route several nodes to a member
-//! yet), and a running member's granularity change is refused with a
+//! sees zones and hosts, and capacity per group); member Secrets run them too
+//! (`tests/node_granularity_federation.rs`), and a running member's granularity change is
+//! refused with a
 //! `MemberGranularityChanged` Event while the member keeps running as it was. Its own test
 //! binary.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
@@ -78,9 +78,9 @@ async fn flags_refuse_what_does_not_run() {
     }
 }
 
-/// Member Secrets: one joined as `cluster` runs; one asking `label=<zone>` is refused with
-/// an Event; changing the running member's annotation to `node` is refused with an Event
-/// and the member keeps its node (the same Node, Ready) and its place.
+/// Member Secrets: one joined as `cluster` runs; changing the running member's annotation
+/// to `node` is refused with an Event and the member keeps its node (the same Node, Ready)
+/// and its place.
 #[tokio::test]
 async fn a_member_keeps_its_granularity() {
     let pair = ClusterPair::shared().await.unwrap();
@@ -101,15 +101,6 @@ async fn a_member_keeps_its_granularity() {
         )
         .await
         .unwrap();
-    let mut zoned = member_secret("lower-zoned", "vk-gran-zoned", &pair.lower.kubeconfig);
-    zoned.metadata.annotations.get_or_insert_default().insert(
-        GRANULARITY_ANNOTATION.into(),
-        "label=topology.kubernetes.io/zone".into(),
-    );
-    secrets
-        .create(&PostParams::default(), &zoned)
-        .await
-        .unwrap();
 
     let ready = wait_for("node vk-gran-whole Ready", TIMEOUT, || async {
         Ok(nodes.get_opt("vk-gran-whole").await?.filter(node_is_ready))
@@ -125,17 +116,6 @@ async fn a_member_keeps_its_granularity() {
             );
         }
     };
-    event_on(
-        &events,
-        "lower-zoned",
-        "MemberInvalid",
-        "node granularity label=topology.kubernetes.io/zone is not supported yet",
-    )
-    .await;
-    assert!(
-        nodes.get_opt("vk-gran-zoned").await.unwrap().is_none(),
-        "a refused member registers no Node"
-    );
 
     secrets
         .patch(
