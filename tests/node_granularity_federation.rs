@@ -376,6 +376,52 @@ async fn federated_members_run_one_virtual_node_per_zone() {
         .unwrap()
         .items;
     assert!(marked_by_c.is_empty(), "C copied none of A's pods");
+
+    // A leaves: every one of its virtual nodes is drained and deleted (not only a Node
+    // named `vk-fz`, which a member of zones never had), and its lower copies go; the name
+    // C was refused is then C's.
+    let a_uid = kept.metadata.uid.clone();
+    secrets.delete("fz-a", &Default::default()).await.unwrap();
+    wait_for(
+        "member A's zone Nodes deleted, C's pool a registered",
+        TIMEOUT,
+        || async {
+            for name in ["vk-fz-zone-b", "vk-fz-zone-c"] {
+                if nodes.get_opt(name).await?.is_some() {
+                    return Ok(None);
+                }
+            }
+            let taken = nodes.get_opt("vk-fz-zone-a").await?;
+            Ok(taken
+                .filter(|n| {
+                    n.metadata.uid != a_uid
+                        && n.metadata
+                            .labels
+                            .as_ref()
+                            .and_then(|l| l.get(tensile::node::groups::MEMBER_NODE_LABEL))
+                            .is_some_and(|m| m == "vk-fz-zone")
+                })
+                .map(|_| ()))
+        },
+    )
+    .await
+    .unwrap();
+    let a_marks = ListParams::default().labels(&format!(
+        "{}=vk-fz",
+        tensile::translate::meta::OWNER_NODE_LABEL
+    ));
+    wait_for("member A's lower pods deleted", TIMEOUT, || async {
+        Ok(zoned_pods
+            .list(&a_marks)
+            .await?
+            .items
+            .is_empty()
+            .then_some(()))
+    })
+    .await
+    .unwrap();
+    let b = nodes.get("vk-fz-whole").await.unwrap();
+    assert!(node_is_ready(&b), "B is untouched by A's leave");
     vn.check_running().unwrap();
     ns.delete().await.unwrap();
 }

@@ -457,6 +457,28 @@ where
     }
 }
 
+/// The virtual nodes of the member whose `--nodename` is `node`: `node` itself, and with
+/// `node` or `label=<key>` granularity each group's node (labelled
+/// [`crate::node::groups::MEMBER_NODE_LABEL`] with `node`).
+pub async fn member_nodes(upper: &Client, node: &str) -> Result<Vec<String>, LeaveError> {
+    let nodes: Api<Node> = Api::all(upper.clone());
+    let groups = ListParams::default().labels(&format!(
+        "{}={node}",
+        crate::node::groups::MEMBER_NODE_LABEL
+    ));
+    let mut names: Vec<String> = nodes
+        .list_metadata(&groups)
+        .await
+        .map_err(upper_error("listing the virtual nodes of member", node))?
+        .items
+        .iter()
+        .map(ResourceExt::name_any)
+        .collect();
+    names.insert(0, node.to_owned());
+    names.dedup();
+    Ok(names)
+}
+
 /// Deletes the Node `node` (under its UID, if it still is the one read) and its Lease in
 /// `kube-node-lease`.
 pub async fn delete_node(upper: &Client, node: &str) -> Result<(), LeaveError> {

@@ -611,7 +611,19 @@ async fn leave_member(
     .await;
     let bound = leave::Bound::of(secret, shared.args.leave_timeout);
     let say = (recorder, &object);
-    if let Err(error) = leave::drain(&shared.upper.client, &node, bound, say, shutdown).await {
+    // Every virtual node of the member at once (one per group with node or label=
+    // granularity), so that each is cordoned before any pod is evicted.
+    let nodes = match leave::member_nodes(&shared.upper.client, &node).await {
+        Ok(nodes) => nodes,
+        Err(error) => {
+            stop(running).await;
+            return Err(error.to_string());
+        }
+    };
+    let drains = nodes
+        .iter()
+        .map(|n| leave::drain(&shared.upper.client, n, bound, say, shutdown));
+    if let Err(error) = futures::future::try_join_all(drains).await {
         stop(running).await;
         return Err(error.to_string());
     }
@@ -635,10 +647,12 @@ async fn leave_member(
     })
     .await?
     .unwrap_or(0);
-    leave::delete_node(&shared.upper.client, &node)
-        .await
-        .map_err(|e| e.to_string())?;
-    info!(%node, lower_objects_deleted = deleted, "member left");
+    for name in &nodes {
+        leave::delete_node(&shared.upper.client, name)
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    info!(%node, virtual_nodes = nodes.len(), lower_objects_deleted = deleted, "member left");
     leave::say(
         recorder,
         &object,
