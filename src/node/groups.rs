@@ -477,22 +477,6 @@ pub fn group_labels(
     labels
 }
 
-/// The virtual node names that more than one member produces, each with those members
-/// (by member name), sorted: such a name is refused (an Event on each member's Secret).
-pub fn clashes<'a>(
-    names: impl IntoIterator<Item = (&'a str, &'a str)>,
-) -> BTreeMap<String, BTreeSet<String>> {
-    let mut by_name: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
-    for (member, name) in names {
-        by_name
-            .entry(name.to_owned())
-            .or_default()
-            .insert(member.to_owned());
-    }
-    by_name.retain(|_, members| members.len() > 1);
-    by_name
-}
-
 /// The virtual nodes a member of `node` or `label=<key>` granularity has registered (or is
 /// registering), by name, each with what confines its pods below: what its controllers
 /// read to know an upper pod bound to one of them as theirs, and where its copy goes.
@@ -940,19 +924,6 @@ mod tests {
                 .preferred_during_scheduling_ignored_during_execution
                 .is_some()
         );
-    }
-
-    #[test]
-    fn clashing_names_are_found() {
-        let got = clashes([("a", "vk-x"), ("b", "vk-x"), ("b", "vk-y"), ("c", "vk-z")]);
-        assert_eq!(
-            got,
-            BTreeMap::from([(
-                "vk-x".to_owned(),
-                BTreeSet::from(["a".to_owned(), "b".to_owned()])
-            )])
-        );
-        assert!(clashes([("a", "vk"), ("a", "vk")]).is_empty(), "one member");
     }
 
     /// The virtual nodes a member knows: each by its name, with the requirement that
