@@ -890,3 +890,108 @@ async fn one_virtual_node_per_zone_and_per_lower_node() {
     each.stop().unwrap();
     ns.delete().await.unwrap();
 }
+
+/// High availability of a member of `node` granularity: two processes with
+/// `--leader-elect`; the leader registers one virtual node per lower node and mirrors pods
+/// bound to them; SIGKILLed, the standby takes the Lease, keeps every virtual node (the
+/// same Node, Ready), re-creates no lower pod and mirrors the pods created after.
+#[tokio::test]
+async fn a_grouped_members_standby_takes_over_its_virtual_nodes() {
+    use common::ha::{FAST_LEASE, LEASE_NAMESPACE, create_pods, until_held_by};
+
+    let pair = ClusterPair::shared().await.unwrap();
+    let upper = pair.upper.client().await.unwrap();
+    let mut lower_options = ClusterOptions::new(
+        "lower-granha",
+        2,
+        (Ipv4Addr::new(10, 92, 0, 0), 16),
+        "10.250.0.0/16",
+    );
+    lower_options.node_shape.cpu = "4".into();
+    let lower = pair.start_cluster(lower_options).await.unwrap();
+    let lower_client = lower.client().await.unwrap();
+    let base = "vk-granha";
+    let process = |identity: &str| {
+        let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), base);
+        options.lower_kubeconfig = Some(lower.kubeconfig.clone());
+        options.args = vec![
+            "--node-granularity".into(),
+            "node".into(),
+            "--leader-elect".into(),
+            format!("--leader-elect-identity={identity}"),
+        ];
+        options
+            .args
+            .extend(FAST_LEASE.iter().map(ToString::to_string));
+        options
+    };
+    let nodes: Api<Node> = Api::all(upper.clone());
+    let grouped = ListParams::default().labels(&format!(
+        "{}={base}",
+        tensile::node::groups::MEMBER_NODE_LABEL
+    ));
+    let ready_nodes = || async {
+        wait_for("2 Ready virtual nodes of vk-granha", TIMEOUT, || async {
+            let ready: BTreeMap<String, Option<String>> = nodes
+                .list(&grouped)
+                .await?
+                .items
+                .into_iter()
+                .filter(node_is_ready)
+                .map(|n| (n.metadata.name.clone().unwrap_or_default(), n.metadata.uid))
+                .collect();
+            Ok((ready.len() == 2).then_some(ready))
+        })
+        .await
+        .unwrap()
+    };
+    let mut leader = pair.start_virtual_node(&process("a")).unwrap();
+    let before = ready_nodes().await;
+    let mut standby = pair.start_virtual_node(&process("b")).unwrap();
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(upper.clone(), LEASE_NAMESPACE);
+
+    let ns = TestNamespace::create(&upper, "gran-ha").await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower_client.clone(), &ns.name);
+    let names: Vec<&String> = before.keys().collect();
+    for (i, node) in names.iter().enumerate() {
+        create_pods(&upper_pods, node, (0..3).map(|j| format!("before-{i}-{j}"))).await;
+    }
+    let mirrored = wait_for("6 lower pods", TIMEOUT, || async {
+        let uids = invariant::uids_by_name(&lower_pods).await?;
+        Ok((uids.len() == 6).then_some(uids))
+    })
+    .await
+    .unwrap();
+    let killed = std::time::Instant::now();
+    leader.kill().unwrap();
+    until_held_by(&leases, base, "b", killed).await;
+    for (i, node) in names.iter().enumerate() {
+        create_pods(&upper_pods, node, (0..3).map(|j| format!("after-{i}-{j}"))).await;
+    }
+    wait_for("12 upper pods Running, 12 lower pods", TIMEOUT, || async {
+        let pods = upper_pods.list(&ListParams::default()).await?.items;
+        let running = pods.len() == 12 && pods.iter().all(common::running);
+        let below = lower_pods.list(&ListParams::default()).await?.items.len();
+        Ok((running && below == 12).then_some(()))
+    })
+    .await
+    .unwrap();
+    let after = invariant::uids_by_name(&lower_pods).await.unwrap();
+    for (name, uid) in &mirrored {
+        assert_eq!(
+            after.get(name),
+            Some(uid),
+            "lower pod {name} was re-created"
+        );
+    }
+    assert_eq!(
+        ready_nodes().await,
+        before,
+        "the same virtual nodes, Ready, after the takeover"
+    );
+    standby.check_running().unwrap();
+    ns.delete().await.unwrap();
+    standby.stop().unwrap();
+}
