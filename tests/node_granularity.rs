@@ -13,6 +13,7 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::Ipv4Addr;
 
+use common::granularity::{labelled_lower, ready_virtual_nodes};
 use common::{TIMEOUT, kubectl, member_secret, metric};
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Event, Node, Pod, Secret};
@@ -25,8 +26,7 @@ use tensile_harness::cluster::KWOK_NODE_ANNOTATION;
 use tensile_harness::fixtures::{bound_pod, virtual_node_toleration};
 use tensile_harness::invariant;
 use tensile_harness::{
-    ClusterOptions, ClusterPair, TestNamespace, VirtualNode, VirtualNodeOptions, node_is_ready,
-    wait_for,
+    ClusterPair, TestNamespace, VirtualNode, VirtualNodeOptions, node_is_ready, wait_for,
 };
 
 /// Waits for an Event of `reason` on the member Secret `secret` whose message says `says`.
@@ -149,37 +149,18 @@ const ZONE: &str = "topology.kubernetes.io/zone";
 /// A lower cluster beside the shared pair: 6 kwok nodes of 4 CPU, two in each of the zones
 /// `zone-a`, `zone-b`, `zone-c`; their names, sorted.
 async fn zoned_lower(pair: &ClusterPair) -> (tensile_harness::Cluster, Vec<String>) {
-    let mut options = ClusterOptions::new(
+    labelled_lower(
+        pair,
         "lower-gran",
         6,
         (Ipv4Addr::new(10, 94, 0, 0), 16),
         "10.249.0.0/16",
-    );
-    options.node_shape.cpu = "4".into();
-    let lower = pair.start_cluster(options).await.unwrap();
-    let nodes: Api<Node> = Api::all(lower.client().await.unwrap());
-    let mut names: Vec<String> = nodes
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter_map(|n| n.metadata.name)
-        .collect();
-    names.sort();
-    assert_eq!(names.len(), 6, "{names:?}");
-    for (i, name) in names.iter().enumerate() {
-        let zone = ["zone-a", "zone-b", "zone-c"][i / 2];
-        nodes
-            .patch(
-                name,
-                &PatchParams::default(),
-                &Patch::Merge(json!({"metadata": {"labels": {ZONE: zone}}})),
-            )
-            .await
-            .unwrap();
-    }
-    (lower, names)
+        |i| {
+            let zone = ["zone-a", "zone-b", "zone-c"][i / 2];
+            json!({ZONE: zone})
+        },
+    )
+    .await
 }
 
 /// Starts the flags' member `base` of `granularity` on the lower cluster `kubeconfig` and
@@ -198,33 +179,9 @@ async fn start_grouped(
     options.args = vec!["--node-granularity".into(), granularity.into()];
     let mut vn = pair.start_virtual_node(&options).unwrap();
     let nodes: Api<Node> = Api::all(upper.clone());
-    let listed = wait_for(
-        &format!("{want} Ready virtual nodes of {base}"),
-        TIMEOUT,
-        || async {
-            let list = nodes
-                .list(&ListParams::default().labels(&format!("clusterID={base}")))
-                .await?;
-            let ready: BTreeMap<String, Node> = list
-                .items
-                .into_iter()
-                .filter(node_is_ready)
-                .map(|n| (n.metadata.name.clone().unwrap_or_default(), n))
-                .collect();
-            Ok((ready.len() == want).then_some(ready))
-        },
-    )
-    .await;
-    match listed {
-        Ok(listed) => (vn, listed),
-        Err(error) => {
-            let _ = vn.check_running();
-            panic!(
-                "{error:#}\n{}",
-                tensile_harness::process::tail(vn.log(), 60)
-            );
-        }
-    }
+    let what = format!("{want} Ready virtual nodes");
+    let listed = ready_virtual_nodes(&mut vn, &nodes, base, &what, |r| r.len() == want).await;
+    (vn, listed)
 }
 
 /// A ValidatingAdmissionPolicy (and its binding) of the upper cluster that refuses to
@@ -901,14 +858,15 @@ async fn a_grouped_members_standby_takes_over_its_virtual_nodes() {
 
     let pair = ClusterPair::shared().await.unwrap();
     let upper = pair.upper.client().await.unwrap();
-    let mut lower_options = ClusterOptions::new(
+    let (lower, _) = labelled_lower(
+        pair,
         "lower-granha",
         2,
         (Ipv4Addr::new(10, 92, 0, 0), 16),
         "10.250.0.0/16",
-    );
-    lower_options.node_shape.cpu = "4".into();
-    let lower = pair.start_cluster(lower_options).await.unwrap();
+        |_| json!({}),
+    )
+    .await;
     let lower_client = lower.client().await.unwrap();
     let base = "vk-granha";
     let process = |identity: &str| {

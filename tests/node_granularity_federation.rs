@@ -10,15 +10,15 @@ mod common;
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 
+use common::granularity::{labelled_lower, ready_virtual_nodes};
 use common::{TIMEOUT, kubectl, member_secret, metric};
 use k8s_openapi::api::core::v1::{Event, Node, Pod, Secret};
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, ListParams, PostParams};
 use serde_json::json;
 use tensile::member::spec::GRANULARITY_ANNOTATION;
 use tensile_harness::fixtures::virtual_node_toleration;
 use tensile_harness::{
-    ClusterOptions, ClusterPair, TestNamespace, VirtualNode, VirtualNodeOptions, node_is_ready,
-    wait_for,
+    ClusterPair, TestNamespace, VirtualNode, VirtualNodeOptions, node_is_ready, wait_for,
 };
 
 /// The zone label member A groups by.
@@ -29,37 +29,22 @@ const POOL: &str = "example.com/pool";
 /// A lower cluster beside the shared pair: 6 kwok nodes of 4 CPU, two in each of the zones
 /// `zone-a`, `zone-b`, `zone-c`; those of `zone-a` in pool `a`, the others in pool `x`.
 async fn zoned_lower(pair: &ClusterPair) -> tensile_harness::Cluster {
-    let mut options = ClusterOptions::new(
+    let labels = |i: usize| {
+        let (zone, pool) = (
+            ["zone-a", "zone-b", "zone-c"][i / 2],
+            if i / 2 == 0 { "a" } else { "x" },
+        );
+        json!({ZONE: zone, POOL: pool})
+    };
+    let (lower, _) = labelled_lower(
+        pair,
         "lower-fedgran",
         6,
         (Ipv4Addr::new(10, 93, 0, 0), 16),
         "10.243.0.0/16",
-    );
-    options.node_shape.cpu = "4".into();
-    let lower = pair.start_cluster(options).await.unwrap();
-    let nodes: Api<Node> = Api::all(lower.client().await.unwrap());
-    let mut names: Vec<String> = nodes
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter_map(|n| n.metadata.name)
-        .collect();
-    names.sort();
-    assert_eq!(names.len(), 6, "{names:?}");
-    for (i, name) in names.iter().enumerate() {
-        let zone = ["zone-a", "zone-b", "zone-c"][i / 2];
-        let pool = if i / 2 == 0 { "a" } else { "x" };
-        nodes
-            .patch(
-                name,
-                &PatchParams::default(),
-                &Patch::Merge(json!({"metadata": {"labels": {ZONE: zone, POOL: pool}}})),
-            )
-            .await
-            .unwrap();
-    }
+        labels,
+    )
+    .await;
     lower
 }
 
@@ -90,33 +75,11 @@ async fn ready_nodes(
     base: &str,
     want: &[&str],
 ) -> BTreeMap<String, Node> {
-    let listed = wait_for(
-        &format!("the Ready virtual nodes {want:?} of {base}"),
-        TIMEOUT,
-        || async {
-            let list = nodes
-                .list(&ListParams::default().labels(&format!("clusterID={base}")))
-                .await?;
-            let ready: BTreeMap<String, Node> = list
-                .items
-                .into_iter()
-                .filter(node_is_ready)
-                .map(|n| (n.metadata.name.clone().unwrap_or_default(), n))
-                .collect();
-            Ok(ready.keys().eq(want.iter().copied()).then_some(ready))
-        },
-    )
-    .await;
-    match listed {
-        Ok(listed) => listed,
-        Err(error) => {
-            let _ = vn.check_running();
-            panic!(
-                "{error:#}\n{}",
-                tensile_harness::process::tail(vn.log(), 60)
-            );
-        }
-    }
+    let what = format!("the Ready virtual nodes {want:?}");
+    ready_virtual_nodes(vn, nodes, base, &what, |r| {
+        r.keys().eq(want.iter().copied())
+    })
+    .await
 }
 
 /// Waits until `n` pods labelled `app=<app>` run below (in `lower`) and their upper pods

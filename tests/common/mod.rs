@@ -18,6 +18,7 @@ use tokio::process::Command;
 
 pub mod access;
 pub mod descheduler;
+pub mod granularity;
 pub mod ha;
 
 /// Generous: two clusters and several virtual nodes share 2 cores.
