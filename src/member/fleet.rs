@@ -4,7 +4,7 @@
 //! node of the group is, and cordoned (its Lease no longer renewed, so it goes NotReady)
 //! once its group is gone. The ownership marks below stay the member's (`--nodename`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::Node;
@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, info_span, warn};
 
 use crate::clusters::HeartbeatClients;
+use crate::kubelet_api::node_ports::{self, GroupPorts};
 use crate::node::burst::Burst;
 use crate::node::groups::{Granularity, GroupNodes, GroupOffer, group_requirement};
 use crate::node::spec::NodeConfig;
@@ -40,6 +41,8 @@ pub struct Fleet {
     pub bursting: watch::Receiver<Burst>,
     /// Where the member's controllers learn its virtual nodes.
     pub nodes: Arc<GroupNodes>,
+    /// `--kubelet-port-range`: a kubelet port per virtual node.
+    pub ports: Option<GroupPorts>,
 }
 
 /// One registered virtual node.
@@ -49,6 +52,8 @@ struct Running {
     capacity: watch::Sender<Option<BTreeMap<String, Quantity>>>,
     cordoned_below: bool,
     stop: CancellationToken,
+    /// Its own kubelet port (`--kubelet-port-range`), if it has one.
+    port: Option<u16>,
 }
 
 /// The names of the virtual nodes `offers` asks for, each with what confines its pods
@@ -80,6 +85,10 @@ impl Fleet {
                     .map(|(key, offer)| (key.clone(), offer.capacity.clone()))
                     .collect(),
             );
+            let mut ports = self.choose_ports(&now, &running).await;
+            let taken: BTreeSet<u16> = (running.values().filter_map(|r| r.port))
+                .chain(ports.values().flatten().copied())
+                .collect();
             for (key, offer) in &now {
                 let part = parts.get(key).unwrap_or(&offer.capacity);
                 if let Some(r) = running.get_mut(key) {
@@ -98,7 +107,13 @@ impl Fleet {
                 }
                 let span = info_span!("virtual node", node = %offer.group.name, group = %key);
                 let (started, beat) = self
-                    .start(key, offer, part, shutdown.child_token())
+                    .start(
+                        key,
+                        offer,
+                        part,
+                        (ports.remove(key).flatten(), &taken),
+                        shutdown.child_token(),
+                    )
                     .instrument(span.clone())
                     .await?;
                 if started.cordoned_below {
@@ -134,21 +149,94 @@ impl Fleet {
         Ok(())
     }
 
+    /// The ports of `--kubelet-port-range` for the groups of `now` not yet `running`
+    /// ([`node_ports::assign`]), each keeping the one its Node shows from before where it
+    /// can; empty without the flag.
+    async fn choose_ports(
+        &self,
+        now: &BTreeMap<String, GroupOffer>,
+        running: &HashMap<String, Running>,
+    ) -> HashMap<String, Option<u16>> {
+        let Some(ports) = &self.ports else {
+            return HashMap::new();
+        };
+        let new: Vec<(&String, &GroupOffer)> = now
+            .iter()
+            .filter(|(key, _)| !running.contains_key(*key))
+            .collect();
+        if new.is_empty() {
+            return HashMap::new();
+        }
+        let nodes: Api<Node> = Api::all(self.upper.clone());
+        let selector = format!("clusterID={}", self.base.cluster_id);
+        let before: HashMap<String, u16> = match nodes
+            .list_metadata(&kube::api::ListParams::default().labels(&selector))
+            .await
+        {
+            // Metadata only: the port is read from each new group's Node below.
+            Ok(list) => {
+                let mut before = HashMap::new();
+                for meta in list.items {
+                    let Some(name) = meta.metadata.name else {
+                        continue;
+                    };
+                    if !new.iter().any(|(_, o)| o.group.name == name) {
+                        continue;
+                    }
+                    if let Ok(Some(node)) = nodes.get_opt(&name).await
+                        && let Some(port) = node
+                            .status
+                            .and_then(|s| s.daemon_endpoints)
+                            .and_then(|d| d.kubelet_endpoint)
+                            .and_then(|e| u16::try_from(e.port).ok())
+                    {
+                        before.insert(name, port);
+                    }
+                }
+                before
+            }
+            Err(error) => {
+                warn!(%error, cluster = "upper", "listing the virtual nodes' kubelet ports from before");
+                HashMap::new()
+            }
+        };
+        let taken: BTreeSet<u16> = running.values().filter_map(|r| r.port).collect();
+        let wanted: Vec<Option<u16>> = new
+            .iter()
+            .map(|(_, o)| before.get(&o.group.name).copied())
+            .collect();
+        let chosen = node_ports::assign(ports.range, &taken, &wanted);
+        new.into_iter()
+            .map(|(key, _)| key.clone())
+            .zip(chosen)
+            .collect()
+    }
+
     /// Registers the virtual node of group `key`, offering `part` (its part of the
-    /// member's share, [`crate::node::burst::Share::split`]); its keep-alive, to run until
-    /// `stop`.
+    /// member's share, [`crate::node::burst::Share::split`]), on `port` of the range (with
+    /// `taken`, the range's ports others have) or else the member's; its keep-alive (and
+    /// its port's kubelet API), to run until `stop`.
     async fn start(
         &self,
         key: &str,
         offer: &GroupOffer,
         part: &BTreeMap<String, Quantity>,
+        (port, taken): (Option<u16>, &BTreeSet<u16>),
         stop: CancellationToken,
     ) -> Result<(Running, impl Future<Output = ()> + Send + 'static), String> {
         self.nodes
             .insert(&offer.group.name, group_requirement(&self.granularity, key));
+        let listening = match (&self.ports, port) {
+            (Some(ports), Some(port)) => {
+                node_ports::listen(ports, port, taken, &offer.group.name, stop.clone()).await
+            }
+            _ => None,
+        };
+        let own_port = listening.as_ref().map(|(port, _)| *port);
         let config = NodeConfig {
             name: offer.group.name.clone(),
             group_labels: offer.group.labels.clone(),
+            kubelet_port: own_port.map_or(self.base.kubelet_port, i32::from),
             ..self.base.clone()
         };
         let bursting = self.bursting.borrow().clone();
@@ -156,7 +244,10 @@ impl Fleet {
         let registered = node::register(&self.upper, &config, &offered, &bursting)
             .await
             .map_err(|e| format!("node {} (group {key}): {e}", config.name))?;
-        info!(node = %config.name, group = %key, "virtual node registered");
+        info!(node = %config.name, group = %key, kubelet_port = config.kubelet_port, "virtual node registered");
+        if let (Some(ports), None) = (&self.ports, own_port) {
+            no_port_left(ports, &registered, self.base.kubelet_port).await;
+        }
         let uid = registered.metadata.uid.clone().unwrap_or_default();
         let (capacity, capacity_rx) = watch::channel(Some(part.clone()));
         let beat = node::keep_alive(
@@ -171,6 +262,14 @@ impl Fleet {
             registered,
             stop.clone(),
         );
+        let beat = async move {
+            match listening {
+                Some((_, serving)) => {
+                    tokio::join!(beat, serving);
+                }
+                None => beat.await,
+            }
+        };
         Ok((
             Running {
                 name: config.name,
@@ -178,6 +277,7 @@ impl Fleet {
                 capacity,
                 cordoned_below: offer.group.cordoned,
                 stop,
+                port: own_port,
             },
             beat,
         ))
@@ -243,5 +343,29 @@ impl Fleet {
         {
             warn!(%error, node = name, cluster = "upper", "uncordoning the virtual node");
         }
+    }
+}
+
+/// Says (a Warning log and Event on `node`) that no port of `--kubelet-port-range` was
+/// left for it: it is reached on the member's `shared` port, with no node series.
+async fn no_port_left(ports: &GroupPorts, node: &Node, shared: i32) {
+    let name = node.metadata.name.as_deref().unwrap_or_default();
+    let note = format!(
+        "no port of --kubelet-port-range {} is left for this virtual node (a port per \
+         virtual node; widen the range): it shares the member's kubelet port {shared}, \
+         and kubectl top node shows <unknown> for it",
+        ports.range
+    );
+    warn!(node = name, cluster = "upper", "{note}");
+    let event = kube::runtime::events::Event {
+        type_: kube::runtime::events::EventType::Warning,
+        reason: "KubeletPortRangeExhausted".into(),
+        note: Some(note),
+        action: "Register".into(),
+        secondary: None,
+    };
+    let reference = kube::Resource::object_ref(node, &());
+    if let Err(error) = ports.recorder.publish(&event, &reference).await {
+        tracing::debug!(%error, node = name, cluster = "upper", "publishing an event on a virtual node");
     }
 }

@@ -89,6 +89,9 @@ pub struct MemberSpec {
     pub granularity: Granularity,
     /// Lower node labels a group's virtual node shows beside the documented ones.
     pub lower_node_labels: LabelPatterns,
+    /// A kubelet port per virtual node, from this range (`--kubelet-port-range`; the
+    /// flags' member only).
+    pub kubelet_port_range: Option<kubelet_api::node_ports::PortRange>,
 }
 
 impl std::fmt::Debug for MemberSpec {
@@ -130,6 +133,7 @@ impl MemberSpec {
             })),
             granularity: args.node_granularity.clone(),
             lower_node_labels: args.lower_node_labels.clone(),
+            kubelet_port_range: args.kubelet_port_range,
         }
     }
 }
@@ -161,6 +165,7 @@ pub async fn member_spec(member: &spec::MemberSecret) -> Result<MemberSpec, Stri
         bursting: Arc::new(watch::Sender::new(member.bursting.clone())),
         granularity: member.granularity.clone(),
         lower_node_labels: member.lower_node_labels.clone(),
+        kubelet_port_range: None,
     })
 }
 
@@ -342,6 +347,14 @@ async fn run_member(
     let mut tasks = Tasks::new(shutdown.clone());
     // Standbys serve the kubelet API too: it only proxies reads and streams to lower pods,
     // and the upper API server calls the address on the Node, which only the leader writes.
+    let group_ports = spec
+        .kubelet_port_range
+        .map(|range| kubelet_api::node_ports::GroupPorts {
+            range,
+            tls: kubelet_tls.clone(),
+            api: kubelet_api.clone(),
+            recorder: ctx.recorder.clone(),
+        });
     tasks.spawn(
         "kubelet API server",
         kubelet_api::serve(kubelet_listener, kubelet_tls, kubelet_api, shutdown.clone()),
@@ -458,6 +471,7 @@ async fn run_member(
             use_lease: args.enable_node_lease,
             bursting: spec.bursting.subscribe(),
             nodes,
+            ports: group_ports,
         };
         tasks.spawn_fallible("virtual nodes", fleet.run(offers_rx, shutdown.clone()));
         let watched = PodWatched {
