@@ -334,7 +334,7 @@ fn advertised_port(node: &Node) -> u16 {
 /// own from the range, and `/metrics/resource` there has that node's pod alone and a node
 /// series (before: one shared port, all the member's pods and no node series); a caller
 /// allowed `nodes/metrics` on one virtual node reads its port and is refused (403) the
-/// other's, which is authorized on that node's name.
+/// other's, which is authorized on that node's name. A restart keeps the ports.
 #[tokio::test]
 async fn each_virtual_node_has_its_own_kubelet_port_and_node_metrics() {
     const MEMBER: &str = "vk-gport";
@@ -437,6 +437,13 @@ async fn each_virtual_node_has_its_own_kubelet_port_and_node_metrics() {
         .unwrap();
     }
 
+    // A restart keeps each virtual node's port (read from its Node), even with the range
+    // widened below (where a fresh start would begin): the scrapes below reach the new
+    // process at the ports from before.
+    vn.stop().unwrap();
+    options.args[3] = format!("{}-{}", range.0 - 1, range.1);
+    vn = pair.start_virtual_node(&options).unwrap();
+
     let ca = &pair.upper.pki.ca_cert;
     let dp = DeleteParams::default();
     for (i, node) in names.iter().enumerate() {
@@ -497,6 +504,12 @@ async fn each_virtual_node_has_its_own_kubelet_port_and_node_metrics() {
             .await
             .unwrap();
     }
+
+    let mut after = Vec::new();
+    for name in &names {
+        after.push(advertised_port(&nodes.get(name).await.unwrap()));
+    }
+    assert_eq!(after, ports, "the ports after a restart");
 
     vn.check_running().unwrap();
     ns.delete().await.unwrap();
