@@ -27,8 +27,8 @@ use tensile_harness::fixtures::bound_pod;
 use tensile_harness::metrics_server::{USAGE_CPU_ANNOTATION, USAGE_MEMORY_ANNOTATION};
 use tensile_harness::pki::ClientCert;
 use tensile_harness::{
-    ClusterOptions, ClusterPair, KWOK_LOG_LINES, TestNamespace, VirtualNodeOptions, node_is_ready,
-    wait_for,
+    ClusterOptions, ClusterPair, KWOK_LOG_LINES, PairOptions, TestNamespace, VirtualNodeOptions,
+    node_is_ready, wait_for,
 };
 use tokio::process::Command;
 
@@ -338,16 +338,19 @@ fn advertised_port(node: &Node) -> u16 {
 #[tokio::test]
 async fn each_virtual_node_has_its_own_kubelet_port_and_node_metrics() {
     const MEMBER: &str = "vk-gport";
-    let pair = ClusterPair::shared().await.unwrap();
-    let upper = pair.upper.client().await.unwrap();
-    let mut options = ClusterOptions::new(
+    // Its own pair: metrics-server upstairs too (`kubectl top node`).
+    let mut pair_options = PairOptions::default();
+    pair_options.upper.metrics = true;
+    pair_options.lower = ClusterOptions::new(
         "lower-gport",
         2,
         (Ipv4Addr::new(10, 92, 0, 0), 16),
         "10.222.0.0/16",
     );
-    options.metrics = true;
-    let lower = pair.start_cluster(options).await.unwrap();
+    pair_options.lower.metrics = true;
+    let pair = ClusterPair::start(pair_options).await.unwrap();
+    let upper = pair.upper.client().await.unwrap();
+    let lower = &pair.lower;
     let lower_client = lower.client().await.unwrap();
     let mut lower_names: Vec<String> = Api::<Node>::all(lower_client.clone())
         .list(&ListParams::default())
@@ -510,6 +513,46 @@ async fn each_virtual_node_has_its_own_kubelet_port_and_node_metrics() {
         after.push(advertised_port(&nodes.get(name).await.unwrap()));
     }
     assert_eq!(after, ports, "the ports after a restart");
+
+    // metrics-server upstairs (`--kubelet-use-node-status-port`) scrapes each virtual node
+    // at its own port: `kubectl top node` shows each one's usage (its pod's 200m, 64Mi),
+    // not `<unknown>`.
+    let last = std::sync::Mutex::new(String::new());
+    let shown = wait_for(
+        "kubectl top node to show both virtual nodes",
+        TIMEOUT,
+        || async {
+            let output = Command::new(pair.bin("kubectl"))
+                .arg("--kubeconfig")
+                .arg(pair.upper_kubeconfig())
+                .args(["top", "node", "--no-headers"])
+                .output()
+                .await?;
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+            // NAME CPU(cores) CPU% MEMORY(bytes) MEMORY%: each row's CPU in millicores.
+            let cpu: Vec<Option<u64>> = text
+                .lines()
+                .filter(|l| names.iter().any(|n| l.starts_with(n.as_str())))
+                .map(|l| {
+                    let cpu = l.split_whitespace().nth(1)?;
+                    cpu.strip_suffix('m')?.parse().ok()
+                })
+                .collect();
+            *last.lock().unwrap() = text.clone();
+            let done =
+                cpu.len() == 2 && cpu.iter().all(|c| c.is_some_and(|c| c.abs_diff(200) <= 40));
+            Ok(done.then_some(text))
+        },
+    )
+    .await;
+    match shown {
+        Ok(text) => println!("kubectl top node:\n{text}"),
+        Err(error) => panic!("{error:#}: {}", last.lock().unwrap()),
+    }
 
     vn.check_running().unwrap();
     ns.delete().await.unwrap();
