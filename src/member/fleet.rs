@@ -169,32 +169,23 @@ impl Fleet {
         }
         let nodes: Api<Node> = Api::all(self.upper.clone());
         let selector = format!("clusterID={}", self.base.cluster_id);
+        // One list, at start all the groups' Nodes at once (their ports from before).
         let before: HashMap<String, u16> = match nodes
-            .list_metadata(&kube::api::ListParams::default().labels(&selector))
+            .list(&kube::api::ListParams::default().labels(&selector))
             .await
         {
-            // Metadata only: the port is read from each new group's Node below.
-            Ok(list) => {
-                let mut before = HashMap::new();
-                for meta in list.items {
-                    let Some(name) = meta.metadata.name else {
-                        continue;
-                    };
-                    if !new.iter().any(|(_, o)| o.group.name == name) {
-                        continue;
-                    }
-                    if let Ok(Some(node)) = nodes.get_opt(&name).await
-                        && let Some(port) = node
-                            .status
-                            .and_then(|s| s.daemon_endpoints)
-                            .and_then(|d| d.kubelet_endpoint)
-                            .and_then(|e| u16::try_from(e.port).ok())
-                    {
-                        before.insert(name, port);
-                    }
-                }
-                before
-            }
+            Ok(list) => list
+                .items
+                .into_iter()
+                .filter_map(|node| {
+                    let port = node
+                        .status?
+                        .daemon_endpoints?
+                        .kubelet_endpoint
+                        .map(|e| e.port)?;
+                    Some((node.metadata.name?, u16::try_from(port).ok()?))
+                })
+                .collect(),
             Err(error) => {
                 warn!(%error, cluster = "upper", "listing the virtual nodes' kubelet ports from before");
                 HashMap::new()
