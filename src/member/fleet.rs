@@ -86,7 +86,9 @@ impl Fleet {
                     .collect(),
             );
             let mut ports = self.choose_ports(&now, &running).await;
-            let taken: BTreeSet<u16> = (running.values().filter_map(|r| r.port))
+            let taken: BTreeSet<u16> = running
+                .values()
+                .filter_map(|r| r.port)
                 .chain(ports.values().flatten().copied())
                 .collect();
             for (key, offer) in &now {

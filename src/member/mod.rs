@@ -347,8 +347,13 @@ async fn run_member(
     let mut tasks = Tasks::new(shutdown.clone());
     // Standbys serve the kubelet API too: it only proxies reads and streams to lower pods,
     // and the upper API server calls the address on the Node, which only the leader writes.
+    if let (Some(range), None) = (spec.kubelet_port_range, &group_nodes) {
+        warn!(node = %spec.node, %range,
+            "--kubelet-port-range is for node or label= granularity: ignored (one virtual node, on --kubelet-port)");
+    }
     let group_ports = spec
         .kubelet_port_range
+        .filter(|_| group_nodes.is_some())
         .map(|range| kubelet_api::node_ports::GroupPorts {
             range,
             tls: kubelet_tls.clone(),
