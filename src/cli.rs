@@ -208,6 +208,15 @@ pub struct Args {
     #[arg(long, value_parser = crate::node::groups::parse_label_patterns, default_value = "")]
     pub lower_node_labels: crate::node::groups::LabelPatterns,
 
+    /// With `--node-granularity node` or `label=<key>`: a kubelet port of its own for each
+    /// virtual node, from this range (`FROM-TO`, `FROM+N` or one port; e.g. 10300-10399),
+    /// advertised in its Node's `status.daemonEndpoints` and kept across restarts, so that
+    /// `kubectl top node` (metrics-server with `--kubelet-use-node-status-port`) and node-wide
+    /// kubelet calls reach each virtual node apart. Virtual nodes past the range's size keep
+    /// `--kubelet-port` (a Warning Event on their Node). Default: all on `--kubelet-port`.
+    #[arg(long, env = "KUBELET_PORT_RANGE", value_parser = crate::kubelet_api::node_ports::parse_port_range)]
+    pub kubelet_port_range: Option<crate::kubelet_api::node_ports::PortRange>,
+
     /// The node's InternalIP (default: the first non-loopback address, else 127.0.0.1).
     #[arg(long, env = "VKUBELET_POD_IP")]
     pub node_ip: Option<String>,

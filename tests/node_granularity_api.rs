@@ -3,7 +3,9 @@
 //! each), and authorizes a call about a pod on the node that pod is bound to, as that
 //! node's kubelet would (a caller allowed `nodes/proxy` on one group node only is refused
 //! on the other's pods); and a member's share spans all its virtual nodes (their
-//! allocatable adds up to the cap, not the cap each). Its own test binary.
+//! allocatable adds up to the cap, not the cap each). With `--kubelet-port-range`, each
+//! virtual node has a kubelet port of its own, whose `/metrics/resource` is that node's.
+//! Its own test binary.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
 
 mod common;
@@ -22,10 +24,11 @@ use serde_json::json;
 use tensile::node::groups::{Granularity, virtual_node_name};
 use tensile::node::quantity::milli;
 use tensile_harness::fixtures::bound_pod;
+use tensile_harness::metrics_server::{USAGE_CPU_ANNOTATION, USAGE_MEMORY_ANNOTATION};
 use tensile_harness::pki::ClientCert;
 use tensile_harness::{
-    ClusterOptions, ClusterPair, KWOK_LOG_LINES, TestNamespace, VirtualNodeOptions, node_is_ready,
-    wait_for,
+    ClusterOptions, ClusterPair, KWOK_LOG_LINES, PairOptions, TestNamespace, VirtualNodeOptions,
+    node_is_ready, wait_for,
 };
 use tokio::process::Command;
 
@@ -310,6 +313,248 @@ async fn each_virtual_node_has_its_kubelet_api_and_the_share_spans_them() {
             .await
             .unwrap();
     }
+    ns.delete().await.unwrap();
+    vn.stop().unwrap();
+}
+
+/// The kubelet port a Node advertises.
+fn advertised_port(node: &Node) -> u16 {
+    let port = node
+        .status
+        .as_ref()
+        .and_then(|s| s.daemon_endpoints.as_ref())
+        .and_then(|d| d.kubelet_endpoint.as_ref())
+        .map_or(0, |e| e.port);
+    u16::try_from(port).unwrap()
+}
+
+/// `--kubelet-port-range` with `node` granularity over 2 lower kwok nodes (the lower
+/// cluster runs metrics-server; the virtual node reads it, kwok's loopback kubelets being
+/// out of the lower API server's proxy's reach): each virtual node advertises a port of its
+/// own from the range, and `/metrics/resource` there has that node's pod alone and a node
+/// series (before: one shared port, all the member's pods and no node series); a caller
+/// allowed `nodes/metrics` on one virtual node reads its port and is refused (403) the
+/// other's, which is authorized on that node's name. A restart keeps the ports.
+#[tokio::test]
+async fn each_virtual_node_has_its_own_kubelet_port_and_node_metrics() {
+    const MEMBER: &str = "vk-gport";
+    // Its own pair: metrics-server upstairs too (`kubectl top node`).
+    let mut pair_options = PairOptions::default();
+    pair_options.upper.metrics = true;
+    pair_options.lower = ClusterOptions::new(
+        "lower-gport",
+        2,
+        (Ipv4Addr::new(10, 92, 0, 0), 16),
+        "10.222.0.0/16",
+    );
+    pair_options.lower.metrics = true;
+    let pair = ClusterPair::start(pair_options).await.unwrap();
+    let upper = pair.upper.client().await.unwrap();
+    let lower = &pair.lower;
+    let lower_client = lower.client().await.unwrap();
+    let mut lower_names: Vec<String> = Api::<Node>::all(lower_client.clone())
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|n| n.metadata.name)
+        .collect();
+    lower_names.sort();
+    let names: Vec<String> = lower_names
+        .iter()
+        .map(|n| virtual_node_name(MEMBER, &Granularity::Node, n))
+        .collect();
+
+    // 8 ports from a free one: a port of the range another process holds is skipped.
+    let from = tensile_harness::ports::free_port().unwrap().min(65_000);
+    let range = (from, from + 7);
+    let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), MEMBER);
+    options.lower_kubeconfig = Some(lower.kubeconfig.clone());
+    options.args = vec![
+        "--node-granularity".into(),
+        "node".into(),
+        "--kubelet-port-range".into(),
+        format!("{}-{}", range.0, range.1),
+    ];
+    let mut vn = pair.start_virtual_node(&options).unwrap();
+    let nodes: Api<Node> = Api::all(upper.clone());
+    let listed = wait_for("2 Ready virtual nodes", TIMEOUT, || async {
+        let list = nodes
+            .list(&ListParams::default().labels(&format!("clusterID={MEMBER}")))
+            .await?;
+        let ready: BTreeMap<String, Node> = list
+            .items
+            .into_iter()
+            .filter(node_is_ready)
+            .map(|n| (n.metadata.name.clone().unwrap_or_default(), n))
+            .collect();
+        Ok((ready.len() == 2).then_some(ready))
+    })
+    .await;
+    let grouped = match listed {
+        Ok(listed) => listed,
+        Err(error) => {
+            let _ = vn.check_running();
+            panic!(
+                "{error:#}\n{}",
+                tensile_harness::process::tail(vn.log(), 60)
+            );
+        }
+    };
+    assert_eq!(grouped.keys().cloned().collect::<Vec<_>>(), names);
+    let ports: Vec<u16> = grouped.values().map(advertised_port).collect();
+    println!(
+        "kubelet ports: {ports:?} (range {range:?}, shared {})",
+        vn.kubelet_port
+    );
+    assert!(
+        ports[0] != ports[1]
+            && ports
+                .iter()
+                .all(|p| (range.0..=range.1).contains(p) && *p != vn.kubelet_port),
+        "a port of the range each: {ports:?}, range {range:?}, shared {}",
+        vn.kubelet_port
+    );
+
+    // A pod bound to each virtual node, with simulated usage below.
+    let ns = TestNamespace::create(&upper, "gran-port").await.unwrap();
+    let pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let pod_names = ["port-first", "port-second"];
+    for (pod, node) in pod_names.iter().zip(&names) {
+        let mut pod = bound_pod(pod, node);
+        pod.metadata.annotations = Some(
+            [
+                (USAGE_CPU_ANNOTATION.to_owned(), "200m".to_owned()),
+                (USAGE_MEMORY_ANNOTATION.to_owned(), "64Mi".to_owned()),
+            ]
+            .into(),
+        );
+        pods.create(&PostParams::default(), &pod).await.unwrap();
+    }
+    for pod in pod_names {
+        wait_for(&format!("pod {pod} Running upstairs"), TIMEOUT, || async {
+            Ok(pods.get(pod).await.ok().filter(common::running).map(|_| ()))
+        })
+        .await
+        .unwrap();
+    }
+
+    // A restart keeps each virtual node's port (read from its Node), even with the range
+    // widened below (where a fresh start would begin): the scrapes below reach the new
+    // process at the ports from before.
+    vn.stop().unwrap();
+    options.args[3] = format!("{}-{}", range.0 - 1, range.1);
+    vn = pair.start_virtual_node(&options).unwrap();
+
+    let ca = &pair.upper.pki.ca_cert;
+    let dp = DeleteParams::default();
+    for (i, node) in names.iter().enumerate() {
+        let (own, other) = (pod_names[i], pod_names[1 - i]);
+        let user = format!("gport-metrics-{i}");
+        grant(&upper, &user, node, "metrics").await;
+        let cert = pair.upper.pki.issue_client(&user, &[]).unwrap();
+        let url = |port: u16| format!("https://127.0.0.1:{port}/metrics/resource");
+        let pod_series = |pod: &str| format!("pod=\"{pod}\"");
+        // The lower metrics-server's first readings take a resolution or two.
+        let last = std::sync::Mutex::new(String::new());
+        let scraped = wait_for(
+            &format!("{node}'s port to report its pod {own}"),
+            TIMEOUT,
+            || async {
+                let (code, body) = get(&url(ports[i]), ca, &cert).await;
+                let done = code == 200
+                    && body.lines().any(|l| {
+                        l.starts_with("pod_cpu_usage_seconds_total") && l.contains(&pod_series(own))
+                    });
+                *last.lock().unwrap() = format!("{code} {body}");
+                Ok(done.then_some(body))
+            },
+        )
+        .await;
+        let body = match scraped {
+            Ok(body) => body,
+            Err(error) => panic!("{error:#}: {}", last.lock().unwrap()),
+        };
+        println!("{node} (port {}) /metrics/resource:\n{body}", ports[i]);
+        assert!(
+            !body.contains(&pod_series(other)),
+            "{node}'s port reports the other node's pod {other}: {body}"
+        );
+        for family in [
+            "node_cpu_usage_seconds_total ",
+            "node_memory_working_set_bytes ",
+        ] {
+            assert!(
+                body.lines().any(|l| l.starts_with(family)),
+                "{node}'s port: no {family}series: {body}"
+            );
+        }
+        // The other node's port is authorized on the other node's name.
+        let (code, body) = get(&url(ports[1 - i]), ca, &cert).await;
+        println!("{user} on {}'s port: {code} {body:?}", names[1 - i]);
+        assert!(
+            code == 403 && body.contains("subresource(s)=[metrics]"),
+            "{user} on {}'s port: {code} {body:?}",
+            names[1 - i]
+        );
+        Api::<ClusterRoleBinding>::all(upper.clone())
+            .delete(&user, &dp)
+            .await
+            .unwrap();
+        Api::<ClusterRole>::all(upper.clone())
+            .delete(&user, &dp)
+            .await
+            .unwrap();
+    }
+
+    let mut after = Vec::new();
+    for name in &names {
+        after.push(advertised_port(&nodes.get(name).await.unwrap()));
+    }
+    assert_eq!(after, ports, "the ports after a restart");
+
+    // metrics-server upstairs (`--kubelet-use-node-status-port`) scrapes each virtual node
+    // at its own port: `kubectl top node` shows each one's usage (its pod's 200m, 64Mi),
+    // not `<unknown>`.
+    let last = std::sync::Mutex::new(String::new());
+    let shown = wait_for(
+        "kubectl top node to show both virtual nodes",
+        TIMEOUT,
+        || async {
+            let output = Command::new(pair.bin("kubectl"))
+                .arg("--kubeconfig")
+                .arg(pair.upper_kubeconfig())
+                .args(["top", "node", "--no-headers"])
+                .output()
+                .await?;
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+            // NAME CPU(cores) CPU% MEMORY(bytes) MEMORY%: each row's CPU in millicores.
+            let cpu: Vec<Option<u64>> = text
+                .lines()
+                .filter(|l| names.iter().any(|n| l.starts_with(n.as_str())))
+                .map(|l| {
+                    let cpu = l.split_whitespace().nth(1)?;
+                    cpu.strip_suffix('m')?.parse().ok()
+                })
+                .collect();
+            *last.lock().unwrap() = text.clone();
+            let done =
+                cpu.len() == 2 && cpu.iter().all(|c| c.is_some_and(|c| c.abs_diff(200) <= 40));
+            Ok(done.then_some(text))
+        },
+    )
+    .await;
+    match shown {
+        Ok(text) => println!("kubectl top node:\n{text}"),
+        Err(error) => panic!("{error:#}: {}", last.lock().unwrap()),
+    }
+
+    vn.check_running().unwrap();
     ns.delete().await.unwrap();
     vn.stop().unwrap();
 }

@@ -3,6 +3,7 @@
 //! proxied to the lower cluster: kube-apiserver reaches it at the node's daemon endpoint.
 
 pub mod auth;
+pub mod node_ports;
 pub mod resource_metrics;
 pub mod resource_scrape;
 pub mod route;
@@ -169,11 +170,43 @@ pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, StartErro
         .map_err(|source| StartError::Bind { addr, source })
 }
 
+/// A kubelet port of one virtual node of a member (`--kubelet-port-range`): the calls
+/// that name no pod are that node's (authorized on its name; `/metrics/resource`,
+/// `/stats/summary` and `/pods` keep to the pods bound to it).
+#[derive(Debug)]
+pub struct NodeScope {
+    /// The virtual node.
+    pub node: String,
+    /// Its `/metrics/resource`, with its own node series.
+    pub resource_metrics: resource_scrape::ResourceMetrics,
+}
+
+impl NodeScope {
+    /// The port of virtual node `node`.
+    pub fn new(node: &str) -> Self {
+        Self {
+            node: node.to_owned(),
+            resource_metrics: resource_scrape::ResourceMetrics::default(),
+        }
+    }
+}
+
 /// Serves until `shutdown`; connections in flight are dropped then.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     tls: ServerConfig,
     api: Arc<KubeletApi>,
+    shutdown: CancellationToken,
+) {
+    serve_scoped(listener, tls, api, None, shutdown).await;
+}
+
+/// [`serve`], for one virtual node where `scope` says which.
+async fn serve_scoped(
+    listener: tokio::net::TcpListener,
+    tls: ServerConfig,
+    api: Arc<KubeletApi>,
+    scope: Option<Arc<NodeScope>>,
     shutdown: CancellationToken,
 ) {
     let acceptor = TlsAcceptor::from(Arc::new(tls));
@@ -197,7 +230,7 @@ pub async fn serve(
             .with_time(Duration::from_secs(30))
             .with_interval(Duration::from_secs(10));
         let _ = socket2::SockRef::from(&tcp).set_tcp_keepalive(&keepalive);
-        let (acceptor, api) = (acceptor.clone(), api.clone());
+        let (acceptor, api, scope) = (acceptor.clone(), api.clone(), scope.clone());
         connections.spawn(
             async move {
                 let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp))
@@ -216,8 +249,12 @@ pub async fn serve(
                     .peer_certificates()
                     .map(|c| Arc::new(c.to_vec()));
                 let service = hyper::service::service_fn(move |req| {
-                    let (api, certs) = (api.clone(), certs.clone());
-                    async move { Ok::<_, Infallible>(handle(api, certs.as_deref(), req).await) }
+                    let (api, certs, scope) = (api.clone(), certs.clone(), scope.clone());
+                    async move {
+                        Ok::<_, Infallible>(
+                            handle(api, scope.as_deref(), certs.as_deref(), req).await,
+                        )
+                    }
                 });
                 let served = hyper::server::conn::http1::Builder::new()
                     .timer(hyper_util::rt::TokioTimer::new())
@@ -283,6 +320,7 @@ fn lower_error(what: &str, error: &kube::Error) -> Response<Body> {
 
 async fn handle(
     api: Arc<KubeletApi>,
+    scope: Option<&NodeScope>,
     certs: Option<&Vec<CertificateDer<'static>>>,
     req: Request<Incoming>,
 ) -> Response<Body> {
@@ -300,7 +338,7 @@ async fn handle(
             Err(refused) => return refusal(&refused),
         };
         let (verb, subresources) = (route::verb(req.method()), route::subresources(&route));
-        let node = match call_node(&api, &route).await {
+        let node = match call_node(&api, scope, &route).await {
             Ok(node) => node,
             Err(response) => return response,
         };
@@ -310,16 +348,20 @@ async fn handle(
     }
     match route {
         Route::Healthz => text(StatusCode::OK, "ok"),
-        Route::Pods | Route::RunningPods => pods(&api, route == Route::RunningPods).await,
-        Route::StatsSummary => stats_summary(&api).await,
+        Route::Pods | Route::RunningPods => pods(&api, scope, route == Route::RunningPods).await,
+        Route::StatsSummary => stats_summary(&api, scope).await,
         Route::MetricsResource => {
-            let body = api
-                .resource_metrics
+            let (metrics, node) = match scope {
+                Some(scope) => (&scope.resource_metrics, Some(scope.node.as_str())),
+                None => (&api.resource_metrics, None),
+            };
+            let body = metrics
                 .scrape(
                     &api.lower,
                     &api.owner,
                     api.namespaces.as_deref(),
                     &api.lower_pods,
+                    node,
                 )
                 .await;
             let mut response = text(StatusCode::OK, body);
@@ -411,14 +453,18 @@ async fn synced(api: &KubeletApi) -> Result<(), Response<Body>> {
 /// The node a call is authorized on ([`auth::review_node`]): for a call about a pod, the
 /// node its upper pod is bound to (with `node` or `label=<key>` granularity, all the
 /// member's virtual nodes share this endpoint, and the path names no node); otherwise
-/// `--nodename`.
-async fn call_node(api: &KubeletApi, route: &Route) -> Result<String, Response<Body>> {
+/// the node of the port it came to ([`NodeScope`]), else `--nodename`.
+async fn call_node(
+    api: &KubeletApi,
+    scope: Option<&NodeScope>,
+    route: &Route,
+) -> Result<String, Response<Body>> {
     let (Route::Logs(target)
     | Route::Exec(target, ..)
     | Route::Attach(target, _)
     | Route::PortForward(target)) = route
     else {
-        return Ok(api.auth.node().to_owned());
+        return Ok(scope.map_or(api.auth.node(), |s| &s.node).to_owned());
     };
     synced(api).await?;
     let bound = api
@@ -689,8 +735,19 @@ where
     response
 }
 
+/// Whether the upper pod `namespace/name` is bound to the node of `scope` (always, without
+/// one: the whole member).
+fn in_scope(api: &KubeletApi, scope: Option<&NodeScope>, namespace: &str, name: &str) -> bool {
+    scope.is_none_or(|scope| {
+        api.lower_pods
+            .upper
+            .get(namespace, name)
+            .is_some_and(|pod| pod.node_name().as_deref() == Some(scope.node.as_str()))
+    })
+}
+
 /// `/pods` and `/runningpods/`: the lower pods this node mirrors.
-async fn pods(api: &KubeletApi, running_only: bool) -> Response<Body> {
+async fn pods(api: &KubeletApi, scope: Option<&NodeScope>, running_only: bool) -> Response<Body> {
     let list = Api::<Pod>::all(api.lower.clone())
         .list(&ListParams::default().labels(&api.owner.selector()))
         .await;
@@ -699,6 +756,17 @@ async fn pods(api: &KubeletApi, running_only: bool) -> Response<Body> {
             if running_only {
                 list.items.retain(|p| {
                     p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+                });
+            }
+            if scope.is_some() {
+                list.items.retain(|p| {
+                    let meta = &p.metadata;
+                    in_scope(
+                        api,
+                        scope,
+                        meta.namespace.as_deref().unwrap_or_default(),
+                        meta.name.as_deref().unwrap_or_default(),
+                    )
                 });
             }
             json(&serde_json::json!({
@@ -710,7 +778,7 @@ async fn pods(api: &KubeletApi, running_only: bool) -> Response<Body> {
 }
 
 /// `/stats/summary`: from the lower cluster's metrics API; 404 where it has none.
-async fn stats_summary(api: &KubeletApi) -> Response<Body> {
+async fn stats_summary(api: &KubeletApi, scope: Option<&NodeScope>) -> Response<Body> {
     let uri = resource_scrape::pod_metrics_uri(&api.owner);
     let request = match Request::get(uri).body(Vec::new()) {
         Ok(request) => request,
@@ -722,7 +790,21 @@ async fn stats_summary(api: &KubeletApi) -> Response<Body> {
                 let to_view = |ns: &str| view.to_view(ns);
                 crate::translate::namespace::rewrite_body(&mut metrics, false, &to_view);
             }
-            json(&stats::summary(&api.owner.node, &metrics))
+            if scope.is_some()
+                && let Some(items) = metrics["items"].as_array_mut()
+            {
+                items.retain(|pod| {
+                    let meta = &pod["metadata"];
+                    in_scope(
+                        api,
+                        scope,
+                        meta["namespace"].as_str().unwrap_or_default(),
+                        meta["name"].as_str().unwrap_or_default(),
+                    )
+                });
+            }
+            let node = scope.map_or(api.owner.node.as_str(), |s| &s.node);
+            json(&stats::summary(node, &metrics))
         }
         Err(kube::Error::Api(status)) if status.code == 404 => text(
             StatusCode::NOT_FOUND,

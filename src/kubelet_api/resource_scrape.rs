@@ -201,11 +201,13 @@ pub fn mirrored_of<'a>(
 }
 
 /// The lower pods `owner` owns, as [`Mirrored`]s, from the member's store (waiting for its
-/// first list at most [`LOWER_TIMEOUT`]).
+/// first list at most [`LOWER_TIMEOUT`]); only those whose upper pod is bound to `node`,
+/// where given.
 async fn mirrored(
     pods: &LowerPods,
     owner: &Owner,
     view: Option<&NamespaceView>,
+    node: Option<&str>,
 ) -> Result<Vec<Mirrored>, ScrapeError> {
     if !pods.synced.is_ready() {
         tokio::time::timeout(LOWER_TIMEOUT, pods.synced.wait())
@@ -218,7 +220,15 @@ async fn mirrored(
             .map_err(|_| ScrapeError::Pods("the lower pod watch has stopped".into()))?;
     }
     let state = pods.store.state();
-    let bound = |namespace: &str, name: &str| pods.upper.get(namespace, name)?.meta.uid.clone();
+    let bound = |namespace: &str, name: &str| {
+        let upper = pods.upper.get(namespace, name)?;
+        if let Some(node) = node
+            && upper.node_name().as_deref() != Some(node)
+        {
+            return None;
+        }
+        upper.meta.uid.clone()
+    };
     Ok(mirrored_of(
         state.iter().map(AsRef::as_ref),
         owner,
@@ -300,14 +310,16 @@ async fn pod_metrics(lower: &Client, owner: &Owner) -> Result<serde_json::Value,
 }
 
 impl ResourceMetrics {
-    /// The `/metrics/resource` text of `owner`'s node, from the `lower` cluster. Never
-    /// fails: what could not be read is left out and `scrape_error` is 1.
+    /// The `/metrics/resource` text of `owner`'s node (of its virtual node `node` alone,
+    /// where given: the pods bound to it), from the `lower` cluster. Never fails: what
+    /// could not be read is left out and `scrape_error` is 1.
     pub async fn scrape(
         &self,
         lower: &Client,
         owner: &Owner,
         view: Option<&NamespaceView>,
         lower_pods: &LowerPods,
+        node: Option<&str>,
     ) -> String {
         let mut state = self.state.lock().await;
         if self.grouped
@@ -317,7 +329,7 @@ impl ResourceMetrics {
             return text.clone();
         }
         let mut errors: Vec<ScrapeError> = Vec::new();
-        let (pods, listed) = match mirrored(lower_pods, owner, view).await {
+        let (pods, listed) = match mirrored(lower_pods, owner, view, node).await {
             Ok(pods) => (pods, true),
             Err(e) => {
                 errors.push(e);

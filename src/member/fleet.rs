@@ -9,7 +9,7 @@
 //! back meanwhile, the drain stops and the leave's cordon is lifted. The ownership marks below stay the member's
 //! (`--nodename`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,6 +28,7 @@ use tracing::{Instrument, info, info_span, warn};
 
 use super::leave::{self, Bound, LeaveError};
 use crate::clusters::HeartbeatClients;
+use crate::kubelet_api::node_ports::{self, GroupPorts};
 use crate::node::burst::Burst;
 use crate::node::groups::{Granularity, GroupNodes, GroupOffer, group_requirement};
 use crate::node::spec::{LowerReadiness, NodeConfig};
@@ -56,6 +57,8 @@ pub struct Fleet {
     /// How long the drain of a group gone below may take (`--leave-timeout`): past it, the
     /// pods left are deleted with no grace period, as a member's leave does.
     pub drain_timeout: Duration,
+    /// `--kubelet-port-range`: a kubelet port per virtual node.
+    pub ports: Option<GroupPorts>,
 }
 
 /// One registered virtual node.
@@ -66,6 +69,8 @@ struct Running {
     readiness: watch::Sender<LowerReadiness>,
     cordoned_below: bool,
     stop: CancellationToken,
+    /// Its own kubelet port (`--kubelet-port-range`), if it has one.
+    port: Option<u16>,
 }
 
 /// A group whose registration failed: when it is tried again.
@@ -140,6 +145,12 @@ impl Fleet {
                     .map(|(key, offer)| (key.clone(), offer.capacity.clone()))
                     .collect(),
             );
+            let mut ports = self.choose_ports(&now, &running).await;
+            let taken: BTreeSet<u16> = running
+                .values()
+                .filter_map(|r| r.port)
+                .chain(ports.values().flatten().copied())
+                .collect();
             for (key, offer) in &now {
                 let part = parts.get(key).unwrap_or(&offer.capacity);
                 if let Some(drain) = draining.remove(key) {
@@ -182,7 +193,14 @@ impl Fleet {
                 }
                 let span = info_span!("virtual node", node = %offer.group.name, group = %key);
                 match self
-                    .start(key, offer, part, &beats_on, shutdown.child_token())
+                    .start(
+                        key,
+                        offer,
+                        part,
+                        (ports.remove(key).flatten(), &taken),
+                        &beats_on,
+                        shutdown.child_token(),
+                    )
                     .instrument(span.clone())
                     .await
                 {
@@ -298,22 +316,87 @@ impl Fleet {
         Ok(())
     }
 
+    /// The ports of `--kubelet-port-range` for the groups of `now` not yet `running`
+    /// ([`node_ports::assign`]), each keeping the one its Node shows from before where it
+    /// can; empty without the flag.
+    async fn choose_ports(
+        &self,
+        now: &BTreeMap<String, GroupOffer>,
+        running: &HashMap<String, Running>,
+    ) -> HashMap<String, Option<u16>> {
+        let Some(ports) = &self.ports else {
+            return HashMap::new();
+        };
+        let new: Vec<(&String, &GroupOffer)> = now
+            .iter()
+            .filter(|(key, _)| !running.contains_key(*key))
+            .collect();
+        if new.is_empty() {
+            return HashMap::new();
+        }
+        let nodes: Api<Node> = Api::all(self.upper.clone());
+        let selector = format!("clusterID={}", self.base.cluster_id);
+        // One list, at start all the groups' Nodes at once (their ports from before).
+        let before: HashMap<String, u16> = match nodes
+            .list(&kube::api::ListParams::default().labels(&selector))
+            .await
+        {
+            Ok(list) => list
+                .items
+                .into_iter()
+                .filter_map(|node| {
+                    let port = node
+                        .status?
+                        .daemon_endpoints?
+                        .kubelet_endpoint
+                        .map(|e| e.port)?;
+                    Some((node.metadata.name?, u16::try_from(port).ok()?))
+                })
+                .collect(),
+            Err(error) => {
+                warn!(%error, cluster = "upper", "listing the virtual nodes' kubelet ports from before");
+                HashMap::new()
+            }
+        };
+        let taken: BTreeSet<u16> = running.values().filter_map(|r| r.port).collect();
+        let wanted: Vec<Option<u16>> = new
+            .iter()
+            .map(|(_, o)| before.get(&o.group.name).copied())
+            .collect();
+        let chosen = node_ports::assign(ports.range, &taken, &wanted);
+        new.into_iter()
+            .map(|(key, _)| key.clone())
+            .zip(chosen)
+            .collect()
+    }
+
     /// Registers the virtual node of group `key` (lifting the cordon of a drain it comes
     /// back from), cordoned if the group is, offering `part` (its part of the member's
-    /// share, [`crate::node::burst::Share::split`]); its keep-alive, to run until `stop`.
+    /// share, [`crate::node::burst::Share::split`]), on `port` of the range (with `taken`,
+    /// the range's ports others have) or else the member's; its keep-alive (and its port's
+    /// kubelet API), to run until `stop`.
     async fn start(
         &self,
         key: &str,
         offer: &GroupOffer,
         part: &BTreeMap<String, Quantity>,
+        (port, taken): (Option<u16>, &BTreeSet<u16>),
         (upper_beat, lower_beat): &(SharedBeat, SharedBeat),
         stop: CancellationToken,
     ) -> Result<(Running, impl Future<Output = ()> + Send + 'static), String> {
         self.nodes
             .insert(&offer.group.name, group_requirement(&self.granularity, key));
+        let listening = match (&self.ports, port) {
+            (Some(ports), Some(port)) => {
+                node_ports::listen(ports, port, taken, &offer.group.name, stop.clone()).await
+            }
+            _ => None,
+        };
+        let own_port = listening.as_ref().map(|(port, _)| *port);
         let config = NodeConfig {
             name: offer.group.name.clone(),
             group_labels: offer.group.labels.clone(),
+            kubelet_port: own_port.map_or(self.base.kubelet_port, i32::from),
             ..self.base.clone()
         };
         let bursting = self.bursting.borrow().clone();
@@ -322,7 +405,10 @@ impl Fleet {
         let registered = node::register_as(&self.upper, &config, &offered, &readiness, &bursting)
             .await
             .map_err(|e| format!("node {} (group {key}): {e}", config.name))?;
-        info!(node = %config.name, group = %key, "virtual node registered");
+        info!(node = %config.name, group = %key, kubelet_port = config.kubelet_port, "virtual node registered");
+        if let (Some(ports), None) = (&self.ports, own_port) {
+            no_port_left(ports, &registered, self.base.kubelet_port).await;
+        }
         let uid = registered.metadata.uid.clone().unwrap_or_default();
         // The cordon a lower cordon made is followed from now on: made if the group is
         // cordoned, lifted if it no longer is (an earlier run's).
@@ -345,6 +431,14 @@ impl Fleet {
             registered,
             stop.clone(),
         );
+        let beat = async move {
+            match listening {
+                Some((_, serving)) => {
+                    tokio::join!(beat, serving);
+                }
+                None => beat.await,
+            }
+        };
         Ok((
             Running {
                 name: config.name,
@@ -353,6 +447,7 @@ impl Fleet {
                 readiness,
                 cordoned_below: offer.group.cordoned,
                 stop,
+                port: own_port,
             },
             beat,
         ))
@@ -535,5 +630,29 @@ impl GroupDrain {
             ),
         )
         .await;
+    }
+}
+
+/// Says (a Warning log and Event on `node`) that no port of `--kubelet-port-range` was
+/// left for it: it is reached on the member's `shared` port, with no node series.
+async fn no_port_left(ports: &GroupPorts, node: &Node, shared: i32) {
+    let name = node.metadata.name.as_deref().unwrap_or_default();
+    let note = format!(
+        "no port of --kubelet-port-range {} is left for this virtual node (a port per \
+         virtual node; widen the range): it shares the member's kubelet port {shared}, \
+         and kubectl top node shows <unknown> for it",
+        ports.range
+    );
+    warn!(node = name, cluster = "upper", "{note}");
+    let event = kube::runtime::events::Event {
+        type_: EventType::Warning,
+        reason: "KubeletPortRangeExhausted".into(),
+        note: Some(note),
+        action: "Register".into(),
+        secondary: None,
+    };
+    let reference = kube::Resource::object_ref(node, &());
+    if let Err(error) = ports.recorder.publish(&event, &reference).await {
+        tracing::debug!(%error, node = name, cluster = "upper", "publishing an event on a virtual node");
     }
 }

@@ -96,6 +96,9 @@ pub struct MemberSpec {
     /// The member Secret it comes from (`None`: the flags' member): where what concerns
     /// the member alone is said (a virtual node name another member has).
     pub secret: Option<ObjectReference>,
+    /// A kubelet port per virtual node, from this range (`--kubelet-port-range`; the
+    /// flags' member only).
+    pub kubelet_port_range: Option<kubelet_api::node_ports::PortRange>,
 }
 
 impl std::fmt::Debug for MemberSpec {
@@ -138,6 +141,7 @@ impl MemberSpec {
             granularity: args.node_granularity.clone(),
             lower_node_labels: args.lower_node_labels.clone(),
             secret: None,
+            kubelet_port_range: args.kubelet_port_range,
         }
     }
 }
@@ -170,6 +174,7 @@ pub async fn member_spec(member: &spec::MemberSecret) -> Result<MemberSpec, Stri
         lower_node_labels: member.lower_node_labels.clone(),
         // The membership controller names it.
         secret: None,
+        kubelet_port_range: None,
     })
 }
 
@@ -324,6 +329,19 @@ async fn run_member(
     let mut tasks = Tasks::new(shutdown.clone());
     // Standbys serve the kubelet API too: it only proxies reads and streams to lower pods,
     // and the upper API server calls the address on the Node, which only the leader writes.
+    if let (Some(range), None) = (spec.kubelet_port_range, &group_nodes) {
+        warn!(node = %spec.node, %range,
+            "--kubelet-port-range is for node or label= granularity: ignored (one virtual node, on --kubelet-port)");
+    }
+    let group_ports = spec
+        .kubelet_port_range
+        .filter(|_| group_nodes.is_some())
+        .map(|range| kubelet_api::node_ports::GroupPorts {
+            range,
+            tls: kubelet_tls.clone(),
+            api: kubelet_api.clone(),
+            recorder: ctx.recorder.clone(),
+        });
     tasks.spawn(
         "kubelet API server",
         kubelet_api::serve(kubelet_listener, kubelet_tls, kubelet_api, shutdown.clone()),
@@ -468,6 +486,7 @@ async fn run_member(
             bursting: spec.bursting.subscribe(),
             nodes,
             drain_timeout: args.leave_timeout,
+            ports: group_ports,
         };
         tasks.spawn_fallible("virtual nodes", fleet.run(offers_rx, shutdown.clone()));
         let watched = PodWatched {
