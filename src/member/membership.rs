@@ -859,6 +859,7 @@ fn fingerprint(member: &MemberSecret) -> u64 {
     member.qps.to_bits().hash(&mut hasher);
     member.burst.hash(&mut hasher);
     format!("{:?}", member.lower_node_labels).hash(&mut hasher);
+    format!("{:?}", member.kubelet_port_range).hash(&mut hasher);
     hasher.finish()
 }
 
@@ -1068,6 +1069,7 @@ mod tests {
             bursting: Default::default(),
             granularity: Default::default(),
             lower_node_labels: Default::default(),
+            kubelet_port_range: None,
         }
     }
 

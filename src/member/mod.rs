@@ -96,8 +96,8 @@ pub struct MemberSpec {
     /// The member Secret it comes from (`None`: the flags' member): where what concerns
     /// the member alone is said (a virtual node name another member has).
     pub secret: Option<ObjectReference>,
-    /// A kubelet port per virtual node, from this range (`--kubelet-port-range`; the
-    /// flags' member only).
+    /// A kubelet port per virtual node, from this range (`--kubelet-port-range`, the
+    /// member annotation `tensile.dev/kubelet-port-range`).
     pub kubelet_port_range: Option<kubelet_api::node_ports::PortRange>,
 }
 
@@ -174,7 +174,7 @@ pub async fn member_spec(member: &spec::MemberSecret) -> Result<MemberSpec, Stri
         lower_node_labels: member.lower_node_labels.clone(),
         // The membership controller names it.
         secret: None,
-        kubelet_port_range: None,
+        kubelet_port_range: member.kubelet_port_range,
     })
 }
 

@@ -63,6 +63,10 @@ pub const BURST_PRIORITY_ANNOTATION: &str = "tensile.dev/burst-priority";
 /// Caps on what the member's node offers, `resource=quantity,...` (default: none).
 /// Changed on a running member, it takes effect in place.
 pub const SHARE_ANNOTATION: &str = "tensile.dev/share";
+/// The member annotation giving each of its virtual nodes a kubelet port of its own from a
+/// range (`FROM-TO`), as `--kubelet-port-range` does for the flags' member: with `node` or
+/// `label=<key>` granularity, `kubectl top node` then shows each.
+pub const KUBELET_PORT_RANGE_ANNOTATION: &str = "tensile.dev/kubelet-port-range";
 /// Held on a member Secret while its member runs, so deleting the Secret makes the member
 /// leave (drain, clean up below, delete the Node) before the Secret goes, even across a
 /// restart of virtual-node.
@@ -106,6 +110,8 @@ pub struct MemberSecret {
     /// Lower node labels a group's virtual node shows beside the documented ones
     /// ([`LOWER_NODE_LABELS_ANNOTATION`]; default none).
     pub lower_node_labels: LabelPatterns,
+    /// A kubelet port per virtual node ([`KUBELET_PORT_RANGE_ANNOTATION`]; default none).
+    pub kubelet_port_range: Option<crate::kubelet_api::node_ports::PortRange>,
 }
 
 /// Why a member Secret cannot be used; said in an Event on it.
@@ -339,10 +345,17 @@ pub fn read(secret: &Secret, defaults: &Defaults) -> Result<MemberSecret, BadMem
         Some(value) => parse_label_patterns(value)
             .map_err(|why| bad(LOWER_NODE_LABELS_ANNOTATION, value, why))?,
     };
+    let kubelet_port_range = annotation(KUBELET_PORT_RANGE_ANNOTATION)
+        .map(|value| {
+            crate::kubelet_api::node_ports::parse_port_range(value)
+                .map_err(|why| bad(KUBELET_PORT_RANGE_ANNOTATION, value, why))
+        })
+        .transpose()?;
     Ok(MemberSecret {
         bursting: Burst { priority, share },
         granularity,
         lower_node_labels,
+        kubelet_port_range,
         node,
         kubeconfig,
         taint,
@@ -614,8 +627,21 @@ mod tests {
         // (case, annotations, granularity and whether `pool` is shown, or the error)
         type Want = Result<(Granularity, bool), &'static str>;
         type Case = (&'static str, Vec<(&'static str, &'static str)>, Want);
-        let cases: [Case; 6] = [
+        let cases: [Case; 8] = [
             ("defaults", vec![], Ok((Granularity::Cluster, false))),
+            (
+                "a kubelet port range",
+                vec![
+                    (GRANULARITY_ANNOTATION, "node"),
+                    (KUBELET_PORT_RANGE_ANNOTATION, "10300-10399"),
+                ],
+                Ok((Granularity::Node, false)),
+            ),
+            (
+                "a bad kubelet port range",
+                vec![(KUBELET_PORT_RANGE_ANNOTATION, "10399-10300")],
+                Err("tensile.dev/kubelet-port-range=\"10399-10300\""),
+            ),
             (
                 "node",
                 vec![(GRANULARITY_ANNOTATION, "node")],
@@ -653,6 +679,14 @@ mod tests {
             match (got, want) {
                 (Ok(got), Ok((granularity, pool))) => {
                     assert_eq!(got.granularity, granularity, "{case}");
+                    let range = annotations
+                        .iter()
+                        .any(|(k, _)| *k == KUBELET_PORT_RANGE_ANNOTATION);
+                    assert_eq!(
+                        got.kubelet_port_range.map(|r| (r.from, r.to)),
+                        range.then_some((10300, 10399)),
+                        "{case}"
+                    );
                     assert_eq!(got.lower_node_labels.shows("pool"), pool, "{case}");
                 }
                 (Err(error), Err(needle)) => {
