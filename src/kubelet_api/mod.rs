@@ -476,6 +476,9 @@ async fn call_node(
 }
 
 /// The lower pod's API, if the target is a pod this node mirrors (else the kubelet's 404).
+/// The lower pod's marks and upper UID are read from the lower store (the watch keeps it
+/// current, and a pod a call is about has run for a while), else with a GET: no lower
+/// round trip before most calls.
 async fn mirrored(api: &KubeletApi, target: &Target) -> Result<Api<Pod>, Response<Body>> {
     let lower = lower_target(target);
     let pods: Api<Pod> = Api::namespaced(api.lower.clone(), &lower.namespace);
@@ -488,20 +491,28 @@ async fn mirrored(api: &KubeletApi, target: &Target) -> Result<Api<Pod>, Respons
             ),
         )
     };
-    let pod = match pods.get_opt(&lower.name).await {
-        Ok(Some(pod)) => pod,
-        Ok(None) => return Err(not_found()),
-        Err(error) => return Err(lower_error("reading the pod", &error)),
-    };
-    let meta = &pod.metadata;
-    let ours = api.owner.owns(meta.labels.as_ref());
-    let lower_uid = meta
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(UPPER_UID_ANNOTATION))
-        .map(String::as_str);
     let stores = &api.lower_pods;
     synced(api).await?;
+    let (ours, lower_uid) = match stores.store.get(&lower.namespace, &lower.name) {
+        Some(stored) => (
+            stored.is_owned_by(&api.owner),
+            stored.upper_uid().map(str::to_owned),
+        ),
+        None => match pods.get_opt(&lower.name).await {
+            Ok(Some(pod)) => {
+                let meta = &pod.metadata;
+                let uid = meta
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get(UPPER_UID_ANNOTATION))
+                    .cloned();
+                (api.owner.owns(meta.labels.as_ref()), uid)
+            }
+            Ok(None) => return Err(not_found()),
+            Err(error) => return Err(lower_error("reading the pod", &error)),
+        },
+    };
+    let lower_uid = lower_uid.as_deref();
     let bound = stores
         .upper
         .get(&target.namespace, &target.pod)
