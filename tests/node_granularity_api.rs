@@ -14,6 +14,7 @@ use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 use std::path::Path;
 
+use common::granularity::{labelled_lower, ready_virtual_nodes};
 use common::{TIMEOUT, kubectl};
 use k8s_openapi::api::authorization::v1::SubjectAccessReview;
 use k8s_openapi::api::core::v1::{Node, Pod};
@@ -28,7 +29,7 @@ use tensile_harness::metrics_server::{USAGE_CPU_ANNOTATION, USAGE_MEMORY_ANNOTAT
 use tensile_harness::pki::ClientCert;
 use tensile_harness::{
     ClusterOptions, ClusterPair, KWOK_LOG_LINES, PairOptions, TestNamespace, VirtualNodeOptions,
-    node_is_ready, wait_for,
+    wait_for,
 };
 use tokio::process::Command;
 
@@ -135,24 +136,15 @@ fn cpu_sum(nodes: &BTreeMap<String, Node>) -> i128 {
 async fn each_virtual_node_has_its_kubelet_api_and_the_share_spans_them() {
     let pair = ClusterPair::shared().await.unwrap();
     let upper = pair.upper.client().await.unwrap();
-    let mut options = ClusterOptions::new(
+    let (lower, lower_names) = labelled_lower(
+        pair,
         "lower-gapi",
         2,
         (Ipv4Addr::new(10, 93, 0, 0), 16),
         "10.223.0.0/16",
-    );
-    options.node_shape.cpu = "4".into();
-    let lower = pair.start_cluster(options).await.unwrap();
-    let lower_client = lower.client().await.unwrap();
-    let mut lower_names: Vec<String> = Api::<Node>::all(lower_client.clone())
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter_map(|n| n.metadata.name)
-        .collect();
-    lower_names.sort();
+        |_| json!({}),
+    )
+    .await;
     let names: Vec<String> = lower_names
         .iter()
         .map(|n| virtual_node_name(BASE, &Granularity::Node, n))
@@ -168,33 +160,14 @@ async fn each_virtual_node_has_its_kubelet_api_and_the_share_spans_them() {
     ];
     let mut vn = pair.start_virtual_node(&options).unwrap();
     let nodes: Api<Node> = Api::all(upper.clone());
-    let listed = wait_for(
+    let grouped = ready_virtual_nodes(
+        &mut vn,
+        &nodes,
+        BASE,
         "2 Ready virtual nodes whose allocatable CPU is known",
-        TIMEOUT,
-        || async {
-            let list = nodes
-                .list(&ListParams::default().labels(&format!("clusterID={BASE}")))
-                .await?;
-            let ready: BTreeMap<String, Node> = list
-                .items
-                .into_iter()
-                .filter(node_is_ready)
-                .map(|n| (n.metadata.name.clone().unwrap_or_default(), n))
-                .collect();
-            Ok((ready.len() == 2).then_some(ready))
-        },
+        |r| r.len() == 2,
     )
     .await;
-    let grouped = match listed {
-        Ok(listed) => listed,
-        Err(error) => {
-            let _ = vn.check_running();
-            panic!(
-                "{error:#}\n{}",
-                tensile_harness::process::tail(vn.log(), 60)
-            );
-        }
-    };
     assert_eq!(grouped.keys().cloned().collect::<Vec<_>>(), names);
 
     // The share spans both virtual nodes.
@@ -379,29 +352,10 @@ async fn each_virtual_node_has_its_own_kubelet_port_and_node_metrics() {
     ];
     let mut vn = pair.start_virtual_node(&options).unwrap();
     let nodes: Api<Node> = Api::all(upper.clone());
-    let listed = wait_for("2 Ready virtual nodes", TIMEOUT, || async {
-        let list = nodes
-            .list(&ListParams::default().labels(&format!("clusterID={MEMBER}")))
-            .await?;
-        let ready: BTreeMap<String, Node> = list
-            .items
-            .into_iter()
-            .filter(node_is_ready)
-            .map(|n| (n.metadata.name.clone().unwrap_or_default(), n))
-            .collect();
-        Ok((ready.len() == 2).then_some(ready))
+    let grouped = ready_virtual_nodes(&mut vn, &nodes, MEMBER, "2 Ready virtual nodes", |r| {
+        r.len() == 2
     })
     .await;
-    let grouped = match listed {
-        Ok(listed) => listed,
-        Err(error) => {
-            let _ = vn.check_running();
-            panic!(
-                "{error:#}\n{}",
-                tensile_harness::process::tail(vn.log(), 60)
-            );
-        }
-    };
     assert_eq!(grouped.keys().cloned().collect::<Vec<_>>(), names);
     let ports: Vec<u16> = grouped.values().map(advertised_port).collect();
     println!(
