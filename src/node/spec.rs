@@ -215,6 +215,17 @@ pub fn node_status(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A status's Ready condition.
+    fn ready_condition(s: &NodeStatus) -> NodeCondition {
+        s.conditions
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|c| c.type_ == "Ready")
+            .cloned()
+            .unwrap()
+    }
     use k8s_openapi::jiff::Timestamp;
 
     fn config() -> NodeConfig {
@@ -357,15 +368,7 @@ mod tests {
                 .port,
             10250
         );
-        let ready = |s: &NodeStatus| {
-            s.conditions
-                .as_ref()
-                .unwrap()
-                .iter()
-                .find(|c| c.type_ == "Ready")
-                .cloned()
-                .unwrap()
-        };
+        let ready = ready_condition;
         assert_eq!(ready(&status).status, "True");
 
         // A later write keeps the transition time of an unchanged condition.
@@ -388,15 +391,7 @@ mod tests {
     fn ready_follows_the_groups_lower_nodes() {
         let capacity = BTreeMap::new();
         let at = |second| Time(Timestamp::from_second(second).unwrap());
-        let ready = |s: &NodeStatus| {
-            s.conditions
-                .as_ref()
-                .unwrap()
-                .iter()
-                .find(|c| c.type_ == "Ready")
-                .cloned()
-                .unwrap()
-        };
+        let ready = ready_condition;
         let down = LowerReadiness::of_group("zone-a", false);
         let up = LowerReadiness::of_group("zone-a", true);
         assert_eq!(down, LowerReadiness::GroupNotReady("zone-a".into()));
