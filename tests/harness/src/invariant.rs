@@ -88,26 +88,12 @@ pub async fn check(
     node: &str,
     namespace: Option<&str>,
 ) -> Result<Report> {
-    let (upper_pods, lower_pods): (Api<Pod>, Api<Pod>) = match namespace {
-        Some(ns) => (
-            Api::namespaced(upper.clone(), ns),
-            Api::namespaced(lower.clone(), ns),
-        ),
-        None => (Api::all(upper.clone()), Api::all(lower.clone())),
-    };
+    let (upper_pods, _) = pod_apis(upper, lower, namespace);
     let bound = upper_pods
         .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
         .await?
         .items;
-    let owned = lower_pods
-        .list(&ListParams::default().labels(&format!("{OWNER_NODE_LABEL}={node}")))
-        .await?
-        .items;
-    let mut report = pods(&bound, &owned);
-    for (ns, mounted) in mounted_objects(&bound) {
-        copies_of(upper, lower, &ns, &mounted, &mut report).await?;
-    }
-    Ok(report)
+    owned_against(upper, lower, node, namespace, bound).await
 }
 
 /// [`check`] for a member of `node` or `label=<key>` granularity: the upper pods bound to
@@ -120,13 +106,7 @@ pub async fn check_nodes(
     nodes: &BTreeSet<String>,
     namespace: Option<&str>,
 ) -> Result<Report> {
-    let (upper_pods, lower_pods): (Api<Pod>, Api<Pod>) = match namespace {
-        Some(ns) => (
-            Api::namespaced(upper.clone(), ns),
-            Api::namespaced(lower.clone(), ns),
-        ),
-        None => (Api::all(upper.clone()), Api::all(lower.clone())),
-    };
+    let (upper_pods, _) = pod_apis(upper, lower, namespace);
     let bound: Vec<Pod> = upper_pods
         .list(&ListParams::default())
         .await?
@@ -139,6 +119,30 @@ pub async fn check_nodes(
                 .is_some_and(|n| nodes.contains(n))
         })
         .collect();
+    owned_against(upper, lower, owner, namespace, bound).await
+}
+
+/// The upper and lower pod APIs of `namespace` (every namespace when `None`).
+fn pod_apis(upper: &Client, lower: &Client, namespace: Option<&str>) -> (Api<Pod>, Api<Pod>) {
+    match namespace {
+        Some(ns) => (
+            Api::namespaced(upper.clone(), ns),
+            Api::namespaced(lower.clone(), ns),
+        ),
+        None => (Api::all(upper.clone()), Api::all(lower.clone())),
+    }
+}
+
+/// The invariant's report for the upper pods `bound` against the lower pods the mark
+/// `owner` owns in `namespace`, and the copies the bound pods mount.
+async fn owned_against(
+    upper: &Client,
+    lower: &Client,
+    owner: &str,
+    namespace: Option<&str>,
+    bound: Vec<Pod>,
+) -> Result<Report> {
+    let (_, lower_pods) = pod_apis(upper, lower, namespace);
     let owned = lower_pods
         .list(&ListParams::default().labels(&format!("{OWNER_NODE_LABEL}={owner}")))
         .await?
