@@ -17,7 +17,9 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use tensile::node::resources::{Resources, add, phase_is_terminal, pod_footprint};
 use tensile::translate::meta::UPPER_UID_ANNOTATION;
 
-use crate::fit::{ClusterFit, Demand, LowerNode, Search, check_node, fit_cluster};
+use tensile::translate::scheduling::Confinement;
+
+use crate::fit::{ClusterFit, Demand, LowerNode, Search, check_node, fit_cluster, in_group};
 
 /// Per pod only what the sums need, with node and resource names shared (interned):
 /// 20 000 pods hold a handful of distinct names.
@@ -32,10 +34,12 @@ struct PodUsage {
     footprint: Box<[(Arc<str>, i128)]>,
 }
 
-/// An upper pod that passed filter, counted until its lower copy appears.
+/// An upper pod that passed filter, counted until its lower copy appears: once per virtual
+/// node of this cluster it passed on (a member of `node` or `label=<key>` granularity
+/// has several, each confining the pod to its own lower nodes).
 #[derive(Clone, Debug)]
 struct Assumed {
-    usage: PodUsage,
+    usages: Vec<PodUsage>,
     /// When it stops counting if no lower copy has appeared (the pod went elsewhere, or
     /// was never bound).
     deadline: Instant,
@@ -154,12 +158,21 @@ impl ClusterCache {
         let assumed: Vec<String> = self
             .assumed
             .iter()
-            .filter(|(_, assumed)| guessed_here(&assumed.usage))
+            .filter(|(_, assumed)| assumed.usages.iter().any(guessed_here))
             .map(|(uid, _)| uid.clone())
             .collect();
         for uid in assumed {
             if let Some(mut assumed) = self.assumed.remove(&uid) {
-                assumed.usage = self.placed_again(&assumed.usage);
+                assumed.usages = std::mem::take(&mut assumed.usages)
+                    .iter()
+                    .map(|usage| {
+                        if guessed_here(usage) {
+                            self.placed_again(usage)
+                        } else {
+                            usage.clone()
+                        }
+                    })
+                    .collect();
                 self.assumed.insert(uid, assumed);
             }
         }
@@ -181,15 +194,19 @@ impl ClusterCache {
     }
 
     /// Counts the upper pod `uid`, which passed filter with `demand`, on the node it will
-    /// most likely get, until its lower copy appears or `deadline`. Made again, an
-    /// assumption replaces the earlier one.
+    /// most likely get, until its lower copy appears or `deadline`. Made again (the pod
+    /// passed on another virtual node of this cluster, with its own confinement), both
+    /// count until then: [`ClusterCache::release`] first for a pod filtered anew.
     pub fn assume(&mut self, uid: &str, demand: &Demand, deadline: Instant) {
-        self.release(uid);
         let node = self.place(demand);
         let demand = Arc::new(demand.clone());
         let usage = self.take(node.as_deref(), Some(demand.clone()), &demand.requests);
-        self.assumed
-            .insert(uid.to_owned(), Assumed { usage, deadline });
+        let assumed = self.assumed.entry(uid.to_owned()).or_insert(Assumed {
+            usages: Vec::new(),
+            deadline,
+        });
+        assumed.usages.push(usage);
+        assumed.deadline = deadline;
         self.deadlines.push_back((deadline, uid.to_owned()));
     }
 
@@ -197,7 +214,9 @@ impl ClusterCache {
     pub fn release(&mut self, uid: &str) -> bool {
         match self.assumed.remove(uid) {
             Some(assumed) => {
-                self.give_back(&assumed.usage);
+                for usage in &assumed.usages {
+                    self.give_back(usage);
+                }
                 true
             }
             None => false,
@@ -341,9 +360,21 @@ impl ClusterCache {
 
     /// Whether any node of this cluster takes a pod with `demand`.
     pub fn fit(&self, demand: &Demand, search: Search) -> ClusterFit {
+        self.fit_within(demand, None, search)
+    }
+
+    /// Whether any node of this cluster `within` a group (all, for `None`) takes a pod with
+    /// `demand`; the others are not looked at (nor counted in the reason).
+    pub fn fit_within(
+        &self,
+        demand: &Demand,
+        within: Option<&Confinement>,
+        search: Search,
+    ) -> ClusterFit {
         fit_cluster(
             self.nodes
                 .iter()
+                .filter(|(name, node)| within.is_none_or(|w| in_group(w, name, node)))
                 .map(|(name, node)| (name.as_str(), node, self.used.get(name))),
             demand,
             search,
@@ -395,6 +426,9 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use serde_json::json;
+    use tensile::node::groups::{Granularity, group_requirement};
+
+    const ZONE: &str = "topology.kubernetes.io/zone";
 
     fn node(name: &str, cpu: &str) -> Node {
         serde_json::from_value(json!({
@@ -548,8 +582,9 @@ mod tests {
         let at = |seconds: u64| now + std::time::Duration::from_secs(seconds);
         cache.assume("uid-a", &demand, at(10));
         assert_eq!((cpu_used(&cache, "n1"), cache.in_flight()), (3000, 1));
+        assert!(cache.release("uid-a"));
         cache.assume("uid-a", &demand, at(20));
-        assert_eq!(cpu_used(&cache, "n1"), 3000, "made again, it replaces");
+        assert_eq!(cpu_used(&cache, "n1"), 3000, "filtered anew, it replaces");
         cache.expire(at(10));
         assert_eq!(
             cpu_used(&cache, "n1"),
@@ -575,5 +610,55 @@ mod tests {
         assert_eq!((cpu_used(&cache, "n1"), cache.in_flight()), (0, 0));
         assert!(!cache.release("uid-b"));
         assert!(cache.deadlines.is_empty());
+    }
+
+    /// A member of `label=<key>` granularity: the pod passed on two of its virtual nodes
+    /// (zones), each confining it to its own lower nodes; it counts in both zones until its
+    /// lower copy appears, and is released from both at once.
+    #[test]
+    fn an_assumption_counts_once_per_group_it_passed() {
+        let mut cache = ClusterCache::default();
+        let zoned = |name: &str, zone: &str| {
+            let mut n = node(name, "4");
+            n.metadata.labels = Some([(ZONE.to_owned(), zone.to_owned())].into());
+            n
+        };
+        cache.apply_node(&zoned("n1", "a"));
+        cache.apply_node(&zoned("n2", "b"));
+        let demand = Demand::of(&pod("a", "", "3", "Pending")).unwrap();
+        let in_zone = |zone: &str| {
+            demand.confined(&group_requirement(&Granularity::Label(ZONE.into()), zone).unwrap())
+        };
+        let deadline = Instant::now() + std::time::Duration::from_secs(30);
+        cache.assume("uid-a", &in_zone("b"), deadline);
+        cache.assume("uid-a", &in_zone("a"), deadline);
+        assert_eq!(
+            (
+                cpu_used(&cache, "n1"),
+                cpu_used(&cache, "n2"),
+                cache.in_flight()
+            ),
+            (3000, 3000, 1)
+        );
+        let zone_a = group_requirement(&Granularity::Label(ZONE.into()), "a").unwrap();
+        assert_eq!(
+            cache.fit_within(&in_zone("a"), Some(&zone_a), Search::First),
+            ClusterFit::NoFit {
+                reason: "no node fits cpu 3 (largest free 1)".into(),
+            }
+        );
+        let mut copy = pod("a", "n2", "3", "Running");
+        copy.metadata.annotations =
+            Some([(UPPER_UID_ANNOTATION.to_owned(), "uid-a".to_owned())].into());
+        assert_eq!(cache.apply_pod(&copy).as_deref(), Some("uid-a"));
+        assert_eq!(
+            (
+                cpu_used(&cache, "n1"),
+                cpu_used(&cache, "n2"),
+                cache.in_flight()
+            ),
+            (0, 3000, 0),
+            "its copy counts where it runs, the zone it did not take is free"
+        );
     }
 }

@@ -6,6 +6,7 @@ use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Pod;
+use tensile::translate::scheduling::Confinement;
 
 use crate::cache::ClusterCache;
 use crate::fit::{ClusterFit, Demand, Search};
@@ -236,28 +237,35 @@ impl Extender {
     /// Judges one lower cluster for `pod`, which does not count against itself (a pod
     /// judged again was not bound after all); a pod that passes is assumed there, counted
     /// until its lower copy appears or [`Extender::assume_ttl`] has passed.
+    ///
+    /// `within` a group of lower nodes (a virtual node of a member of `node` or
+    /// `label=<key>` granularity), only those are looked at, and the pod is assumed
+    /// confined to them, as its lower copy will be.
     fn verdict(
         &self,
         cluster: &SharedCluster,
         pod: &Candidate<'_>,
+        within: Option<&Confinement>,
         search: Search,
     ) -> (Verdict, Outcome) {
         let mut state = cluster.write();
         state.cache.expire(pod.now);
-        if let Some(uid) = pod.uid {
-            state.cache.release(uid);
-        }
         if let Err(why) = state.known() {
             return match self.on_unknown {
                 OnUnknown::Pass => (Verdict::Pass, Outcome::Unknown),
                 OnUnknown::Fail => (Verdict::Fail(why), Outcome::Unknown),
             };
         }
-        let demand = match &pod.demand {
-            Ok(demand) => demand,
-            Err(why) => return (Verdict::Fail(why.clone()), Outcome::BadPod),
+        let confined;
+        let demand = match (&pod.demand, within) {
+            (Ok(demand), None) => demand,
+            (Ok(demand), Some(within)) => {
+                confined = demand.confined(within);
+                &confined
+            }
+            (Err(why), _) => return (Verdict::Fail(why.clone()), Outcome::BadPod),
         };
-        match state.cache.fit(demand, search) {
+        match state.cache.fit_within(demand, within, search) {
             ClusterFit::Fits { .. } => {
                 if let Some(uid) = pod.uid {
                     state.cache.assume(uid, demand, pod.now + self.assume_ttl);
@@ -268,9 +276,29 @@ impl Extender {
         }
     }
 
+    /// The lower cluster behind upper node `name`, and which of its nodes: a configured
+    /// cluster's virtual node (all of them), or one of the virtual nodes of a member of
+    /// `node` or `label=<key>` granularity configured under its `--nodename` (the lower
+    /// nodes its annotation names, all when it names none). `None` for any other node.
+    fn lower_of(&self, name: &str) -> Option<(&SharedCluster, Option<Confinement>)> {
+        if let Some(cluster) = self.clusters.get(name) {
+            return Some((cluster, None));
+        }
+        let upper = self.upper.read();
+        let Some(UpperNode::Virtual {
+            group: Some(group), ..
+        }) = upper.get(name)
+        else {
+            return None;
+        };
+        let cluster = self.clusters.get(&group.member)?;
+        Some((cluster, group.within.clone()))
+    }
+
     /// `filter`: regular nodes pass untouched; a virtual node passes when its lower
-    /// cluster takes the pod, counting the pods in flight there. Returns the answer and
-    /// each node's outcome.
+    /// cluster takes the pod (within its group of lower nodes, for a member shown as
+    /// several), counting the pods in flight there. Returns the answer and each node's
+    /// outcome.
     pub fn filter(&self, args: &ExtenderArgs) -> (ExtenderFilterResult, Vec<Outcome>) {
         self.filter_at(args, Instant::now())
     }
@@ -292,11 +320,11 @@ impl Extender {
         let mut result = ExtenderFilterResult::default();
         let mut outcomes = Vec::new();
         let mut judge = |name: &str, result: &mut ExtenderFilterResult| -> bool {
-            let Some(cluster) = self.clusters.get(name) else {
+            let Some((cluster, within)) = self.lower_of(name) else {
                 outcomes.push(Outcome::NotVirtual);
                 return true;
             };
-            let (verdict, outcome) = self.verdict(cluster, &pod, Search::First);
+            let (verdict, outcome) = self.verdict(cluster, &pod, within.as_ref(), Search::First);
             outcomes.push(outcome);
             match verdict {
                 Verdict::Pass => true,
@@ -356,7 +384,7 @@ impl Extender {
             let candidates: Vec<Option<u64>> = names
                 .iter()
                 .map(|name| match upper.get(name) {
-                    Some(UpperNode::Virtual { burst_priority }) => Some(burst_priority),
+                    Some(UpperNode::Virtual { burst_priority, .. }) => Some(*burst_priority),
                     _ if self.clusters.contains_key(*name) => Some(0),
                     _ => None,
                 })
@@ -376,7 +404,7 @@ impl Extender {
         {
             for (name, score) in names.iter().zip(&scores) {
                 if *score < top
-                    && let Some(cluster) = self.clusters.get(*name)
+                    && let Some((cluster, _)) = self.lower_of(name)
                 {
                     cluster.write().cache.release(uid);
                 }
@@ -845,6 +873,86 @@ mod tests {
         let (passed, outcomes) = e.filter(&args);
         assert_eq!(passed.node_names.unwrap(), names);
         assert!(outcomes.iter().all(|o| *o == Outcome::NotVirtual));
+    }
+
+    /// `label=<key>` granularity: member `vk`'s zone `a` is two 2-CPU lower nodes (4 CPU
+    /// summed, what its virtual node advertises), zone `b` one 4-CPU node. A 3-CPU pod
+    /// passes on `vk-b` only (no lower node of zone `a` takes it), and holds that room:
+    /// the next one passes nowhere. A group node whose member is not configured passes
+    /// untouched; one without the annotation is judged on its member's whole cluster.
+    #[test]
+    fn a_group_node_is_judged_on_its_own_lower_nodes() {
+        let member = SharedCluster::default();
+        {
+            let mut state = member.write();
+            state.nodes_synced = true;
+            state.pods_synced = true;
+            for (name, zone, cpu) in [("a1", "a", "2"), ("a2", "a", "2"), ("b1", "b", "4")] {
+                let node: Node = serde_json::from_value(json!({
+                    "metadata": {"name": name, "labels": {"topology.kubernetes.io/zone": zone}},
+                    "status": {"allocatable": {"cpu": cpu, "memory": "8Gi", "pods": "110"},
+                               "conditions": [{"type": "Ready", "status": "True"}]},
+                }))
+                .unwrap();
+                state.cache.apply_node(&node);
+            }
+        }
+        let e = Extender {
+            clusters: [("vk".to_owned(), member)].into(),
+            on_unknown: OnUnknown::Fail,
+            ..Extender::default()
+        };
+        for (name, member, selector) in [
+            ("vk-a", "vk", Some("topology.kubernetes.io/zone=a")),
+            ("vk-b", "vk", Some("topology.kubernetes.io/zone=b")),
+            ("vk-old", "vk", None),
+            ("other-a", "other", Some("topology.kubernetes.io/zone=a")),
+        ] {
+            let meta = serde_json::from_value(json!({"name": name,
+                "labels": {"type": "virtual-kubelet", "tensile.dev/member-node": member},
+                "annotations": selector.map(|s| json!({"tensile.dev/lower-node-selector": s}))}))
+            .unwrap();
+            e.upper.write().apply(&meta);
+        }
+        let names = ["vk-a", "vk-b", "other-a", "regular"];
+        let filter = |uid: &str, names: &[&str]| {
+            let mut pod = pod("3");
+            pod["metadata"]["uid"] = json!(uid);
+            let args = decode(
+                json!({"Pod": pod, "NodeNames": names})
+                    .to_string()
+                    .as_bytes(),
+            )
+            .unwrap();
+            e.filter(&args)
+        };
+        let (first, outcomes) = filter("u1", &names);
+        assert_eq!(first.node_names.unwrap(), ["vk-b", "other-a", "regular"]);
+        assert_eq!(
+            first.failed_and_unresolvable_nodes["vk-a"],
+            "lower cluster of vk-a: no node fits cpu 3 (largest free 2)"
+        );
+        assert_eq!(
+            outcomes,
+            [
+                Outcome::NoFit,
+                Outcome::Fits,
+                Outcome::NotVirtual,
+                Outcome::NotVirtual
+            ]
+        );
+        let (second, _) = filter("u2", &names);
+        assert_eq!(
+            second.failed_and_unresolvable_nodes["vk-b"],
+            "lower cluster of vk-b: no node fits cpu 3 (largest free 1)",
+            "u1 holds zone b's room"
+        );
+        let (old, _) = filter("u3", &["vk-old"]);
+        assert_eq!(
+            old.failed_and_unresolvable_nodes["vk-old"],
+            "lower cluster of vk-old: no node fits cpu 3 (largest free 2)",
+            "no annotation: every lower node, and u1's room is taken on b1"
+        );
     }
 
     #[test]

@@ -10,14 +10,17 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Node, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Pod, PodSpec, Taint, Toleration,
+    Affinity, Node, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Pod,
+    PodSpec, Taint, Toleration,
 };
 use tensile::node::quantity::format_readable;
 use tensile::node::resources::{
     Resources, effect_repels, node_cordoned, node_ready, pod_footprint, to_resources,
 };
 use tensile::translate::TranslateError;
-use tensile::translate::scheduling::{parse_cluster_selector, restore_constraints};
+use tensile::translate::scheduling::{
+    Confinement, Placement, parse_cluster_selector, restore_constraints,
+};
 
 /// Highest score prioritize gives (kube-scheduler's `MaxExtenderPriority`).
 pub const MAX_SCORE: i64 = 10;
@@ -110,6 +113,30 @@ impl Demand {
             ..PodSpec::default()
         };
         Self::with_constraints(pod_footprint(spec), constraints)
+    }
+
+    /// What the pod asks when its lower copy is confined to one group of lower nodes (a
+    /// virtual node of a member of `node` or `label=<key>` granularity): the requirement
+    /// virtual-node adds, ANDed into its required node affinity.
+    pub fn confined(&self, confinement: &Confinement) -> Self {
+        let mut constraints = PodSpec {
+            affinity: Some(Affinity {
+                node_affinity: Some(NodeAffinity {
+                    required_during_scheduling_ignored_during_execution: self.required.clone(),
+                    ..NodeAffinity::default()
+                }),
+                ..Affinity::default()
+            }),
+            ..PodSpec::default()
+        };
+        confinement.apply(&mut constraints);
+        Self {
+            required: constraints
+                .affinity
+                .and_then(|a| a.node_affinity)
+                .and_then(|n| n.required_during_scheduling_ignored_during_execution),
+            ..self.clone()
+        }
     }
 
     fn with_constraints(requests: Resources, constraints: PodSpec) -> Self {
@@ -301,6 +328,22 @@ pub fn requirement_matches(requirement: &NodeSelectorRequirement, value: Option<
             }
         }
         _ => false,
+    }
+}
+
+/// Whether lower node `name` is one of the group `confinement` names: the node by name
+/// (`metadata.name`, a field) or by a label's value.
+pub fn in_group(confinement: &Confinement, name: &str, node: &LowerNode) -> bool {
+    let requirement = &confinement.requirement;
+    match confinement.placement {
+        Placement::Field => requirement_matches(
+            requirement,
+            (requirement.key == "metadata.name").then_some(name),
+        ),
+        Placement::Expression => requirement_matches(
+            requirement,
+            node.labels.get(&requirement.key).map(String::as_str),
+        ),
     }
 }
 

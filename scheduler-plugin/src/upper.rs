@@ -13,9 +13,11 @@ pub const VIRTUAL_NODE_TYPE_LABEL: (&str, &str) = ("type", "virtual-kubelet");
 /// member's place in the burst order (lowest fills first; absent means 0); and the pod
 /// annotation whose `eager` scores virtual nodes like regular ones (no local first).
 pub use tensile::node::burst::{BURST_ANNOTATION, BURST_EAGER, BURST_PRIORITY_LABEL};
+use tensile::node::groups::{LOWER_SELECTOR_ANNOTATION, MEMBER_NODE_LABEL, parse_lower_selector};
+use tensile::translate::scheduling::Confinement;
 
-/// An upper node, as prioritize sees it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// An upper node, as filter and prioritize see it.
+#[derive(Clone, Debug, PartialEq)]
 pub enum UpperNode {
     /// A node of the upper cluster's own.
     Regular,
@@ -23,7 +25,22 @@ pub enum UpperNode {
     Virtual {
         /// Lowest fills first.
         burst_priority: u64,
+        /// For one of the virtual nodes of a member of `node` or `label=<key>`
+        /// granularity: its member and lower nodes.
+        group: Option<GroupNode>,
     },
+}
+
+/// One of the virtual nodes of a member of `node` or `label=<key>` granularity, from its
+/// labels and annotations.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GroupNode {
+    /// The member's `--nodename` ([`MEMBER_NODE_LABEL`]): the name its lower cluster is
+    /// configured under (`--cluster NODE=KUBECONFIG`).
+    pub member: String,
+    /// Which of the member's lower nodes are behind it ([`LOWER_SELECTOR_ANNOTATION`]);
+    /// `None` when not said (a virtual-node before it wrote it): the whole cluster.
+    pub within: Option<Confinement>,
 }
 
 impl UpperNode {
@@ -36,10 +53,19 @@ impl UpperNode {
         if label(key) != Some(value) {
             return Self::Regular;
         }
+        let group = label(MEMBER_NODE_LABEL).map(|member| GroupNode {
+            member: member.to_owned(),
+            within: meta
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(LOWER_SELECTOR_ANNOTATION))
+                .and_then(|text| parse_lower_selector(text)),
+        });
         Self::Virtual {
             burst_priority: label(BURST_PRIORITY_LABEL)
                 .and_then(|p| p.trim().parse().ok())
                 .unwrap_or(0),
+            group,
         }
     }
 }
@@ -59,8 +85,8 @@ pub struct UpperNodes {
 
 impl UpperNodes {
     /// A node, by name, if known.
-    pub fn get(&self, name: &str) -> Option<UpperNode> {
-        self.nodes.get(name).copied()
+    pub fn get(&self, name: &str) -> Option<&UpperNode> {
+        self.nodes.get(name)
     }
 
     /// A node was added or changed (or listed).
@@ -70,7 +96,7 @@ impl UpperNodes {
         };
         let node = UpperNode::of(meta);
         if let Some(seen) = self.relisting.as_mut() {
-            seen.insert(name.clone(), node);
+            seen.insert(name.clone(), node.clone());
         }
         self.nodes.insert(name, node);
     }
@@ -183,22 +209,92 @@ mod tests {
                 &[(BURST_PRIORITY_LABEL, "3")],
                 UpperNode::Regular, // the priority alone does not make a node virtual
             ),
-            (&[virt], UpperNode::Virtual { burst_priority: 0 }),
+            (
+                &[virt],
+                UpperNode::Virtual {
+                    burst_priority: 0,
+                    group: None,
+                },
+            ),
             (
                 &[virt, (BURST_PRIORITY_LABEL, "7")],
-                UpperNode::Virtual { burst_priority: 7 },
+                UpperNode::Virtual {
+                    burst_priority: 7,
+                    group: None,
+                },
             ),
             (
                 &[virt, (BURST_PRIORITY_LABEL, "-1")],
-                UpperNode::Virtual { burst_priority: 0 },
+                UpperNode::Virtual {
+                    burst_priority: 0,
+                    group: None,
+                },
             ),
             (
                 &[virt, (BURST_PRIORITY_LABEL, "high")],
-                UpperNode::Virtual { burst_priority: 0 },
+                UpperNode::Virtual {
+                    burst_priority: 0,
+                    group: None,
+                },
             ),
         ];
         for (labels, want) in cases {
             assert_eq!(UpperNode::of(&meta("n", labels)), want, "{labels:?}");
+        }
+    }
+
+    #[test]
+    fn a_group_node_names_its_member_and_lower_nodes() {
+        let virt = ("type", "virtual-kubelet");
+        let zone = Confinement {
+            placement: tensile::translate::scheduling::Placement::Expression,
+            requirement: k8s_openapi::api::core::v1::NodeSelectorRequirement {
+                key: "topology.kubernetes.io/zone".into(),
+                operator: "In".into(),
+                values: Some(vec!["a".into()]),
+            },
+        };
+        let cases: [(&str, Option<&str>, Option<GroupNode>); 4] = [
+            ("no member label: no group", None, None),
+            (
+                "member, selector",
+                Some("topology.kubernetes.io/zone=a"),
+                Some(GroupNode {
+                    member: "vk".into(),
+                    within: Some(zone.clone()),
+                }),
+            ),
+            (
+                "member, no selector: the whole cluster",
+                Some(""),
+                Some(GroupNode {
+                    member: "vk".into(),
+                    within: None,
+                }),
+            ),
+            (
+                "member, unreadable selector: the whole cluster",
+                Some("zone"),
+                Some(GroupNode {
+                    member: "vk".into(),
+                    within: None,
+                }),
+            ),
+        ];
+        for (what, selector, want) in cases {
+            let mut m = if want.is_some() {
+                meta("vk-a", &[virt, (MEMBER_NODE_LABEL, "vk")])
+            } else {
+                meta("vk-a", &[virt])
+            };
+            if let Some(selector) = selector.filter(|s| !s.is_empty()) {
+                m.annotations =
+                    Some([(LOWER_SELECTOR_ANNOTATION.to_owned(), selector.to_owned())].into());
+            }
+            let UpperNode::Virtual { group, .. } = UpperNode::of(&m) else {
+                panic!("{what}: not virtual");
+            };
+            assert_eq!(group, want, "{what}");
         }
     }
 
@@ -244,12 +340,15 @@ mod tests {
             "vk",
             &[("type", "virtual-kubelet"), (BURST_PRIORITY_LABEL, "2")],
         ));
-        assert_eq!(nodes.get("a"), Some(UpperNode::Regular), "kept until done");
+        assert_eq!(nodes.get("a"), Some(&UpperNode::Regular), "kept until done");
         assert!(nodes.relist_done(), "ended the failure");
         assert_eq!(nodes.get("a"), None);
         assert_eq!(
             nodes.get("vk"),
-            Some(UpperNode::Virtual { burst_priority: 2 })
+            Some(&UpperNode::Virtual {
+                burst_priority: 2,
+                group: None
+            })
         );
         nodes.delete("vk");
         assert!(nodes.is_empty());

@@ -30,7 +30,7 @@ use super::leave::{self, Bound, LeaveError};
 use crate::clusters::HeartbeatClients;
 use crate::kubelet_api::node_ports::{self, GroupPorts};
 use crate::node::burst::Burst;
-use crate::node::groups::{Granularity, GroupNodes, GroupOffer, group_requirement};
+use crate::node::groups::{Granularity, GroupNodes, GroupOffer, group_requirement, lower_selector};
 use crate::node::spec::{LowerReadiness, NodeConfig};
 use crate::node::{self, CORDONED_BY_ANNOTATION, CORDONED_BY_LEAVE, SharedBeat};
 
@@ -384,8 +384,9 @@ impl Fleet {
         (upper_beat, lower_beat): &(SharedBeat, SharedBeat),
         stop: CancellationToken,
     ) -> Result<(Running, impl Future<Output = ()> + Send + 'static), String> {
-        self.nodes
-            .insert(&offer.group.name, group_requirement(&self.granularity, key));
+        let confinement = group_requirement(&self.granularity, key);
+        let lower_selector = confinement.as_ref().map(lower_selector);
+        self.nodes.insert(&offer.group.name, confinement);
         let listening = match (&self.ports, port) {
             (Some(ports), Some(port)) => {
                 node_ports::listen(ports, port, taken, &offer.group.name, stop.clone()).await
@@ -396,6 +397,7 @@ impl Fleet {
         let config = NodeConfig {
             name: offer.group.name.clone(),
             group_labels: offer.group.labels.clone(),
+            lower_selector,
             kubelet_port: own_port.map_or(self.base.kubelet_port, i32::from),
             ..self.base.clone()
         };

@@ -705,6 +705,7 @@ fn node_config(
         kubelet_port: i32::from(kubelet_port),
         lower_version: lower.version.clone(),
         group_labels: BTreeMap::new(),
+        lower_selector: None,
     }
 }
 

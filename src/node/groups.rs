@@ -51,6 +51,11 @@ const OWN_LABELS: [&str; 5] = [
 /// member's `--nodename` (the name a `cluster` member's one node has), which joins the
 /// node with its member (`virtual-node status`). Set over any lower node's value.
 pub const MEMBER_NODE_LABEL: &str = "tensile.dev/member-node";
+/// The annotation on each virtual node of a member of `node` or `label=<key>` granularity:
+/// which lower nodes are behind it, `metadata.name=<lower node>` or `<key>=<value>` (the
+/// requirement its pods' lower copies get, [`group_requirement`]). The scheduler extender
+/// reads it to check a pod against those lower nodes only ([`parse_lower_selector`]).
+pub const LOWER_SELECTOR_ANNOTATION: &str = "tensile.dev/lower-node-selector";
 /// The well-known hostname label.
 const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
 /// The field a node-granularity group's pods are confined by: the lower node's name (its
@@ -260,6 +265,39 @@ pub fn group_requirement(granularity: &Granularity, group: &str) -> Option<Confi
             key: key.to_owned(),
             operator: "In".to_owned(),
             values: Some(vec![group.to_owned()]),
+        },
+    })
+}
+
+/// [`LOWER_SELECTOR_ANNOTATION`]'s value for a group's confinement: `<key>=<value>`, the key
+/// `metadata.name` for a field (`node` granularity).
+pub fn lower_selector(confinement: &Confinement) -> String {
+    let requirement = &confinement.requirement;
+    let value = requirement
+        .values
+        .as_deref()
+        .and_then(<[String]>::first)
+        .map_or("", String::as_str);
+    format!("{}={value}", requirement.key)
+}
+
+/// The confinement a [`LOWER_SELECTOR_ANNOTATION`] value names: `metadata.name=<node>` is
+/// the lower node by name, `<key>=<value>` a label; `None` when it is not `<key>=<value>`
+/// with a label key (an annotation a person wrote by hand, or a later format).
+pub fn parse_lower_selector(text: &str) -> Option<Confinement> {
+    let (key, value) = text.trim().split_once('=')?;
+    let placement = if key == NODE_NAME_FIELD {
+        Placement::Field
+    } else {
+        check_label_key(key).ok()?;
+        Placement::Expression
+    };
+    Some(Confinement {
+        placement,
+        requirement: NodeSelectorRequirement {
+            key: key.to_owned(),
+            operator: "In".to_owned(),
+            values: Some(vec![value.to_owned()]),
         },
     })
 }
@@ -842,6 +880,33 @@ mod tests {
 
     fn spec(value: serde_json::Value) -> PodSpec {
         serde_json::from_value(value).unwrap()
+    }
+
+    #[test]
+    fn the_lower_selector_annotation_names_the_group() {
+        let cases: [(&str, Granularity, &str, &str); 3] = [
+            (
+                "node",
+                Granularity::Node,
+                "w1.example",
+                "metadata.name=w1.example",
+            ),
+            ("zone", zone(), "a", "topology.kubernetes.io/zone=a"),
+            (
+                "empty value",
+                Granularity::Label("pool".into()),
+                "",
+                "pool=",
+            ),
+        ];
+        for (what, granularity, group, text) in cases {
+            let confinement = group_requirement(&granularity, group).unwrap();
+            assert_eq!(lower_selector(&confinement), text, "{what}");
+            assert_eq!(parse_lower_selector(text), Some(confinement), "{what}");
+        }
+        for bad in ["", "no-equals", "=a", "bad key!=a"] {
+            assert_eq!(parse_lower_selector(bad), None, "{bad:?}");
+        }
     }
 
     #[test]

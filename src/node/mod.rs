@@ -30,7 +30,9 @@ use tracing::{debug, info, warn};
 use self::burst::{BURST_PRIORITY_LABEL, Burst};
 use self::capacity::{LowerCapacity, PodFeed};
 use self::groups::{GroupOffer, Groups, offers};
-use self::spec::{LowerReadiness, NodeConfig, merge_taints, new_node, node_labels, node_status};
+use self::spec::{
+    LowerReadiness, NodeConfig, merge_taints, new_node, node_annotations, node_labels, node_status,
+};
 use crate::clusters::{HEARTBEAT_TIMEOUT, HeartbeatClients};
 use crate::side::Side;
 use crate::translate::meta::Owner;
@@ -149,15 +151,22 @@ pub async fn register_as(
             let taints = merge_taints(existing_taints, config.taint.as_ref());
             let current = node.metadata.labels.clone().unwrap_or_default();
             let labels_ok = labels.iter().all(|(k, v)| current.get(k) == Some(v));
+            let annotations = node_annotations(config);
+            let noted = node.metadata.annotations.clone().unwrap_or_default();
+            let annotations_ok = annotations.iter().all(|(k, v)| noted.get(k) == Some(v));
             // A cordon is the user's and kept; only the one a leave made (marked) goes
             // when the member joins again.
             let leave_cordon = cordoned_by_leave(&node);
-            if labels_ok && taints.as_deref() == existing_taints && !leave_cordon {
+            if labels_ok && annotations_ok && taints.as_deref() == existing_taints && !leave_cordon
+            {
                 node
             } else {
-                let mut patch = json!({"metadata": {"labels": labels}, "spec": {"taints": taints}});
+                let mut patch = json!({
+                    "metadata": {"uid": node.metadata.uid, "labels": labels, "annotations": annotations},
+                    "spec": {"taints": taints},
+                });
                 if leave_cordon {
-                    patch["metadata"]["annotations"] = json!({ CORDONED_BY_ANNOTATION: null });
+                    patch["metadata"]["annotations"][CORDONED_BY_ANNOTATION] = json!(null);
                     patch["spec"]["unschedulable"] = json!(null);
                     info!(
                         node = name,

@@ -30,6 +30,24 @@ pub struct NodeConfig {
     /// lower nodes agree on ([`super::groups::Group::labels`]), shown over tensile's own;
     /// empty for a member that is one virtual node.
     pub group_labels: BTreeMap<String, String>,
+    /// For one group, which lower nodes are behind it
+    /// ([`super::groups::LOWER_SELECTOR_ANNOTATION`]); `None` for a member that is one
+    /// virtual node.
+    pub lower_selector: Option<String>,
+}
+
+/// The annotations tensile writes on the virtual node: the group's lower selector.
+pub fn node_annotations(config: &NodeConfig) -> BTreeMap<String, String> {
+    config
+        .lower_selector
+        .iter()
+        .map(|s| {
+            (
+                super::groups::LOWER_SELECTOR_ANNOTATION.to_owned(),
+                s.clone(),
+            )
+        })
+        .collect()
 }
 
 /// Labels tensile-kube's nodes carry (users' nodeSelectors depend on them).
@@ -57,6 +75,7 @@ pub fn new_node(config: &NodeConfig) -> Node {
         metadata: ObjectMeta {
             name: Some(config.name.clone()),
             labels: Some(node_labels(config)),
+            annotations: Some(node_annotations(config)).filter(|a| !a.is_empty()),
             ..ObjectMeta::default()
         },
         spec: Some(NodeSpec {
@@ -243,6 +262,7 @@ mod tests {
             kubelet_port: 10250,
             lower_version: "v1.36.3".into(),
             group_labels: BTreeMap::new(),
+            lower_selector: None,
         }
     }
 
