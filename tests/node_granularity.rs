@@ -953,3 +953,119 @@ async fn a_grouped_members_standby_takes_over_its_virtual_nodes() {
     ns.delete().await.unwrap();
     standby.stop().unwrap();
 }
+
+/// A group gone while no process ran: the member's Node of zone `b` (a pod on it, running
+/// below) outlives its process; its lower node is deleted meanwhile. Started again, the
+/// member finds the Node by its `tensile.dev/member-node` label, drains it as it drains a
+/// group gone at run time (the pod evicted, its lower copy deleted, `LowerGroupGone` on
+/// the Node) and deletes it with its Lease; zone `a` keeps its Node, Ready.
+#[tokio::test]
+async fn a_group_gone_while_the_process_was_down_is_drained_at_start() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let upper = pair.upper.client().await.unwrap();
+    let (lower, lower_names) = labelled_lower(
+        pair,
+        "lower-gdown",
+        2,
+        (Ipv4Addr::new(10, 91, 0, 0), 16),
+        "10.241.0.0/16",
+        |i| json!({ZONE: if i == 0 { "zone-a" } else { "zone-b" }}),
+    )
+    .await;
+    let lower_client = lower.client().await.unwrap();
+    let base = "vk-gdown";
+    let granularity = "label=topology.kubernetes.io/zone";
+    let (mut vn, zones) =
+        start_grouped(pair, &upper, &lower.kubeconfig, base, granularity, 2).await;
+    let (kept, left) = ("vk-gdown-zone-a", "vk-gdown-zone-b");
+    assert!(
+        zones.contains_key(kept) && zones.contains_key(left),
+        "{zones:?}"
+    );
+    let ns = TestNamespace::create(&upper, "gran-down").await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(lower_client.clone(), &ns.name);
+    let left_uid = upper_pods
+        .create(&PostParams::default(), &bound_pod("left", left))
+        .await
+        .unwrap()
+        .metadata
+        .uid;
+    wait_for("the pod of zone b running below", TIMEOUT, || async {
+        Ok(lower_pods
+            .get_opt("left")
+            .await?
+            .filter(common::running)
+            .map(drop))
+    })
+    .await
+    .unwrap();
+    vn.stop().unwrap();
+    let nodes: Api<Node> = Api::all(upper.clone());
+    let before = nodes.get(left).await.unwrap();
+    Api::<Node>::all(lower_client.clone())
+        .delete(&lower_names[1], &DeleteParams::default())
+        .await
+        .unwrap();
+
+    let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), base);
+    options.lower_kubeconfig = Some(lower.kubeconfig.clone());
+    options.args = vec!["--node-granularity".into(), granularity.into()];
+    let mut again = pair.start_virtual_node(&options).unwrap();
+    let drained = wait_for(
+        &format!("{left} drained and deleted after the start"),
+        TIMEOUT,
+        || async {
+            let gone = nodes.get_opt(left).await?.is_none();
+            let pod = upper_pods.get_opt("left").await?;
+            let evicted = pod.is_none_or(|p| p.metadata.uid != left_uid);
+            let below = lower_pods.get_opt("left").await?.is_none();
+            Ok((gone && evicted && below).then_some(()))
+        },
+    )
+    .await;
+    if let Err(error) = drained {
+        let _ = again.check_running();
+        panic!(
+            "{error:#}\n{}",
+            tensile_harness::process::tail(again.log(), 60)
+        );
+    }
+    let leases: Api<Lease> = Api::namespaced(upper.clone(), "kube-node-lease");
+    assert!(
+        leases.get_opt(left).await.unwrap().is_none(),
+        "the Lease goes with the Node"
+    );
+    let events: Api<Event> = Api::namespaced(upper.clone(), "default");
+    wait_for(
+        "a LowerGroupGone Event on the Node left behind",
+        TIMEOUT,
+        || async {
+            let found = events.list(&ListParams::default()).await?.items;
+            Ok(found
+                .iter()
+                .any(|e| {
+                    e.involved_object.name.as_deref() == Some(left)
+                        && e.involved_object.uid == before.metadata.uid
+                        && e.reason.as_deref() == Some("LowerGroupGone")
+                        && e.message
+                            .as_deref()
+                            .is_some_and(|m| m.contains("group zone-b"))
+                })
+                .then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+    let still = ready_virtual_nodes(&mut again, &nodes, base, "zone a's node", |r| {
+        r.len() == 1 && r.contains_key(kept)
+    })
+    .await;
+    assert_eq!(
+        still[kept].metadata.uid, zones[kept].metadata.uid,
+        "zone a keeps its Node"
+    );
+    again.check_running().unwrap();
+    again.stop().unwrap();
+    ns.delete().await.unwrap();
+}

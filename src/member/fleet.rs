@@ -17,7 +17,7 @@ use backon::BackoffBuilder;
 use k8s_openapi::api::core::v1::{Node, ObjectReference};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::Client;
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::events::{EventType, Recorder, Reporter};
 use serde_json::json;
 use tokio::sync::watch;
@@ -30,7 +30,10 @@ use super::leave::{self, Bound, LeaveError};
 use crate::clusters::HeartbeatClients;
 use crate::kubelet_api::node_ports::{self, GroupPorts};
 use crate::node::burst::Burst;
-use crate::node::groups::{Granularity, GroupNodes, GroupOffer, group_requirement, lower_selector};
+use crate::node::groups::{
+    Granularity, GroupNodes, GroupOffer, LeftBehind, MEMBER_NODE_LABEL, group_requirement,
+    left_behind, lower_selector,
+};
 use crate::node::spec::{LowerReadiness, NodeConfig};
 use crate::node::{self, CORDONED_BY_ANNOTATION, CORDONED_BY_LEAVE, SharedBeat};
 
@@ -59,6 +62,9 @@ pub struct Fleet {
     pub drain_timeout: Duration,
     /// `--kubelet-port-range`: a kubelet port per virtual node.
     pub ports: Option<GroupPorts>,
+    /// Virtual nodes of an earlier run whose group is gone ([`find_left_behind`]):
+    /// drained and deleted unless their group is back.
+    pub left_behind: Vec<LeftBehind>,
 }
 
 /// One registered virtual node.
@@ -100,6 +106,51 @@ pub fn know(nodes: &GroupNodes, granularity: &Granularity, offers: &BTreeMap<Str
     }
 }
 
+/// How many times the list of an earlier run's virtual nodes is tried at the start.
+const LEFT_BEHIND_TRIES: usize = 4;
+
+/// The member's virtual nodes from an earlier run that no group of `offers` registers
+/// ([`left_behind`]: their group went while no process ran), listed once at the start
+/// (tried [`LEFT_BEHIND_TRIES`] times with backoff); each is added to `nodes`, so that its
+/// pods are the member's, and is drained and deleted by [`Fleet::run`]. A list that keeps
+/// failing is logged: those Nodes stay until the next start.
+pub async fn find_left_behind(
+    upper: &Client,
+    base: &str,
+    granularity: &Granularity,
+    offers: &BTreeMap<String, GroupOffer>,
+    nodes: &GroupNodes,
+) -> Vec<LeftBehind> {
+    let api: Api<Node> = Api::all(upper.clone());
+    let params = ListParams::default().labels(&format!("{MEMBER_NODE_LABEL}={base}"));
+    let mut delays = register_delays();
+    let mut tries = 0;
+    let listed = loop {
+        tries += 1;
+        match api.list(&params).await {
+            Ok(list) => break list.items,
+            Err(error) if tries >= LEFT_BEHIND_TRIES => {
+                warn!(%error, cluster = "upper", member = base,
+                    "listing the member's virtual nodes of an earlier run failed: those whose group is gone are not drained until the next start");
+                return Vec::new();
+            }
+            Err(error) => {
+                let delay = delays.next().unwrap_or(MAX_REGISTER_DELAY);
+                warn!(%error, cluster = "upper", member = base, retry_in = ?delay,
+                    "listing the member's virtual nodes of an earlier run; trying again");
+                tokio::time::sleep(delay).await;
+            }
+        }
+    };
+    let found = left_behind(granularity, offers, &listed);
+    for node in &found {
+        info!(node = %node.name, group = %node.key, cluster = "upper",
+            "a virtual node of an earlier run whose group is gone below: it will be drained and deleted");
+        nodes.insert(&node.name, node.confinement.clone());
+    }
+    found
+}
+
 fn register_delays() -> backon::ExponentialBackoff {
     backon::ExponentialBuilder::default()
         .with_min_delay(Duration::from_secs(1))
@@ -114,7 +165,7 @@ impl Fleet {
     /// (tried again with backoff while that fails), its capacity, readiness and cordon
     /// kept, and drained and deleted when the group is gone.
     pub async fn run(
-        self,
+        mut self,
         mut offers: watch::Receiver<BTreeMap<String, GroupOffer>>,
         shutdown: CancellationToken,
     ) -> Result<(), String> {
@@ -137,6 +188,7 @@ impl Fleet {
             SharedBeat::new(self.lower_heartbeat.clone()),
         );
         let (mut bursting, mut bursting_open) = (self.bursting.clone(), true);
+        let mut left_behind = std::mem::take(&mut self.left_behind);
         loop {
             let now = offers.borrow_and_update().clone();
             // The member's share spans all its virtual nodes: each offers its part.
@@ -228,7 +280,8 @@ impl Fleet {
                 .filter(|k| !now.contains_key(*k))
                 .cloned()
                 .collect();
-            let mut gone: Vec<(String, String, Option<Running>)> = Vec::new();
+            // (group key, Node name, its UID if known, its keep-alive if it runs).
+            let mut gone: Vec<(String, String, Option<String>, Option<Running>)> = Vec::new();
             for key in unregistered {
                 retrying.remove(&key);
                 let name = crate::node::groups::virtual_node_name(
@@ -236,7 +289,14 @@ impl Fleet {
                     &self.granularity,
                     &key,
                 );
-                gone.push((key, name, None));
+                gone.push((key, name, None, None));
+            }
+            // An earlier run's virtual node whose group is gone (once: a group back
+            // meanwhile registers it as its own).
+            for node in left_behind.drain(..) {
+                if !now.contains_key(&node.key) && !running.contains_key(&node.key) {
+                    gone.push((node.key, node.name, Some(node.uid), None));
+                }
             }
             let registered: Vec<String> = running
                 .keys()
@@ -247,10 +307,10 @@ impl Fleet {
                 // Kept alive while it drains, as a leaving member's node is: its pods'
                 // readiness (and so their disruption budgets) stay as they are.
                 if let Some(r) = running.remove(&key) {
-                    gone.push((key, r.name.clone(), Some(r)));
+                    gone.push((key, r.name.clone(), Some(r.uid.clone()), Some(r)));
                 }
             }
-            for (key, name, node) in gone {
+            for (key, name, uid, node) in gone {
                 drain_ids += 1;
                 let (stop, finished) = (shutdown.child_token(), CancellationToken::new());
                 let drain = GroupDrain {
@@ -259,7 +319,7 @@ impl Fleet {
                     recorder: recorder.clone(),
                     key: key.clone(),
                     name: name.clone(),
-                    uid: node.as_ref().map(|n| n.uid.clone()),
+                    uid,
                     keep_alive: node.as_ref().map(|n| n.stop.clone()),
                     bound: Bound {
                         until: Instant::now() + self.drain_timeout,

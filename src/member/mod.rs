@@ -377,6 +377,7 @@ async fn run_member(
             shutdown.clone(),
         ),
     );
+    let mut left_behind = Vec::new();
     if let Some(nodes) = &group_nodes {
         // The groups are published with the first capacity: their names are known before
         // the upper pod watch lists, so the pods already bound to them are the member's.
@@ -395,6 +396,15 @@ async fn run_member(
             }
         }
         fleet::know(nodes, &spec.granularity, &offers_rx.borrow());
+        let offered = offers_rx.borrow().clone();
+        left_behind = fleet::find_left_behind(
+            &upper.client,
+            &spec.node,
+            &spec.granularity,
+            &offered,
+            nodes,
+        )
+        .await;
         tasks.spawn(
             "virtual node names",
             admission.follow(offers, admitted_tx, shutdown.clone()),
@@ -487,6 +497,7 @@ async fn run_member(
             nodes,
             drain_timeout: args.leave_timeout,
             ports: group_ports,
+            left_behind,
         };
         tasks.spawn_fallible("virtual nodes", fleet.run(offers_rx, shutdown.clone()));
         let watched = PodWatched {

@@ -570,6 +570,65 @@ impl GroupNodes {
     }
 }
 
+/// A virtual node of this member from an earlier run whose group is not below any more
+/// (gone while no process ran): drained and deleted as a group gone below is.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LeftBehind {
+    /// Its group's key when its [`LOWER_SELECTOR_ANNOTATION`] names one of this
+    /// granularity (a group back below stops the drain), else its name.
+    pub key: String,
+    /// The Node's name.
+    pub name: String,
+    /// The Node's UID (its drain and deletion are of that Node only).
+    pub uid: String,
+    /// What confined its pods below, from the annotation.
+    pub confinement: Option<Confinement>,
+}
+
+/// The member's virtual nodes (`nodes`: upper Nodes labelled [`MEMBER_NODE_LABEL`] with
+/// its `--nodename`) that none of `offers` registers: each with the group key its
+/// annotation names (the Node's name when it names none of `granularity`, or a group
+/// offered under another name).
+pub fn left_behind(
+    granularity: &Granularity,
+    offers: &BTreeMap<String, GroupOffer>,
+    nodes: &[Node],
+) -> Vec<LeftBehind> {
+    let offered: BTreeSet<&str> = offers.values().map(|o| o.group.name.as_str()).collect();
+    nodes
+        .iter()
+        .filter_map(|node| {
+            let name = node.metadata.name.clone()?;
+            if offered.contains(name.as_str()) {
+                return None;
+            }
+            let confinement = node
+                .metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(LOWER_SELECTOR_ANNOTATION))
+                .and_then(|text| parse_lower_selector(text));
+            let key = confinement
+                .as_ref()
+                .filter(|c| {
+                    let ours = group_requirement(granularity, "");
+                    ours.is_some_and(|o| {
+                        o.placement == c.placement && o.requirement.key == c.requirement.key
+                    })
+                })
+                .and_then(|c| c.requirement.values.as_deref()?.first().cloned())
+                .filter(|key| !offers.contains_key(key))
+                .unwrap_or_else(|| name.clone());
+            Some(LeftBehind {
+                key,
+                name,
+                uid: node.metadata.uid.clone().unwrap_or_default(),
+                confinement,
+            })
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -880,6 +939,50 @@ mod tests {
 
     fn spec(value: serde_json::Value) -> PodSpec {
         serde_json::from_value(value).unwrap()
+    }
+
+    #[test]
+    fn nodes_left_behind_are_those_no_group_registers() {
+        let upper = |name: &str, selector: Option<&str>| -> Node {
+            serde_json::from_value(json!({"metadata": {"name": name,
+                "annotations": selector.map(|s| json!({LOWER_SELECTOR_ANNOTATION: s}))}}))
+            .unwrap()
+        };
+        let mut groups = Groups::new("vk", zone(), LabelPatterns::default());
+        groups.apply_node(&node(
+            "w1",
+            json!({"topology.kubernetes.io/zone": "a"}),
+            true,
+            false,
+        ));
+        let offers = offers(
+            &groups,
+            &LowerCapacity::new(&crate::translate::meta::Owner::new("vk", "cluster-1")),
+        );
+        let nodes = [
+            upper("vk-a", Some("topology.kubernetes.io/zone=a")),
+            upper("vk-b", Some("topology.kubernetes.io/zone=b")),
+            upper("vk-w9", Some("metadata.name=w9")),
+            upper("vk-old", None),
+            upper("vk-a2", Some("topology.kubernetes.io/zone=a")),
+        ];
+        let got: Vec<(String, String)> = left_behind(&zone(), &offers, &nodes)
+            .into_iter()
+            .map(|l| (l.key, l.name))
+            .collect();
+        let want: Vec<(String, String)> = [
+            ("b", "vk-b"),
+            ("vk-w9", "vk-w9"),
+            ("vk-old", "vk-old"),
+            ("vk-a2", "vk-a2"),
+        ]
+        .into_iter()
+        .map(|(k, n)| (k.to_owned(), n.to_owned()))
+        .collect();
+        assert_eq!(
+            got, want,
+            "offered vk-a kept; other granularity, none, or a key offered under another name: by name"
+        );
     }
 
     #[test]
