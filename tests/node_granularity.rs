@@ -184,6 +184,26 @@ async fn start_grouped(
     (vn, listed)
 }
 
+/// Waits for the `LowerGroupGone` Event on `node` (its name and UID) naming `group`.
+async fn group_gone_event(upper: &kube::Client, node: &Node, group: &str) {
+    let events: Api<Event> = Api::namespaced(upper.clone(), "default");
+    let says = format!("every lower node of group {group} is gone");
+    wait_for("a LowerGroupGone Event on the node", TIMEOUT, || async {
+        let found = events.list(&ListParams::default()).await?.items;
+        Ok(found
+            .iter()
+            .any(|e| {
+                e.involved_object.name == node.metadata.name
+                    && e.involved_object.uid == node.metadata.uid
+                    && e.reason.as_deref() == Some("LowerGroupGone")
+                    && e.message.as_deref().is_some_and(|m| m.contains(&says))
+            })
+            .then_some(()))
+    })
+    .await
+    .unwrap();
+}
+
 /// A ValidatingAdmissionPolicy (and its binding) of the upper cluster that refuses to
 /// create the Node `name`.
 struct RefuseNode(String);
@@ -740,24 +760,7 @@ async fn one_virtual_node_per_zone_and_per_lower_node() {
     })
     .await
     .unwrap();
-    let events: Api<Event> = Api::namespaced(upper.clone(), "default");
-    wait_for(
-        "a LowerGroupGone Event on the leaving node",
-        TIMEOUT,
-        || async {
-            let found = events.list(&ListParams::default()).await?.items;
-            Ok(found
-                .iter()
-                .any(|e| {
-                    e.involved_object.name.as_deref() == Some(its.as_str())
-                        && e.involved_object.uid == leaving.metadata.uid
-                        && e.reason.as_deref() == Some("LowerGroupGone")
-                })
-                .then_some(()))
-        },
-    )
-    .await
-    .unwrap();
+    group_gone_event(&upper, &leaving, last).await;
     holds("a lower node removed", all.clone()).await;
 
     // A group back while its virtual node drains: a PodDisruptionBudget holds the drain
@@ -1036,27 +1039,7 @@ async fn a_group_gone_while_the_process_was_down_is_drained_at_start() {
         leases.get_opt(left).await.unwrap().is_none(),
         "the Lease goes with the Node"
     );
-    let events: Api<Event> = Api::namespaced(upper.clone(), "default");
-    wait_for(
-        "a LowerGroupGone Event on the Node left behind",
-        TIMEOUT,
-        || async {
-            let found = events.list(&ListParams::default()).await?.items;
-            Ok(found
-                .iter()
-                .any(|e| {
-                    e.involved_object.name.as_deref() == Some(left)
-                        && e.involved_object.uid == before.metadata.uid
-                        && e.reason.as_deref() == Some("LowerGroupGone")
-                        && e.message
-                            .as_deref()
-                            .is_some_and(|m| m.contains("group zone-b"))
-                })
-                .then_some(()))
-        },
-    )
-    .await
-    .unwrap();
+    group_gone_event(&upper, &before, "zone-b").await;
     let still = ready_virtual_nodes(&mut again, &nodes, base, "zone a's node", |r| {
         r.len() == 1 && r.contains_key(kept)
     })

@@ -10,7 +10,7 @@
 mod common;
 
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, PostParams};
 use serde_json::json;
 use tensile::node::groups::{LOWER_SELECTOR_ANNOTATION, MEMBER_NODE_LABEL};
 use tensile_harness::fixtures::virtual_node_toleration;
@@ -20,7 +20,7 @@ use tensile_harness::{
     ClusterPair, NodeShape, PairOptions, TestNamespace, VirtualNodeOptions, wait_for,
 };
 
-use common::granularity::ready_virtual_nodes;
+use common::granularity::{label_nodes, ready_virtual_nodes};
 use common::{TIMEOUT, workspace_binary};
 
 /// The member's name (`--nodename`).
@@ -59,27 +59,12 @@ async fn a_pod_no_lower_node_of_a_zone_takes_stays_pending_upstairs() {
         ..NodeShape::default()
     };
     let pair = ClusterPair::start(options).await.unwrap();
-    let lower_nodes: Api<Node> = Api::all(pair.lower.client().await.unwrap());
-    let mut names: Vec<String> = lower_nodes
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter_map(|n| n.metadata.name)
-        .collect();
-    names.sort();
-    assert_eq!(names.len(), 3, "{names:?}");
-    for (node, zone) in names.iter().zip(["a", "a", "b"]) {
-        lower_nodes
-            .patch(
-                node,
-                &PatchParams::default(),
-                &Patch::Merge(json!({"metadata": {"labels": {ZONE: zone}}})),
-            )
-            .await
-            .unwrap();
-    }
+    label_nodes(
+        &pair.lower.client().await.unwrap(),
+        3,
+        |i| json!({ZONE: if i < 2 { "a" } else { "b" }}),
+    )
+    .await;
     let upper = pair.upper.client().await.unwrap();
     let mut vn_options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), BASE);
     vn_options.args = vec!["--node-granularity".into(), format!("label={ZONE}")];

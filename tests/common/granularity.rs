@@ -25,7 +25,18 @@ pub async fn labelled_lower(
     let mut options = ClusterOptions::new(name, count, nodes, pod_cidr);
     options.node_shape.cpu = "4".into();
     let lower = pair.start_cluster(options).await.unwrap();
-    let api: Api<Node> = Api::all(lower.client().await.unwrap());
+    let names = label_nodes(&lower.client().await.unwrap(), count, labels).await;
+    (lower, names)
+}
+
+/// Labels the `count` nodes of the cluster of `client`, the `i`th (by name) `labels(i)` (a
+/// JSON object; nothing when empty); their names, sorted.
+pub async fn label_nodes(
+    client: &kube::Client,
+    count: usize,
+    labels: impl Fn(usize) -> serde_json::Value,
+) -> Vec<String> {
+    let api: Api<Node> = Api::all(client.clone());
     let mut names: Vec<String> = api
         .list(&ListParams::default())
         .await
@@ -48,7 +59,7 @@ pub async fn labelled_lower(
             .unwrap();
         }
     }
-    (lower, names)
+    names
 }
 
 /// Waits until the upper cluster's Ready nodes labelled `clusterID=<base>` are `done`;
