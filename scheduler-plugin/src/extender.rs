@@ -11,7 +11,8 @@ use tensile::translate::scheduling::Confinement;
 use crate::cache::ClusterCache;
 use crate::fit::{ClusterFit, Demand, Search};
 use crate::upper::{
-    BURST_ANNOTATION, BURST_EAGER, MAX_EXTENDER_PRIORITY, SharedUpperNodes, UpperNode, burst_scores,
+    BURST_ANNOTATION, BURST_EAGER, MAX_EXTENDER_PRIORITY, SharedUpperNodes, UpperNode, UpperNodes,
+    burst_scores,
 };
 use crate::wire::{ExtenderArgs, ExtenderFilterResult, HostPriority, NodeList, node_name};
 
@@ -280,11 +281,14 @@ impl Extender {
     /// cluster's virtual node (all of them), or one of the virtual nodes of a member of
     /// `node` or `label=<key>` granularity configured under its `--nodename` (the lower
     /// nodes its annotation names, all when it names none). `None` for any other node.
-    fn lower_of(&self, name: &str) -> Option<(&SharedCluster, Option<Confinement>)> {
+    fn lower_of(
+        &self,
+        upper: &UpperNodes,
+        name: &str,
+    ) -> Option<(&SharedCluster, Option<Confinement>)> {
         if let Some(cluster) = self.clusters.get(name) {
             return Some((cluster, None));
         }
-        let upper = self.upper.read();
         let Some(UpperNode::Virtual {
             group: Some(group), ..
         }) = upper.get(name)
@@ -319,8 +323,10 @@ impl Extender {
         }
         let mut result = ExtenderFilterResult::default();
         let mut outcomes = Vec::new();
+        // Read once for the call (never taken while a cluster's lock is held).
+        let upper = self.upper.read();
         let mut judge = |name: &str, result: &mut ExtenderFilterResult| -> bool {
-            let Some((cluster, within)) = self.lower_of(name) else {
+            let Some((cluster, within)) = self.lower_of(&upper, name) else {
                 outcomes.push(Outcome::NotVirtual);
                 return true;
             };
@@ -377,10 +383,10 @@ impl Extender {
                 .collect(),
             (None, None) => Vec::new(),
         };
+        let upper = self.upper.read();
         let scores = if args.pod.as_ref().is_some_and(eager) {
             vec![MAX_EXTENDER_PRIORITY; names.len()]
         } else {
-            let upper = self.upper.read();
             let candidates: Vec<Option<u64>> = names
                 .iter()
                 .map(|name| match upper.get(name) {
@@ -404,7 +410,7 @@ impl Extender {
         {
             for (name, score) in names.iter().zip(&scores) {
                 if *score < top
-                    && let Some((cluster, _)) = self.lower_of(name)
+                    && let Some((cluster, _)) = self.lower_of(&upper, name)
                 {
                     cluster.write().cache.release(uid);
                 }
