@@ -50,6 +50,7 @@ use crate::controllers::stores::{MetaIndex, ObjectStream, Ready, Reflected, inde
 use crate::node::groups::GroupNodes;
 use crate::side::Side;
 use crate::translate::meta::OWNER_NODE_LABEL;
+use crate::translate::packed_pod::PackedPod;
 
 /// Touched objects a broadcast holds for members that have not taken them yet; a member
 /// further behind is handed every object again.
@@ -454,20 +455,54 @@ struct Routing {
     listing: bool,
 }
 
+/// A node's pods, each packed ([`PackedPod`]: a few hundred bytes, where a decoded pod
+/// is kilobytes), for a member that (re)subscribes.
 #[derive(Default)]
 struct NodePods {
     /// As of the last complete list and the changes since.
-    pods: BTreeMap<PodKey, Pod>,
-    /// Whether a list has completed since the node was first had.
+    pods: BTreeMap<PodKey, PackedPod>,
+    /// Whether a list has completed since the node was first had (and every pod of it
+    /// since was packed).
     complete: bool,
     /// The list under way, if it began after the node was first had.
-    next: Option<BTreeMap<PodKey, Pod>>,
+    next: Option<BTreeMap<PodKey, PackedPod>>,
 }
 
 impl NodePods {
     /// Whether a list (complete or under way) covers the node.
     fn covered(&self) -> bool {
         self.complete || self.next.is_some()
+    }
+
+    /// Keeps `pod` (in the list under way, `listing`, or as a change since the last):
+    /// one that cannot be packed (never seen: it was just decoded) leaves the node to the
+    /// next list, as a node never had.
+    fn keep(&mut self, pod: &Pod, listing: bool) {
+        let packed = PackedPod::new(pod);
+        let pods = match (listing, &mut self.next) {
+            (true, Some(next)) => next,
+            (true, None) => return,
+            (false, _) => &mut self.pods,
+        };
+        match packed {
+            Some(packed) => {
+                pods.insert(pod_key(pod), packed);
+            }
+            None => {
+                pods.remove(&pod_key(pod));
+                self.next = None;
+                self.complete = false;
+            }
+        }
+    }
+
+    /// Its pods, unpacked, if every one unpacks (else it is left to the next list).
+    fn unpacked(&mut self) -> Option<Vec<Pod>> {
+        let pods: Option<Vec<Pod>> = self.pods.values().map(PackedPod::pod).collect();
+        if pods.is_none() {
+            self.complete = false;
+        }
+        pods
     }
 }
 
@@ -480,13 +515,6 @@ fn pod_key(pod: &Pod) -> PodKey {
 
 fn pod_node(pod: &Pod) -> Option<&str> {
     pod.spec.as_ref().and_then(|s| s.node_name.as_deref())
-}
-
-/// `pod` as kept: without its managedFields, which no member reads.
-fn kept(pod: &Pod) -> Pod {
-    let mut pod = pod.clone();
-    pod.metadata.managed_fields = None;
-    pod
 }
 
 /// The events of `receiver` from the first list's start on. Until a list begins, what
@@ -511,11 +539,11 @@ fn from_a_list_on(
 }
 
 /// Hands `member` the node's `pods` as a list; whether it still listens.
-fn hand_list(member: &PodSender, pods: &BTreeMap<PodKey, Pod>) -> bool {
+fn hand_list(member: &PodSender, pods: Vec<Pod>) -> bool {
     member.send(watcher::Event::Init).is_ok()
         && pods
-            .values()
-            .all(|pod| member.send(watcher::Event::InitApply(pod.clone())).is_ok())
+            .into_iter()
+            .all(|pod| member.send(watcher::Event::InitApply(pod)).is_ok())
         && member.send(watcher::Event::InitDone).is_ok()
 }
 
@@ -547,11 +575,14 @@ impl PodRouter {
             routing.routes.remove(node);
             routing.waiting.remove(node);
             let known = routing.nodes.entry(node.to_owned()).or_default();
+            let unpacked = (known.next.is_none() && known.complete && !routing.listing)
+                .then(|| known.unpacked())
+                .flatten();
             if known.next.is_some() {
                 routing.waiting.insert(node.to_owned(), sender);
                 false
-            } else if known.complete && !routing.listing {
-                if hand_list(&sender, &known.pods) {
+            } else if let Some(pods) = unpacked {
+                if hand_list(&sender, pods) {
                     routing.routes.insert(node.to_owned(), sender);
                 }
                 false
@@ -667,28 +698,41 @@ impl PodRouter {
                 routing
                     .sets
                     .retain(|_, set| set.sender.send(watcher::Event::InitDone).is_ok());
+                let mut relist = false;
                 for (node, member) in std::mem::take(&mut routing.waiting) {
-                    let pods = routing.nodes.get(&node).map(|n| &n.pods);
-                    if hand_list(&member, pods.unwrap_or(&BTreeMap::new())) {
-                        routing.routes.insert(node, member);
+                    let pods = match routing.nodes.get_mut(&node) {
+                        Some(known) => known.unpacked(),
+                        None => Some(Vec::new()),
+                    };
+                    match pods {
+                        Some(pods) => {
+                            if hand_list(&member, pods) {
+                                routing.routes.insert(node, member);
+                            }
+                        }
+                        // A pod that does not unpack: from the next list on.
+                        None => {
+                            routing.routes.insert(node, member);
+                            relist = true;
+                        }
                     }
+                }
+                if relist {
+                    self.relist.notify_one();
                 }
                 return;
             }
             watcher::Event::InitApply(pod) => {
                 let node = pod_node(pod);
-                if let Some(next) = node
-                    .and_then(|n| routing.nodes.get_mut(n))
-                    .and_then(|n| n.next.as_mut())
-                {
-                    next.insert(pod_key(pod), kept(pod));
+                if let Some(known) = node.and_then(|n| routing.nodes.get_mut(n)) {
+                    known.keep(pod, true);
                 }
                 node
             }
             watcher::Event::Apply(pod) => {
                 let node = pod_node(pod);
                 if let Some(known) = node.and_then(|n| routing.nodes.get_mut(n)) {
-                    known.pods.insert(pod_key(pod), kept(pod));
+                    known.keep(pod, false);
                 }
                 node
             }

@@ -16,6 +16,7 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher;
 
 use super::shrink::shrunk_capacity;
+use crate::translate::packed_pod::json_without_managed_fields;
 use crate::translate::pod::was_mirrored;
 use crate::translate::stored::StoredPod;
 
@@ -104,14 +105,7 @@ impl WholePod {
     fn new(pod: &Pod) -> Option<Self> {
         let (namespace, name) = whole_key(pod);
         // Never read for the copy, and a good part of a pod's size: written without it.
-        let managed = pod.metadata.managed_fields.is_some();
-        let json = if managed {
-            let mut pruned = pod.clone();
-            pruned.metadata.managed_fields = None;
-            serde_json::to_vec(&pruned)
-        } else {
-            serde_json::to_vec(pod)
-        };
+        let json = json_without_managed_fields(pod);
         Some(Self {
             namespace: namespace.into(),
             name: name.into(),
