@@ -129,8 +129,11 @@ pub async fn run(binary: &Path, clusters: usize, args: &Args) -> Result<()> {
         .await?;
     }
     all_ready(&upper, &members).await?;
+    let idle = settled_rss(&[&one]).await?;
+    warm_up(&upper, &lowers, &members, per_member, concurrency, "fed").await?;
     let (federated, ns) =
         measure(&upper, &[&one], &members, per_member, concurrency, "fed").await?;
+    let federated = Side { idle, ..federated };
     // The other way starts from the same empty clusters: these pods leave as users delete
     // them, while their process still runs.
     clean(&upper, &lowers, &ns, pods).await?;
@@ -174,8 +177,11 @@ pub async fn run(binary: &Path, clusters: usize, args: &Args) -> Result<()> {
     }
     all_ready(&upper, &solo).await?;
     let refs: Vec<&VirtualNode> = processes.iter().collect();
+    let idle = settled_rss(&refs).await?;
+    warm_up(&upper, &lowers, &solo, per_member, concurrency, "solo").await?;
     let (separate, _) = measure(&upper, &refs, &solo, per_member, concurrency, "solo").await?;
     let separate = Side {
+        idle,
         watches: separate.watches.saturating_sub(watches_before),
         ..separate
     };
@@ -264,6 +270,32 @@ async fn clean(upper: &Client, lowers: &[&Cluster], ns: &str, pods: usize) -> Re
         delete_and_wait(upper, &lower.client().await?, ns, pods).await?;
     }
     Ok(())
+}
+
+/// A burst of a quarter of `per_node` pods on each of `nodes`, deleted once Running:
+/// each way's measured burst then finds the API servers, kwok and its own processes warm
+/// (connections open, caches and heaps grown), whichever way runs first. Without it the
+/// way measured first, on clusters just started, was the slower (N = 5 on 2 cores: the
+/// one process's 1000-pod p99 10.6 s, its next 800-pod burst 6.5 s, the N processes'
+/// 7.2 s after it).
+async fn warm_up(
+    upper: &Client,
+    lowers: &[&Cluster],
+    nodes: &[String],
+    per_node: usize,
+    concurrency: usize,
+    prefix: &str,
+) -> Result<()> {
+    let per_node = per_node.div_ceil(4);
+    let pods: Vec<Pod> = (0..per_node)
+        .flat_map(|i| {
+            nodes
+                .iter()
+                .map(move |node| labelled(bound_pod(&format!("{node}-warm-{i:05}"), node)))
+        })
+        .collect();
+    let (ns, _, _) = burst(upper, &format!("{prefix}-warm"), pods, concurrency).await?;
+    clean(upper, lowers, &ns.name, per_node * nodes.len()).await
 }
 
 /// Waits for every node of `nodes` to be Ready.
