@@ -3,6 +3,7 @@
 //! Pure translation (`translate`, and the capacity math in `node::capacity`) is kept apart
 //! from everything that calls an API server (`node`, `controllers`); `main.rs` only wires.
 
+pub mod allocator;
 pub mod api;
 pub mod check;
 pub mod cli;

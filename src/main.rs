@@ -22,13 +22,19 @@ use tracing::{error, info, warn};
 /// jemalloc, not glibc's malloc: glibc gives each busy thread its own arena and keeps
 /// what a burst freed in each. With 16 tokio workers (a 16-core box's default) virtual-node
 /// held 100 MiB at 10 000 pods under glibc and 63 MiB under jemalloc (`tensile-bench`,
-/// docs/benchmarks.md); mimalloc held 86 MiB with 2 workers. Its background threads (the
-/// `background_threads` feature) did not lower the resident memory after a burst beyond
-/// the runs' spread (1.2–2.0 against 1.6–2.0 KB a further pod, release, 2 cores).
+/// docs/benchmarks.md); mimalloc held 86 MiB with 2 workers. Its background threads alone
+/// did not lower the resident memory after a burst beyond the runs' spread (1.2–2.0
+/// against 1.6–2.0 KB a further pod, release, 2 cores): with its default 10 s decay they
+/// purge after the footprint is sampled. `main` sets a 1 s decay and starts them
+/// ([`tensile::allocator::return_freed_pages_sooner`]).
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 fn main() -> ExitCode {
+    // Before any other thread (and its arena) exists.
+    if let Err(error) = tensile::allocator::return_freed_pages_sooner() {
+        eprintln!("virtual-node: jemalloc's page decay left at its defaults: {error}");
+    }
     let mut runtime = tokio::runtime::Builder::new_multi_thread();
     runtime.enable_all();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -169,6 +175,7 @@ async fn start(argv: Vec<std::ffi::OsString>) -> ExitCode {
 async fn run(args: Args, started: CancellationToken) -> Result<(), String> {
     let lease = args.lease_config()?;
     let metrics = Arc::new(Metrics::default());
+    metrics.read_allocator(tensile::allocator::jemalloc_stats);
     let (upper, lower_config) = connect(&args, &metrics).await?;
     let optional = args.optional_controllers();
     for unknown in &optional.unknown {

@@ -4,7 +4,7 @@
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use axum::Router;
@@ -152,6 +152,17 @@ pub struct OwnerLabels {
     /// e.g. `upper pods` (a store), `pod queue`.
     pub owner: &'static str,
 }
+
+/// Label of the allocator gauge.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StatLabels {
+    /// The allocator's statistic: `allocated`, `active`, `resident`, ... (see
+    /// [`crate::allocator::jemalloc_stats`]).
+    pub stat: &'static str,
+}
+
+/// Reads the allocator's statistics (name, bytes) at scrape time.
+pub type AllocatorStats = fn() -> Vec<(&'static str, u64)>;
 
 /// Label of the member gauge.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -331,6 +342,10 @@ pub struct Metrics {
     memory: Family<OwnerLabels, Gauge>,
     /// What the gauges set at scrape time read.
     read_at_scrape: ScrapeSources,
+    /// The allocator's statistics, by statistic (set at scrape time).
+    allocator: Family<StatLabels, Gauge>,
+    /// What reads them ([`Metrics::read_allocator`]).
+    allocator_stats: OnceLock<AllocatorStats>,
     /// Lower pods created.
     pub lower_creates: Counter,
     /// Lower pods updated.
@@ -375,6 +390,7 @@ impl Default for Metrics {
             );
         let mirrored = Family::<KindLabels, Gauge>::default();
         let memory = Family::<OwnerLabels, Gauge>::default();
+        let allocator = Family::<StatLabels, Gauge>::default();
         let status_write_seconds = latency_histogram();
         let status_reflection_seconds = latency_histogram();
         let counters: [(&str, &str, Counter); 8] = [
@@ -442,6 +458,11 @@ impl Default for Metrics {
             "memory_bytes",
             "Heap bytes held, by owner (pod stores, work queues), estimated from their sizes at scrape",
             memory.clone(),
+        );
+        registry.register(
+            "allocator_bytes",
+            "The heap as the allocator counts it, by statistic (allocated: live; active: in pages holding live data; resident)",
+            allocator.clone(),
         );
         registry.register(
             "mirrored_objects",
@@ -541,6 +562,8 @@ impl Default for Metrics {
             mirrored,
             memory,
             read_at_scrape: ScrapeSources::default(),
+            allocator,
+            allocator_stats: OnceLock::new(),
             lower_creates,
             lower_updates,
             orphans_deleted,
@@ -607,6 +630,12 @@ impl Metrics {
             .add(ScrapeTarget::Memory(owner), scope, Box::new(bytes));
     }
 
+    /// Reports what `read` answers as `tensile_allocator_bytes{stat}`, read at each scrape:
+    /// the process's allocator (the binary chooses it). Only the first call counts.
+    pub fn read_allocator(&self, read: AllocatorStats) {
+        let _ = self.allocator_stats.set(read);
+    }
+
     /// Sets `tensile_member_up{node}`: 1 while the member of `node` runs, 0 while it is
     /// failing or restarting.
     pub fn set_member_up(&self, node: &str, up: bool) {
@@ -639,6 +668,12 @@ impl Metrics {
                 ScrapeTarget::Memory(owner) => self.memory.get_or_create(&OwnerLabels { owner }),
             };
             gauge.set(i64::try_from(sum).unwrap_or(i64::MAX));
+        }
+        if let Some(read) = self.allocator_stats.get() {
+            for (stat, bytes) in read() {
+                let gauge = self.allocator.get_or_create(&StatLabels { stat });
+                gauge.set(i64::try_from(bytes).unwrap_or(i64::MAX));
+            }
         }
     }
 
@@ -967,6 +1002,21 @@ mod tests {
                 &metrics.render(),
                 "tensile_memory_bytes{owner=\"pod queue\"}"
             ),
+            Some("4096")
+        );
+    }
+
+    #[test]
+    fn the_allocator_is_read_at_scrape_time_once_given() {
+        let metrics = Metrics::default();
+        let series = "tensile_allocator_bytes{stat=\"allocated\"}";
+        assert_eq!(value(&metrics.render(), series), None);
+        metrics.read_allocator(|| vec![("allocated", 1024), ("active", 4096)]);
+        metrics.read_allocator(Vec::new);
+        let out = metrics.render();
+        assert_eq!(value(&out, series), Some("1024"), "{out}");
+        assert_eq!(
+            value(&out, "tensile_allocator_bytes{stat=\"active\"}"),
             Some("4096")
         );
     }

@@ -229,7 +229,7 @@ fn reflect(pods: &PodStores, gate: &mut EventGate, event: &LowerEvent, started: 
     let Some(lower) = pods.lower.get(namespace, name) else {
         return Reflection::PodNotSeen;
     };
-    if about.uid.is_some() && about.uid.as_deref() != lower.meta.uid.as_deref() {
+    if about.uid.is_some() && about.uid.as_deref() != lower.meta.uid() {
         // About another pod of this name: an earlier one, or one the store has not seen.
         return Reflection::PodNotSeen;
     }
@@ -239,7 +239,7 @@ fn reflect(pods: &PodStores, gate: &mut EventGate, event: &LowerEvent, started: 
     let Some(upper) = pods
         .upper
         .get(namespace, name)
-        .filter(|u| u.meta.uid.as_deref() == Some(origin))
+        .filter(|u| u.meta.uid() == Some(origin))
     else {
         return Reflection::PodNotSeen;
     };

@@ -59,7 +59,7 @@ pub fn orphans<'a, U: AsRef<str>>(
         .iter()
         .map(AsRef::as_ref)
         .filter(|p| p.is_owned_by(owner))
-        .filter(|p| p.meta.deletion_timestamp.is_none())
+        .filter(|p| p.meta.deletion_timestamp().is_none())
         .filter(|p| namespace.is_empty() || *p.meta.namespace == *namespace)
         .filter(|p| {
             let uid = upper_uid(&p.meta.namespace, &p.meta.name);
@@ -117,8 +117,11 @@ pub async fn run(ctx: Arc<Context>, pods: PodStores, shutdown: CancellationToken
             _ = tick.tick() => {}
         }
         let snapshot = lower_pods.state();
-        let upper_uid =
-            |ns: &str, name: &str| upper_pods.get(ns, name).and_then(|p| p.meta.uid.clone());
+        let upper_uid = |ns: &str, name: &str| {
+            upper_pods
+                .get(ns, name)
+                .and_then(|p| p.meta.uid().map(Box::<str>::from))
+        };
         let candidates = orphans(&snapshot, upper_uid, &ctx.owner, &ctx.namespace);
         let mut kept = 0;
         for (orphan, uid) in due(candidates, &mut reads, Instant::now(), CHECKS_PER_ROUND) {
@@ -167,7 +170,7 @@ fn due<'a>(
 ) -> Vec<(&'a StoredPod, &'a str)> {
     candidates
         .into_iter()
-        .filter_map(|p| Some((p, p.meta.uid.as_deref()?)))
+        .filter_map(|p| Some((p, p.meta.uid()?)))
         .filter(|(p, uid)| {
             reads.admit(now, &format!("Pod/{}", p.meta.key()), uid) == Admission::Write
         })

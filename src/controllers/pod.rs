@@ -375,7 +375,7 @@ fn wake_every_pod(
 /// The deletion cost virtual-node writes on `upper` (one of its pods) at `priority`, if
 /// one is to be written ([`deletion_cost_to_write`]): none on a pod being deleted.
 pub(crate) fn deletion_cost_due(upper: &StoredPod, priority: u32) -> Option<i32> {
-    if upper.meta.deletion_timestamp.is_some() {
+    if upper.meta.deletion_timestamp().is_some() {
         return None;
     }
     deletion_cost_to_write(
@@ -392,7 +392,7 @@ async fn write_deletion_cost(stored: &StoredPod, cost: i32, ctx: &Context) -> Re
     let api: Api<Pod> = Api::namespaced(ctx.upper.clone(), &stored.meta.namespace);
     let cost = cost.to_string();
     let patch = serde_json::json!({"metadata": {
-        "uid": stored.meta.uid.as_deref(),
+        "uid": stored.meta.uid(),
         "annotations": { DELETION_COST_ANNOTATION: cost, DELETION_COST_MARK: cost },
     }});
     match api

@@ -461,7 +461,7 @@ mod tests {
             .iter()
             .map(|p| {
                 let (ns, name) = key(p);
-                let uid = p.meta.uid.as_deref().unwrap_or_default();
+                let uid = p.meta.uid().unwrap_or_default();
                 (ns.to_owned(), name.to_owned(), uid.to_owned())
             })
             .collect();
@@ -598,8 +598,7 @@ mod tests {
         departed.keep(Arc::new(pod("ns", "a", "u1")));
         departed.keep(Arc::new(pod("ns", "a", "u2")));
         departed.keep(Arc::new(pod("ns", "b", "u3")));
-        let uid =
-            |p: Option<Arc<StoredPod>>| p.and_then(|p| p.meta.uid.as_deref().map(str::to_owned));
+        let uid = |p: Option<Arc<StoredPod>>| p.and_then(|p| p.meta.uid().map(str::to_owned));
         assert_eq!(
             uid(departed.take("ns", "a")).as_deref(),
             Some("u2"),

@@ -21,6 +21,7 @@ use super::pod_store::{Departed, PodStore, Touched, WholePods, Writer};
 use super::queue::{self, WorkQueue};
 use super::stores::{Ready, errors_logged_as, every};
 use crate::side::Side;
+use crate::translate::meta::LOWER_POD_MARKS;
 use crate::translate::stored::{SharedSpecs, StoredPod};
 
 /// The pods a watch touched, after their store took them in.
@@ -116,11 +117,13 @@ type Keep = fn(Pod, &mut SharedSpecs) -> StoredPod;
 type KeepWhole = Option<(WholePods, PodStore)>;
 
 /// The pod watch events of `watch` filling a [`PodStore`] with [`StoredPod`]s made by
-/// `keep` (and offering each pod to `whole`, if given, before it is stored); the pods it
+/// `keep` through `shared` (pods are stored compactly: a full pod's spec detail is read
+/// only when its lower pod is created, and is most of its memory) (and offering each pod to `whole`, if given, before it is stored); the pods it
 /// touched, and whether it has listed once.
 fn pod_reflector(
     watch: BoxStream<'static, Result<watcher::Event<Pod>, watcher::Error>>,
     keep: Keep,
+    mut shared: SharedSpecs,
     whole: KeepWhole,
     side: Side,
 ) -> (PodStore, PodStream, Ready) {
@@ -128,9 +131,6 @@ fn pod_reflector(
     let mut writer = Writer::new(store.clone());
     let stored = store.clone();
     let (listed_tx, listed_rx) = watch::channel(false);
-    // Pods are stored compactly: a full pod's spec detail is read only when its lower pod
-    // is created, and is most of its memory.
-    let mut shared = SharedSpecs::default();
     let touched = watch
         .map_ok(move |event| {
             if let Some((whole, lower)) = &whole {
@@ -215,11 +215,10 @@ fn keep_if_departed(
         return;
     }
     let upper_deleting = upper.get(namespace, name).is_some_and(|upper| {
-        upper.meta.deletion_timestamp.is_some()
+        upper.meta.deletion_timestamp().is_some()
             && upper
                 .meta
-                .uid
-                .as_deref()
+                .uid()
                 .is_some_and(|uid| lower.upper_uid() == Some(uid))
     });
     if upper_deleting {
@@ -281,14 +280,20 @@ pub fn watches(ctx: &Context) -> PodWatches {
     )
     .default_backoff()
     .boxed();
-    let (lower_store, lower_stream, lower_ready) =
-        pod_reflector(lower_watch, StoredPod::new, None, Side::Lower);
+    let (lower_store, lower_stream, lower_ready) = pod_reflector(
+        lower_watch,
+        StoredPod::new,
+        SharedSpecs::with_common_labels(LOWER_POD_MARKS),
+        None,
+        Side::Lower,
+    );
     let whole = WholePods::default();
     let (upper_store, upper_stream, upper_ready) = pod_reflector(
         upper_watch,
         // An upper status is only compared with the lower one (as a digest) between
         // reconciles; the lower status is what gets written up, so it is kept whole.
         StoredPod::summarized,
+        SharedSpecs::default(),
         Some((whole.clone(), lower_store.clone())),
         Side::Upper,
     );

@@ -516,7 +516,7 @@ async fn mirrored(api: &KubeletApi, target: &Target) -> Result<Api<Pod>, Respons
     let bound = stores
         .upper
         .get(&target.namespace, &target.pod)
-        .and_then(|p| p.meta.uid.clone());
+        .and_then(|p| p.meta.uid().map(str::to_owned));
     if serves(ours, lower_uid, bound.as_deref(), target.uid.as_deref()) {
         Ok(pods)
     } else {

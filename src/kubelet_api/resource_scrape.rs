@@ -227,7 +227,7 @@ async fn mirrored(
         {
             return None;
         }
-        upper.meta.uid.clone()
+        upper.meta.uid().map(Box::<str>::from)
     };
     Ok(mirrored_of(
         state.iter().map(AsRef::as_ref),

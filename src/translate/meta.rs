@@ -79,6 +79,10 @@ pub struct Owner {
     pub cluster: String,
 }
 
+/// The labels every lower pod of one [`Owner`] carries, with the same values: its marks and
+/// `virtual-pod`.
+pub const LOWER_POD_MARKS: &[&str] = &[OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL, VIRTUAL_POD_LABEL];
+
 /// What a lower object's ownership marks say about it, to one [`Owner`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Claim {

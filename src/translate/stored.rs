@@ -101,7 +101,7 @@ impl Pairs {
 }
 
 /// The metadata a reconcile reads between watch events: identity and deletion (labels and
-/// annotations are [`Pairs`] beside it). A quarter of `ObjectMeta`'s 360 bytes, whose
+/// annotations are [`Pairs`] beside it). A sixth of `ObjectMeta`'s 360 bytes, whose
 /// every field is inline.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StoredMeta {
@@ -109,53 +109,111 @@ pub struct StoredMeta {
     pub namespace: Arc<str>,
     /// `metadata.name`.
     pub name: Box<str>,
-    /// `metadata.uid`.
-    pub uid: Option<Box<str>>,
-    /// `metadata.deletionTimestamp`.
-    pub deletion_timestamp: Option<Time>,
-    /// `metadata.deletionGracePeriodSeconds` ([`StoredMeta::deletion_grace_period_seconds`]).
-    grace: Grace,
+    /// `metadata.uid`, and a lower pod's [`UPPER_UID_ANNOTATION`] ([`StoredMeta::uid`],
+    /// [`StoredPod::upper_uid`]).
+    uids: Uids,
+    /// `metadata.deletionTimestamp` and `deletionGracePeriodSeconds`, boxed: set on few
+    /// pods at a time, and 32 bytes inline in every stored pod otherwise.
+    deletion: Option<Box<Deletion>>,
 }
 
-/// An optional grace period in eight bytes instead of sixteen (every stored pod has one
-/// field of it): `i64::MIN`, which no grace period is, for none.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Grace(i64);
+/// A pod's UID and its upper UID (a lower pod's [`UPPER_UID_ANNOTATION`]) in one
+/// allocation instead of two: each `-` when absent, else its length in decimal, `:`, and
+/// itself. Both absent: empty, no allocation.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Uids(Box<str>);
 
-impl Default for Grace {
-    fn default() -> Self {
-        Self(i64::MIN)
+impl Uids {
+    fn new(uid: Option<&str>, upper_uid: Option<&str>) -> Self {
+        if uid.is_none() && upper_uid.is_none() {
+            return Self::default();
+        }
+        let mut text = String::with_capacity(
+            [uid, upper_uid]
+                .iter()
+                .map(|u| u.map_or(1, |u| u.len() + 4))
+                .sum(),
+        );
+        for part in [uid, upper_uid] {
+            match part {
+                None => text.push('-'),
+                Some(part) => {
+                    text.push_str(&part.len().to_string());
+                    text.push(':');
+                    text.push_str(part);
+                }
+            }
+        }
+        Self(text.into_boxed_str())
+    }
+
+    /// The UID and the upper UID.
+    fn get(&self) -> (Option<&str>, Option<&str>) {
+        fn next(rest: &str) -> (Option<&str>, &str) {
+            if let Some(rest) = rest.strip_prefix('-') {
+                return (None, rest);
+            }
+            let Some((len, tail)) = rest.split_once(':') else {
+                return (None, "");
+            };
+            match len
+                .parse::<usize>()
+                .ok()
+                .and_then(|len| Some((tail.get(..len)?, tail.get(len..)?)))
+            {
+                Some((part, rest)) => (Some(part), rest),
+                None => (None, ""),
+            }
+        }
+        let (uid, rest) = next(&self.0);
+        let (upper_uid, _) = next(rest);
+        (uid, upper_uid)
+    }
+
+    /// The heap bytes it holds.
+    fn heap_bytes(&self) -> usize {
+        self.0.len()
     }
 }
 
-impl Grace {
-    fn new(seconds: Option<i64>) -> Self {
-        Self(seconds.filter(|s| *s != i64::MIN).unwrap_or(i64::MIN))
-    }
-
-    fn get(self) -> Option<i64> {
-        (self.0 != i64::MIN).then_some(self.0)
-    }
+/// A pod's deletion fields ([`StoredMeta::deletion_timestamp`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Deletion {
+    timestamp: Option<Time>,
+    grace_period_seconds: Option<i64>,
 }
 
 impl StoredMeta {
     /// What [`StoredPod`] keeps of `metadata` (labels and annotations apart), its
     /// namespace shared through `shared`.
-    fn new(metadata: ObjectMeta, shared: &mut SharedSpecs) -> Self {
+    fn new(metadata: ObjectMeta, upper_uid: Option<&str>, shared: &mut SharedSpecs) -> Self {
+        let deletion = Deletion {
+            timestamp: metadata.deletion_timestamp,
+            grace_period_seconds: metadata.deletion_grace_period_seconds,
+        };
         Self {
             namespace: shared
                 .namespaces
                 .share(metadata.namespace.unwrap_or_default().as_str()),
             name: metadata.name.unwrap_or_default().into_boxed_str(),
-            uid: metadata.uid.map(String::into_boxed_str),
-            deletion_timestamp: metadata.deletion_timestamp,
-            grace: Grace::new(metadata.deletion_grace_period_seconds),
+            uids: Uids::new(metadata.uid.as_deref(), upper_uid),
+            deletion: (deletion != Deletion::default()).then(|| Box::new(deletion)),
         }
+    }
+
+    /// `metadata.uid`.
+    pub fn uid(&self) -> Option<&str> {
+        self.uids.get().0
+    }
+
+    /// `metadata.deletionTimestamp`.
+    pub fn deletion_timestamp(&self) -> Option<&Time> {
+        self.deletion.as_ref()?.timestamp.as_ref()
     }
 
     /// `metadata.deletionGracePeriodSeconds`.
     pub fn deletion_grace_period_seconds(&self) -> Option<i64> {
-        self.grace.get()
+        self.deletion.as_ref()?.grace_period_seconds
     }
 
     /// `namespace/name`.
@@ -171,27 +229,40 @@ pub struct StoredPod {
     /// Identity and deletion; labels and annotations are read with
     /// [`StoredPod::label`] and [`StoredPod::annotation`].
     pub meta: StoredMeta,
-    /// `metadata.labels`.
+    /// `metadata.labels`, but those of [`SharedSpecs::with_common_labels`]'s keys.
     labels: Pairs,
+    /// The labels of [`SharedSpecs::with_common_labels`]'s keys: those every pod of the
+    /// store carries (a lower pod's ownership marks), shared. Apart from `labels`, so
+    /// that a label unique to the pod (its name as `app`, a StatefulSet's pod name) does
+    /// not make a copy of them per pod. Behind a thin pointer: one field of every stored
+    /// pod.
+    common_labels: Option<Arc<Pairs>>,
     /// `metadata.annotations`, but [`UPPER_UID_ANNOTATION`] (a lower pod's own, kept in
     /// `upper_uid`): the rest are equal for a workload's pods, and shared.
     annotations: Pairs,
-    /// The [`UPPER_UID_ANNOTATION`] annotation.
-    upper_uid: Option<Box<str>>,
     /// The spec fields a reconcile compares (nodeName, container names and images,
     /// ephemeral container names, tolerations, activeDeadlineSeconds), as the JSON of a
     /// `PodSpec` with only those set. The pods of one workload on one node have equal
     /// ones, which a [`SharedSpecs`] keeps once: three tolerations alone are 300 bytes a
     /// pod.
     spec: Option<Arc<Box<[u8]>>>,
-    /// `status`, packed; only its [`status_summary`] for a pod stored
+    /// `status`, packed; only its [`status_summary`] and digest for a pod stored
     /// [`StoredPod::summarized`].
-    status: Option<PackedStatus>,
-    /// What [`status_in_sync`] compares of the status, for a pod stored
-    /// [`StoredPod::summarized`].
-    status_digest: Option<Box<StatusDigest>>,
+    status: Status,
     /// Which version it is, and what it was last found in step with.
     version: Version,
+}
+
+/// A stored pod's status.
+#[derive(Clone, Debug, Default, PartialEq)]
+enum Status {
+    #[default]
+    None,
+    /// Whole, packed.
+    Whole(PackedStatus),
+    /// Its [`status_summary`] (packed, if any) and what [`status_in_sync`] compares of it:
+    /// a pod stored [`StoredPod::summarized`]. Boxed: one field of every stored pod.
+    Summary(Box<(StatusDigest, Option<PackedStatus>)>),
 }
 
 /// Which stored version of a pod a [`StoredPod`] is (unique in the process, never
@@ -277,6 +348,10 @@ pub struct SharedSpecs {
     specs: Interned<Box<[u8]>>,
     pairs: Interned<str>,
     namespaces: Interned<str>,
+    /// The label keys kept apart as [`StoredPod`]'s `common_labels`.
+    common_keys: &'static [&'static str],
+    /// The last `common_labels` made: all the store's pods have the same.
+    common: Option<Arc<Pairs>>,
 }
 
 /// Equal values kept once. Values no stored pod holds any more are swept out once it has
@@ -322,18 +397,58 @@ impl<T: ?Sized + Eq + Hash> Interned<T> {
 }
 
 impl SharedSpecs {
+    /// One whose pods keep the labels of `keys` (which every pod of the store carries,
+    /// with the same values) apart from the rest, shared.
+    pub fn with_common_labels(keys: &'static [&'static str]) -> Self {
+        Self {
+            common_keys: keys,
+            ..Self::default()
+        }
+    }
+
     /// The shared copy of `json` (behind a thin pointer: a stored pod keeps one per
     /// pod).
     fn share(&mut self, json: Vec<u8>) -> Arc<Box<[u8]>> {
         self.specs.share(json.into_boxed_slice())
     }
 
-    /// The shared copy of `pairs`.
-    fn share_pairs(&mut self, pairs: Pairs) -> Pairs {
+    /// The shared copy of `pairs` (of the pod named `pod`). A map holding the pod's own
+    /// name as a value (`app: <pod>`, `statefulset.kubernetes.io/pod-name`) is no other
+    /// pod's: kept as it is, not in the set, where it would take a slot per pod.
+    fn share_pairs(&mut self, pairs: Pairs, pod: &str) -> Pairs {
         if pairs.is_empty() {
             return Pairs::default();
         }
+        if pairs.iter().any(|(_, value)| value == pod) {
+            return pairs;
+        }
         Pairs(self.pairs.share(pairs.0))
+    }
+
+    /// Takes the labels of [`SharedSpecs::with_common_labels`]'s keys out of `labels`,
+    /// shared.
+    fn common_labels(
+        &mut self,
+        labels: &mut Option<BTreeMap<String, String>>,
+    ) -> Option<Arc<Pairs>> {
+        let labels = labels.as_mut()?;
+        let common: BTreeMap<String, String> = self
+            .common_keys
+            .iter()
+            .filter_map(|key| labels.remove_entry(*key))
+            .collect();
+        if common.is_empty() {
+            return None;
+        }
+        let common = Pairs::new(&common);
+        match &self.common {
+            Some(last) if **last == common => Some(last.clone()),
+            _ => {
+                let common = Arc::new(common);
+                self.common = Some(common.clone());
+                Some(common)
+            }
+        }
     }
 
     /// How many distinct specs it holds.
@@ -365,25 +480,29 @@ impl StoredPod {
             spec,
             status,
         } = pod;
-        let labels = shared.share_pairs(packed(metadata.labels.take()));
+        let mut labels = metadata.labels.take();
         let mut annotations = metadata.annotations.take();
+        let name = metadata.name.as_deref().unwrap_or_default();
+        let common_labels = shared.common_labels(&mut labels);
+        let labels = shared.share_pairs(packed(labels), name);
         let upper_uid = annotations
             .as_mut()
-            .and_then(|a| a.remove(UPPER_UID_ANNOTATION))
-            .map(String::into_boxed_str);
-        let annotations = shared.share_pairs(packed(annotations));
+            .and_then(|a| a.remove(UPPER_UID_ANNOTATION));
+        let annotations = shared.share_pairs(packed(annotations), name);
         Self {
-            meta: StoredMeta::new(metadata, shared),
+            meta: StoredMeta::new(metadata, upper_uid.as_deref(), shared),
             labels,
+            common_labels,
             annotations,
-            upper_uid,
             spec: spec
                 .map(compared_spec)
                 .as_ref()
                 .and_then(json)
                 .map(|json| shared.share(json.into_vec())),
-            status: status.as_ref().and_then(PackedStatus::new),
-            status_digest: None,
+            status: status
+                .as_ref()
+                .and_then(PackedStatus::new)
+                .map_or(Status::None, Status::Whole),
             version: Version::default(),
         }
     }
@@ -399,12 +518,12 @@ impl StoredPod {
             .and_then(|s| s.readiness_gates.clone())
             .unwrap_or_default();
         let mut stored = Self::new(pod, shared);
-        stored.status_digest = Some(Box::new(status_digest(status.as_ref())));
-        stored.status = status
+        let summary = status
             .as_ref()
             .map(|status| status_summary(status, &gates))
             .as_ref()
             .and_then(PackedStatus::new);
+        stored.status = Status::Summary(Box::new((status_digest(status.as_ref()), summary)));
         stored
     }
 }
@@ -431,8 +550,8 @@ impl StoredPod {
     pub fn same_but_status(&self, other: &StoredPod) -> bool {
         self.meta == other.meta
             && self.labels == other.labels
+            && self.common_labels == other.common_labels
             && self.annotations == other.annotations
-            && self.upper_uid == other.upper_uid
             && self.spec == other.spec
     }
 
@@ -452,13 +571,16 @@ impl StoredPod {
 
     /// The value of label `key`.
     pub fn label(&self, key: &str) -> Option<&str> {
-        self.labels.get(key)
+        // Disjoint: a key is in one or the other.
+        self.labels
+            .get(key)
+            .or_else(|| self.common_labels.as_ref()?.get(key))
     }
 
     /// The value of annotation `key`.
     pub fn annotation(&self, key: &str) -> Option<&str> {
         if key == UPPER_UID_ANNOTATION {
-            return self.upper_uid.as_deref();
+            return self.upper_uid();
         }
         self.annotations.get(key)
     }
@@ -470,7 +592,7 @@ impl StoredPod {
 
     /// The UID of its upper pod ([`super::pod::upper_uid`] on a stored pod).
     pub fn upper_uid(&self) -> Option<&str> {
-        self.annotation(UPPER_UID_ANNOTATION)
+        self.meta.uids.get().1
     }
 
     /// `spec.nodeName`: the node it is bound to, if any yet (read from the kept spec
@@ -486,32 +608,52 @@ impl StoredPod {
 
     /// The status (only its [`status_summary`] for a pod stored [`StoredPod::summarized`]).
     pub fn status(&self) -> Option<PodStatus> {
-        self.status.as_ref().and_then(PackedStatus::status)
+        self.packed_status().and_then(PackedStatus::status)
+    }
+
+    /// The packed status, or summary.
+    fn packed_status(&self) -> Option<&PackedStatus> {
+        match &self.status {
+            Status::None => None,
+            Status::Whole(packed) => Some(packed),
+            Status::Summary(summary) => summary.1.as_ref(),
+        }
     }
 
     /// Whether its status already shows `desired` ([`status_in_sync`]).
     pub fn status_in_sync(&self, desired: &PodStatus) -> bool {
-        match &self.status_digest {
-            Some(digest) => digest_in_sync(digest, desired),
-            None => status_in_sync(self.status().as_ref(), desired),
+        match &self.status {
+            Status::Summary(summary) => digest_in_sync(&summary.0, desired),
+            _ => status_in_sync(self.status().as_ref(), desired),
         }
     }
 
     /// The heap bytes it holds, itself included (as kept behind an `Arc`), what it shares
     /// with other pods apart (its namespace, spec, labels and annotations but the upper
-    /// UID): for `tensile_memory_bytes`.
+    /// UID and maps of its own): for `tensile_memory_bytes`.
     pub fn heap_bytes(&self) -> usize {
         let meta = &self.meta;
         2 * size_of::<usize>()
             + size_of::<Self>()
             + meta.name.len()
-            + meta.uid.as_ref().map_or(0, |uid| uid.len())
-            + self.upper_uid.as_ref().map_or(0, |uid| uid.len())
-            + self.status.as_ref().map_or(0, PackedStatus::heap_bytes)
+            + meta.uids.heap_bytes()
+            + self.packed_status().map_or(0, PackedStatus::heap_bytes)
             + self
-                .status_digest
+                .meta
+                .deletion
                 .as_ref()
-                .map_or(0, |d| size_of::<StatusDigest>() + d.heap_bytes())
+                .map_or(0, |_| size_of::<Deletion>())
+            + [&self.labels, &self.annotations]
+                .iter()
+                .filter(|pairs| !pairs.is_empty() && Arc::strong_count(&pairs.0) == 1)
+                .map(|pairs| 2 * size_of::<usize>() + pairs.heap_bytes())
+                .sum::<usize>()
+            + match &self.status {
+                Status::Summary(summary) => {
+                    size_of::<(StatusDigest, Option<PackedStatus>)>() + summary.0.heap_bytes()
+                }
+                _ => 0,
+            }
     }
 
     /// The kept spec's JSON.
@@ -519,10 +661,19 @@ impl StoredPod {
         self.spec.as_deref().map(|json| &**json)
     }
 
+    /// `metadata.labels` back; `None` when none.
+    fn label_map(&self) -> Option<BTreeMap<String, String>> {
+        let mut map = self.labels.to_map();
+        if let Some(common) = self.common_labels.as_ref().and_then(|c| c.to_map()) {
+            map.get_or_insert_default().extend(common);
+        }
+        map
+    }
+
     /// `metadata.annotations` back; `None` when none.
     fn annotation_map(&self) -> Option<BTreeMap<String, String>> {
         let mut map = self.annotations.to_map();
-        if let Some(uid) = &self.upper_uid {
+        if let Some(uid) = self.upper_uid() {
             map.get_or_insert_default()
                 .insert(UPPER_UID_ANNOTATION.to_owned(), uid.to_string());
         }
@@ -536,7 +687,7 @@ impl StoredPod {
             kind: Some("Pod".into()),
             namespace: Some(self.meta.namespace.to_string()),
             name: Some(self.meta.name.to_string()),
-            uid: self.meta.uid.as_deref().map(str::to_owned),
+            uid: self.meta.uid().map(str::to_owned),
             ..ObjectReference::default()
         }
     }
@@ -549,10 +700,10 @@ impl StoredPod {
             metadata: ObjectMeta {
                 namespace: Some(meta.namespace.to_string()),
                 name: Some(meta.name.to_string()),
-                uid: meta.uid.as_deref().map(str::to_owned),
-                deletion_timestamp: meta.deletion_timestamp.clone(),
+                uid: meta.uid().map(str::to_owned),
+                deletion_timestamp: meta.deletion_timestamp().cloned(),
                 deletion_grace_period_seconds: meta.deletion_grace_period_seconds(),
-                labels: self.labels.to_map(),
+                labels: self.label_map(),
                 annotations: self.annotation_map(),
                 ..ObjectMeta::default()
             },
@@ -626,10 +777,10 @@ mod tests {
             (Some("ns"), Some("web"), Some("u"))
         );
         assert!(stored.heap_bytes() > size_of::<StoredPod>());
-        // With the `Arc`'s two counts, 192 bytes: one of the allocator's size classes
-        // (one more field and every stored pod takes 224).
+        // With the `Arc`'s two counts, 160 bytes: one of the allocator's size classes (one
+        // more field and every stored pod takes 192).
         assert!(
-            size_of::<StoredPod>() <= 176,
+            size_of::<StoredPod>() <= 144,
             "{} bytes a stored pod",
             size_of::<StoredPod>()
         );
@@ -822,7 +973,7 @@ mod tests {
             ["tensile.dev/Mirrored"],
             "only whether it was mirrored; the rest through the digest"
         );
-        let kept = |p: &StoredPod| p.status.as_ref().map_or(0, PackedStatus::heap_bytes);
+        let kept = |p: &StoredPod| p.packed_status().map_or(0, PackedStatus::heap_bytes);
         assert!(
             kept(&summarized) < kept(&whole),
             "{} bytes of status kept, {} whole",
@@ -975,5 +1126,82 @@ mod tests {
             let want: Vec<&str> = map.keys().map(String::as_str).collect();
             assert_eq!(keys, want, "{name}: key order");
         }
+    }
+
+    #[test]
+    fn common_labels_are_kept_apart_and_shared() {
+        use crate::translate::meta::{LOWER_POD_MARKS, OWNER_NODE_LABEL, UPPER_CLUSTER_LABEL};
+        let lower = |name: &str, node: &str| -> Pod {
+            serde_json::from_value(json!({
+                "metadata": {"name": name, "namespace": "ns", "labels": {
+                    "app": name, "bench": "1", "virtual-pod": "true",
+                    OWNER_NODE_LABEL: node, UPPER_CLUSTER_LABEL: "c1",
+                }},
+            }))
+            .unwrap()
+        };
+        let mut shared = SharedSpecs::with_common_labels(LOWER_POD_MARKS);
+        let (pod_a, pod_b) = (lower("a", "vk"), lower("b", "vk"));
+        let a = StoredPod::new(pod_a.clone(), &mut shared);
+        let b = StoredPod::new(pod_b.clone(), &mut shared);
+        let (common_a, common_b) = (a.common_labels.clone(), b.common_labels.clone());
+        assert!(Arc::ptr_eq(&common_a.unwrap(), &common_b.unwrap()));
+        assert_eq!(a.labels.get(OWNER_NODE_LABEL), None, "kept apart");
+        // (case, label, value)
+        let cases = [
+            ("a mark", OWNER_NODE_LABEL, Some("vk")),
+            ("the cluster mark", UPPER_CLUSTER_LABEL, Some("c1")),
+            ("virtual-pod", "virtual-pod", Some("true")),
+            ("the pod's own", "app", Some("a")),
+            ("another", "bench", Some("1")),
+            ("absent", "other", None),
+        ];
+        for (case, key, want) in cases {
+            assert_eq!(a.label(key), want, "{case}");
+        }
+        assert_eq!(a.to_pod().metadata.labels, pod_a.metadata.labels);
+        assert_eq!(b.to_pod().metadata.labels, pod_b.metadata.labels);
+        let elsewhere = StoredPod::new(lower("a", "vk-2"), &mut shared);
+        assert!(!a.same_but_status(&elsewhere), "a mark's value is compared");
+        assert!(a.same_but_status(&StoredPod::new(pod_a, &mut shared)));
+    }
+
+    #[test]
+    fn maps_holding_the_pods_own_name_are_not_interned() {
+        let pod = |name: &str, labels: serde_json::Value| -> Pod {
+            serde_json::from_value(json!({
+                "metadata": {"name": name, "namespace": "ns", "labels": labels},
+            }))
+            .unwrap()
+        };
+        let mut shared = SharedSpecs::default();
+        let a = StoredPod::new(pod("a", json!({"app": "a"})), &mut shared);
+        assert_eq!(Arc::strong_count(&a.labels.0), 1, "only the pod holds it");
+        assert!(a.heap_bytes() >= size_of::<StoredPod>() + a.labels.heap_bytes());
+        let web_a = StoredPod::new(pod("a", json!({"app": "web"})), &mut shared);
+        let web_b = StoredPod::new(pod("b", json!({"app": "web"})), &mut shared);
+        assert!(Arc::ptr_eq(&web_a.labels.0, &web_b.labels.0));
+        assert_eq!(web_a.label("app"), Some("web"));
+    }
+
+    #[test]
+    fn uids_round_trip() {
+        // (uid, upper uid)
+        let cases = [
+            (None, None),
+            (Some("0d9c3d4e-5a8e-4a53-9f44-2a0c1c8f6b1e"), None),
+            (None, Some("u")),
+            (Some(""), Some("")),
+            (Some("1:-"), Some("-2:")),
+            (
+                Some("ü-ni-cödé"),
+                Some("0d9c3d4e-5a8e-4a53-9f44-2a0c1c8f6b1e"),
+            ),
+        ];
+        for (uid, upper_uid) in cases {
+            let uids = Uids::new(uid, upper_uid);
+            assert_eq!(uids.get(), (uid, upper_uid), "{uids:?}");
+        }
+        assert_eq!(Uids::new(None, None).heap_bytes(), 0);
     }
 }

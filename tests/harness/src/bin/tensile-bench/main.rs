@@ -698,6 +698,45 @@ fn heap_by_owner(metrics: &BTreeMap<String, f64>, anonymous: f64) -> Result<Stri
     Ok(parts.join(", "))
 }
 
+/// jemalloc's statistics that [`allocator_row`] reports, in its order.
+const ALLOCATOR_STATS: [&str; 5] = ["allocated", "active", "metadata", "resident", "retained"];
+
+/// `tensile_allocator_bytes{stat}` of [`ALLOCATOR_STATS`], in bytes (0 where absent).
+fn allocator_stats(metrics: &BTreeMap<String, f64>) -> Vec<f64> {
+    ALLOCATOR_STATS
+        .iter()
+        .map(|stat| {
+            metrics
+                .get(&format!("tensile_allocator_bytes{{stat=\"{stat}\"}}"))
+                .copied()
+                .unwrap_or(0.0)
+        })
+        .collect()
+}
+
+/// The allocator's statistics at the latest of `samples` ((mirrored pods, the statistics
+/// of [`ALLOCATOR_STATS`]) at each size) in MiB, and from the second size on what each
+/// grew per further pod since the first.
+fn allocator_row(samples: &[(f64, Vec<f64>)]) -> String {
+    let Some((pods, last)) = samples.last() else {
+        return "no sample".to_owned();
+    };
+    let now: Vec<String> = last
+        .iter()
+        .map(|bytes| format!("{:.1}", bytes / 1048576.0))
+        .collect();
+    let mut row = format!("{} MiB", now.join(" / "));
+    if let Some((first, at_first)) = samples.first().filter(|(first, _)| pods > first) {
+        let per_pod: Vec<String> = last
+            .iter()
+            .zip(at_first)
+            .map(|(now, then)| format!("{:.0}", (now - then) / (pods - first)))
+            .collect();
+        row.push_str(&format!("; per further pod {} B", per_pod.join(" / ")));
+    }
+    row
+}
+
 /// Bytes per mirrored pod at the latest of `samples` ((pods, resident, anonymous) at each
 /// size): what the two pod stores hold (their `tensile_memory_bytes`) per pod, and the
 /// resident memory added per pod since the first size (from the second size on).
@@ -1099,6 +1138,8 @@ async fn run(args: Args) -> Result<()> {
         let mut made = 0;
         // (mirrored pods, resident bytes, anonymous resident bytes) at each size.
         let mut samples: Vec<(f64, f64, f64)> = Vec::new();
+        // (mirrored pods, jemalloc's statistics) at each size.
+        let mut allocator: Vec<(f64, Vec<f64>)> = Vec::new();
         for size in &sizes {
             let pods: Vec<Pod> = (made..*size)
                 .map(|i| labelled(bound_pod(&format!("f-{i:05}"), NODE)))
@@ -1140,6 +1181,12 @@ async fn run(args: Args) -> Result<()> {
                 &label,
                 "bytes per mirrored pod: the two pod stores / resident over the first size",
                 per_pod(&metrics, &samples),
+            );
+            allocator.push((made as f64, allocator_stats(&metrics)));
+            report.row(
+                &label,
+                "jemalloc allocated / active / metadata / resident / retained",
+                allocator_row(&allocator),
             );
             report.row(
                 &label,
