@@ -287,15 +287,20 @@ async fn warm_up(
     prefix: &str,
 ) -> Result<()> {
     let per_node = per_node.div_ceil(4);
-    let pods: Vec<Pod> = (0..per_node)
+    let pods = bound_pods(nodes, per_node, "-warm");
+    let (ns, _, _) = burst(upper, &format!("{prefix}-warm"), pods, concurrency).await?;
+    clean(upper, lowers, &ns.name, per_node * nodes.len()).await
+}
+
+/// `per_node` pods bound to each of `nodes`, named `<node><tag>-<i>`, interleaved by node.
+fn bound_pods(nodes: &[String], per_node: usize, tag: &str) -> Vec<Pod> {
+    (0..per_node)
         .flat_map(|i| {
             nodes
                 .iter()
-                .map(move |node| labelled(bound_pod(&format!("{node}-warm-{i:05}"), node)))
+                .map(move |node| labelled(bound_pod(&format!("{node}{tag}-{i:05}"), node)))
         })
-        .collect();
-    let (ns, _, _) = burst(upper, &format!("{prefix}-warm"), pods, concurrency).await?;
-    clean(upper, lowers, &ns.name, per_node * nodes.len()).await
+        .collect()
 }
 
 /// Waits for every node of `nodes` to be Ready.
@@ -352,13 +357,7 @@ async fn measure(
 ) -> Result<(Side, String)> {
     let idle = settled_rss(processes).await?;
     let watches = open_watches(upper).await?;
-    let pods: Vec<Pod> = (0..per_node)
-        .flat_map(|i| {
-            nodes
-                .iter()
-                .map(move |node| labelled(bound_pod(&format!("{node}-{i:05}"), node)))
-        })
-        .collect();
+    let pods = bound_pods(nodes, per_node, "");
     let (metrics_before, queued_before) =
         (scrape_all(processes).await?, run_queue_seconds(processes));
     let cpu_before = cpu(processes)?;
