@@ -17,11 +17,11 @@
 //! A member is woken by the objects touched on a broadcast that never waits for a slow
 //! member: one that falls behind is handed every stored object again. Pods are routed on
 //! unbounded channels instead (a member's pod watch never drops a change); a member that
-//! restarts is handed its node's pods from the router, which keeps them; only a node
-//! never had before, and each start of a member of several virtual nodes, makes the pod
-//! watch list again.
+//! joins or restarts once the watch has listed is handed a list of its own node's pods
+//! (the router keeps none); only each start of a member of several virtual nodes makes
+//! the pod watch list every bound pod again.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt::Debug;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -34,7 +34,7 @@ use k8s_openapi::api::core::v1::{
     ConfigMap, Endpoints, PersistentVolume, PersistentVolumeClaim, Pod, Secret, Service,
 };
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::api::Api;
+use kube::api::{Api, ListParams, ObjectList};
 use kube::core::{NamespaceResourceScope, PartialObjectMeta};
 use kube::runtime::reflector::{self, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -50,7 +50,6 @@ use crate::controllers::stores::{MetaIndex, ObjectStream, Ready, Reflected, inde
 use crate::node::groups::GroupNodes;
 use crate::side::Side;
 use crate::translate::meta::OWNER_NODE_LABEL;
-use crate::translate::packed_pod::PackedPod;
 
 /// Touched objects a broadcast holds for members that have not taken them yet; a member
 /// further behind is handed every object again.
@@ -59,6 +58,9 @@ const BROADCAST: usize = 1024;
 /// How long the pod watch waits after a member joins before it lists again, so that
 /// members joining together cost one list.
 const RELIST_SETTLE: Duration = Duration::from_millis(250);
+
+/// The scope of the shared watches' `tensile_memory_bytes` (no member's node).
+const SHARED_SCOPE: &str = "";
 
 /// The upper watches every member shares.
 pub struct UpperWatches {
@@ -101,9 +103,22 @@ impl UpperWatches {
         shutdown: CancellationToken,
     ) -> (Arc<Self>, BoxFuture<'static, ()>) {
         let mut pumps: Vec<BoxFuture<'static, ()>> = Vec::new();
+        let node_pods: Api<Pod> = scoped(upper, namespace);
+        let lister: NodeLister = Arc::new(move |node| {
+            let api = node_pods.clone();
+            async move {
+                let bound = ListParams::default().fields(&format!("spec.nodeName={node}"));
+                api.list(&bound).await
+            }
+            .boxed()
+        });
         let pods = Arc::new(PodRouter {
             handled: metrics.upper_pod_watch(),
-            ..PodRouter::default()
+            ..PodRouter::new(lister)
+        });
+        let router = Arc::downgrade(&pods);
+        metrics.measure_memory(SHARED_SCOPE, "upper pod router", move || {
+            router.upgrade().map_or(0, |router| router.heap_bytes())
         });
         pumps.push(
             pods.clone()
@@ -403,12 +418,17 @@ where
 
 /// The one watch of upper pods bound to a node, routed by node to its member.
 ///
-/// The pods of every node a member has had are kept too (without their managedFields), so
-/// that a member that starts again (a restart, a crash loop) is handed its node's pods at
-/// once: no list of every bound pod, which would hold back every member's pod events and
-/// then wake each member for each of its pods. Only a node never seen needs a list.
+/// No pod is kept here: a member that subscribes once the watch has listed (a member
+/// joined at run time, or one that restarts) is handed a list of its own node's pods
+/// (`spec.nodeName=<node>`, a consistent read), the events of its node that arrive
+/// meanwhile held and handed after it, but those the list already holds (a resource
+/// version not newer than the list's). Neither a list of every bound pod (which would
+/// hold back every member's pod events, then wake each member for each of its pods) nor a
+/// copy of every pod (as much memory again as the members' own stores).
 pub struct PodRouter {
     routing: Mutex<Routing>,
+    /// Lists one node's pods.
+    lister: NodeLister,
     /// Each watch event's handling: decoded (the watch stream's poll that yielded it) and
     /// routed (`tensile_upper_pod_watch_event_seconds`). One task does it for every member.
     handled: Histogram,
@@ -419,6 +439,10 @@ pub struct PodRouter {
 }
 
 type PodSender = mpsc::UnboundedSender<watcher::Event<Pod>>;
+
+/// Lists the pods bound to one node, a consistent read.
+pub type NodeLister =
+    Arc<dyn Fn(String) -> BoxFuture<'static, Result<ObjectList<Pod>, kube::Error>> + Send + Sync>;
 
 /// A member of `node` or `label=<key>` granularity: its virtual nodes (as its fleet adds
 /// them) and its channel.
@@ -434,87 +458,64 @@ impl SetRoute {
     }
 }
 
-/// A pod's namespace and name.
-type PodKey = (String, String);
+/// A member whose node's own list is being read: the events of its node meanwhile.
+struct Pending {
+    sender: PodSender,
+    held: Vec<watcher::Event<Pod>>,
+    /// Which list is its (a later subscription of the node starts another).
+    list: u64,
+}
 
 #[derive(Default)]
 struct Routing {
     /// Node → the member's channel.
     routes: HashMap<String, PodSender>,
-    /// Members that (re)joined during a list of their node's pods: handed it at its end.
+    /// Members waiting for their node's own list.
+    pending: HashMap<String, Pending>,
+    /// Members that subscribed during a list of every bound pod: their node's own list
+    /// is read once it ends.
     waiting: HashMap<String, PodSender>,
-    /// Node → its pods, for every node a member has had.
-    nodes: HashMap<String, NodePods>,
+    /// Members whose node's own list failed: served from the next list of every bound pod.
+    unlisted: HashSet<String>,
     /// Members of several virtual nodes, by member, that have had a list's start: each
     /// event of a pod bound to a node no member has by name is offered to them.
     sets: HashMap<String, SetRoute>,
-    /// Members of several virtual nodes waiting for the next list's start (their pods are
-    /// not kept here: each (re)start of such a member costs a list).
+    /// Members of several virtual nodes waiting for the next list's start (each (re)start
+    /// of such a member costs a list).
     sets_waiting: HashMap<String, SetRoute>,
+    /// Whether a list has begun since the router started.
+    started: bool,
     /// Between a list's start and end.
     listing: bool,
-}
-
-/// A node's pods, each packed ([`PackedPod`]: a few hundred bytes, where a decoded pod
-/// is kilobytes), for a member that (re)subscribes.
-#[derive(Default)]
-struct NodePods {
-    /// As of the last complete list and the changes since.
-    pods: BTreeMap<PodKey, PackedPod>,
-    /// Whether a list has completed since the node was first had (and every pod of it
-    /// since was packed).
-    complete: bool,
-    /// The list under way, if it began after the node was first had.
-    next: Option<BTreeMap<PodKey, PackedPod>>,
-}
-
-impl NodePods {
-    /// Whether a list (complete or under way) covers the node.
-    fn covered(&self) -> bool {
-        self.complete || self.next.is_some()
-    }
-
-    /// Keeps `pod` (in the list under way, `listing`, or as a change since the last):
-    /// one that cannot be packed (never seen: it was just decoded) leaves the node to the
-    /// next list, as a node never had.
-    fn keep(&mut self, pod: &Pod, listing: bool) {
-        let packed = PackedPod::new(pod);
-        let pods = match (listing, &mut self.next) {
-            (true, Some(next)) => next,
-            (true, None) => return,
-            (false, _) => &mut self.pods,
-        };
-        match packed {
-            Some(packed) => {
-                pods.insert(pod_key(pod), packed);
-            }
-            None => {
-                pods.remove(&pod_key(pod));
-                self.next = None;
-                self.complete = false;
-            }
-        }
-    }
-
-    /// Its pods, unpacked, if every one unpacks (else it is left to the next list).
-    fn unpacked(&mut self) -> Option<Vec<Pod>> {
-        let pods: Option<Vec<Pod>> = self.pods.values().map(PackedPod::pod).collect();
-        if pods.is_none() {
-            self.complete = false;
-        }
-        pods
-    }
-}
-
-fn pod_key(pod: &Pod) -> PodKey {
-    (
-        pod.metadata.namespace.clone().unwrap_or_default(),
-        pod.metadata.name.clone().unwrap_or_default(),
-    )
+    /// The last node list begun.
+    node_lists: u64,
 }
 
 fn pod_node(pod: &Pod) -> Option<&str> {
     pod.spec.as_ref().and_then(|s| s.node_name.as_deref())
+}
+
+/// A resource version as a number, as the API server's storage (etcd) writes them;
+/// `None` for another form (then a node's own list cannot be joined to the watch).
+fn numbered(version: Option<&str>) -> Option<u64> {
+    version?.parse().ok()
+}
+
+/// The events of `held` newer than the list at `listed`; `None` if a resource version is
+/// not a number.
+fn newer_than(listed: u64, held: Vec<watcher::Event<Pod>>) -> Option<Vec<watcher::Event<Pod>>> {
+    let mut newer = Vec::with_capacity(held.len());
+    for event in held {
+        let pod = match &event {
+            watcher::Event::Apply(pod) | watcher::Event::Delete(pod) => pod,
+            // Only changes are held.
+            _ => continue,
+        };
+        if numbered(pod.metadata.resource_version.as_deref())? > listed {
+            newer.push(event);
+        }
+    }
+    Some(newer)
 }
 
 /// The events of `receiver` from the first list's start on. Until a list begins, what
@@ -538,64 +539,130 @@ fn from_a_list_on(
     .boxed()
 }
 
-/// Hands `member` the node's `pods` as a list; whether it still listens.
-fn hand_list(member: &PodSender, pods: Vec<Pod>) -> bool {
+/// Hands `member` `pods` as a list, then `changes`; whether it still listens.
+fn hand_list(member: &PodSender, pods: Vec<Pod>, changes: Vec<watcher::Event<Pod>>) -> bool {
     member.send(watcher::Event::Init).is_ok()
         && pods
             .into_iter()
             .all(|pod| member.send(watcher::Event::InitApply(pod)).is_ok())
         && member.send(watcher::Event::InitDone).is_ok()
+        && changes.into_iter().all(|event| member.send(event).is_ok())
 }
 
 impl Default for PodRouter {
+    /// A router whose node lists fail (each member is then served from the next list of
+    /// every bound pod).
     fn default() -> Self {
+        Self::new(Arc::new(|node| {
+            async move {
+                Err(kube::Error::Service(
+                    format!("no lister for the pods of {node}").into(),
+                ))
+            }
+            .boxed()
+        }))
+    }
+}
+
+impl PodRouter {
+    /// A router that lists a node's pods with `lister`.
+    pub fn new(lister: NodeLister) -> Self {
         Self {
             routing: Mutex::default(),
+            lister,
             handled: crate::metrics::wait_histogram(),
             relist: Notify::default(),
             lists: AtomicU64::default(),
         }
     }
-}
 
-impl PodRouter {
     /// The pod watch events of `node`, as a watch of `spec.nodeName=<node>` would have
-    /// them: a complete list first, then every change. A node had before is handed its
-    /// pods from the router (at the end of a list under way); a node never had, from the
-    /// next list on, which this asks for. A later subscription of the same node replaces
-    /// this one.
+    /// them: a complete list first, then every change. Before the watch's first list, from
+    /// that list on; during a list, its node's own list once that one ends; after, its
+    /// node's own list at once. A later subscription of the same node replaces this one.
     pub fn subscribe(
         self: &Arc<Self>,
         node: &str,
     ) -> BoxStream<'static, Result<watcher::Event<Pod>, watcher::Error>> {
         let (sender, receiver) = mpsc::unbounded_channel();
-        let needs_list = {
-            let mut routing = self.routing.lock().unwrap_or_else(PoisonError::into_inner);
-            let routing = &mut *routing;
-            routing.routes.remove(node);
-            routing.waiting.remove(node);
-            let known = routing.nodes.entry(node.to_owned()).or_default();
-            let unpacked = (known.next.is_none() && known.complete && !routing.listing)
-                .then(|| known.unpacked())
-                .flatten();
-            if known.next.is_some() {
-                routing.waiting.insert(node.to_owned(), sender);
-                false
-            } else if let Some(pods) = unpacked {
-                if hand_list(&sender, pods) {
+        let mut routing = self.routing.lock().unwrap_or_else(PoisonError::into_inner);
+        routing.routes.remove(node);
+        routing.waiting.remove(node);
+        routing.pending.remove(node);
+        routing.unlisted.remove(node);
+        if !routing.started {
+            routing.routes.insert(node.to_owned(), sender);
+        } else if routing.listing {
+            routing.waiting.insert(node.to_owned(), sender);
+        } else {
+            self.list_node(&mut routing, node.to_owned(), sender);
+        }
+        drop(routing);
+        from_a_list_on(receiver)
+    }
+
+    /// Holds `node`'s events for `sender` while its own list is read, then hands both
+    /// ([`PodRouter::listed`]).
+    fn list_node(self: &Arc<Self>, routing: &mut Routing, node: String, sender: PodSender) {
+        routing.node_lists += 1;
+        let list = routing.node_lists;
+        routing.pending.insert(
+            node.clone(),
+            Pending {
+                sender,
+                held: Vec::new(),
+                list,
+            },
+        );
+        let listing = (self.lister)(node.clone());
+        let router = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let listed = listing.await;
+            if let Some(router) = router.upgrade() {
+                router.listed(&node, list, listed);
+            }
+        });
+    }
+
+    /// Hands the member of `node` its own list `list` (unless a later subscription or a
+    /// list of every bound pod came first) and the newer events held meanwhile; if the
+    /// list failed, or cannot be joined to the watch, serves it from the next list of
+    /// every bound pod.
+    fn listed(&self, node: &str, list: u64, listed: Result<ObjectList<Pod>, kube::Error>) {
+        let mut routing = self.routing.lock().unwrap_or_else(PoisonError::into_inner);
+        if routing.pending.get(node).is_none_or(|p| p.list != list) {
+            return;
+        }
+        let Some(Pending { sender, held, .. }) = routing.pending.remove(node) else {
+            return;
+        };
+        let joined = match listed {
+            Ok(listed) => numbered(listed.metadata.resource_version.as_deref())
+                .and_then(|version| newer_than(version, held))
+                .map(|changes| (listed.items, changes))
+                .ok_or_else(|| "a resource version that is not a number".to_owned()),
+            Err(error) => Err(error.to_string()),
+        };
+        match joined {
+            Ok((pods, changes)) => {
+                debug!(
+                    node,
+                    pods = pods.len(),
+                    changes = changes.len(),
+                    "handed the node's own list"
+                );
+                if hand_list(&sender, pods, changes) {
                     routing.routes.insert(node.to_owned(), sender);
                 }
-                false
-            } else {
-                // Known from no list: from the next one on.
-                routing.routes.insert(node.to_owned(), sender);
-                !known.complete
             }
-        };
-        if needs_list {
-            self.relist.notify_one();
+            Err(error) => {
+                warn!(node, %error, "upper pods of the node not listed; from the next list of every bound pod");
+                routing.routes.insert(node.to_owned(), sender);
+                routing.unlisted.insert(node.to_owned());
+                drop(routing);
+                self.relist.notify_one();
+            }
         }
-        from_a_list_on(receiver)
     }
 
     /// The pod watch events of every node in `nodes`, to the member `member` of `node` or
@@ -641,16 +708,26 @@ impl PodRouter {
         .boxed()
     }
 
+    /// The heap bytes it holds for members (events held while a node is listed): for
+    /// `tensile_memory_bytes`.
+    pub fn heap_bytes(&self) -> usize {
+        let routing = self.routing.lock().unwrap_or_else(PoisonError::into_inner);
+        routing
+            .pending
+            .values()
+            .map(|p| p.held.len() * size_of::<watcher::Event<Pod>>())
+            .sum()
+    }
+
     /// How many lists of every bound pod began.
     pub fn lists(&self) -> u64 {
         self.lists.load(Ordering::Relaxed)
     }
 
-    /// Whether a node was had that no list covers, or a member of several nodes waits
-    /// for a list.
+    /// Whether a member waits for a list of every bound pod.
     fn needs_list(&self) -> bool {
         let routing = self.routing.lock().unwrap_or_else(PoisonError::into_inner);
-        !routing.sets_waiting.is_empty() || routing.nodes.values().any(|n| !n.covered())
+        !routing.sets_waiting.is_empty() || !routing.unlisted.is_empty()
     }
 
     /// Whether a list is under way.
@@ -661,19 +738,24 @@ impl PodRouter {
             .listing
     }
 
-    /// Keeps `event` for its pod's node (if had) and hands it to that node's member (or to
-    /// the members of several nodes that have it, if no member has it by name), or, for a
-    /// list's start and end, to every member. A member gone is forgotten.
-    fn route(&self, event: watcher::Event<Pod>) {
+    /// Hands `event` to its pod's node's member (held for it while its node is listed;
+    /// or to the members of several nodes that have it, if no member has it by name), or,
+    /// for a list's start and end, to every member. A member gone is forgotten.
+    fn route(self: &Arc<Self>, event: watcher::Event<Pod>) {
         let mut routing = self.routing.lock().unwrap_or_else(PoisonError::into_inner);
         let routing = &mut *routing;
         let node = match &event {
             watcher::Event::Init => {
                 self.lists.fetch_add(1, Ordering::Relaxed);
+                routing.started = true;
                 routing.listing = true;
-                for known in routing.nodes.values_mut() {
-                    known.next = Some(BTreeMap::new());
+                routing.unlisted.clear();
+                // This list serves the members waiting for their own: theirs is dropped.
+                for (node, pending) in routing.pending.drain() {
+                    routing.routes.insert(node, pending.sender);
                 }
+                let waited = std::mem::take(&mut routing.waiting);
+                routing.routes.extend(waited);
                 routing
                     .routes
                     .retain(|_, member| member.send(watcher::Event::Init).is_ok());
@@ -686,70 +768,35 @@ impl PodRouter {
             }
             watcher::Event::InitDone => {
                 routing.listing = false;
-                for known in routing.nodes.values_mut() {
-                    if let Some(listed) = known.next.take() {
-                        known.pods = listed;
-                        known.complete = true;
-                    }
-                }
                 routing
                     .routes
                     .retain(|_, member| member.send(watcher::Event::InitDone).is_ok());
                 routing
                     .sets
                     .retain(|_, set| set.sender.send(watcher::Event::InitDone).is_ok());
-                let mut relist = false;
                 for (node, member) in std::mem::take(&mut routing.waiting) {
-                    let pods = match routing.nodes.get_mut(&node) {
-                        Some(known) => known.unpacked(),
-                        None => Some(Vec::new()),
-                    };
-                    match pods {
-                        Some(pods) => {
-                            if hand_list(&member, pods) {
-                                routing.routes.insert(node, member);
-                            }
-                        }
-                        // A pod that does not unpack: from the next list on.
-                        None => {
-                            routing.routes.insert(node, member);
-                            relist = true;
-                        }
-                    }
-                }
-                if relist {
-                    self.relist.notify_one();
+                    self.list_node(routing, node, member);
                 }
                 return;
             }
-            watcher::Event::InitApply(pod) => {
-                let node = pod_node(pod);
-                if let Some(known) = node.and_then(|n| routing.nodes.get_mut(n)) {
-                    known.keep(pod, true);
-                }
-                node
-            }
-            watcher::Event::Apply(pod) => {
-                let node = pod_node(pod);
-                if let Some(known) = node.and_then(|n| routing.nodes.get_mut(n)) {
-                    known.keep(pod, false);
-                }
-                node
-            }
-            watcher::Event::Delete(pod) => {
-                let node = pod_node(pod);
-                if let Some(known) = node.and_then(|n| routing.nodes.get_mut(n)) {
-                    known.pods.remove(&pod_key(pod));
-                }
-                node
-            }
+            watcher::Event::InitApply(pod)
+            | watcher::Event::Apply(pod)
+            | watcher::Event::Delete(pod) => pod_node(pod).map(str::to_owned),
         };
-        let Some(node) = node.map(str::to_owned) else {
+        let Some(node) = node else {
             return;
         };
         if let Some(member) = routing.routes.get(&node) {
             if member.send(event).is_err() {
                 routing.routes.remove(&node);
+            }
+            return;
+        }
+        if let Some(pending) = routing.pending.get_mut(&node) {
+            if pending.sender.is_closed() {
+                routing.pending.remove(&node);
+            } else if !matches!(event, watcher::Event::InitApply(_)) {
+                pending.held.push(event);
             }
             return;
         }
@@ -879,62 +926,185 @@ mod tests {
         seen
     }
 
-    /// A member that restarts (its node's pods listed before) is handed its node's pods
-    /// from the router at once, with no new list of every bound pod (which would stall
-    /// every other member's pod events); the others are handed nothing.
+    fn pod_at(name: &str, node: &str, version: &str) -> Pod {
+        let mut pod = pod(name, node);
+        pod.metadata.resource_version = Some(version.into());
+        pod
+    }
+
+    /// A router whose node lists answer `lists` (node → the list), each once the test
+    /// lets one through `gate`.
+    fn gated_router(
+        lists: Vec<(&str, ObjectList<Pod>)>,
+    ) -> (Arc<PodRouter>, Arc<tokio::sync::Semaphore>) {
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let lists: Arc<Mutex<HashMap<String, ObjectList<Pod>>>> = Arc::new(Mutex::new(
+            lists
+                .into_iter()
+                .map(|(node, list)| (node.to_owned(), list))
+                .collect(),
+        ));
+        let opened = gate.clone();
+        let lister: NodeLister = Arc::new(move |node| {
+            let (gate, lists) = (opened.clone(), lists.clone());
+            async move {
+                gate.acquire().await.unwrap().forget();
+                let list = lists.lock().unwrap().remove(&node);
+                list.ok_or_else(|| kube::Error::Service(format!("no list for {node}").into()))
+            }
+            .boxed()
+        });
+        (Arc::new(PodRouter::new(lister)), gate)
+    }
+
+    fn list_at(version: &str, pods: Vec<Pod>) -> ObjectList<Pod> {
+        ObjectList {
+            types: Default::default(),
+            metadata: kube::core::ListMeta {
+                resource_version: Some(version.into()),
+                ..Default::default()
+            },
+            items: pods,
+        }
+    }
+
+    /// The next `n` events of `stream`, described (1 s at most for each).
+    async fn next_events(
+        stream: &mut BoxStream<'static, Result<watcher::Event<Pod>, watcher::Error>>,
+        n: usize,
+    ) -> Vec<String> {
+        let mut seen = Vec::new();
+        for _ in 0..n {
+            match tokio::time::timeout(Duration::from_secs(1), stream.next()).await {
+                Ok(Some(event)) => seen.push(describe(&event.unwrap())),
+                _ => break,
+            }
+        }
+        seen
+    }
+
+    /// A member that subscribes once the watch has listed (one that restarts, or joins) is
+    /// handed its node's own list, then the changes of its node that came meanwhile and
+    /// are newer than that list, then every change: no list of every bound pod (which
+    /// would stall every other member's pod events), and no copy of every pod kept.
     #[tokio::test]
-    async fn a_restarted_member_is_served_without_a_list() {
-        let router = Arc::new(PodRouter::default());
+    async fn a_member_subscribing_after_the_list_is_handed_its_nodes_own_list() {
+        use watcher::Event::{Apply, Delete, Init, InitApply, InitDone};
+        let (router, gate) = gated_router(vec![
+            ("vk-a", list_at("8", vec![pod_at("a2", "vk-a", "6")])),
+            ("vk-c", list_at("12", vec![pod_at("c1", "vk-c", "11")])),
+        ]);
         let mut a = router.subscribe("vk-a");
         let mut b = router.subscribe("vk-b");
-        router.route(watcher::Event::Init);
+        router.route(Init);
         for (name, node) in [("a1", "vk-a"), ("b1", "vk-b"), ("real", "node-1")] {
-            router.route(watcher::Event::InitApply(pod(name, node)));
+            router.route(InitApply(pod_at(name, node, "1")));
         }
-        router.route(watcher::Event::InitDone);
-        router.route(watcher::Event::Apply(pod("a2", "vk-a")));
-        router.route(watcher::Event::Delete(pod("a1", "vk-a")));
-        assert_eq!(
-            ready_now(&mut a),
-            ["init", "list a1", "listed", "apply a2", "delete a1"]
-        );
+        router.route(InitDone);
+        router.route(Apply(pod_at("a2", "vk-a", "5")));
+        assert_eq!(ready_now(&mut a), ["init", "list a1", "listed", "apply a2"]);
         assert_eq!(ready_now(&mut b), ["init", "list b1", "listed"]);
         let lists = router.lists();
 
-        // Member A restarts, again and again.
-        for _ in 0..3 {
-            drop(a);
-            a = router.subscribe("vk-a");
-            assert_eq!(ready_now(&mut a), ["init", "list a2", "listed"]);
+        // Member A restarts: its node's changes are held while its list is read.
+        drop(a);
+        a = router.subscribe("vk-a");
+        for event in [
+            Apply(pod_at("a2", "vk-a", "6")),
+            Delete(pod_at("a1", "vk-a", "7")),
+            Apply(pod_at("b2", "vk-b", "8")),
+            Apply(pod_at("a3", "vk-a", "9")),
+        ] {
+            router.route(event);
         }
-        assert!(
-            !router.needs_list(),
-            "a restarted member's node is known: no list"
+        assert_eq!(ready_now(&mut a), Vec::<String>::new(), "held");
+        assert_eq!(ready_now(&mut b), ["apply b2"], "B is served meanwhile");
+        gate.add_permits(1);
+        assert_eq!(
+            next_events(&mut a, 4).await,
+            ["init", "list a2", "listed", "apply a3"],
+            "its list (at 8), then what is newer"
         );
-        router.route(watcher::Event::Apply(pod("a3", "vk-a")));
-        assert_eq!(ready_now(&mut a), ["apply a3"]);
+        router.route(Apply(pod_at("a4", "vk-a", "10")));
+        assert_eq!(ready_now(&mut a), ["apply a4"]);
+
+        // A node never had joins: its own list too.
+        let mut c = router.subscribe("vk-c");
+        router.route(Apply(pod_at("c2", "vk-c", "13")));
+        gate.add_permits(1);
+        assert_eq!(
+            next_events(&mut c, 4).await,
+            ["init", "list c1", "listed", "apply c2"]
+        );
         assert_eq!(
             ready_now(&mut b),
             Vec::<String>::new(),
             "B is not disturbed"
         );
-        assert_eq!(router.lists(), lists);
+        assert_eq!(router.lists(), lists, "no list of every bound pod");
+        assert!(!router.needs_list());
+        assert_eq!(router.heap_bytes(), 0, "nothing held once handed");
+    }
 
-        // Restarting while a list runs (the watch's own relist): handed that list's end.
-        router.route(watcher::Event::Init);
-        router.route(watcher::Event::InitApply(pod("a3", "vk-a")));
-        drop(a);
-        a = router.subscribe("vk-a");
-        router.route(watcher::Event::InitApply(pod("a4", "vk-a")));
+    /// A member whose node's own list fails, or cannot be joined to the watch (a resource
+    /// version that is not a number), is served from the next list of every bound pod,
+    /// which it asks for; one that subscribes during such a list gets its own list at its
+    /// end, and a list of every bound pod that begins first serves one waiting for its own.
+    #[tokio::test]
+    async fn a_member_whose_list_fails_or_comes_late_is_served_by_the_next_list() {
+        use watcher::Event::{Apply, Init, InitApply, InitDone};
+        let (router, gate) = gated_router(vec![
+            ("vk-b", list_at("not-a-number", vec![])),
+            ("vk-c", list_at("30", vec![pod_at("c1", "vk-c", "21")])),
+        ]);
+        router.route(Init);
+        router.route(InitDone);
+        // No list for vk-a (an error), and vk-b's cannot be joined.
+        let mut a = router.subscribe("vk-a");
+        let mut b = router.subscribe("vk-b");
+        gate.add_permits(2);
+        wait_until(|| router.needs_list()).await;
         assert_eq!(ready_now(&mut a), Vec::<String>::new());
-        router.route(watcher::Event::InitDone);
-        assert_eq!(ready_now(&mut a), ["init", "list a3", "list a4", "listed"]);
-        assert_eq!(ready_now(&mut b), ["init", "listed"]);
-
-        // A node never seen needs a list (its pods were dropped as they came).
+        assert_eq!(ready_now(&mut b), Vec::<String>::new());
+        router.route(Init);
+        router.route(InitApply(pod_at("a1", "vk-a", "20")));
+        // vk-c subscribes during this list: its own list once it ends.
         let mut c = router.subscribe("vk-c");
-        assert!(router.needs_list());
+        router.route(InitApply(pod_at("c1", "vk-c", "21")));
+        router.route(InitApply(pod_at("b1", "vk-b", "22")));
+        router.route(InitDone);
+        assert!(!router.needs_list());
+        assert_eq!(ready_now(&mut a), ["init", "list a1", "listed"]);
+        assert_eq!(ready_now(&mut b), ["init", "list b1", "listed"]);
         assert_eq!(ready_now(&mut c), Vec::<String>::new());
+        gate.add_permits(1);
+        assert_eq!(next_events(&mut c, 3).await, ["init", "list c1", "listed"]);
+
+        // D waits for its own list; the watch lists everything first: that serves it.
+        let mut d = router.subscribe("vk-d");
+        router.route(Apply(pod_at("d0", "vk-d", "31")));
+        router.route(Init);
+        router.route(InitApply(pod_at("d1", "vk-d", "32")));
+        router.route(InitDone);
+        assert_eq!(ready_now(&mut d), ["init", "list d1", "listed"]);
+        gate.add_permits(1);
+        tokio::task::yield_now().await;
+        assert_eq!(
+            ready_now(&mut d),
+            Vec::<String>::new(),
+            "its own list is dropped"
+        );
+    }
+
+    /// Polls `done` (the router's tasks run meanwhile), 1 s at most.
+    async fn wait_until(done: impl Fn() -> bool) {
+        tokio::time::timeout(Duration::from_secs(1), async {
+            while !done() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("in time");
     }
 
     /// One step of a router scene: a watch event routed, or a virtual node added to the

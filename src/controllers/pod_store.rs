@@ -16,7 +16,6 @@ use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher;
 
 use super::shrink::shrunk_capacity;
-use crate::translate::packed_pod::json_without_managed_fields;
 use crate::translate::pod::was_mirrored;
 use crate::translate::stored::StoredPod;
 
@@ -116,6 +115,17 @@ impl WholePod {
 
     fn key(&self) -> (&str, &str) {
         (&self.namespace, &self.name)
+    }
+}
+
+/// `pod` as JSON, without its `managedFields`.
+fn json_without_managed_fields(pod: &Pod) -> serde_json::Result<Vec<u8>> {
+    if pod.metadata.managed_fields.is_some() {
+        let mut pruned = pod.clone();
+        pruned.metadata.managed_fields = None;
+        serde_json::to_vec(&pruned)
+    } else {
+        serde_json::to_vec(pod)
     }
 }
 

@@ -9,7 +9,6 @@ pub(crate) mod hash;
 pub mod identity;
 pub mod meta;
 pub mod namespace;
-pub mod packed_pod;
 pub mod packed_status;
 pub mod pod;
 pub mod scheduling;

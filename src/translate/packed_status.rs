@@ -31,11 +31,6 @@ static DICTIONARY: LazyLock<Vec<u8>> = LazyLock::new(|| {
         .collect()
 });
 
-/// [`DICTIONARY`]: typical statuses as JSON, for other packings of pods to start from.
-pub(crate) fn typical_statuses() -> &'static [u8] {
-    &DICTIONARY
-}
-
 /// A [`PodStatus`] packed: its JSON, compressed against [`DICTIONARY`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PackedStatus(Box<[u8]>);

@@ -7,6 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
+use std::ops::Range;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -25,7 +26,7 @@ use tensile_harness::{
 
 use super::{Args, burst, delete_and_wait, labelled, ms};
 
-const MEMBERS_NAMESPACE: &str = "tensile-bench-members";
+pub(super) const MEMBERS_NAMESPACE: &str = "tensile-bench-members";
 const MIB: f64 = 1024.0 * 1024.0;
 
 /// What one way of serving the N clusters measured.
@@ -51,140 +52,39 @@ struct Side {
 
 /// Runs the comparison for `clusters` lower clusters and `pods` pods in all.
 pub async fn run(binary: &Path, clusters: usize, args: &Args) -> Result<()> {
-    let (pods, concurrency, qps) = (args.pods, args.concurrency, args.qps);
+    let pods = args.pods;
     let per_member = pods.div_ceil(clusters);
-    // Both ways' pods stay below until the end.
-    let options = super::lower_for(2 * per_member);
-    let (lower_nodes, shape, inflight) = (
-        options.lower.nodes,
-        options.lower.node_shape.clone(),
-        options.lower.apiserver_args.clone(),
-    );
-    eprintln!(
-        "starting {clusters} lower cluster(s) of {lower_nodes} kwok nodes and the upper one ..."
-    );
-    let pair = ClusterPair::start(options).await?;
-    let mut extra = Vec::new();
-    for i in 2..=clusters {
-        let octet = u8::try_from(100 + i)?;
-        let mut cluster = ClusterOptions::new(
-            &format!("lower-{i}"),
-            lower_nodes,
-            (Ipv4Addr::new(10, octet, 0, 0), 16),
-            &format!("10.{}.0.0/16", 130 + i),
-        );
-        cluster.node_shape = shape.clone();
-        cluster.apiserver_args.clone_from(&inflight);
-        extra.push(pair.start_cluster(cluster).await?);
-    }
+    // Room below for a burst and the warm-up's pods still leaving.
+    let (pair, extra) = start_clusters(clusters, 2 * per_member).await?;
     let lowers: Vec<&Cluster> = std::iter::once(&pair.lower).chain(&extra).collect();
     let upper = pair.upper.client().await?;
-    let rate = [
-        "--client-qps".to_owned(),
-        qps.to_string(),
-        "--client-burst".into(),
-        (2 * qps).to_string(),
-        "--kube-api-qps".into(),
-        qps.to_string(),
-        "--kube-api-burst".into(),
-        (2 * qps).to_string(),
-        "--log-level".into(),
-        "warn".into(),
-    ];
+    let rate = rate_args(args.qps);
     let watches_before = open_watches(&upper).await?;
 
-    // One process: the first member, then the others (what one more idle member costs).
-    let members: Vec<String> = (1..=clusters).map(|i| format!("vk-fed-{i}")).collect();
-    join_member(
+    let ways = Ways {
         binary,
-        &pair.upper.kubeconfig,
-        &lowers[0].kubeconfig,
-        &members[0],
-        MEMBERS_NAMESPACE,
-    )
-    .await?;
-    let mut options = VirtualNodeOptions::new(binary, "vk-fed");
-    options.flags_member = false;
-    if let Some(workers) = args.runtime_workers {
-        options
-            .envs
-            .push(("TOKIO_WORKER_THREADS".into(), workers.to_string()));
-    }
-    options.args = ["--members-namespace", MEMBERS_NAMESPACE]
-        .iter()
-        .map(ToString::to_string)
-        .chain(rate.iter().cloned())
-        .collect();
-    let one = pair.start_virtual_node(&options)?;
-    all_ready(&upper, &members[..1]).await?;
-    let one_member = settled_rss(&[&one]).await?;
-    for (node, lower) in members.iter().zip(&lowers).skip(1) {
-        join_member(
-            binary,
-            &pair.upper.kubeconfig,
-            &lower.kubeconfig,
-            node,
-            MEMBERS_NAMESPACE,
-        )
-        .await?;
-    }
-    all_ready(&upper, &members).await?;
-    let idle = settled_rss(&[&one]).await?;
-    warm_up(&upper, &lowers, &members, per_member, concurrency, "fed").await?;
-    let (federated, ns) =
-        measure(&upper, &[&one], &members, per_member, concurrency, "fed").await?;
-    let federated = Side { idle, ..federated };
-    // The other way starts from the same empty clusters: these pods leave as users delete
-    // them, while their process still runs.
-    clean(&upper, &lowers, &ns, pods).await?;
-    let idle_member = (federated.idle as f64 - one_member as f64) / (clusters.max(2) - 1) as f64;
-    let federated = Side {
-        watches: federated.watches.saturating_sub(watches_before),
-        ..federated
+        pair: &pair,
+        lowers: &lowers,
+        upper: &upper,
+        rate: &rate,
+        args,
+        per_member,
+        watches_before,
     };
-    // Isolation: the other members burst again, with the first member's lower API server
-    // frozen (SIGSTOP) and without, in the same process.
-    let isolation = if clusters > 1 {
-        let others = &members[1..];
-        let mut p99 = Vec::new();
-        for frozen in [false, true] {
-            if frozen {
-                lowers[0].signal(Component::ApiServer, Signal::SIGSTOP)?;
-            }
-            let prefix = if frozen { "frozen" } else { "calm" };
-            let burst = measure(&upper, &[&one], others, per_member, concurrency, prefix).await;
-            if frozen {
-                lowers[0].signal(Component::ApiServer, Signal::SIGCONT)?;
-            }
-            let (side, ns) = burst?;
-            clean(&upper, &lowers[1..], &ns, per_member * others.len()).await?;
-            p99.push(side.p99);
-        }
-        Some((p99[0], p99[1]))
+    // Each way in turn, on the same clusters: the one first unless `--separate-first`.
+    let (federated, separate) = if args.separate_first {
+        let separate = ways.separate().await?;
+        (ways.federated().await?, separate)
     } else {
-        None
+        let federated = ways.federated().await?;
+        (federated, ways.separate().await?)
     };
-    drop(one);
-
-    // N processes, one per lower cluster, as tensile-kube runs.
-    let solo: Vec<String> = (1..=clusters).map(|i| format!("vk-solo-{i}")).collect();
-    let mut processes = Vec::new();
-    for (node, lower) in solo.iter().zip(&lowers) {
-        let mut options = VirtualNodeOptions::new(binary, node);
-        options.lower_kubeconfig = Some(lower.kubeconfig.clone());
-        options.args = rate.to_vec();
-        processes.push(pair.start_virtual_node(&options)?);
-    }
-    all_ready(&upper, &solo).await?;
-    let refs: Vec<&VirtualNode> = processes.iter().collect();
-    let idle = settled_rss(&refs).await?;
-    warm_up(&upper, &lowers, &solo, per_member, concurrency, "solo").await?;
-    let (separate, _) = measure(&upper, &refs, &solo, per_member, concurrency, "solo").await?;
-    let separate = Side {
-        idle,
-        watches: separate.watches.saturating_sub(watches_before),
-        ..separate
-    };
+    let Federated {
+        side: federated,
+        isolation,
+        idle_member,
+        one_member,
+    } = federated;
 
     println!(
         "\nfederation: {clusters} lower cluster(s), {} pods in all ({per_member} per cluster), {} cores",
@@ -256,11 +156,227 @@ pub async fn run(binary: &Path, clusters: usize, args: &Args) -> Result<()> {
             (frozen.as_secs_f64() / calm.as_secs_f64().max(1e-9) - 1.0) * 100.0
         );
     }
-    drop(processes);
     for cluster in &extra {
         cluster.stop();
     }
     Ok(())
+}
+
+/// What the two ways share: the clusters, the binary, the request budget.
+struct Ways<'a> {
+    binary: &'a Path,
+    pair: &'a ClusterPair,
+    lowers: &'a [&'a Cluster],
+    upper: &'a Client,
+    rate: &'a [String],
+    args: &'a Args,
+    per_member: usize,
+    /// Open upper watches before either way started.
+    watches_before: u64,
+}
+
+/// The one process's figures.
+struct Federated {
+    side: Side,
+    /// The other members' p99 without and with member 1's lower API server frozen.
+    isolation: Option<(Duration, Duration)>,
+    /// Resident memory one more idle member adds (bytes).
+    idle_member: f64,
+    /// Resident memory with one member (bytes).
+    one_member: u64,
+}
+
+impl Ways<'_> {
+    /// One process: the first member, then the others (what one more idle member costs),
+    /// a warm-up, the burst, then the isolation scenario; every pod deleted after.
+    async fn federated(&self) -> Result<Federated> {
+        let Self {
+            binary,
+            pair,
+            lowers,
+            upper,
+            rate,
+            args,
+            per_member,
+            watches_before,
+        } = *self;
+        let (pods, concurrency) = (per_member * lowers.len(), args.concurrency);
+        let clusters = lowers.len();
+        let members: Vec<String> = (1..=clusters).map(|i| format!("vk-fed-{i}")).collect();
+        join_member(
+            binary,
+            &pair.upper.kubeconfig,
+            &lowers[0].kubeconfig,
+            &members[0],
+            MEMBERS_NAMESPACE,
+        )
+        .await?;
+        let one = start_one_process(pair, binary, args, rate)?;
+        all_ready(upper, &members[..1]).await?;
+        let one_member = settled_rss(&[&one]).await?;
+        for (node, lower) in members.iter().zip(lowers).skip(1) {
+            join_member(
+                binary,
+                &pair.upper.kubeconfig,
+                &lower.kubeconfig,
+                node,
+                MEMBERS_NAMESPACE,
+            )
+            .await?;
+        }
+        all_ready(upper, &members).await?;
+        let idle = settled_rss(&[&one]).await?;
+        warm_up(upper, lowers, &members, per_member, concurrency, "fed").await?;
+        let (federated, ns) =
+            measure(upper, &[&one], &members, per_member, concurrency, "fed").await?;
+        let federated = Side { idle, ..federated };
+        // The other way starts from the same empty clusters: these pods leave as users delete
+        // them, while their process still runs.
+        clean(upper, lowers, &ns, pods).await?;
+        let idle_member =
+            (federated.idle as f64 - one_member as f64) / (clusters.max(2) - 1) as f64;
+        let federated = Side {
+            watches: federated.watches.saturating_sub(watches_before),
+            ..federated
+        };
+        // Isolation: the other members burst again, with the first member's lower API server
+        // frozen (SIGSTOP) and without, in the same process.
+        let isolation = if clusters > 1 {
+            let others = &members[1..];
+            let mut p99 = Vec::new();
+            for frozen in [false, true] {
+                if frozen {
+                    lowers[0].signal(Component::ApiServer, Signal::SIGSTOP)?;
+                }
+                let prefix = if frozen { "frozen" } else { "calm" };
+                let burst = measure(upper, &[&one], others, per_member, concurrency, prefix).await;
+                if frozen {
+                    lowers[0].signal(Component::ApiServer, Signal::SIGCONT)?;
+                }
+                let (side, ns) = burst?;
+                clean(upper, &lowers[1..], &ns, per_member * others.len()).await?;
+                p99.push(side.p99);
+            }
+            Some((p99[0], p99[1]))
+        } else {
+            None
+        };
+        drop(one);
+        Ok(Federated {
+            side: federated,
+            isolation,
+            idle_member,
+            one_member,
+        })
+    }
+
+    /// N processes, one per lower cluster, as tensile-kube runs: a warm-up, the burst;
+    /// every pod deleted after.
+    async fn separate(&self) -> Result<Side> {
+        let Self {
+            binary,
+            pair,
+            lowers,
+            upper,
+            rate,
+            args,
+            per_member,
+            watches_before,
+        } = *self;
+        let (pods, concurrency) = (per_member * lowers.len(), args.concurrency);
+        let clusters = lowers.len();
+        let solo: Vec<String> = (1..=clusters).map(|i| format!("vk-solo-{i}")).collect();
+        let mut processes = Vec::new();
+        for (node, lower) in solo.iter().zip(lowers) {
+            let mut options = VirtualNodeOptions::new(binary, node);
+            options.lower_kubeconfig = Some(lower.kubeconfig.clone());
+            options.args = rate.to_vec();
+            processes.push(pair.start_virtual_node(&options)?);
+        }
+        all_ready(upper, &solo).await?;
+        let refs: Vec<&VirtualNode> = processes.iter().collect();
+        let idle = settled_rss(&refs).await?;
+        warm_up(upper, lowers, &solo, per_member, concurrency, "solo").await?;
+        let (separate, ns) = measure(upper, &refs, &solo, per_member, concurrency, "solo").await?;
+        let separate = Side {
+            idle,
+            watches: separate.watches.saturating_sub(watches_before),
+            ..separate
+        };
+        clean(upper, lowers, &ns, pods).await?;
+        drop(processes);
+        Ok(separate)
+    }
+}
+
+/// The pair and the `clusters - 1` further lower clusters, each with room for `pods` pods.
+pub(super) async fn start_clusters(
+    clusters: usize,
+    pods: usize,
+) -> Result<(ClusterPair, Vec<Cluster>)> {
+    let options = super::lower_for(pods);
+    let (lower_nodes, shape, inflight) = (
+        options.lower.nodes,
+        options.lower.node_shape.clone(),
+        options.lower.apiserver_args.clone(),
+    );
+    eprintln!(
+        "starting {clusters} lower cluster(s) of {lower_nodes} kwok nodes and the upper one ..."
+    );
+    let pair = ClusterPair::start(options).await?;
+    let mut extra = Vec::new();
+    for i in 2..=clusters {
+        let octet = u8::try_from(100 + i)?;
+        let mut cluster = ClusterOptions::new(
+            &format!("lower-{i}"),
+            lower_nodes,
+            (Ipv4Addr::new(10, octet, 0, 0), 16),
+            &format!("10.{}.0.0/16", 130 + i),
+        );
+        cluster.node_shape = shape.clone();
+        cluster.apiserver_args.clone_from(&inflight);
+        extra.push(pair.start_cluster(cluster).await?);
+    }
+    Ok((pair, extra))
+}
+
+/// virtual-node's request budget on both sides (`qps`, burst twice that) and its log level.
+pub(super) fn rate_args(qps: u32) -> Vec<String> {
+    vec![
+        "--client-qps".to_owned(),
+        qps.to_string(),
+        "--client-burst".into(),
+        (2 * qps).to_string(),
+        "--kube-api-qps".into(),
+        qps.to_string(),
+        "--kube-api-burst".into(),
+        (2 * qps).to_string(),
+        "--log-level".into(),
+        "warn".into(),
+    ]
+}
+
+/// The one process serving every member of [`MEMBERS_NAMESPACE`] (`--runtime-workers`
+/// as its tokio workers).
+pub(super) fn start_one_process(
+    pair: &ClusterPair,
+    binary: &Path,
+    args: &Args,
+    rate: &[String],
+) -> Result<VirtualNode> {
+    let mut options = VirtualNodeOptions::new(binary, "vk-fed");
+    options.flags_member = false;
+    if let Some(workers) = args.runtime_workers {
+        options
+            .envs
+            .push(("TOKIO_WORKER_THREADS".into(), workers.to_string()));
+    }
+    options.args = ["--members-namespace", MEMBERS_NAMESPACE]
+        .iter()
+        .map(ToString::to_string)
+        .chain(rate.iter().cloned())
+        .collect();
+    pair.start_virtual_node(&options)
 }
 
 /// Deletes the `pods` pods of namespace `ns` upstairs and waits until they are gone from
@@ -287,14 +403,14 @@ async fn warm_up(
     prefix: &str,
 ) -> Result<()> {
     let per_node = per_node.div_ceil(4);
-    let pods = bound_pods(nodes, per_node, "-warm");
+    let pods = bound_pods(nodes, 0..per_node, "-warm");
     let (ns, _, _) = burst(upper, &format!("{prefix}-warm"), pods, concurrency).await?;
     clean(upper, lowers, &ns.name, per_node * nodes.len()).await
 }
 
-/// `per_node` pods bound to each of `nodes`, named `<node><tag>-<i>`, interleaved by node.
-fn bound_pods(nodes: &[String], per_node: usize, tag: &str) -> Vec<Pod> {
-    (0..per_node)
+/// Pods `range` bound to each of `nodes`, named `<node><tag>-<i>`, interleaved by node.
+pub(super) fn bound_pods(nodes: &[String], range: Range<usize>, tag: &str) -> Vec<Pod> {
+    range
         .flat_map(|i| {
             nodes
                 .iter()
@@ -304,7 +420,7 @@ fn bound_pods(nodes: &[String], per_node: usize, tag: &str) -> Vec<Pod> {
 }
 
 /// Waits for every node of `nodes` to be Ready.
-async fn all_ready(upper: &Client, nodes: &[String]) -> Result<()> {
+pub(super) async fn all_ready(upper: &Client, nodes: &[String]) -> Result<()> {
     let api: Api<Node> = Api::all(upper.clone());
     for node in nodes {
         wait_for(
@@ -319,7 +435,7 @@ async fn all_ready(upper: &Client, nodes: &[String]) -> Result<()> {
 
 /// The processes' resident memory together, once it has stopped growing (two readings a
 /// second apart within 1 %, or after 20 s).
-async fn settled_rss(processes: &[&VirtualNode]) -> Result<u64> {
+pub(super) async fn settled_rss(processes: &[&VirtualNode]) -> Result<u64> {
     let read = || -> Result<u64> {
         processes
             .iter()
@@ -357,7 +473,7 @@ async fn measure(
 ) -> Result<(Side, String)> {
     let idle = settled_rss(processes).await?;
     let watches = open_watches(upper).await?;
-    let pods = bound_pods(nodes, per_node, "");
+    let pods = bound_pods(nodes, 0..per_node, "");
     let (metrics_before, queued_before) =
         (scrape_all(processes).await?, run_queue_seconds(processes));
     let cpu_before = cpu(processes)?;

@@ -37,6 +37,7 @@ use tokio::time::MissedTickBehavior;
 mod burst_hpa;
 mod federation;
 mod granularity;
+mod member_footprint;
 mod scrape;
 
 #[derive(Parser)]
@@ -79,6 +80,15 @@ struct Args {
     /// `--pods` pods in all.
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=20))]
     lower_clusters: Option<u16>,
+    /// With `--lower-clusters N`, instead of the comparison: the one process's memory with
+    /// this many pods mirrored on each member (N times as many in all) at each size, and
+    /// its projection to 1 000 000 pods over the N members.
+    #[arg(long, value_delimiter = ',', requires = "lower_clusters")]
+    member_footprint: Vec<usize>,
+    /// With `--lower-clusters N`: the N processes are measured first, the one process
+    /// after (to tell the order's share in a gap).
+    #[arg(long, requires = "lower_clusters")]
+    separate_first: bool,
     /// Instead of the other scenarios: the cost of one scrape of the virtual node's kubelet
     /// `/metrics/resource` (time, bytes, lower API requests) at each of these pod counts,
     /// its lower cluster running metrics-server.
@@ -867,6 +877,12 @@ async fn run(args: Args) -> Result<()> {
             "{} not found: build it first (`cargo build --release --workspace --bins`)",
             binary.display()
         );
+    }
+    if let Some(clusters) = args.lower_clusters
+        && !args.member_footprint.is_empty()
+    {
+        let clusters = usize::from(clusters);
+        return member_footprint::run(&binary, clusters, &args.member_footprint, &args).await;
     }
     if let Some(clusters) = args.lower_clusters {
         return federation::run(&binary, usize::from(clusters), &args).await;
