@@ -62,6 +62,9 @@ const RELIST_SETTLE: Duration = Duration::from_millis(250);
 /// The scope of the shared watches' `tensile_memory_bytes` (no member's node).
 const SHARED_SCOPE: &str = "";
 
+/// Pods a page of a node's own list holds (as the watch's lists: kube's default).
+const NODE_LIST_PAGE: u32 = 500;
+
 /// The upper watches every member shares.
 pub struct UpperWatches {
     /// Upper pods bound to any node, by node.
@@ -107,8 +110,17 @@ impl UpperWatches {
         let lister: NodeLister = Arc::new(move |node| {
             let api = node_pods.clone();
             async move {
-                let bound = ListParams::default().fields(&format!("spec.nodeName={node}"));
-                api.list(&bound).await
+                let bound = ListParams::default()
+                    .fields(&format!("spec.nodeName={node}"))
+                    .limit(NODE_LIST_PAGE);
+                // Pages of one snapshot: the first page's resource version is the list's.
+                let mut list = api.list(&bound).await?;
+                while let Some(next) = list.metadata.continue_.take().filter(|c| !c.is_empty()) {
+                    let page = api.list(&bound.clone().continue_token(&next)).await?;
+                    list.items.extend(page.items);
+                    list.metadata.continue_ = page.metadata.continue_;
+                }
+                Ok(list)
             }
             .boxed()
         });
