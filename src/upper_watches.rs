@@ -489,6 +489,10 @@ struct Routing {
     waiting: HashMap<String, PodSender>,
     /// Members whose node's own list failed: served from the next list of every bound pod.
     unlisted: HashSet<String>,
+    /// Node → the resource version of the own list its member was handed: an event of the
+    /// node not newer (the watch, resuming after a break from where it was, replays what
+    /// the list holds) is dropped, until the next list of every bound pod.
+    floors: HashMap<String, u64>,
     /// Members of several virtual nodes, by member, that have had a list's start: each
     /// event of a pod bound to a node no member has by name is offered to them.
     sets: HashMap<String, SetRoute>,
@@ -602,6 +606,7 @@ impl PodRouter {
         routing.waiting.remove(node);
         routing.pending.remove(node);
         routing.unlisted.remove(node);
+        routing.floors.remove(node);
         if !routing.started {
             routing.routes.insert(node.to_owned(), sender);
         } else if routing.listing {
@@ -650,13 +655,13 @@ impl PodRouter {
         };
         let joined = match listed {
             Ok(listed) => numbered(listed.metadata.resource_version.as_deref())
-                .and_then(|version| newer_than(version, held))
-                .map(|changes| (listed.items, changes))
+                .and_then(|version| Some((version, newer_than(version, held)?)))
+                .map(|(version, changes)| (version, listed.items, changes))
                 .ok_or_else(|| "a resource version that is not a number".to_owned()),
             Err(error) => Err(error.to_string()),
         };
         match joined {
-            Ok((pods, changes)) => {
+            Ok((version, pods, changes)) => {
                 debug!(
                     node,
                     pods = pods.len(),
@@ -665,6 +670,7 @@ impl PodRouter {
                 );
                 if hand_list(&sender, pods, changes) {
                     routing.routes.insert(node.to_owned(), sender);
+                    routing.floors.insert(node.to_owned(), version);
                 }
             }
             Err(error) => {
@@ -762,6 +768,7 @@ impl PodRouter {
                 routing.started = true;
                 routing.listing = true;
                 routing.unlisted.clear();
+                routing.floors.clear();
                 // This list serves the members waiting for their own: theirs is dropped.
                 for (node, pending) in routing.pending.drain() {
                     routing.routes.insert(node, pending.sender);
@@ -799,6 +806,12 @@ impl PodRouter {
             return;
         };
         if let Some(member) = routing.routes.get(&node) {
+            if let (Some(floor), watcher::Event::Apply(pod) | watcher::Event::Delete(pod)) =
+                (routing.floors.get(&node), &event)
+                && numbered(pod.metadata.resource_version.as_deref()).is_some_and(|v| v <= *floor)
+            {
+                return;
+            }
             if member.send(event).is_err() {
                 routing.routes.remove(&node);
             }
@@ -997,8 +1010,9 @@ mod tests {
 
     /// A member that subscribes once the watch has listed (one that restarts, or joins) is
     /// handed its node's own list, then the changes of its node that came meanwhile and
-    /// are newer than that list, then every change: no list of every bound pod (which
-    /// would stall every other member's pod events), and no copy of every pod kept.
+    /// are newer than that list, then every change newer than it: no list of every bound
+    /// pod (which would stall every other member's pod events), and no copy of every pod
+    /// kept.
     #[tokio::test]
     async fn a_member_subscribing_after_the_list_is_handed_its_nodes_own_list() {
         use watcher::Event::{Apply, Delete, Init, InitApply, InitDone};
@@ -1037,6 +1051,10 @@ mod tests {
             ["init", "list a2", "listed", "apply a3"],
             "its list (at 8), then what is newer"
         );
+        // The watch resumes after a break from where it was: what the list holds is
+        // replayed, and dropped.
+        router.route(Apply(pod_at("a2", "vk-a", "6")));
+        router.route(Delete(pod_at("a1", "vk-a", "7")));
         router.route(Apply(pod_at("a4", "vk-a", "10")));
         assert_eq!(ready_now(&mut a), ["apply a4"]);
 
