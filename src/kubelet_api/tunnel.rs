@@ -16,7 +16,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures::{Sink, Stream as _};
 use http::{HeaderValue, StatusCode};
 use hyper_util::rt::TokioIo;
@@ -224,6 +224,41 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for TunnelIo<S> {
             .start_send(Message::Binary(Bytes::copy_from_slice(&buf[..n])))
             .map_err(io_error)?;
         Poll::Ready(Ok(n))
+    }
+
+    /// What the SPDY writer wrote at once (frame headers and the payloads beside them)
+    /// goes out in one message of up to [`TUNNEL_MESSAGE`] bytes, gathered in one copy.
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let total = bufs
+            .iter()
+            .map(|b| b.len())
+            .sum::<usize>()
+            .min(TUNNEL_MESSAGE);
+        if total == 0 {
+            return Poll::Ready(Ok(0));
+        }
+        let mut socket = Pin::new(&mut self.socket);
+        ready!(socket.as_mut().poll_ready(cx)).map_err(io_error)?;
+        let mut message = BytesMut::with_capacity(total);
+        for buf in bufs {
+            let take = buf.len().min(total - message.len());
+            message.extend_from_slice(&buf[..take]);
+            if message.len() == total {
+                break;
+            }
+        }
+        socket
+            .start_send(Message::Binary(message.freeze()))
+            .map_err(io_error)?;
+        Poll::Ready(Ok(total))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {

@@ -315,6 +315,16 @@ impl FrameDecoder {
     }
 }
 
+/// The 8-byte header of a DATA frame carrying `len` bytes (at most 2^24 - 1), so that a
+/// payload can be written from where it is, after its header, instead of copied beside it.
+pub fn data_header(stream_id: u32, fin: bool, len: u32) -> [u8; 8] {
+    let mut head = [0; 8];
+    head[..4].copy_from_slice(&(stream_id & 0x7fff_ffff).to_be_bytes());
+    let flags = if fin { FLAG_FIN } else { 0 };
+    head[4..].copy_from_slice(&((u32::from(flags) << 24) | (len & 0x00ff_ffff)).to_be_bytes());
+    head
+}
+
 /// Encodes frames, keeping the send-side zlib stream.
 #[derive(Debug)]
 pub struct FrameEncoder {
@@ -507,6 +517,35 @@ mod tests {
         }
         assert_eq!(got, frames);
         assert!(buf.is_empty());
+    }
+
+    #[test]
+    fn a_data_header_is_what_the_encoder_writes_before_the_payload() {
+        let cases: [(u32, bool, usize); 5] = [
+            (1, false, 0),
+            (1, true, 0),
+            (3, false, 1024),
+            (0x7fff_ffff, true, 32 * 1024),
+            (0x8000_0005, false, 7),
+        ];
+        for (stream_id, fin, len) in cases {
+            let data = bytes::Bytes::from(vec![9; len]);
+            let mut wire = Vec::new();
+            FrameEncoder::new()
+                .unwrap()
+                .encode(
+                    &Frame::Data {
+                        stream_id,
+                        fin,
+                        data: data.clone(),
+                    },
+                    &mut wire,
+                )
+                .unwrap();
+            let mut split = data_header(stream_id, fin, len as u32).to_vec();
+            split.extend_from_slice(&data);
+            assert_eq!(split, wire, "stream {stream_id} fin {fin} len {len}");
+        }
     }
 
     /// A DATA frame's payload length, the bytes of it that have arrived, and the pieces

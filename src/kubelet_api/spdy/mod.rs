@@ -976,7 +976,7 @@ async fn write_loop<W: AsyncWrite + Unpin>(
             return;
         }
     };
-    let mut wire = Vec::with_capacity(WRITE_BATCH);
+    let mut wire = Batch::default();
     let mut held = Vec::new();
     let mut finished: Option<(Option<u32>, Option<oneshot::Sender<()>>)> = None;
     while finished.is_none() {
@@ -994,13 +994,13 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         let mut next = Some(first);
         while let Some(item) = next.take() {
             match item {
-                Ok(Ctrl::Frame(frame)) => encode(&mut encoder, &frame, &mut wire),
+                Ok(Ctrl::Frame(frame)) => wire.push(&mut encoder, &frame),
                 Ok(Ctrl::Shutdown { goaway, done }) => {
                     finished = Some((goaway, done));
                     break;
                 }
                 Err(outgoing) => {
-                    encode(&mut encoder, &outgoing.frame, &mut wire);
+                    wire.push(&mut encoder, &outgoing.frame);
                     held.push(outgoing);
                 }
             }
@@ -1014,23 +1014,24 @@ async fn write_loop<W: AsyncWrite + Unpin>(
         if let Some((goaway, _)) = &finished {
             // What streams queued before the shutdown still goes out, then GOAWAY.
             while let Ok(outgoing) = data.try_recv() {
-                encode(&mut encoder, &outgoing.frame, &mut wire);
+                wire.push(&mut encoder, &outgoing.frame);
             }
             if let Some(status) = goaway {
                 let last = shared.last_stream_id.load(Ordering::Relaxed);
-                encode(
+                wire.push(
                     &mut encoder,
                     &Frame::GoAway {
                         last_good_stream_id: last,
                         status: *status,
                     },
-                    &mut wire,
                 );
             }
         }
+        wire.seal();
         let written = tokio::select! {
             r = async {
-                io.write_all(&wire).await?;
+                // Vectored where the transport is (TLS is): DATA goes out without a copy.
+                io.write_all_buf(&mut wire).await?;
                 io.flush().await
             } => r,
             () = stop.cancelled() => break,
@@ -1054,9 +1055,109 @@ async fn write_loop<W: AsyncWrite + Unpin>(
     }
 }
 
-fn encode(encoder: &mut FrameEncoder, frame: &Frame, wire: &mut Vec<u8>) {
-    if let Err(e) = encoder.encode(frame, wire) {
-        // Only an oversized header block can fail, and this server sends none.
-        warn!(error = %e, "SPDY frame could not be encoded; dropped");
+/// DATA payloads up to this size are copied beside their frame header; larger ones are
+/// written from where they are (a slice of their own in a vectored write).
+const COPY_DATA_BELOW: usize = 1024;
+
+/// The frames of one write, in order: headers, control frames and small DATA encoded into
+/// `head`, and DATA payloads as the streams queued them, without a copy. A [`Buf`] whose
+/// chunks a vectored write takes at once.
+struct Batch {
+    parts: std::collections::VecDeque<Bytes>,
+    head: BytesMut,
+    /// Scratch for the encoder, which writes a whole frame.
+    scratch: Vec<u8>,
+    len: usize,
+}
+
+impl Default for Batch {
+    fn default() -> Self {
+        Self {
+            parts: std::collections::VecDeque::new(),
+            // Frame headers are cut from it one after the other, so they share its room.
+            head: BytesMut::with_capacity(4096),
+            scratch: Vec::new(),
+            len: 0,
+        }
+    }
+}
+
+impl Batch {
+    /// Appends `frame` in wire format.
+    fn push(&mut self, encoder: &mut FrameEncoder, frame: &Frame) {
+        if let Frame::Data {
+            stream_id,
+            fin,
+            data,
+        } = frame
+            && data.len() >= COPY_DATA_BELOW
+        {
+            // MAX_DATA_FRAME: its length fits the 24-bit field.
+            self.head
+                .extend_from_slice(&frame::data_header(*stream_id, *fin, data.len() as u32));
+            self.seal();
+            self.parts.push_back(data.clone());
+            self.len += 8 + data.len();
+            return;
+        }
+        self.scratch.clear();
+        if let Err(e) = encoder.encode(frame, &mut self.scratch) {
+            // Only an oversized header block can fail, and this server sends none.
+            warn!(error = %e, "SPDY frame could not be encoded; dropped");
+            return;
+        }
+        self.head.extend_from_slice(&self.scratch);
+        self.len += self.scratch.len();
+    }
+
+    /// Moves what `head` holds into the parts (before a payload, and before writing).
+    fn seal(&mut self) {
+        if !self.head.is_empty() {
+            self.parts.push_back(self.head.split().freeze());
+        }
+    }
+
+    /// Bytes pushed since the last [`Batch::clear`] (written or not).
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn clear(&mut self) {
+        self.parts.clear();
+        self.head.clear();
+        self.len = 0;
+    }
+}
+
+impl bytes::Buf for Batch {
+    fn remaining(&self) -> usize {
+        self.parts.iter().map(Bytes::len).sum()
+    }
+
+    fn chunk(&self) -> &[u8] {
+        self.parts.front().map(|b| &b[..]).unwrap_or_default()
+    }
+
+    fn chunks_vectored<'a>(&'a self, dst: &mut [io::IoSlice<'a>]) -> usize {
+        let mut n = 0;
+        for (slot, part) in dst.iter_mut().zip(&self.parts) {
+            *slot = io::IoSlice::new(part);
+            n += 1;
+        }
+        n
+    }
+
+    fn advance(&mut self, mut cnt: usize) {
+        while cnt > 0 {
+            let Some(front) = self.parts.front_mut() else {
+                return;
+            };
+            if cnt < front.len() {
+                front.advance(cnt);
+                return;
+            }
+            cnt -= front.len();
+            self.parts.pop_front();
+        }
     }
 }

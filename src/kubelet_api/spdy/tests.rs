@@ -743,3 +743,127 @@ async fn streams_beyond_the_limit_are_refused() {
     assert_eq!(peer.recv().await, Some(reply(last + 2)));
     assert_eq!(accept(&mut conn).await.id(), last + 2);
 }
+
+/// A writer that takes at most `max` bytes a call, vectored or not, and records each call.
+struct Recorder {
+    wire: Vec<u8>,
+    max: usize,
+    vectored: bool,
+    calls: Vec<usize>,
+}
+
+impl tokio::io::AsyncWrite for Recorder {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let n = buf.len().min(self.max);
+        self.wire.extend_from_slice(&buf[..n]);
+        self.calls.push(n);
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let mut n = 0;
+        for buf in bufs {
+            let take = buf.len().min(self.max - n);
+            self.wire.extend_from_slice(&buf[..take]);
+            n += take;
+        }
+        self.calls.push(n);
+        Poll::Ready(Ok(n))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.vectored
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+}
+
+#[tokio::test]
+async fn a_batch_writes_the_encoded_frames_with_data_payloads_uncopied() {
+    let data = |len: usize, fill: u8| Frame::Data {
+        stream_id: 3,
+        fin: false,
+        data: Bytes::from(vec![fill; len]),
+    };
+    let frames = vec![
+        Frame::SynReply {
+            stream_id: 1,
+            flags: 0,
+            headers: Vec::new(),
+        },
+        data(MAX_DATA_FRAME, 1),
+        data(COPY_DATA_BELOW - 1, 2),
+        data(COPY_DATA_BELOW, 3),
+        Frame::Ping { id: 2 },
+        data(5000, 4),
+        data(MAX_DATA_FRAME, 5),
+        Frame::Data {
+            stream_id: 3,
+            fin: true,
+            data: Bytes::new(),
+        },
+        Frame::GoAway {
+            last_good_stream_id: 1,
+            status: goaway::OK,
+        },
+    ];
+    let mut want = Vec::new();
+    let mut reference = FrameEncoder::new().unwrap();
+    for frame in &frames {
+        reference.encode(frame, &mut want).unwrap();
+    }
+    // Whatever the transport takes a call, vectored or not, the bytes are the encoder's.
+    for (max, vectored) in [
+        (usize::MAX, true),
+        (usize::MAX, false),
+        (7, true),
+        (4096, false),
+    ] {
+        let mut encoder = FrameEncoder::new().unwrap();
+        let mut batch = Batch::default();
+        for frame in &frames {
+            batch.push(&mut encoder, frame);
+        }
+        batch.seal();
+        assert_eq!(batch.len(), want.len());
+        // Payloads of COPY_DATA_BELOW or more are the queued bytes themselves.
+        let queued: Vec<*const u8> = frames
+            .iter()
+            .filter_map(|f| match f {
+                Frame::Data { data, .. } if data.len() >= COPY_DATA_BELOW => Some(data.as_ptr()),
+                _ => None,
+            })
+            .collect();
+        let parts: Vec<*const u8> = batch.parts.iter().map(|p| p.as_ptr()).collect();
+        for ptr in &queued {
+            assert!(parts.contains(ptr), "a payload was copied");
+        }
+        let mut io = Recorder {
+            wire: Vec::new(),
+            max,
+            vectored,
+            calls: Vec::new(),
+        };
+        io.write_all_buf(&mut batch).await.unwrap();
+        assert_eq!(io.wire, want, "max {max} vectored {vectored}");
+        if vectored && max == usize::MAX {
+            assert_eq!(io.calls, [want.len()], "one vectored write");
+        }
+        batch.clear();
+        assert_eq!(batch.len(), 0);
+    }
+}

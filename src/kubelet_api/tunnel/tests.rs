@@ -116,6 +116,67 @@ async fn the_tunnel_carries_bytes_both_ways_whatever_the_message_bounds() {
     assert!(rest.is_empty());
 }
 
+#[tokio::test]
+async fn a_vectored_write_goes_out_as_one_message() {
+    use futures::StreamExt;
+    // Slice lengths written at once, and the messages the peer then gets.
+    let cases: [(&[usize], &[usize]); 4] = [
+        (&[8, 32 * 1024], &[8 + 32 * 1024]),
+        (&[8, 32 * 1024, 8, 32 * 1024 - 16], &[TUNNEL_MESSAGE]),
+        // More than a message: the rest goes in the next one.
+        (
+            &[8, 32 * 1024, 8, 32 * 1024, 8, 32 * 1024],
+            &[TUNNEL_MESSAGE, 3 * (8 + 32 * 1024) - TUNNEL_MESSAGE],
+        ),
+        (&[0, 3, 0, 4], &[7]),
+    ];
+    for (slices, want) in cases {
+        let (client, mut server) = socket_pair().await;
+        let mut io = TunnelIo::new(client);
+        let parts: Vec<Vec<u8>> = slices
+            .iter()
+            .enumerate()
+            .map(|(i, len)| vec![i as u8; *len])
+            .collect();
+        let mut batch: std::collections::VecDeque<Bytes> =
+            parts.iter().map(|p| Bytes::from(p.clone())).collect();
+        assert!(io.is_write_vectored());
+        // What the SPDY writer does with its batch.
+        while !batch.is_empty() {
+            let slices: Vec<std::io::IoSlice<'_>> =
+                batch.iter().map(|b| std::io::IoSlice::new(b)).collect();
+            let mut n = io.write_vectored(&slices).await.unwrap();
+            while n > 0 {
+                let front = batch.front_mut().unwrap();
+                if n < front.len() {
+                    let _ = front.split_to(n);
+                    n = 0;
+                } else {
+                    n -= front.len();
+                    batch.pop_front();
+                }
+            }
+            while batch.front().is_some_and(Bytes::is_empty) {
+                batch.pop_front();
+            }
+        }
+        io.flush().await.unwrap();
+        let mut got = Vec::new();
+        let mut sizes = Vec::new();
+        while got.len() < parts.iter().map(Vec::len).sum::<usize>() {
+            match server.next().await.unwrap().unwrap() {
+                Message::Binary(data) => {
+                    sizes.push(data.len());
+                    got.extend_from_slice(&data);
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!(sizes, want, "{slices:?}");
+        assert_eq!(got, parts.concat(), "{slices:?}");
+    }
+}
+
 /// kubectl's connection (a SPDY client), virtual-node's upper connection (a server) and
 /// lower one (a client, over a WebSocket as through the lower API server), and the
 /// kubelet's (a server), with the relay running between the middle two.

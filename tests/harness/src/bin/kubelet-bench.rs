@@ -123,8 +123,9 @@ impl Bench<'_> {
     }
 
     /// Bytes sent through `kubectl port-forward` to the pod's echo and read back at once:
-    /// MB/s each way.
-    async fn port_forward(&self, kubeconfig: &Path, bytes: usize) -> Result<f64> {
+    /// MB/s each way, and the CPU seconds kubectl spent (the same on both paths, but part of
+    /// what the two cores share).
+    async fn port_forward(&self, kubeconfig: &Path, bytes: usize) -> Result<(f64, f64)> {
         let mut child = self
             .command(
                 kubeconfig,
@@ -166,9 +167,13 @@ impl Bench<'_> {
             .await
             .context("port-forward echo timed out")??;
         let elapsed = started.elapsed();
+        let kubectl = child
+            .id()
+            .and_then(|pid| footprint(pid).ok())
+            .map_or(0.0, |(_, _, seconds)| seconds);
         drop(write);
         child.kill().await?;
-        Ok(bytes as f64 / 1e6 / elapsed.as_secs_f64())
+        Ok((bytes as f64 / 1e6 / elapsed.as_secs_f64(), kubectl))
     }
 }
 
@@ -331,8 +336,10 @@ async fn run(args: Args) -> Result<()> {
     for _ in 0..args.forward_runs.max(1) {
         for (i, path) in bench.paths.iter().enumerate() {
             let before = cpu_now();
-            throughput[i].push(bench.port_forward(path.kubeconfig, bytes).await?);
+            let (rate, kubectl) = bench.port_forward(path.kubeconfig, bytes).await?;
+            throughput[i].push(rate);
             let after = cpu_now();
+            *forward_cpu[i].entry("kubectl".to_owned()).or_insert(0.0) += kubectl;
             for (name, seconds) in &after {
                 *forward_cpu[i].entry(name.clone()).or_insert(0.0) +=
                     seconds - before.get(name).copied().unwrap_or(0.0);
