@@ -436,16 +436,56 @@ pub struct StoredPod {
     version: Version,
 }
 
-/// A stored pod's status.
+/// A stored pod's status, in one allocation (none without a status): whole, as
+/// [`PackedStatus`]'s bytes; or, for a pod stored [`StoredPod::summarized`],
+/// [`SUMMARY_MARK`], then what [`status_in_sync`] compares of it ([`StatusDigest`]) and
+/// its [`status_summary`] packed (if any), to the end.
 #[derive(Clone, Debug, Default, PartialEq)]
-enum Status {
-    #[default]
-    None,
-    /// Whole, packed.
-    Whole(PackedStatus),
-    /// Its [`status_summary`] (packed, if any) and what [`status_in_sync`] compares of it:
-    /// a pod stored [`StoredPod::summarized`]. Boxed: one field of every stored pod.
-    Summary(Box<(StatusDigest, Option<PackedStatus>)>),
+struct Status(Option<Box<[u8]>>);
+
+/// What a summarized [`Status`] starts with, where a whole one starts with the length of
+/// its JSON: 4 GiB, which no pod's status is (an API server takes objects of a few MiB).
+const SUMMARY_MARK: [u8; 4] = [0xff; 4];
+
+impl Status {
+    /// `status`, whole.
+    fn whole(status: Option<&PodStatus>) -> Self {
+        Self(
+            status
+                .and_then(PackedStatus::new)
+                .map(PackedStatus::into_bytes),
+        )
+    }
+
+    /// `digest` and `summary` (packed).
+    fn summary(digest: &StatusDigest, summary: Option<PackedStatus>) -> Self {
+        let summary = summary.map(PackedStatus::into_bytes).unwrap_or_default();
+        let mut bytes = Vec::with_capacity(SUMMARY_MARK.len() + 12 + 16 * 8 + summary.len());
+        bytes.extend_from_slice(&SUMMARY_MARK);
+        digest.write_to(&mut bytes);
+        bytes.extend_from_slice(&summary);
+        Self(Some(bytes.into_boxed_slice()))
+    }
+
+    /// The packed status (or summary), and the digest for a summarized one.
+    fn parts(&self) -> (Option<&[u8]>, Option<StatusDigest>) {
+        let Some(bytes) = self.0.as_deref() else {
+            return (None, None);
+        };
+        let Some(rest) = bytes.strip_prefix(&SUMMARY_MARK) else {
+            return (Some(bytes), None);
+        };
+        match StatusDigest::read_from(rest) {
+            Some((digest, packed)) => ((!packed.is_empty()).then_some(packed), Some(digest)),
+            // Written by [`Status::summary`]: never.
+            None => (None, None),
+        }
+    }
+
+    /// The heap bytes it holds.
+    fn heap_bytes(&self) -> usize {
+        self.0.as_deref().map_or(0, <[u8]>::len)
+    }
 }
 
 /// Which stored version of a pod a [`StoredPod`] is (unique in the process, never
@@ -682,10 +722,7 @@ impl StoredPod {
                 .as_ref()
                 .and_then(json)
                 .map(|json| shared.share(json.into_vec())),
-            status: status
-                .as_ref()
-                .and_then(PackedStatus::new)
-                .map_or(Status::None, Status::Whole),
+            status: Status::whole(status.as_ref()),
             version: Version::default(),
         }
     }
@@ -706,7 +743,7 @@ impl StoredPod {
             .map(|status| status_summary(status, &gates))
             .as_ref()
             .and_then(PackedStatus::new);
-        stored.status = Status::Summary(Box::new((status_digest(status.as_ref()), summary)));
+        stored.status = Status::summary(&status_digest(status.as_ref()), summary);
         stored
     }
 }
@@ -792,23 +829,21 @@ impl StoredPod {
 
     /// The status (only its [`status_summary`] for a pod stored [`StoredPod::summarized`]).
     pub fn status(&self) -> Option<PodStatus> {
-        self.packed_status().and_then(PackedStatus::status)
+        self.packed_status().and_then(PackedStatus::unpack)
     }
 
     /// The packed status, or summary.
-    fn packed_status(&self) -> Option<&PackedStatus> {
-        match &self.status {
-            Status::None => None,
-            Status::Whole(packed) => Some(packed),
-            Status::Summary(summary) => summary.1.as_ref(),
-        }
+    fn packed_status(&self) -> Option<&[u8]> {
+        self.status.parts().0
     }
 
     /// Whether its status already shows `desired` ([`status_in_sync`]).
     pub fn status_in_sync(&self, desired: &PodStatus) -> bool {
-        match &self.status {
-            Status::Summary(summary) => digest_in_sync(&summary.0, desired),
-            _ => status_in_sync(self.status().as_ref(), desired),
+        match self.status.parts() {
+            (_, Some(digest)) => digest_in_sync(&digest, desired),
+            (packed, None) => {
+                status_in_sync(packed.and_then(PackedStatus::unpack).as_ref(), desired)
+            }
         }
     }
 
@@ -820,18 +855,12 @@ impl StoredPod {
         2 * size_of::<usize>()
             + size_of::<Self>()
             + meta.identity.heap_bytes()
-            + self.packed_status().map_or(0, PackedStatus::heap_bytes)
+            + self.status.heap_bytes()
             + [&self.labels, &self.annotations]
                 .iter()
                 .filter(|pairs| !pairs.is_empty() && Arc::strong_count(&pairs.0) == 1)
                 .map(|pairs| 2 * size_of::<usize>() + pairs.heap_bytes())
                 .sum::<usize>()
-            + match &self.status {
-                Status::Summary(summary) => {
-                    size_of::<(StatusDigest, Option<PackedStatus>)>() + summary.0.heap_bytes()
-                }
-                _ => 0,
-            }
     }
 
     /// The kept spec's JSON.
@@ -955,10 +984,10 @@ mod tests {
             (Some("ns"), Some("web"), Some("u"))
         );
         assert!(stored.heap_bytes() > size_of::<StoredPod>());
-        // With the `Arc`'s two counts, 160 bytes: one of the allocator's size classes (one
-        // more field and every stored pod takes 192).
+        // With the `Arc`'s two counts, 128 bytes: one of the allocator's size classes (one
+        // more field and every stored pod takes 160).
         assert!(
-            size_of::<StoredPod>() <= 144,
+            size_of::<StoredPod>() <= 112,
             "{} bytes a stored pod",
             size_of::<StoredPod>()
         );
@@ -1151,7 +1180,7 @@ mod tests {
             ["tensile.dev/Mirrored"],
             "only whether it was mirrored; the rest through the digest"
         );
-        let kept = |p: &StoredPod| p.packed_status().map_or(0, PackedStatus::heap_bytes);
+        let kept = |p: &StoredPod| p.packed_status().map_or(0, <[u8]>::len);
         assert!(
             kept(&summarized) < kept(&whole),
             "{} bytes of status kept, {} whole",
@@ -1367,6 +1396,57 @@ mod tests {
         let web_b = StoredPod::new(pod("b", json!({"app": "web"})), &mut shared);
         assert!(Arc::ptr_eq(&web_a.labels.0, &web_b.labels.0));
         assert_eq!(web_a.label("app"), Some("web"));
+    }
+
+    #[test]
+    fn a_status_is_kept_whole_or_as_its_summary_and_digest_in_one_allocation() {
+        let condition = |kind: &str| json!({"type": kind, "status": "True"});
+        let statuses: Vec<PodStatus> = [
+            json!({}),
+            json!({"phase": "Running"}),
+            json!({"phase": "Running", "podIP": "10.0.0.1", "conditions": [condition("Ready")]}),
+            json!({"phase": "Running", "conditions":
+                (0..40).map(|i| condition(&format!("c{i}"))).collect::<Vec<_>>()}),
+        ]
+        .into_iter()
+        .map(|s| serde_json::from_value(s).unwrap())
+        .collect();
+        for status in &statuses {
+            let whole = Status::whole(Some(status));
+            assert_eq!(whole.parts().1.map(|_| ()), None, "{status:?}");
+            assert_eq!(
+                whole.parts().0.and_then(PackedStatus::unpack).as_ref(),
+                Some(status)
+            );
+            assert!(!whole.0.as_deref().unwrap().starts_with(&SUMMARY_MARK));
+            let digest = status_digest(Some(status));
+            // (case, summary kept)
+            for (case, summary) in [
+                (
+                    "with a summary",
+                    PackedStatus::new(&status_summary(status, &[])),
+                ),
+                ("without", None),
+            ] {
+                let kept = Status::summary(&digest, summary.clone());
+                let (packed, read) = kept.parts();
+                assert_eq!(read, Some(digest.clone()), "{case}: {status:?}");
+                assert_eq!(
+                    packed.map(<[u8]>::to_vec),
+                    summary.map(|s| s.into_bytes().into_vec()),
+                    "{case}: {status:?}"
+                );
+                for other in &statuses {
+                    assert_eq!(
+                        digest_in_sync(&read.clone().unwrap(), other),
+                        digest_in_sync(&digest, other),
+                        "{case}: {status:?} against {other:?}"
+                    );
+                }
+            }
+        }
+        assert_eq!(Status::whole(None), Status::default());
+        assert_eq!(Status::default().parts(), (None, None));
     }
 
     #[test]
