@@ -145,7 +145,8 @@ struct IdentityParts<'a> {
 }
 
 impl Identity {
-    fn new(name: &str, parts: &IdentityParts<'_>) -> Self {
+    fn new(parts: &IdentityParts<'_>) -> Self {
+        let name = parts.name;
         let mut flags = 0;
         let mut bytes = Vec::with_capacity(1 + 2 * 20 + name.len());
         bytes.push(0);
@@ -365,13 +366,13 @@ impl StoredMeta {
                 .as_ref()
                 .map(|t| t.0.as_nanosecond()),
             grace_period_seconds: metadata.deletion_grace_period_seconds,
-            name: "",
+            name: metadata.name.as_deref().unwrap_or_default(),
         };
         Self {
             namespace: shared
                 .namespaces
                 .share(metadata.namespace.unwrap_or_default().as_str()),
-            identity: Identity::new(metadata.name.as_deref().unwrap_or_default(), &parts),
+            identity: Identity::new(&parts),
         }
     }
 
@@ -1557,16 +1558,13 @@ mod tests {
             ),
         ];
         for (case, name, uid, upper_uid, deleted_at, grace, kept) in cases {
-            let identity = Identity::new(
+            let identity = Identity::new(&IdentityParts {
+                uid: uid.map(|u| Uid(UidText::Kept(u))),
+                upper_uid: upper_uid.map(|u| Uid(UidText::Kept(u))),
+                deletion_timestamp: deleted_at,
+                grace_period_seconds: grace,
                 name,
-                &IdentityParts {
-                    uid: uid.map(|u| Uid(UidText::Kept(u))),
-                    upper_uid: upper_uid.map(|u| Uid(UidText::Kept(u))),
-                    deletion_timestamp: deleted_at,
-                    grace_period_seconds: grace,
-                    name: "",
-                },
-            );
+            });
             let parts = identity.parts();
             assert_eq!(parts.name, name, "{case}");
             assert_eq!(parts.uid.map(Uid::written).as_deref(), uid, "{case}");
