@@ -371,7 +371,8 @@ mod tests {
         };
         assert_eq!(state(&references), (50, 50 * 7, vec![24, 26]));
         // (case, present pods, entries left, names' bytes left)
-        let cases: [(&str, fn(usize) -> bool, usize); 3] = [
+        type Case = (&'static str, fn(usize) -> bool, usize);
+        let cases: [Case; 3] = [
             ("all present", |_| true, 50),
             ("every third present", |i| i % 3 == 0, 17),
             ("one left", |i| i == 3, 1),

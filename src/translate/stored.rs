@@ -1454,16 +1454,17 @@ mod tests {
     fn identities_round_trip_uuids_in_16_bytes_and_any_other_uid_as_text() {
         const UUID: &str = "0d9c3d4e-5a8e-4a53-9f44-2a0c1c8f6b1e";
         const OTHER_UUID: &str = "ffffffff-0000-4fff-a000-0123456789ab";
-        // (case, name, uid, upper uid, deletion timestamp, grace period, bytes kept)
-        let cases: [(
-            &str,
-            &str,
-            Option<&str>,
-            Option<&str>,
+        /// (case, name, uid, upper uid, deletion timestamp, grace period, bytes kept)
+        type Case = (
+            &'static str,
+            &'static str,
+            Option<&'static str>,
+            Option<&'static str>,
             Option<i128>,
             Option<i64>,
             usize,
-        ); 12] = [
+        );
+        let cases: [Case; 12] = [
             ("nothing", "", None, None, None, None, 0),
             ("a name alone", "web-0", None, None, None, None, 1 + 5),
             (
