@@ -440,7 +440,7 @@ fn resolve(references: &References, pods: &PodStores) -> (BTreeSet<Reference>, B
     let listed = upper
         .iter()
         .chain(lower.iter())
-        .map(|p| (&*p.meta.namespace, &*p.meta.name));
+        .map(|p| (&*p.meta.namespace, p.meta.name()));
     let is_present = |namespace: &str, name: &str| {
         pods.upper.get(namespace, name).is_some() || pods.lower.get(namespace, name).is_some()
     };

@@ -229,7 +229,7 @@ fn reflect(pods: &PodStores, gate: &mut EventGate, event: &LowerEvent, started: 
     let Some(lower) = pods.lower.get(namespace, name) else {
         return Reflection::PodNotSeen;
     };
-    if about.uid.is_some() && about.uid.as_deref() != lower.meta.uid() {
+    if about.uid.is_some() && about.uid.as_deref() != lower.meta.uid().as_deref() {
         // About another pod of this name: an earlier one, or one the store has not seen.
         return Reflection::PodNotSeen;
     }

@@ -26,7 +26,7 @@ use super::{Context, Error, api_error};
 use crate::api::{Deleted, delete_exact};
 use crate::side::Side;
 use crate::translate::meta::Owner;
-use crate::translate::stored::StoredPod;
+use crate::translate::stored::{StoredPod, Uid};
 
 /// How often the stores are compared (in memory; cheap).
 pub const INTERVAL: Duration = Duration::from_secs(5);
@@ -62,8 +62,8 @@ pub fn orphans<'a, U: AsRef<str>>(
         .filter(|p| p.meta.deletion_timestamp().is_none())
         .filter(|p| namespace.is_empty() || *p.meta.namespace == *namespace)
         .filter(|p| {
-            let uid = upper_uid(&p.meta.namespace, &p.meta.name);
-            is_orphan(p.upper_uid(), uid.as_ref().map(AsRef::as_ref))
+            let uid = upper_uid(&p.meta.namespace, p.meta.name());
+            is_orphan(p.upper_uid().as_deref(), uid.as_ref().map(AsRef::as_ref))
         })
         .collect()
 }
@@ -78,7 +78,7 @@ pub fn confirmed_orphan(
 ) -> bool {
     let bound = live.filter(|p| serves(p.spec.as_ref().and_then(|s| s.node_name.as_deref())));
     is_orphan(
-        candidate.upper_uid(),
+        candidate.upper_uid().as_deref(),
         bound.and_then(|p| p.metadata.uid.as_deref()),
     )
 }
@@ -120,13 +120,13 @@ pub async fn run(ctx: Arc<Context>, pods: PodStores, shutdown: CancellationToken
         let upper_uid = |ns: &str, name: &str| {
             upper_pods
                 .get(ns, name)
-                .and_then(|p| p.meta.uid().map(Box::<str>::from))
+                .and_then(|p| p.meta.uid().map(|uid| Box::<str>::from(&*uid)))
         };
         let candidates = orphans(&snapshot, upper_uid, &ctx.owner, &ctx.namespace);
         let mut kept = 0;
         for (orphan, uid) in due(candidates, &mut reads, Instant::now(), CHECKS_PER_ROUND) {
             let key = orphan.meta.key();
-            match collect(&ctx, orphan, &key, uid).await {
+            match collect(&ctx, orphan, &key, &uid).await {
                 Ok(Collected::Deleted) => {
                     ctx.metrics.orphans_deleted.inc();
                     info!(object = %key, kind = "Pod", cluster = "lower", "deleted an orphaned lower pod (its upper pod is gone)");
@@ -167,7 +167,7 @@ fn due<'a>(
     reads: &mut WriteBudget,
     now: Instant,
     limit: usize,
-) -> Vec<(&'a StoredPod, &'a str)> {
+) -> Vec<(&'a StoredPod, Uid<'a>)> {
     candidates
         .into_iter()
         .filter_map(|p| Some((p, p.meta.uid()?)))
@@ -186,7 +186,7 @@ async fn collect(
     key: &str,
     uid: &str,
 ) -> Result<Collected, Error> {
-    let (namespace, name) = (&*candidate.meta.namespace, &*candidate.meta.name);
+    let (namespace, name) = (&*candidate.meta.namespace, candidate.meta.name());
     let upper_api: Api<Pod> = Api::namespaced(ctx.upper.clone(), namespace);
     let live = read_upper_pod(&upper_api, name, key).await?;
     if !confirmed_orphan(candidate, live.as_ref(), |node| ctx.serves(node)) {
@@ -449,7 +449,7 @@ mod tests {
                     *limit,
                 )
                 .into_iter()
-                .map(|(p, _)| &*p.meta.name)
+                .map(|(p, _)| p.meta.name())
                 .collect();
                 assert_eq!(&got, want, "{name}: round {i}");
             }

@@ -397,7 +397,7 @@ async fn write_deletion_cost(stored: &StoredPod, cost: i32, ctx: &Context) -> Re
     }});
     match api
         .patch(
-            &stored.meta.name,
+            stored.meta.name(),
             &PatchParams::default(),
             &Patch::Merge(&patch),
         )
@@ -438,7 +438,9 @@ async fn reconcile(stored: &StoredPod, pc: &PodContext) -> Result<(), Error> {
         pc.synced.wait().await?;
         let ctx = &pc.ctx;
         ctx.metrics.reconciles.inc();
-        let lower = pc.lower_pods.get(&stored.meta.namespace, &stored.meta.name);
+        let lower = pc
+            .lower_pods
+            .get(&stored.meta.namespace, stored.meta.name());
         let result = if lower
             .as_deref()
             .is_some_and(|lower| stored.in_step_with(lower))
@@ -614,7 +616,7 @@ async fn write_final_status(
     let Some(last) = ctx.departed.take(&namespace, &name) else {
         return Ok(());
     };
-    if last.upper_uid() != upper.metadata.uid.as_deref() {
+    if last.upper_uid().as_deref() != upper.metadata.uid.as_deref() {
         return Ok(());
     }
     let status = terminated_status(upper_status(&last.to_pod(), upper));

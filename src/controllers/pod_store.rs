@@ -49,7 +49,7 @@ impl Departed {
         let now = Instant::now();
         let mut pods = self.lock();
         pods.retain(|_, (since, _)| now.duration_since(*since) < DEPARTED_FOR);
-        let key = (pod.meta.namespace.as_ref().into(), pod.meta.name.clone());
+        let key = (pod.meta.namespace.as_ref().into(), pod.meta.name().into());
         pods.insert(key, (now, pod));
         if let Some(to) = shrunk_capacity(pods.capacity(), pods.len(), KEEP) {
             pods.shrink_to(to);
@@ -279,7 +279,7 @@ struct Table {
 
 /// A pod's namespace and name, as the table is keyed.
 fn key(pod: &StoredPod) -> (&str, &str) {
-    (&pod.meta.namespace, &pod.meta.name)
+    (&pod.meta.namespace, pod.meta.name())
 }
 
 impl Table {
@@ -471,8 +471,8 @@ mod tests {
             .iter()
             .map(|p| {
                 let (ns, name) = key(p);
-                let uid = p.meta.uid().unwrap_or_default();
-                (ns.to_owned(), name.to_owned(), uid.to_owned())
+                let uid = p.meta.uid().map(|uid| uid.to_string());
+                (ns.to_owned(), name.to_owned(), uid.unwrap_or_default())
             })
             .collect();
         pods.sort();
@@ -608,7 +608,8 @@ mod tests {
         departed.keep(Arc::new(pod("ns", "a", "u1")));
         departed.keep(Arc::new(pod("ns", "a", "u2")));
         departed.keep(Arc::new(pod("ns", "b", "u3")));
-        let uid = |p: Option<Arc<StoredPod>>| p.and_then(|p| p.meta.uid().map(str::to_owned));
+        let uid =
+            |p: Option<Arc<StoredPod>>| p.and_then(|p| p.meta.uid().map(|uid| uid.to_string()));
         assert_eq!(
             uid(departed.take("ns", "a")).as_deref(),
             Some("u2"),

@@ -186,12 +186,12 @@ async fn fan_out(
 ) {
     // Its errors were logged and left out: every item is a pod.
     while let Some(Ok(Touched { pod, status_only })) = touched.next().await {
-        let lower_copy = || lower.get(&pod.meta.namespace, &pod.meta.name).is_some();
+        let lower_copy = || lower.get(&pod.meta.namespace, pod.meta.name()).is_some();
         if let Some((upper, departed)) = &departed {
             keep_if_departed(&pod, &lower, upper, departed);
         }
         if let Some(whole) = &made {
-            whole.forget(&pod.meta.namespace, &pod.meta.name);
+            whole.forget(&pod.meta.namespace, pod.meta.name());
         }
         // Each send fails only once that controller has stopped.
         if wakes_pod_controller(side, status_only, lower_copy) {
@@ -210,7 +210,7 @@ fn keep_if_departed(
     upper: &PodStore,
     departed: &Departed,
 ) {
-    let (namespace, name) = (&lower.meta.namespace, &lower.meta.name);
+    let (namespace, name) = (&lower.meta.namespace, lower.meta.name());
     if store.get(namespace, name).is_some() {
         return;
     }
@@ -397,7 +397,7 @@ pub async fn run_controller<F, Fut>(
 
 /// The `ObjectRef` of the pod of the same namespace and name in the other cluster.
 pub(crate) fn same_name(pod: &StoredPod) -> ObjectRef<Pod> {
-    ObjectRef::new(&pod.meta.name).within(&pod.meta.namespace)
+    ObjectRef::new(pod.meta.name()).within(&pod.meta.namespace)
 }
 
 #[cfg(test)]
@@ -415,7 +415,7 @@ mod tests {
     }
 
     fn name(pod: &StoredPod) -> String {
-        pod.meta.name.to_string()
+        pod.meta.name().to_owned()
     }
 
     #[test]

@@ -80,7 +80,7 @@ async fn reflect_status(
     started: Instant,
 ) -> Result<(), Error> {
     let ctx = &sc.ctx;
-    let Some(stored_upper) = sc.pods.upper.get(&lower.meta.namespace, &lower.meta.name) else {
+    let Some(stored_upper) = sc.pods.upper.get(&lower.meta.namespace, lower.meta.name()) else {
         return Ok(());
     };
     // Found in step before, neither copy changed since.

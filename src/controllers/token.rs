@@ -142,7 +142,11 @@ async fn reconcile(
         tokens.due().remove(key);
         return None;
     };
-    let lower_uid: Box<str> = lower.meta.uid().map(Box::from).unwrap_or_default();
+    let lower_uid: Box<str> = lower
+        .meta
+        .uid()
+        .map(|uid| Box::from(&*uid))
+        .unwrap_or_default();
     let now = Instant::now();
     if let Some((uid, at)) = tokens.due().get(key)
         && *uid == lower_uid

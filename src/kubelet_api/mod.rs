@@ -496,7 +496,7 @@ async fn mirrored(api: &KubeletApi, target: &Target) -> Result<Api<Pod>, Respons
     let (ours, lower_uid) = match stores.store.get(&lower.namespace, &lower.name) {
         Some(stored) => (
             stored.is_owned_by(&api.owner),
-            stored.upper_uid().map(str::to_owned),
+            stored.upper_uid().map(|uid| uid.to_string()),
         ),
         None => match pods.get_opt(&lower.name).await {
             Ok(Some(pod)) => {
@@ -516,7 +516,7 @@ async fn mirrored(api: &KubeletApi, target: &Target) -> Result<Api<Pod>, Respons
     let bound = stores
         .upper
         .get(&target.namespace, &target.pod)
-        .and_then(|p| p.meta.uid().map(str::to_owned));
+        .and_then(|p| p.meta.uid().map(|uid| uid.to_string()));
     if serves(ours, lower_uid, bound.as_deref(), target.uid.as_deref()) {
         Ok(pods)
     } else {

@@ -174,7 +174,7 @@ pub fn mirrored_of<'a>(
         .filter(|pod| pod.is_owned_by(owner))
         .filter(|pod| {
             let copy = pod.upper_uid().is_some_and(|uid| {
-                bound(&pod.meta.namespace, &pod.meta.name).is_some_and(|upper| *upper == *uid)
+                bound(&pod.meta.namespace, pod.meta.name()).is_some_and(|upper| *upper == *uid)
             });
             if !copy {
                 debug!(node = %owner.node, cluster = "lower", pod = %pod.meta.key(),
@@ -185,7 +185,7 @@ pub fn mirrored_of<'a>(
             copy
         })
         .filter_map(|pod| {
-            let (namespace, name) = (&*pod.meta.namespace, &*pod.meta.name);
+            let (namespace, name) = (&*pod.meta.namespace, pod.meta.name());
             let seen = PodName::new(namespace, name);
             let lower = match view {
                 Some(view) => PodName::new(view.to_lower(namespace)?, name),
@@ -227,7 +227,7 @@ async fn mirrored(
         {
             return None;
         }
-        upper.meta.uid().map(Box::<str>::from)
+        upper.meta.uid().map(|uid| Box::<str>::from(&*uid))
     };
     Ok(mirrored_of(
         state.iter().map(AsRef::as_ref),

@@ -46,9 +46,19 @@ impl PackedStatus {
 
     /// The status back.
     pub fn status(&self) -> Option<PodStatus> {
+        Self::unpack(&self.0)
+    }
+
+    /// The status packed as `bytes` ([`PackedStatus::into_bytes`]).
+    pub fn unpack(bytes: &[u8]) -> Option<PodStatus> {
         // Packed from a `PodStatus` on arrival, so it unpacks and parses.
-        let json = decompress_size_prepended_with_dict(&self.0, &DICTIONARY).ok()?;
+        let json = decompress_size_prepended_with_dict(bytes, &DICTIONARY).ok()?;
         serde_json::from_slice(&json).ok()
+    }
+
+    /// Its bytes: the JSON's length (4 bytes, little-endian), then the compressed JSON.
+    pub fn into_bytes(self) -> Box<[u8]> {
+        self.0
     }
 
     /// The heap bytes it holds.

@@ -494,6 +494,44 @@ impl StatusDigest {
     pub fn heap_bytes(&self) -> usize {
         std::mem::size_of_val(&*self.conditions)
     }
+
+    /// Appends it to `out`: `fields`, the number of conditions (4 bytes), and each
+    /// condition's two hashes, all little-endian.
+    pub fn write_to(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.fields.to_le_bytes());
+        let count = u32::try_from(self.conditions.len()).unwrap_or(u32::MAX);
+        out.extend_from_slice(&count.to_le_bytes());
+        for (kind, whole) in self.conditions.iter().take(count as usize) {
+            out.extend_from_slice(&kind.to_le_bytes());
+            out.extend_from_slice(&whole.to_le_bytes());
+        }
+    }
+
+    /// The digest [`StatusDigest::write_to`] wrote at the start of `bytes`, and the bytes
+    /// after it.
+    pub fn read_from(bytes: &[u8]) -> Option<(Self, &[u8])> {
+        fn u64_at(bytes: &[u8]) -> Option<(u64, &[u8])> {
+            let (head, rest) = bytes.split_first_chunk::<8>()?;
+            Some((u64::from_le_bytes(*head), rest))
+        }
+        let (fields, rest) = u64_at(bytes)?;
+        let (count, mut rest) = rest.split_first_chunk::<4>()?;
+        let count = u32::from_le_bytes(*count) as usize;
+        let mut conditions = Vec::with_capacity(count.min(rest.len() / 16));
+        for _ in 0..count {
+            let (kind, tail) = u64_at(rest)?;
+            let (whole, tail) = u64_at(tail)?;
+            conditions.push((kind, whole));
+            rest = tail;
+        }
+        Some((
+            Self {
+                fields,
+                conditions: conditions.into_boxed_slice(),
+            },
+            rest,
+        ))
+    }
 }
 
 fn hash_of<T: std::hash::Hash + ?Sized>(value: &T) -> u64 {

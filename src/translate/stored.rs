@@ -101,73 +101,127 @@ impl Pairs {
 }
 
 /// The metadata a reconcile reads between watch events: identity and deletion (labels and
-/// annotations are [`Pairs`] beside it). A sixth of `ObjectMeta`'s 360 bytes, whose
+/// annotations are [`Pairs`] beside it). A tenth of `ObjectMeta`'s 360 bytes, whose
 /// every field is inline.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StoredMeta {
     /// `metadata.namespace`, shared with the other pods of the namespace.
     pub namespace: Arc<str>,
-    /// `metadata.name`.
-    pub name: Box<str>,
-    /// `metadata.uid`, and a lower pod's [`UPPER_UID_ANNOTATION`] ([`StoredMeta::uid`],
-    /// [`StoredPod::upper_uid`]).
-    uids: Uids,
-    /// `metadata.deletionTimestamp` and `deletionGracePeriodSeconds`, boxed: set on few
-    /// pods at a time, and 32 bytes inline in every stored pod otherwise.
-    deletion: Option<Box<Deletion>>,
+    /// `metadata.name`, `metadata.uid`, a lower pod's [`UPPER_UID_ANNOTATION`],
+    /// `metadata.deletionTimestamp` and `deletionGracePeriodSeconds` ([`StoredMeta::name`],
+    /// [`StoredMeta::uid`], [`StoredPod::upper_uid`], …).
+    identity: Identity,
 }
 
-/// A pod's UID and its upper UID (a lower pod's [`UPPER_UID_ANNOTATION`]) in one
-/// allocation instead of two: each `-` when absent, else its length in decimal, `:`, and
-/// itself. Both absent: empty, no allocation.
+/// A pod's name, UID, upper UID (a lower pod's [`UPPER_UID_ANNOTATION`]) and deletion
+/// fields in one allocation: a byte of [`IdentityFlags`], then each UID present (16 bytes
+/// for a canonical UUID, the form API servers give, where its text takes 36; else its
+/// length as 4 bytes and its text), the deletion time (nanoseconds, 16 bytes) and grace
+/// period (8 bytes) if set, and the name to the end. Empty: no name, nothing else set.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-struct Uids(Box<str>);
+struct Identity(Box<[u8]>);
 
-impl Uids {
-    fn new(uid: Option<&str>, upper_uid: Option<&str>) -> Self {
-        if uid.is_none() && upper_uid.is_none() {
-            return Self::default();
-        }
-        let mut text = String::with_capacity(
-            [uid, upper_uid]
-                .iter()
-                .map(|u| u.map_or(1, |u| u.len() + 4))
-                .sum(),
-        );
-        for part in [uid, upper_uid] {
-            match part {
-                None => text.push('-'),
-                Some(part) => {
-                    text.push_str(&part.len().to_string());
-                    text.push(':');
-                    text.push_str(part);
+/// The bits of an [`Identity`]'s first byte.
+struct IdentityFlags;
+
+impl IdentityFlags {
+    const UID: u8 = 1;
+    const UID_TEXT: u8 = 2;
+    const UPPER_UID: u8 = 4;
+    const UPPER_UID_TEXT: u8 = 8;
+    const DELETION_TIMESTAMP: u8 = 16;
+    const GRACE_PERIOD: u8 = 32;
+}
+
+/// An [`Identity`] read.
+#[derive(Debug, Default)]
+struct IdentityParts<'a> {
+    uid: Option<Uid<'a>>,
+    upper_uid: Option<Uid<'a>>,
+    /// Nanoseconds since the epoch.
+    deletion_timestamp: Option<i128>,
+    grace_period_seconds: Option<i64>,
+    name: &'a str,
+}
+
+impl Identity {
+    fn new(parts: &IdentityParts<'_>) -> Self {
+        let name = parts.name;
+        let mut flags = 0;
+        let mut bytes = Vec::with_capacity(1 + 2 * 20 + name.len());
+        bytes.push(0);
+        for (uid, present, text) in [
+            (&parts.uid, IdentityFlags::UID, IdentityFlags::UID_TEXT),
+            (
+                &parts.upper_uid,
+                IdentityFlags::UPPER_UID,
+                IdentityFlags::UPPER_UID_TEXT,
+            ),
+        ] {
+            let Some(uid) = uid else { continue };
+            flags |= present;
+            match uuid_bytes(uid) {
+                Some(binary) => bytes.extend_from_slice(&binary),
+                None => {
+                    flags |= text;
+                    let len = u32::try_from(uid.len()).unwrap_or(u32::MAX);
+                    bytes.extend_from_slice(&len.to_le_bytes());
+                    bytes.extend_from_slice(&uid.as_bytes()[..len as usize]);
                 }
             }
         }
-        Self(text.into_boxed_str())
+        if let Some(at) = parts.deletion_timestamp {
+            flags |= IdentityFlags::DELETION_TIMESTAMP;
+            bytes.extend_from_slice(&at.to_le_bytes());
+        }
+        if let Some(grace) = parts.grace_period_seconds {
+            flags |= IdentityFlags::GRACE_PERIOD;
+            bytes.extend_from_slice(&grace.to_le_bytes());
+        }
+        bytes.extend_from_slice(name.as_bytes());
+        if flags == 0 && name.is_empty() {
+            return Self::default();
+        }
+        bytes[0] = flags;
+        Self(bytes.into_boxed_slice())
     }
 
-    /// The UID and the upper UID.
-    fn get(&self) -> (Option<&str>, Option<&str>) {
-        fn next(rest: &str) -> (Option<&str>, &str) {
-            if let Some(rest) = rest.strip_prefix('-') {
-                return (None, rest);
-            }
-            let Some((len, tail)) = rest.split_once(':') else {
-                return (None, "");
-            };
-            match len
-                .parse::<usize>()
-                .ok()
-                .and_then(|len| Some((tail.get(..len)?, tail.get(len..)?)))
-            {
-                Some((part, rest)) => (Some(part), rest),
-                None => (None, ""),
-            }
+    /// What it holds. Written by [`Identity::new`], so it reads back whole; a malformed
+    /// rest reads as absent.
+    fn parts(&self) -> IdentityParts<'_> {
+        fn take<'a, const N: usize>(rest: &mut &'a [u8]) -> Option<&'a [u8; N]> {
+            let (head, tail) = rest.split_first_chunk::<N>()?;
+            *rest = tail;
+            Some(head)
         }
-        let (uid, rest) = next(&self.0);
-        let (upper_uid, _) = next(rest);
-        (uid, upper_uid)
+        fn uid<'a>(rest: &mut &'a [u8], text: bool) -> Option<Uid<'a>> {
+            if !text {
+                return take::<16>(rest).map(|b| Uid(UidText::Binary(*b)));
+            }
+            let len = u32::from_le_bytes(*take::<4>(rest)?) as usize;
+            let (text, tail) = rest.split_at_checked(len)?;
+            *rest = tail;
+            Some(Uid(UidText::Kept(std::str::from_utf8(text).ok()?)))
+        }
+        let Some((&flags, mut rest)) = self.0.split_first() else {
+            return IdentityParts::default();
+        };
+        let has = |flag: u8| flags & flag != 0;
+        let mut parts = IdentityParts::default();
+        if has(IdentityFlags::UID) {
+            parts.uid = uid(&mut rest, has(IdentityFlags::UID_TEXT));
+        }
+        if has(IdentityFlags::UPPER_UID) {
+            parts.upper_uid = uid(&mut rest, has(IdentityFlags::UPPER_UID_TEXT));
+        }
+        if has(IdentityFlags::DELETION_TIMESTAMP) {
+            parts.deletion_timestamp = take::<16>(&mut rest).map(|b| i128::from_le_bytes(*b));
+        }
+        if has(IdentityFlags::GRACE_PERIOD) {
+            parts.grace_period_seconds = take::<8>(&mut rest).map(|b| i64::from_le_bytes(*b));
+        }
+        parts.name = std::str::from_utf8(rest).unwrap_or_default();
+        parts
     }
 
     /// The heap bytes it holds.
@@ -176,49 +230,179 @@ impl Uids {
     }
 }
 
-/// A pod's deletion fields ([`StoredMeta::deletion_timestamp`]).
-#[derive(Clone, Debug, Default, PartialEq)]
-struct Deletion {
-    timestamp: Option<Time>,
-    grace_period_seconds: Option<i64>,
+/// The 16 bytes of `uid` if it is a canonical UUID (lowercase hex, hyphens at 8, 13, 18
+/// and 23), which they write back as the same text; `None` for any other text.
+fn uuid_bytes(uid: &str) -> Option<[u8; 16]> {
+    let text = uid.as_bytes();
+    if text.len() != 36 {
+        return None;
+    }
+    let mut digits = [0u8; 32];
+    let mut n = 0;
+    for (i, &c) in text.iter().enumerate() {
+        if matches!(i, 8 | 13 | 18 | 23) {
+            if c != b'-' {
+                return None;
+            }
+            continue;
+        }
+        digits[n] = match c {
+            b'0'..=b'9' => c - b'0',
+            b'a'..=b'f' => c - b'a' + 10,
+            _ => return None,
+        };
+        n += 1;
+    }
+    let mut bytes = [0u8; 16];
+    for (byte, pair) in bytes.iter_mut().zip(digits.chunks_exact(2)) {
+        *byte = pair[0] << 4 | pair[1];
+    }
+    Some(bytes)
+}
+
+/// A stored pod's UID ([`StoredMeta::uid`], [`StoredPod::upper_uid`]): its text, as a
+/// `&str` through `Deref` (written out of its 16 bytes for a UUID).
+#[derive(Clone, Copy)]
+pub struct Uid<'a>(UidText<'a>);
+
+#[derive(Clone, Copy)]
+enum UidText<'a> {
+    /// A canonical UUID's bytes.
+    Binary([u8; 16]),
+    /// Any other UID, kept as text.
+    Kept(&'a str),
+    /// A [`UidText::Binary`] written out, on the stack.
+    Written([u8; 36]),
+}
+
+impl<'a> Uid<'a> {
+    /// Keeping its text at hand: a binary UID written out.
+    fn written(self) -> Self {
+        let UidText::Binary(bytes) = self.0 else {
+            return self;
+        };
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut text = [b'-'; 36];
+        let mut at = 0;
+        for (i, byte) in bytes.iter().enumerate() {
+            if matches!(i, 4 | 6 | 8 | 10) {
+                at += 1;
+            }
+            text[at] = HEX[usize::from(byte >> 4)];
+            text[at + 1] = HEX[usize::from(byte & 15)];
+            at += 2;
+        }
+        Self(UidText::Written(text))
+    }
+}
+
+impl std::ops::Deref for Uid<'_> {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        match &self.0 {
+            UidText::Kept(text) => text,
+            // Hex digits and hyphens: ASCII.
+            UidText::Written(text) => std::str::from_utf8(text).unwrap_or_default(),
+            // Never handed out unwritten ([`Uid::written`]).
+            UidText::Binary(_) => "",
+        }
+    }
+}
+
+impl AsRef<str> for Uid<'_> {
+    fn as_ref(&self) -> &str {
+        self
+    }
+}
+
+impl std::fmt::Display for Uid<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self)
+    }
+}
+
+impl std::fmt::Debug for Uid<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&**self, f)
+    }
+}
+
+impl PartialEq for Uid<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl Eq for Uid<'_> {}
+
+impl PartialEq<str> for Uid<'_> {
+    fn eq(&self, other: &str) -> bool {
+        &**self == other
+    }
+}
+
+impl PartialEq<&str> for Uid<'_> {
+    fn eq(&self, other: &&str) -> bool {
+        &**self == *other
+    }
+}
+
+impl serde::Serialize for Uid<'_> {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self)
+    }
 }
 
 impl StoredMeta {
     /// What [`StoredPod`] keeps of `metadata` (labels and annotations apart), its
     /// namespace shared through `shared`.
     fn new(metadata: ObjectMeta, upper_uid: Option<&str>, shared: &mut SharedSpecs) -> Self {
-        let deletion = Deletion {
-            timestamp: metadata.deletion_timestamp,
+        let parts = IdentityParts {
+            uid: metadata.uid.as_deref().map(|u| Uid(UidText::Kept(u))),
+            upper_uid: upper_uid.map(|u| Uid(UidText::Kept(u))),
+            deletion_timestamp: metadata
+                .deletion_timestamp
+                .as_ref()
+                .map(|t| t.0.as_nanosecond()),
             grace_period_seconds: metadata.deletion_grace_period_seconds,
+            name: metadata.name.as_deref().unwrap_or_default(),
         };
         Self {
             namespace: shared
                 .namespaces
                 .share(metadata.namespace.unwrap_or_default().as_str()),
-            name: metadata.name.unwrap_or_default().into_boxed_str(),
-            uids: Uids::new(metadata.uid.as_deref(), upper_uid),
-            deletion: (deletion != Deletion::default()).then(|| Box::new(deletion)),
+            identity: Identity::new(&parts),
         }
     }
 
+    /// `metadata.name`.
+    pub fn name(&self) -> &str {
+        self.identity.parts().name
+    }
+
     /// `metadata.uid`.
-    pub fn uid(&self) -> Option<&str> {
-        self.uids.get().0
+    pub fn uid(&self) -> Option<Uid<'_>> {
+        self.identity.parts().uid.map(Uid::written)
     }
 
     /// `metadata.deletionTimestamp`.
-    pub fn deletion_timestamp(&self) -> Option<&Time> {
-        self.deletion.as_ref()?.timestamp.as_ref()
+    pub fn deletion_timestamp(&self) -> Option<Time> {
+        let at = self.identity.parts().deletion_timestamp?;
+        // Kept from a `Time`'s nanoseconds: within its range.
+        k8s_openapi::jiff::Timestamp::from_nanosecond(at)
+            .ok()
+            .map(Time)
     }
 
     /// `metadata.deletionGracePeriodSeconds`.
     pub fn deletion_grace_period_seconds(&self) -> Option<i64> {
-        self.deletion.as_ref()?.grace_period_seconds
+        self.identity.parts().grace_period_seconds
     }
 
     /// `namespace/name`.
     pub fn key(&self) -> String {
-        format!("{}/{}", self.namespace, self.name)
+        format!("{}/{}", self.namespace, self.name())
     }
 }
 
@@ -253,16 +437,56 @@ pub struct StoredPod {
     version: Version,
 }
 
-/// A stored pod's status.
+/// A stored pod's status, in one allocation (none without a status): whole, as
+/// [`PackedStatus`]'s bytes; or, for a pod stored [`StoredPod::summarized`],
+/// [`SUMMARY_MARK`], then what [`status_in_sync`] compares of it ([`StatusDigest`]) and
+/// its [`status_summary`] packed (if any), to the end.
 #[derive(Clone, Debug, Default, PartialEq)]
-enum Status {
-    #[default]
-    None,
-    /// Whole, packed.
-    Whole(PackedStatus),
-    /// Its [`status_summary`] (packed, if any) and what [`status_in_sync`] compares of it:
-    /// a pod stored [`StoredPod::summarized`]. Boxed: one field of every stored pod.
-    Summary(Box<(StatusDigest, Option<PackedStatus>)>),
+struct Status(Option<Box<[u8]>>);
+
+/// What a summarized [`Status`] starts with, where a whole one starts with the length of
+/// its JSON: 4 GiB, which no pod's status is (an API server takes objects of a few MiB).
+const SUMMARY_MARK: [u8; 4] = [0xff; 4];
+
+impl Status {
+    /// `status`, whole.
+    fn whole(status: Option<&PodStatus>) -> Self {
+        Self(
+            status
+                .and_then(PackedStatus::new)
+                .map(PackedStatus::into_bytes),
+        )
+    }
+
+    /// `digest` and `summary` (packed).
+    fn summary(digest: &StatusDigest, summary: Option<PackedStatus>) -> Self {
+        let summary = summary.map(PackedStatus::into_bytes).unwrap_or_default();
+        let mut bytes = Vec::with_capacity(SUMMARY_MARK.len() + 12 + 16 * 8 + summary.len());
+        bytes.extend_from_slice(&SUMMARY_MARK);
+        digest.write_to(&mut bytes);
+        bytes.extend_from_slice(&summary);
+        Self(Some(bytes.into_boxed_slice()))
+    }
+
+    /// The packed status (or summary), and the digest for a summarized one.
+    fn parts(&self) -> (Option<&[u8]>, Option<StatusDigest>) {
+        let Some(bytes) = self.0.as_deref() else {
+            return (None, None);
+        };
+        let Some(rest) = bytes.strip_prefix(&SUMMARY_MARK) else {
+            return (Some(bytes), None);
+        };
+        match StatusDigest::read_from(rest) {
+            Some((digest, packed)) => ((!packed.is_empty()).then_some(packed), Some(digest)),
+            // Written by [`Status::summary`]: never.
+            None => (None, None),
+        }
+    }
+
+    /// The heap bytes it holds.
+    fn heap_bytes(&self) -> usize {
+        self.0.as_deref().map_or(0, <[u8]>::len)
+    }
 }
 
 /// Which stored version of a pod a [`StoredPod`] is (unique in the process, never
@@ -499,10 +723,7 @@ impl StoredPod {
                 .as_ref()
                 .and_then(json)
                 .map(|json| shared.share(json.into_vec())),
-            status: status
-                .as_ref()
-                .and_then(PackedStatus::new)
-                .map_or(Status::None, Status::Whole),
+            status: Status::whole(status.as_ref()),
             version: Version::default(),
         }
     }
@@ -523,7 +744,7 @@ impl StoredPod {
             .map(|status| status_summary(status, &gates))
             .as_ref()
             .and_then(PackedStatus::new);
-        stored.status = Status::Summary(Box::new((status_digest(status.as_ref()), summary)));
+        stored.status = Status::summary(&status_digest(status.as_ref()), summary);
         stored
     }
 }
@@ -577,10 +798,11 @@ impl StoredPod {
             .or_else(|| self.common_labels.as_ref()?.get(key))
     }
 
-    /// The value of annotation `key`.
+    /// The value of annotation `key`; [`UPPER_UID_ANNOTATION`]'s is read with
+    /// [`StoredPod::upper_uid`] (kept apart, as 16 bytes).
     pub fn annotation(&self, key: &str) -> Option<&str> {
         if key == UPPER_UID_ANNOTATION {
-            return self.upper_uid();
+            return None;
         }
         self.annotations.get(key)
     }
@@ -591,8 +813,8 @@ impl StoredPod {
     }
 
     /// The UID of its upper pod ([`super::pod::upper_uid`] on a stored pod).
-    pub fn upper_uid(&self) -> Option<&str> {
-        self.meta.uids.get().1
+    pub fn upper_uid(&self) -> Option<Uid<'_>> {
+        self.meta.identity.parts().upper_uid.map(Uid::written)
     }
 
     /// `spec.nodeName`: the node it is bound to, if any yet (read from the kept spec
@@ -608,23 +830,21 @@ impl StoredPod {
 
     /// The status (only its [`status_summary`] for a pod stored [`StoredPod::summarized`]).
     pub fn status(&self) -> Option<PodStatus> {
-        self.packed_status().and_then(PackedStatus::status)
+        self.packed_status().and_then(PackedStatus::unpack)
     }
 
     /// The packed status, or summary.
-    fn packed_status(&self) -> Option<&PackedStatus> {
-        match &self.status {
-            Status::None => None,
-            Status::Whole(packed) => Some(packed),
-            Status::Summary(summary) => summary.1.as_ref(),
-        }
+    fn packed_status(&self) -> Option<&[u8]> {
+        self.status.parts().0
     }
 
     /// Whether its status already shows `desired` ([`status_in_sync`]).
     pub fn status_in_sync(&self, desired: &PodStatus) -> bool {
-        match &self.status {
-            Status::Summary(summary) => digest_in_sync(&summary.0, desired),
-            _ => status_in_sync(self.status().as_ref(), desired),
+        match self.status.parts() {
+            (_, Some(digest)) => digest_in_sync(&digest, desired),
+            (packed, None) => {
+                status_in_sync(packed.and_then(PackedStatus::unpack).as_ref(), desired)
+            }
         }
     }
 
@@ -635,25 +855,13 @@ impl StoredPod {
         let meta = &self.meta;
         2 * size_of::<usize>()
             + size_of::<Self>()
-            + meta.name.len()
-            + meta.uids.heap_bytes()
-            + self.packed_status().map_or(0, PackedStatus::heap_bytes)
-            + self
-                .meta
-                .deletion
-                .as_ref()
-                .map_or(0, |_| size_of::<Deletion>())
+            + meta.identity.heap_bytes()
+            + self.status.heap_bytes()
             + [&self.labels, &self.annotations]
                 .iter()
                 .filter(|pairs| !pairs.is_empty() && Arc::strong_count(&pairs.0) == 1)
                 .map(|pairs| 2 * size_of::<usize>() + pairs.heap_bytes())
                 .sum::<usize>()
-            + match &self.status {
-                Status::Summary(summary) => {
-                    size_of::<(StatusDigest, Option<PackedStatus>)>() + summary.0.heap_bytes()
-                }
-                _ => 0,
-            }
     }
 
     /// The kept spec's JSON.
@@ -686,8 +894,8 @@ impl StoredPod {
             api_version: Some("v1".into()),
             kind: Some("Pod".into()),
             namespace: Some(self.meta.namespace.to_string()),
-            name: Some(self.meta.name.to_string()),
-            uid: self.meta.uid().map(str::to_owned),
+            name: Some(self.meta.name().to_owned()),
+            uid: self.meta.uid().map(|uid| uid.to_string()),
             ..ObjectReference::default()
         }
     }
@@ -699,9 +907,9 @@ impl StoredPod {
         Pod {
             metadata: ObjectMeta {
                 namespace: Some(meta.namespace.to_string()),
-                name: Some(meta.name.to_string()),
-                uid: meta.uid().map(str::to_owned),
-                deletion_timestamp: meta.deletion_timestamp().cloned(),
+                name: Some(meta.name().to_owned()),
+                uid: meta.uid().map(|uid| uid.to_string()),
+                deletion_timestamp: meta.deletion_timestamp(),
                 deletion_grace_period_seconds: meta.deletion_grace_period_seconds(),
                 labels: self.label_map(),
                 annotations: self.annotation_map(),
@@ -777,10 +985,10 @@ mod tests {
             (Some("ns"), Some("web"), Some("u"))
         );
         assert!(stored.heap_bytes() > size_of::<StoredPod>());
-        // With the `Arc`'s two counts, 160 bytes: one of the allocator's size classes (one
-        // more field and every stored pod takes 192).
+        // With the `Arc`'s two counts, 128 bytes: one of the allocator's size classes (one
+        // more field and every stored pod takes 160).
         assert!(
-            size_of::<StoredPod>() <= 144,
+            size_of::<StoredPod>() <= 112,
             "{} bytes a stored pod",
             size_of::<StoredPod>()
         );
@@ -973,7 +1181,7 @@ mod tests {
             ["tensile.dev/Mirrored"],
             "only whether it was mirrored; the rest through the digest"
         );
-        let kept = |p: &StoredPod| p.packed_status().map_or(0, PackedStatus::heap_bytes);
+        let kept = |p: &StoredPod| p.packed_status().map_or(0, <[u8]>::len);
         assert!(
             kept(&summarized) < kept(&whole),
             "{} bytes of status kept, {} whole",
@@ -1067,8 +1275,15 @@ mod tests {
             Arc::ptr_eq(&a.meta.namespace, &b.meta.namespace),
             "namespace"
         );
-        assert_eq!((a.upper_uid(), b.upper_uid()), (Some("u-a"), Some("u-b")));
-        assert_eq!(a.annotation(UPPER_UID_ANNOTATION), Some("u-a"));
+        assert_eq!(
+            (a.upper_uid().as_deref(), b.upper_uid().as_deref()),
+            (Some("u-a"), Some("u-b"))
+        );
+        assert_eq!(
+            a.annotation(UPPER_UID_ANNOTATION),
+            None,
+            "read as upper_uid"
+        );
         assert_eq!(
             a.annotation("tensile.dev/mirrored-keys"),
             Some("{\"labels\":[\"app\"]}")
@@ -1185,23 +1400,221 @@ mod tests {
     }
 
     #[test]
-    fn uids_round_trip() {
-        // (uid, upper uid)
-        let cases = [
-            (None, None),
-            (Some("0d9c3d4e-5a8e-4a53-9f44-2a0c1c8f6b1e"), None),
-            (None, Some("u")),
-            (Some(""), Some("")),
-            (Some("1:-"), Some("-2:")),
+    fn a_status_is_kept_whole_or_as_its_summary_and_digest_in_one_allocation() {
+        let condition = |kind: &str| json!({"type": kind, "status": "True"});
+        let statuses: Vec<PodStatus> = [
+            json!({}),
+            json!({"phase": "Running"}),
+            json!({"phase": "Running", "podIP": "10.0.0.1", "conditions": [condition("Ready")]}),
+            json!({"phase": "Running", "conditions":
+                (0..40).map(|i| condition(&format!("c{i}"))).collect::<Vec<_>>()}),
+        ]
+        .into_iter()
+        .map(|s| serde_json::from_value(s).unwrap())
+        .collect();
+        for status in &statuses {
+            let whole = Status::whole(Some(status));
+            assert_eq!(whole.parts().1.map(|_| ()), None, "{status:?}");
+            assert_eq!(
+                whole.parts().0.and_then(PackedStatus::unpack).as_ref(),
+                Some(status)
+            );
+            assert!(!whole.0.as_deref().unwrap().starts_with(&SUMMARY_MARK));
+            let digest = status_digest(Some(status));
+            // (case, summary kept)
+            for (case, summary) in [
+                (
+                    "with a summary",
+                    PackedStatus::new(&status_summary(status, &[])),
+                ),
+                ("without", None),
+            ] {
+                let kept = Status::summary(&digest, summary.clone());
+                let (packed, read) = kept.parts();
+                assert_eq!(read, Some(digest.clone()), "{case}: {status:?}");
+                assert_eq!(
+                    packed.map(<[u8]>::to_vec),
+                    summary.map(|s| s.into_bytes().into_vec()),
+                    "{case}: {status:?}"
+                );
+                for other in &statuses {
+                    assert_eq!(
+                        digest_in_sync(&read.clone().unwrap(), other),
+                        digest_in_sync(&digest, other),
+                        "{case}: {status:?} against {other:?}"
+                    );
+                }
+            }
+        }
+        assert_eq!(Status::whole(None), Status::default());
+        assert_eq!(Status::default().parts(), (None, None));
+    }
+
+    #[test]
+    fn identities_round_trip_uuids_in_16_bytes_and_any_other_uid_as_text() {
+        const UUID: &str = "0d9c3d4e-5a8e-4a53-9f44-2a0c1c8f6b1e";
+        const OTHER_UUID: &str = "ffffffff-0000-4fff-a000-0123456789ab";
+        /// (case, name, uid, upper uid, deletion timestamp, grace period, bytes kept)
+        type Case = (
+            &'static str,
+            &'static str,
+            Option<&'static str>,
+            Option<&'static str>,
+            Option<i128>,
+            Option<i64>,
+            usize,
+        );
+        let cases: [Case; 12] = [
+            ("nothing", "", None, None, None, None, 0),
+            ("a name alone", "web-0", None, None, None, None, 1 + 5),
             (
+                "an upper pod",
+                "web-0",
+                Some(UUID),
+                None,
+                None,
+                None,
+                1 + 16 + 5,
+            ),
+            (
+                "a lower pod",
+                "web-0",
+                Some(UUID),
+                Some(OTHER_UUID),
+                None,
+                None,
+                1 + 32 + 5,
+            ),
+            (
+                "an upper UID alone",
+                "",
+                None,
+                Some(UUID),
+                None,
+                None,
+                1 + 16,
+            ),
+            (
+                "upper case: not canonical",
+                "p",
+                Some("0D9C3D4E-5A8E-4A53-9F44-2A0C1C8F6B1E"),
+                None,
+                None,
+                None,
+                1 + 4 + 36 + 1,
+            ),
+            (
+                "no hyphens: not canonical",
+                "p",
+                Some("0d9c3d4e5a8e4a539f442a0c1c8f6b1eabcd"),
+                None,
+                None,
+                None,
+                1 + 4 + 36 + 1,
+            ),
+            (
+                "hyphens elsewhere",
+                "p",
+                Some("0d9c3d4e5-a8e-4a53-9f44-2a0c1c8f6b1e"),
+                None,
+                None,
+                None,
+                1 + 4 + 36 + 1,
+            ),
+            (
+                "short text",
+                "p",
+                Some("u"),
+                Some(""),
+                None,
+                None,
+                1 + 5 + 4 + 1,
+            ),
+            (
+                "unicode",
+                "pod-ü",
                 Some("ü-ni-cödé"),
-                Some("0d9c3d4e-5a8e-4a53-9f44-2a0c1c8f6b1e"),
+                Some(UUID),
+                None,
+                None,
+                1 + 4 + 12 + 16 + 6,
+            ),
+            (
+                "being deleted",
+                "web-0",
+                Some(UUID),
+                Some(OTHER_UUID),
+                Some(1_767_225_600_123_456_789),
+                Some(30),
+                1 + 32 + 16 + 8 + 5,
+            ),
+            (
+                "before the epoch",
+                "web-0",
+                None,
+                None,
+                Some(-1),
+                Some(0),
+                1 + 16 + 8 + 5,
             ),
         ];
-        for (uid, upper_uid) in cases {
-            let uids = Uids::new(uid, upper_uid);
-            assert_eq!(uids.get(), (uid, upper_uid), "{uids:?}");
+        for (case, name, uid, upper_uid, deleted_at, grace, kept) in cases {
+            let identity = Identity::new(&IdentityParts {
+                uid: uid.map(|u| Uid(UidText::Kept(u))),
+                upper_uid: upper_uid.map(|u| Uid(UidText::Kept(u))),
+                deletion_timestamp: deleted_at,
+                grace_period_seconds: grace,
+                name,
+            });
+            let parts = identity.parts();
+            assert_eq!(parts.name, name, "{case}");
+            assert_eq!(parts.uid.map(Uid::written).as_deref(), uid, "{case}");
+            assert_eq!(
+                parts.upper_uid.map(Uid::written).as_deref(),
+                upper_uid,
+                "{case}"
+            );
+            assert_eq!(parts.deletion_timestamp, deleted_at, "{case}");
+            assert_eq!(parts.grace_period_seconds, grace, "{case}");
+            assert_eq!(identity.heap_bytes(), kept, "{case}");
         }
-        assert_eq!(Uids::new(None, None).heap_bytes(), 0);
+    }
+
+    #[test]
+    fn a_stored_pod_gives_back_its_identity() {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "web-0", "namespace": "ns",
+                         "uid": "0d9c3d4e-5a8e-4a53-9f44-2a0c1c8f6b1e",
+                         "annotations": {UPPER_UID_ANNOTATION: "not-a-uuid", "a": "1"},
+                         "deletionTimestamp": "2026-01-01T00:00:00Z",
+                         "deletionGracePeriodSeconds": 30},
+        }))
+        .unwrap();
+        let stored = StoredPod::from(pod.clone());
+        assert_eq!(stored.meta.name(), "web-0");
+        assert_eq!(stored.meta.key(), "ns/web-0");
+        assert_eq!(
+            stored.meta.uid().as_deref(),
+            Some("0d9c3d4e-5a8e-4a53-9f44-2a0c1c8f6b1e")
+        );
+        assert_eq!(stored.upper_uid().as_deref(), Some("not-a-uuid"));
+        assert_eq!(
+            stored.meta.deletion_timestamp(),
+            pod.metadata.deletion_timestamp
+        );
+        assert_eq!(stored.meta.deletion_grace_period_seconds(), Some(30));
+        let view = stored.to_pod().metadata;
+        assert_eq!(
+            (view.name, view.uid, view.annotations),
+            (
+                pod.metadata.name,
+                pod.metadata.uid,
+                pod.metadata.annotations
+            )
+        );
+        assert_eq!(
+            serde_json::to_value(stored.meta.uid()).unwrap(),
+            json!("0d9c3d4e-5a8e-4a53-9f44-2a0c1c8f6b1e")
+        );
     }
 }
