@@ -190,40 +190,15 @@ impl Ways<'_> {
     /// One process: the first member, then the others (what one more idle member costs),
     /// a warm-up, the burst, then the isolation scenario; every pod deleted after.
     async fn federated(&self) -> Result<Federated> {
-        let Self {
-            binary,
-            pair,
-            lowers,
-            upper,
-            rate,
-            args,
-            per_member,
-            watches_before,
-        } = *self;
-        let (pods, concurrency) = (per_member * lowers.len(), args.concurrency);
-        let clusters = lowers.len();
+        let (per_member, concurrency) = (self.per_member, self.args.concurrency);
+        let (upper, lowers, binary) = (self.upper, self.lowers, self.binary);
+        let (clusters, pods) = (lowers.len(), per_member * lowers.len());
         let members: Vec<String> = (1..=clusters).map(|i| format!("vk-fed-{i}")).collect();
-        join_member(
-            binary,
-            &pair.upper.kubeconfig,
-            &lowers[0].kubeconfig,
-            &members[0],
-            MEMBERS_NAMESPACE,
-        )
-        .await?;
-        let one = start_one_process(pair, binary, args, rate)?;
+        join_all(binary, self.pair, &members[..1], &lowers[..1]).await?;
+        let one = start_one_process(self.pair, binary, self.args, self.rate)?;
         all_ready(upper, &members[..1]).await?;
         let one_member = settled_rss(&[&one]).await?;
-        for (node, lower) in members.iter().zip(lowers).skip(1) {
-            join_member(
-                binary,
-                &pair.upper.kubeconfig,
-                &lower.kubeconfig,
-                node,
-                MEMBERS_NAMESPACE,
-            )
-            .await?;
-        }
+        join_all(binary, self.pair, &members[1..], &lowers[1..]).await?;
         all_ready(upper, &members).await?;
         let idle = settled_rss(&[&one]).await?;
         warm_up(upper, lowers, &members, per_member, concurrency, "fed").await?;
@@ -236,7 +211,7 @@ impl Ways<'_> {
         let idle_member =
             (federated.idle as f64 - one_member as f64) / (clusters.max(2) - 1) as f64;
         let federated = Side {
-            watches: federated.watches.saturating_sub(watches_before),
+            watches: federated.watches.saturating_sub(self.watches_before),
             ..federated
         };
         // Isolation: the other members burst again, with the first member's lower API server
@@ -273,25 +248,16 @@ impl Ways<'_> {
     /// N processes, one per lower cluster, as tensile-kube runs: a warm-up, the burst;
     /// every pod deleted after.
     async fn separate(&self) -> Result<Side> {
-        let Self {
-            binary,
-            pair,
-            lowers,
-            upper,
-            rate,
-            args,
-            per_member,
-            watches_before,
-        } = *self;
-        let (pods, concurrency) = (per_member * lowers.len(), args.concurrency);
-        let clusters = lowers.len();
+        let (per_member, concurrency) = (self.per_member, self.args.concurrency);
+        let (upper, lowers, binary) = (self.upper, self.lowers, self.binary);
+        let (clusters, pods) = (lowers.len(), per_member * lowers.len());
         let solo: Vec<String> = (1..=clusters).map(|i| format!("vk-solo-{i}")).collect();
         let mut processes = Vec::new();
         for (node, lower) in solo.iter().zip(lowers) {
             let mut options = VirtualNodeOptions::new(binary, node);
             options.lower_kubeconfig = Some(lower.kubeconfig.clone());
-            options.args = rate.to_vec();
-            processes.push(pair.start_virtual_node(&options)?);
+            options.args = self.rate.to_vec();
+            processes.push(self.pair.start_virtual_node(&options)?);
         }
         all_ready(upper, &solo).await?;
         let refs: Vec<&VirtualNode> = processes.iter().collect();
@@ -300,13 +266,34 @@ impl Ways<'_> {
         let (separate, ns) = measure(upper, &refs, &solo, per_member, concurrency, "solo").await?;
         let separate = Side {
             idle,
-            watches: separate.watches.saturating_sub(watches_before),
+            watches: separate.watches.saturating_sub(self.watches_before),
             ..separate
         };
         clean(upper, lowers, &ns, pods).await?;
         drop(processes);
         Ok(separate)
     }
+}
+
+/// Joins each of `members` for the lower cluster beside it in `lowers`, as members of
+/// [`MEMBERS_NAMESPACE`].
+pub(super) async fn join_all(
+    binary: &Path,
+    pair: &ClusterPair,
+    members: &[String],
+    lowers: &[&Cluster],
+) -> Result<()> {
+    for (node, lower) in members.iter().zip(lowers) {
+        join_member(
+            binary,
+            &pair.upper.kubeconfig,
+            &lower.kubeconfig,
+            node,
+            MEMBERS_NAMESPACE,
+        )
+        .await?;
+    }
+    Ok(())
 }
 
 /// The pair and the `clusters - 1` further lower clusters, each with room for `pods` pods.

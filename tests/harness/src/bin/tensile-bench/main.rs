@@ -242,6 +242,21 @@ impl Report {
         println!("  {scenario:<34} {measure:<44} {value}");
         self.rows.push((scenario.into(), measure.into(), value));
     }
+
+    /// jemalloc's account at the latest of `allocator` (and per further pod since the
+    /// first), and the CPU seconds virtual-node used since the first pod.
+    fn allocator_and_cpu(&mut self, label: &str, allocator: &[(f64, Vec<f64>)], cpu: f64) {
+        self.row(
+            label,
+            "jemalloc allocated / active / metadata / resident / retained",
+            allocator_row(allocator),
+        );
+        self.row(
+            label,
+            "CPU seconds since the first pod",
+            format!("{cpu:.1} s"),
+        );
+    }
 }
 
 /// One scenario's pods in a namespace of their own.
@@ -1199,16 +1214,7 @@ async fn run(args: Args) -> Result<()> {
                 per_pod(&metrics, &samples),
             );
             allocator.push((made as f64, allocator_stats(&metrics)));
-            report.row(
-                &label,
-                "jemalloc allocated / active / metadata / resident / retained",
-                allocator_row(&allocator),
-            );
-            report.row(
-                &label,
-                "CPU seconds since the first pod",
-                format!("{:.1} s", cpu - cpu_before),
-            );
+            report.allocator_and_cpu(&label, &allocator, cpu - cpu_before);
             report.row(
                 &label,
                 "API requests per mirrored pod",

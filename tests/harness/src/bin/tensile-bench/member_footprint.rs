@@ -8,16 +8,14 @@ use std::path::Path;
 use anyhow::Result;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::Api;
-use tensile_harness::TestNamespace;
 use tensile_harness::measure::{footprint, resident_split, scrape, settle_resident, slope};
-use tensile_harness::virtual_node::join_member;
+use tensile_harness::{Cluster, TestNamespace};
 
 use super::federation::{
-    MEMBERS_NAMESPACE, all_ready, bound_pods, rate_args, settled_rss, start_clusters,
-    start_one_process,
+    all_ready, bound_pods, join_all, rate_args, settled_rss, start_clusters, start_one_process,
 };
 use super::{
-    Args, Report, Shared, allocator_row, allocator_stats, create_all, heap_by_owner, track_running,
+    Args, Report, Shared, allocator_stats, create_all, heap_by_owner, track_running,
     wait_all_running,
 };
 
@@ -35,17 +33,8 @@ pub async fn run(binary: &Path, clusters: usize, sizes: &[usize], args: &Args) -
     let (pair, extra) = start_clusters(clusters, largest).await?;
     let upper = pair.upper.client().await?;
     let members: Vec<String> = (1..=clusters).map(|i| format!("vk-fed-{i}")).collect();
-    let lowers = std::iter::once(&pair.lower).chain(&extra);
-    for (node, lower) in members.iter().zip(lowers) {
-        join_member(
-            binary,
-            &pair.upper.kubeconfig,
-            &lower.kubeconfig,
-            node,
-            MEMBERS_NAMESPACE,
-        )
-        .await?;
-    }
+    let lowers: Vec<&Cluster> = std::iter::once(&pair.lower).chain(&extra).collect();
+    join_all(binary, &pair, &members, &lowers).await?;
     let one = start_one_process(&pair, binary, args, &rate_args(args.qps))?;
     all_ready(&upper, &members).await?;
     let idle = settled_rss(&[&one]).await?;
@@ -93,16 +82,7 @@ pub async fn run(binary: &Path, clusters: usize, sizes: &[usize], args: &Args) -
             "heap by owner (tensile_memory_bytes) / rest of anonymous",
             heap_by_owner(&metrics, resident_split(one.pid())?.0 as f64)?,
         );
-        report.row(
-            &label,
-            "jemalloc allocated / active / metadata / resident / retained",
-            allocator_row(&allocator),
-        );
-        report.row(
-            &label,
-            "CPU seconds since the first pod",
-            format!("{:.1} s", cpu - cpu_before),
-        );
+        report.allocator_and_cpu(&label, &allocator, cpu - cpu_before);
     }
     tracker.abort();
     if let Some(per_pod) = slope(&resident) {
