@@ -215,7 +215,52 @@ impl FaultProxy {
 /// Requests counted by verb (`list`, `watch`, `get`, `create`, `update`, `patch`,
 /// `delete`, `deletecollection`) and resource (`pods`, `pods/status`, `leases`, …).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Requests(BTreeMap<(&'static str, String), u64>);
+pub struct Requests {
+    by_route: BTreeMap<(&'static str, String), u64>,
+    /// Those with a field selector, by verb, resource and the selector.
+    by_selector: BTreeMap<(&'static str, String, String), u64>,
+}
+
+/// What `now` counts beyond `before`.
+fn counted_since<K: Ord + Clone>(
+    now: &BTreeMap<K, u64>,
+    before: &BTreeMap<K, u64>,
+) -> BTreeMap<K, u64> {
+    now.iter()
+        .filter_map(|(key, n)| {
+            let n = n - before.get(key).copied().unwrap_or_default();
+            (n > 0).then(|| (key.clone(), n))
+        })
+        .collect()
+}
+
+/// A query parameter's value as written before it was percent-encoded.
+fn percent_decoded(value: &str) -> String {
+    let bytes = value.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (bytes[i], hex) {
+            (b'%', Some(byte)) => {
+                out.push(byte);
+                i += 3;
+            }
+            (b'+', _) => {
+                out.push(b' ');
+                i += 1;
+            }
+            (byte, _) => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
 
 /// The verbs that change something.
 const WRITES: [&str; 5] = ["create", "update", "patch", "delete", "deletecollection"];
@@ -224,20 +269,25 @@ impl Requests {
     /// The requests counted here and not in `before` (an earlier count).
     #[must_use]
     pub fn since(&self, before: &Requests) -> Requests {
-        Requests(
-            self.0
-                .iter()
-                .filter_map(|(key, n)| {
-                    let n = n - before.0.get(key).copied().unwrap_or_default();
-                    (n > 0).then(|| (key.clone(), n))
-                })
-                .collect(),
-        )
+        Requests {
+            by_route: counted_since(&self.by_route, &before.by_route),
+            by_selector: counted_since(&self.by_selector, &before.by_selector),
+        }
+    }
+
+    /// Requests of `verb` to `resource` with the field selector `selector`
+    /// (`spec.nodeName=vk`).
+    pub fn count_selected(&self, verb: &str, resource: &str, selector: &str) -> u64 {
+        self.by_selector
+            .iter()
+            .filter(|((v, r, f), _)| *v == verb && r == resource && f == selector)
+            .map(|(_, n)| n)
+            .sum()
     }
 
     /// Requests of `verb` to `resource` (`pods` counts neither `pods/status` nor `pods/log`).
     pub fn count(&self, verb: &str, resource: &str) -> u64 {
-        self.0
+        self.by_route
             .iter()
             .filter(|((v, r), _)| *v == verb && r == resource)
             .map(|(_, n)| n)
@@ -246,7 +296,7 @@ impl Requests {
 
     /// Requests of `verb`, to any resource.
     pub fn of_verb(&self, verb: &str) -> u64 {
-        self.0
+        self.by_route
             .iter()
             .filter(|((v, _), _)| *v == verb)
             .map(|(_, n)| n)
@@ -255,7 +305,7 @@ impl Requests {
 
     /// Writes to `resource` and its subresources (`pods` counts `pods/status` too).
     pub fn writes_to(&self, resource: &str) -> u64 {
-        self.0
+        self.by_route
             .iter()
             .filter(|((v, r), _)| {
                 WRITES.contains(v)
@@ -268,7 +318,7 @@ impl Requests {
 
     /// Every write.
     pub fn writes(&self) -> u64 {
-        self.0
+        self.by_route
             .iter()
             .filter(|((v, _), _)| WRITES.contains(v))
             .map(|(_, n)| n)
@@ -277,22 +327,28 @@ impl Requests {
 
     /// Every request.
     pub fn total(&self) -> u64 {
-        self.0.values().sum()
+        self.by_route.values().sum()
     }
 
-    fn add(&mut self, verb: &'static str, resource: String) {
-        *self.0.entry((verb, resource)).or_default() += 1;
+    fn add(&mut self, verb: &'static str, resource: String, selector: Option<String>) {
+        if let Some(selector) = selector {
+            *self
+                .by_selector
+                .entry((verb, resource.clone(), selector))
+                .or_default() += 1;
+        }
+        *self.by_route.entry((verb, resource)).or_default() += 1;
     }
 }
 
 impl fmt::Display for Requests {
     /// `list pods 2, watch pods 3, patch leases 1`, or `none`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.0.is_empty() {
+        if self.by_route.is_empty() {
             return f.write_str("none");
         }
         let counts: Vec<String> = self
-            .0
+            .by_route
             .iter()
             .map(|((verb, resource), n)| format!("{verb} {resource} {n}"))
             .collect();
@@ -310,6 +366,8 @@ struct Route {
     /// A watch that resumes from a resourceVersion (neither empty nor `0`): one an API
     /// server may find too old.
     resumed_watch: bool,
+    /// Its field selector, decoded.
+    field_selector: Option<String>,
 }
 
 impl Route {
@@ -361,6 +419,7 @@ impl Route {
             verb,
             resource,
             resumed_watch,
+            field_selector: param("fieldSelector").map(percent_decoded),
         }
     }
 }
@@ -382,7 +441,11 @@ async fn serve(listener: TcpListener, upstream: Client, shared: Arc<Shared>) {
                     request.uri().query(),
                 );
                 if let Some(verb) = route.verb {
-                    shared.requests().add(verb, route.resource.clone());
+                    shared.requests().add(
+                        verb,
+                        route.resource.clone(),
+                        route.field_selector.clone(),
+                    );
                 }
                 let (fault, percent) = {
                     let state = shared.state();
@@ -715,9 +778,49 @@ mod tests {
                 verb: Some(verb),
                 resource: resource.to_owned(),
                 resumed_watch,
+                field_selector: route.field_selector.clone(),
             };
             assert_eq!(route, want, "{method} {path}?{query:?}");
         }
+    }
+
+    /// A list's field selector is read decoded, and counted beside its verb and resource.
+    #[test]
+    fn field_selectors_are_counted_decoded() {
+        use http::Method;
+        let cases = [
+            (
+                Some("fieldSelector=spec.nodeName%3Dvk-a&limit=500"),
+                Some("spec.nodeName=vk-a"),
+            ),
+            (
+                Some("fieldSelector=spec.nodeName%21%3D"),
+                Some("spec.nodeName!="),
+            ),
+            (Some("fieldSelector=a%3Db%2Cc%21%3Dd+e"), Some("a=b,c!=d e")),
+            (Some("limit=500"), None),
+            (None, None),
+        ];
+        let mut requests = Requests::default();
+        for (query, selector) in cases {
+            let route = Route::of(&Method::GET, "/api/v1/pods", query);
+            assert_eq!(route.field_selector.as_deref(), selector, "{query:?}");
+            requests.add("list", route.resource, route.field_selector);
+        }
+        let before = requests.clone();
+        requests.add("list", "pods".into(), Some("spec.nodeName=vk-a".into()));
+        assert_eq!(requests.count("list", "pods"), 6);
+        assert_eq!(
+            requests.count_selected("list", "pods", "spec.nodeName=vk-a"),
+            2
+        );
+        let since = requests.since(&before);
+        assert_eq!(
+            since.count_selected("list", "pods", "spec.nodeName=vk-a"),
+            1
+        );
+        assert_eq!(since.count_selected("list", "pods", "spec.nodeName!="), 0);
+        assert_eq!(since.count("list", "pods"), 1);
     }
 
     #[test]
@@ -740,8 +843,8 @@ mod tests {
     #[test]
     fn writes_are_counted_by_resource_and_since_an_earlier_count() {
         let mut before = Requests::default();
-        before.add("list", "pods".into());
-        before.add("patch", "pods/status".into());
+        before.add("list", "pods".into(), None);
+        before.add("patch", "pods/status".into(), None);
         let mut after = before.clone();
         for (verb, resource) in [
             ("list", "pods"),
@@ -751,7 +854,7 @@ mod tests {
             ("update", "leases"),
             ("create", "podsecuritypolicies"),
         ] {
-            after.add(verb, resource.into());
+            after.add(verb, resource.into(), None);
         }
         let window = after.since(&before);
         let cases = [
