@@ -38,6 +38,9 @@ struct Namespace {
     /// The distinct lists the pods reference (`None`: a free place), each with how many
     /// pods reference it.
     lists: Vec<Option<(Arc<[Reference]>, usize)>>,
+    /// The free places in `lists` (a pod of its own list each, a StatefulSet's claims,
+    /// must not cost a scan of every list).
+    free: Vec<u32>,
     /// Where each list is in `lists`.
     list_at: HashMap<Arc<[Reference]>, u32>,
     hasher: RandomState,
@@ -95,17 +98,18 @@ impl Namespace {
             return Some(at);
         }
         let list: Arc<[Reference]> = found.into();
-        let at = match self.lists.iter().position(Option::is_none) {
+        let at = match self.free.pop() {
             Some(free) => free,
             None => {
+                let at = u32::try_from(self.lists.len()).ok()?;
                 self.lists.push(None);
-                self.lists.len() - 1
+                at
             }
         };
-        let at32 = u32::try_from(at).ok()?;
-        self.lists[at] = Some((list.clone(), 1));
-        self.list_at.insert(list, at32);
-        Some(at32)
+        let place = self.lists.get_mut(at as usize)?;
+        *place = Some((list.clone(), 1));
+        self.list_at.insert(list, at);
+        Some(at)
     }
 
     /// One pod fewer references the list at `at`: forgotten once none does.
@@ -118,6 +122,7 @@ impl Namespace {
             if *pods == 0 {
                 self.list_at.remove(list);
                 *place = None;
+                self.free.push(at);
             }
         }
     }
