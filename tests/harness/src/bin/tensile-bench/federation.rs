@@ -5,26 +5,28 @@
 //! the upper API server's open watches, and isolation: the other members' reflection p99
 //! with one member's lower API server frozen, against the same burst without.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::Ipv4Addr;
 use std::ops::Range;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
 use kube::api::Api;
+use kube::runtime::{WatchStreamExt, watcher};
 use nix::sys::signal::Signal;
 use tensile_harness::fixtures::bound_pod;
-use tensile_harness::measure::{footprint, scrape};
+use tensile_harness::measure::{footprint, percentile, scrape};
 use tensile_harness::virtual_node::join_member;
 use tensile_harness::{
     Cluster, ClusterOptions, ClusterPair, Component, VirtualNode, VirtualNodeOptions,
     node_is_ready, wait_for,
 };
 
-use super::{Args, burst, delete_and_wait, labelled, ms};
+use super::{Args, Pace, Shared, Timeline, burst, delete_and_wait, labelled, latencies, lock, ms};
 
 pub(super) const MEMBERS_NAMESPACE: &str = "tensile-bench-members";
 const MIB: f64 = 1024.0 * 1024.0;
@@ -48,14 +50,136 @@ struct Side {
     waits: Waits,
     /// The processes' tokio threads (workers, blocking pool), together.
     workers: usize,
+    /// The pod's way in stages, as the bench's own watches saw it.
+    stages: Stages,
+    /// How long the bench waited for the machine to quiet down before the burst, and the
+    /// cores it was still busy on then.
+    quiet: (Duration, f64),
+}
+
+/// The CPU time of this machine (every process's, `/proc/stat`'s first line): in all,
+/// and idle (idle and iowait), in clock ticks.
+fn cpu_ticks() -> Result<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat")?;
+    Ok(ticks(stat.lines().next().unwrap_or_default()))
+}
+
+/// The total and idle ticks of a `/proc/stat` `cpu` line.
+fn ticks(line: &str) -> (u64, u64) {
+    let fields: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|f| f.parse().ok())
+        .collect();
+    let idle = fields.get(3).copied().unwrap_or(0) + fields.get(4).copied().unwrap_or(0);
+    (fields.iter().sum(), idle)
+}
+
+/// The cores busy between two readings of [`cpu_ticks`] on a machine of `cores` cores.
+fn busy_cores((total0, idle0): (u64, u64), (total, idle): (u64, u64), cores: usize) -> f64 {
+    let (all, idle) = (total.saturating_sub(total0), idle.saturating_sub(idle0));
+    if all == 0 {
+        return 0.0;
+    }
+    (all - idle.min(all)) as f64 / all as f64 * cores as f64
+}
+
+/// Waits, 60 s at most, until the machine is busy on less than half a core over 5 s (what
+/// a burst left behind, its deletions and namespaces, done), so that no burst starts in
+/// another's leftovers. Answers how long it waited and the cores busy in the last 5 s
+/// (printed: a busy machine shows).
+async fn machine_quiet() -> Result<(Duration, f64)> {
+    const WINDOW: Duration = Duration::from_secs(5);
+    const AT_MOST: Duration = Duration::from_secs(60);
+    let started = Instant::now();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut reading = cpu_ticks()?;
+    loop {
+        tokio::time::sleep(WINDOW).await;
+        let now = cpu_ticks()?;
+        let busy = busy_cores(reading, now, cores);
+        reading = now;
+        if busy < 0.5 || started.elapsed() >= AT_MOST {
+            return Ok((started.elapsed(), busy));
+        }
+    }
+}
+
+/// A pod's way from created upstairs to Running upstairs in four stages, each from the
+/// bench's own watches of the upper and every lower cluster (p50, p99): create called →
+/// seen upstairs (the upper API server), → its copy seen below (the upper watch, the
+/// member's queue, the lower create), → Running below (the lower cluster), → Running
+/// upstairs (the lower watch, the status write).
+#[derive(Default)]
+struct Stages {
+    created: (Duration, Duration),
+    mirrored: (Duration, Duration),
+    started_below: (Duration, Duration),
+    reflected: (Duration, Duration),
+}
+
+impl Stages {
+    fn of(upstairs: &Timeline, below: &Timeline) -> Self {
+        let stage = |from: &HashMap<String, Instant>, to: &HashMap<String, Instant>| {
+            let mut each: Vec<Duration> = to
+                .iter()
+                .filter_map(|(name, at)| Some(at.saturating_duration_since(*from.get(name)?)))
+                .collect();
+            each.sort();
+            (percentile(&each, 50.0), percentile(&each, 99.0))
+        };
+        Self {
+            created: stage(&upstairs.created, &upstairs.seen),
+            mirrored: stage(&upstairs.seen, &below.seen),
+            started_below: stage(&below.seen, &below.running),
+            reflected: stage(&below.running, &upstairs.running),
+        }
+    }
+
+    fn rows(&self) -> [(&'static str, (Duration, Duration)); 4] {
+        [
+            ("  create called -> seen upstairs, p50 / p99", self.created),
+            ("  seen upstairs -> seen below", self.mirrored),
+            ("  seen below -> Running below", self.started_below),
+            ("  Running below -> Running upstairs", self.reflected),
+        ]
+    }
+}
+
+/// Records, from a watch of every namespace of `lower`, when each bench pod is first seen
+/// and first Running.
+fn track_below(lower: Client, timeline: Shared) -> tokio::task::JoinHandle<()> {
+    let config = watcher::Config::default().labels("bench=1");
+    tokio::spawn(async move {
+        let api: Api<Pod> = Api::all(lower);
+        let mut events = std::pin::pin!(
+            watcher::watcher(api, config)
+                .default_backoff()
+                .applied_objects()
+        );
+        while let Some(event) = events.next().await {
+            let Ok(pod) = event else { continue };
+            let now = Instant::now();
+            let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+            let Some(name) = pod.metadata.name else {
+                continue;
+            };
+            let mut timeline = lock(&timeline);
+            if running {
+                timeline.running.entry(name.clone()).or_insert(now);
+            }
+            timeline.seen.entry(name).or_insert(now);
+        }
+    })
 }
 
 /// Runs the comparison for `clusters` lower clusters and `pods` pods in all.
 pub async fn run(binary: &Path, clusters: usize, args: &Args) -> Result<()> {
     let pods = args.pods;
     let per_member = pods.div_ceil(clusters);
-    // Room below for a burst and the warm-up's pods still leaving.
-    let (pair, extra) = start_clusters(clusters, 2 * per_member).await?;
+    // Room below for a burst (both ways' side by side) and the warm-up's pods still leaving.
+    let room = if args.side_by_side { 3 } else { 2 } * per_member;
+    let (pair, extra) = start_clusters(clusters, room).await?;
     let lowers: Vec<&Cluster> = std::iter::once(&pair.lower).chain(&extra).collect();
     let upper = pair.upper.client().await?;
     let rate = rate_args(args.qps);
@@ -71,33 +195,75 @@ pub async fn run(binary: &Path, clusters: usize, args: &Args) -> Result<()> {
         per_member,
         watches_before,
     };
-    // Each way in turn, on the same clusters: the one first unless `--separate-first`.
-    let (federated, separate) = if args.separate_first {
-        let separate = ways.separate().await?;
-        (ways.federated().await?, separate)
-    } else {
-        let federated = ways.federated().await?;
-        (federated, ways.separate().await?)
-    };
-    let Federated {
-        side: federated,
-        isolation,
-        idle_member,
-        one_member,
-    } = federated;
-
-    println!(
-        "\nfederation: {clusters} lower cluster(s), {} pods in all ({per_member} per cluster), {} cores",
+    let heading = format!(
+        "\nfederation: {clusters} lower cluster(s), {} pods in all ({per_member} per cluster), {} cores, created {}",
         per_member * clusters,
         std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(0),
+        match args.create_rate {
+            Some(rate) => format!("{rate} a second"),
+            None => format!("{} at a time", args.concurrency),
+        },
     );
+    if args.side_by_side {
+        let (bursts, one) = ways.side_by_side().await?;
+        println!(
+            "{heading}; both ways side by side, each burst over both ways' nodes at once ({} pods a way)",
+            per_member * clusters
+        );
+        for (round, (federated, separate)) in bursts.iter().enumerate() {
+            println!("  burst {}", round + 1);
+            print_sides(federated, separate);
+        }
+        print_idle_member(
+            clusters,
+            one.idle_member(clusters),
+            one.one_member,
+            one.idle,
+        );
+    } else {
+        // Each way in turn, on the same clusters: the one first unless `--separate-first`.
+        let (federated, separate) = if args.separate_first {
+            let separate = ways.separate().await?;
+            (ways.federated().await?, separate)
+        } else {
+            let federated = ways.federated().await?;
+            (federated, ways.separate().await?)
+        };
+        println!("{heading}");
+        print_sides(&federated.side, &separate);
+        print_idle_member(
+            clusters,
+            federated.idle_member,
+            federated.one_member,
+            federated.side.idle,
+        );
+        if let Some((calm, frozen)) = federated.isolation {
+            println!(
+                "  isolation: the other {} member(s)' p99 (created -> Running) with member 1's lower API server frozen: {} vs {} without ({:+.0} %)",
+                clusters - 1,
+                ms(frozen),
+                ms(calm),
+                (frozen.as_secs_f64() / calm.as_secs_f64().max(1e-9) - 1.0) * 100.0
+            );
+        }
+    }
+    for cluster in &extra {
+        cluster.stop();
+    }
+    Ok(())
+}
+
+/// The table of one way against the other.
+fn print_sides(federated: &Side, separate: &Side) {
     println!(
         "  {:<44} {:>24} {:>24}",
         "", "one process, N members", "N processes"
     );
     let mib = |bytes: u64| format!("{:.1} MiB", bytes as f64 / MIB);
+    let quiet =
+        |(waited, busy): (Duration, f64)| format!("{:.0} s, {busy:.2}", waited.as_secs_f64());
     let rows = [
         (
             "resident memory, idle (all nodes Ready)",
@@ -120,6 +286,11 @@ pub async fn run(binary: &Path, clusters: usize, args: &Args) -> Result<()> {
             format!("{} / {}", ms(separate.p50), ms(separate.p99)),
         ),
         (
+            "machine before the burst: waited, cores busy",
+            quiet(federated.quiet),
+            quiet(separate.quiet),
+        ),
+        (
             "burst, until the last pod Running",
             ms(federated.total),
             ms(separate.total),
@@ -138,28 +309,29 @@ pub async fn run(binary: &Path, clusters: usize, args: &Args) -> Result<()> {
     for (what, federated, separate) in rows {
         println!("  {what:<44} {federated:>24} {separate:>24}");
     }
+    for ((what, one), (_, many)) in federated
+        .stages
+        .rows()
+        .into_iter()
+        .zip(separate.stages.rows())
+    {
+        let cell = |(p50, p99)| format!("{} / {}", ms(p50), ms(p99));
+        println!("  {what:<44} {:>24} {:>24}", cell(one), cell(many));
+    }
     print_waits(&federated.waits, &separate.waits);
+}
+
+/// What one more idle member costs the one process (`idle_member`), from its resident
+/// memory with one member and with all `clusters` (bytes).
+fn print_idle_member(clusters: usize, idle_member: f64, one_member: u64, idle: u64) {
     if clusters > 1 {
         println!(
-            "  one more idle member: {:.2} MiB resident (one member {}, {clusters} members {})",
+            "  one more idle member: {:.2} MiB resident (one member {:.1} MiB, {clusters} members {:.1} MiB)",
             idle_member / MIB,
-            mib(one_member),
-            mib(federated.idle)
+            one_member as f64 / MIB,
+            idle as f64 / MIB
         );
     }
-    if let Some((calm, frozen)) = isolation {
-        println!(
-            "  isolation: the other {} member(s)' p99 (created -> Running) with member 1's lower API server frozen: {} vs {} without ({:+.0} %)",
-            clusters - 1,
-            ms(frozen),
-            ms(calm),
-            (frozen.as_secs_f64() / calm.as_secs_f64().max(1e-9) - 1.0) * 100.0
-        );
-    }
-    for cluster in &extra {
-        cluster.stop();
-    }
-    Ok(())
 }
 
 /// What the two ways share: the clusters, the binary, the request budget.
@@ -187,31 +359,95 @@ struct Federated {
 }
 
 impl Ways<'_> {
-    /// One process: the first member, then the others (what one more idle member costs),
-    /// a warm-up, the burst, then the isolation scenario; every pod deleted after.
-    async fn federated(&self) -> Result<Federated> {
-        let (per_member, concurrency) = (self.per_member, self.args.concurrency);
+    /// How the measured bursts' pods are created (`--concurrency`, `--create-rate`).
+    fn pace(&self) -> Pace {
+        Pace {
+            concurrency: self.args.concurrency,
+            per_second: self.args.create_rate,
+        }
+    }
+
+    /// Starts the one process: the first member, then the others (what one more idle
+    /// member costs), every node Ready.
+    async fn start_federated(&self) -> Result<OneProcess> {
         let (upper, lowers, binary) = (self.upper, self.lowers, self.binary);
-        let (clusters, pods) = (lowers.len(), per_member * lowers.len());
-        let members: Vec<String> = (1..=clusters).map(|i| format!("vk-fed-{i}")).collect();
+        let members: Vec<String> = (1..=lowers.len()).map(|i| format!("vk-fed-{i}")).collect();
         join_all(binary, self.pair, &members[..1], &lowers[..1]).await?;
-        let one = start_one_process(self.pair, binary, self.args, self.rate)?;
+        let process = start_one_process(self.pair, binary, self.args, self.rate)?;
         all_ready(upper, &members[..1]).await?;
-        let one_member = settled_rss(&[&one]).await?;
+        let one_member = settled_rss(&[&process]).await?;
         join_all(binary, self.pair, &members[1..], &lowers[1..]).await?;
         all_ready(upper, &members).await?;
-        let idle = settled_rss(&[&one]).await?;
-        warm_up(upper, lowers, &members, per_member, concurrency, "fed").await?;
-        let (federated, ns) =
-            measure(upper, &[&one], &members, per_member, concurrency, "fed").await?;
-        let federated = Side { idle, ..federated };
-        // The other way starts from the same empty clusters: these pods leave as users delete
-        // them, while their process still runs.
-        clean(upper, lowers, &ns, pods).await?;
-        let idle_member =
-            (federated.idle as f64 - one_member as f64) / (clusters.max(2) - 1) as f64;
+        let idle = settled_rss(&[&process]).await?;
+        Ok(OneProcess {
+            process,
+            members,
+            one_member,
+            idle,
+        })
+    }
+
+    /// Starts N processes, one per lower cluster, as tensile-kube runs, every node Ready;
+    /// their resident memory then.
+    async fn start_separate(&self) -> Result<(Vec<VirtualNode>, Vec<String>, u64)> {
+        let solo: Vec<String> = (1..=self.lowers.len())
+            .map(|i| format!("vk-solo-{i}"))
+            .collect();
+        let mut processes = Vec::new();
+        for (node, lower) in solo.iter().zip(self.lowers) {
+            let mut options = VirtualNodeOptions::new(self.binary, node);
+            options.lower_kubeconfig = Some(lower.kubeconfig.clone());
+            options.args = self.rate.to_vec();
+            processes.push(self.pair.start_virtual_node(&options)?);
+        }
+        all_ready(self.upper, &solo).await?;
+        let idle = settled_rss(&processes.iter().collect::<Vec<_>>()).await?;
+        Ok((processes, solo, idle))
+    }
+
+    /// A measured burst on `nodes`, served by `processes`, its pods deleted after (they
+    /// leave as users delete them, while their processes still run).
+    async fn burst(
+        &self,
+        processes: &[&VirtualNode],
+        nodes: &[String],
+        prefix: &str,
+    ) -> Result<Side> {
+        let (side, ns) = measure(
+            self.upper,
+            self.lowers,
+            processes,
+            nodes,
+            self.per_member,
+            self.pace(),
+            prefix,
+        )
+        .await?;
+        clean(self.upper, self.lowers, &ns, self.per_member * nodes.len()).await?;
+        Ok(Side {
+            watches: side.watches.saturating_sub(self.watches_before),
+            ..side
+        })
+    }
+
+    /// One process: started, a warm-up, the burst, then the isolation scenario.
+    async fn federated(&self) -> Result<Federated> {
+        let (upper, lowers, per_member) = (self.upper, self.lowers, self.per_member);
+        let clusters = lowers.len();
+        let one = self.start_federated().await?;
+        let members = &one.members;
+        warm_up(
+            upper,
+            lowers,
+            members,
+            per_member,
+            self.args.concurrency,
+            "fed",
+        )
+        .await?;
+        let federated = self.burst(&[&one.process], members, "fed").await?;
         let federated = Side {
-            watches: federated.watches.saturating_sub(self.watches_before),
+            idle: one.idle,
             ..federated
         };
         // Isolation: the other members burst again, with the first member's lower API server
@@ -224,7 +460,16 @@ impl Ways<'_> {
                     lowers[0].signal(Component::ApiServer, Signal::SIGSTOP)?;
                 }
                 let prefix = if frozen { "frozen" } else { "calm" };
-                let burst = measure(upper, &[&one], others, per_member, concurrency, prefix).await;
+                let burst = measure(
+                    upper,
+                    &lowers[1..],
+                    &[&one.process],
+                    others,
+                    per_member,
+                    self.pace(),
+                    prefix,
+                )
+                .await;
                 if frozen {
                     lowers[0].signal(Component::ApiServer, Signal::SIGCONT)?;
                 }
@@ -236,42 +481,98 @@ impl Ways<'_> {
         } else {
             None
         };
-        drop(one);
         Ok(Federated {
             side: federated,
             isolation,
-            idle_member,
-            one_member,
+            idle_member: one.idle_member(clusters),
+            one_member: one.one_member,
         })
     }
 
-    /// N processes, one per lower cluster, as tensile-kube runs: a warm-up, the burst;
-    /// every pod deleted after.
+    /// N processes: started, a warm-up, the burst.
     async fn separate(&self) -> Result<Side> {
-        let (per_member, concurrency) = (self.per_member, self.args.concurrency);
-        let (upper, lowers, binary) = (self.upper, self.lowers, self.binary);
-        let (clusters, pods) = (lowers.len(), per_member * lowers.len());
-        let solo: Vec<String> = (1..=clusters).map(|i| format!("vk-solo-{i}")).collect();
-        let mut processes = Vec::new();
-        for (node, lower) in solo.iter().zip(lowers) {
-            let mut options = VirtualNodeOptions::new(binary, node);
-            options.lower_kubeconfig = Some(lower.kubeconfig.clone());
-            options.args = self.rate.to_vec();
-            processes.push(self.pair.start_virtual_node(&options)?);
-        }
-        all_ready(upper, &solo).await?;
+        let (processes, solo, idle) = self.start_separate().await?;
+        let (upper, lowers) = (self.upper, self.lowers);
+        warm_up(
+            upper,
+            lowers,
+            &solo,
+            self.per_member,
+            self.args.concurrency,
+            "solo",
+        )
+        .await?;
         let refs: Vec<&VirtualNode> = processes.iter().collect();
-        let idle = settled_rss(&refs).await?;
-        warm_up(upper, lowers, &solo, per_member, concurrency, "solo").await?;
-        let (separate, ns) = measure(upper, &refs, &solo, per_member, concurrency, "solo").await?;
-        let separate = Side {
-            idle,
-            watches: separate.watches.saturating_sub(self.watches_before),
-            ..separate
-        };
-        clean(upper, lowers, &ns, pods).await?;
-        drop(processes);
-        Ok(separate)
+        let separate = self.burst(&refs, &solo, "solo").await?;
+        Ok(Side { idle, ..separate })
+    }
+
+    /// Both ways running side by side on the same clusters, warmed up, then two bursts
+    /// each over both ways' nodes at once (`--side-by-side`): a pod for each node of the
+    /// one process, then one for each of the N processes', and again, so that both ways
+    /// take the same arrivals at the same moment from the same API servers. Answers the
+    /// two bursts' (one process, N processes) and the one process's start.
+    async fn side_by_side(&self) -> Result<(Vec<(Side, Side)>, OneProcess)> {
+        let (upper, lowers, per_member) = (self.upper, self.lowers, self.per_member);
+        let one = self.start_federated().await?;
+        let watches_one = open_watches(upper)
+            .await?
+            .saturating_sub(self.watches_before);
+        let (processes, solo, _) = self.start_separate().await?;
+        let watches_all = open_watches(upper)
+            .await?
+            .saturating_sub(self.watches_before);
+        let refs: Vec<&VirtualNode> = processes.iter().collect();
+        let all_nodes: Vec<String> = one.members.iter().chain(&solo).cloned().collect();
+        let concurrency = self.args.concurrency;
+        warm_up(upper, lowers, &all_nodes, per_member, concurrency, "both").await?;
+        let groups = [
+            Group {
+                processes: &[&one.process],
+                nodes: &one.members,
+            },
+            Group {
+                processes: &refs,
+                nodes: &solo,
+            },
+        ];
+        let mut bursts = Vec::new();
+        for round in 1..=2 {
+            let prefix = format!("both-{round}");
+            let (mut sides, ns) =
+                measure_groups(upper, lowers, &groups, per_member, self.pace(), &prefix).await?;
+            clean(upper, lowers, &ns, 2 * per_member * lowers.len()).await?;
+            let separate = sides.pop().context("two groups")?;
+            let federated = sides.pop().context("two groups")?;
+            bursts.push((
+                Side {
+                    watches: watches_one,
+                    ..federated
+                },
+                Side {
+                    watches: watches_all.saturating_sub(watches_one),
+                    ..separate
+                },
+            ));
+        }
+        Ok((bursts, one))
+    }
+}
+
+/// The one process, started with its members.
+struct OneProcess {
+    process: VirtualNode,
+    members: Vec<String>,
+    /// Resident memory with one member (bytes).
+    one_member: u64,
+    /// Resident memory with every member, idle (bytes).
+    idle: u64,
+}
+
+impl OneProcess {
+    /// Resident memory one more idle member adds (bytes).
+    fn idle_member(&self, clusters: usize) -> f64 {
+        (self.idle as f64 - self.one_member as f64) / (clusters.max(2) - 1) as f64
     }
 }
 
@@ -449,38 +750,116 @@ fn cpu(processes: &[&VirtualNode]) -> Result<f64> {
 }
 
 /// Idle memory and watches, then `per_node` pods bound to each of `nodes` created at once
-/// (one namespace, `concurrency` at a time): reflection latency, CPU and memory.
+/// (one namespace, at `pace`): reflection latency, CPU and memory.
 async fn measure(
     upper: &Client,
+    lowers: &[&Cluster],
     processes: &[&VirtualNode],
     nodes: &[String],
     per_node: usize,
-    concurrency: usize,
+    pace: Pace,
     prefix: &str,
 ) -> Result<(Side, String)> {
-    let idle = settled_rss(processes).await?;
+    let (mut sides, ns) = measure_groups(
+        upper,
+        lowers,
+        &[Group { processes, nodes }],
+        per_node,
+        pace,
+        prefix,
+    )
+    .await?;
+    Ok((sides.remove(0), ns))
+}
+
+/// Whether the bench pod `name` (`<node>-<index>`, [`bound_pods`]) is bound to one of
+/// `nodes`.
+fn bound_to_one_of(nodes: &[String], name: &str) -> bool {
+    nodes.iter().any(|node| {
+        name.strip_prefix(node.as_str())
+            .and_then(|rest| rest.strip_prefix('-'))
+            .is_some_and(|index| index.bytes().all(|b| b.is_ascii_digit()))
+    })
+}
+
+/// Processes and the nodes they serve, measured together in a burst.
+struct Group<'a> {
+    processes: &'a [&'a VirtualNode],
+    nodes: &'a [String],
+}
+
+/// As [`measure`], one burst over the nodes of every group at once (each pod index's pods
+/// created node after node, the groups' in turn), with each group's figures apart: the
+/// same arrivals, API servers and moment for every group.
+async fn measure_groups(
+    upper: &Client,
+    lowers: &[&Cluster],
+    groups: &[Group<'_>],
+    per_node: usize,
+    pace: Pace,
+    prefix: &str,
+) -> Result<(Vec<Side>, String)> {
+    let mut idle = Vec::new();
+    for group in groups {
+        idle.push(settled_rss(group.processes).await?);
+    }
     let watches = open_watches(upper).await?;
-    let pods = bound_pods(nodes, 0..per_node, "");
-    let (metrics_before, queued_before) =
-        (scrape_all(processes).await?, run_queue_seconds(processes));
-    let cpu_before = cpu(processes)?;
-    let (ns, latencies, _) = burst(upper, prefix, pods, concurrency).await?;
-    let cpu_after = cpu(processes)?;
-    let queued = run_queue_seconds(processes) - queued_before;
-    let waits = waits(&metrics_before, &scrape_all(processes).await?, queued);
-    let loaded = settled_rss(processes).await?;
-    let side = Side {
-        idle,
-        loaded,
-        cpu: cpu_after - cpu_before,
-        p50: latencies.p50,
-        p99: latencies.p99,
-        total: latencies.total,
-        watches,
-        waits,
-        workers: runtime_workers(processes),
-    };
-    Ok((side, ns.name))
+    let quiet = machine_quiet().await?;
+    let all_nodes: Vec<String> = groups
+        .iter()
+        .flat_map(|g| g.nodes.iter().cloned())
+        .collect();
+    let pods = bound_pods(&all_nodes, 0..per_node, "");
+    let mut before = Vec::new();
+    for group in groups {
+        let processes = group.processes;
+        before.push((
+            scrape_all(processes).await?,
+            run_queue_seconds(processes),
+            cpu(processes)?,
+        ));
+    }
+    let below = Shared::default();
+    let mut trackers = Vec::new();
+    for lower in lowers {
+        trackers.push(track_below(lower.client().await?, below.clone()));
+    }
+    let started = Instant::now();
+    let burst = burst(upper, prefix, pods, pace).await;
+    trackers.iter().for_each(tokio::task::JoinHandle::abort);
+    let (ns, _, upstairs) = burst?;
+    let (upstairs, below) = (
+        std::mem::take(&mut *lock(&upstairs)),
+        std::mem::take(&mut *lock(&below)),
+    );
+    let mut sides = Vec::new();
+    for (group, (metrics_before, queued_before, cpu_before)) in groups.iter().zip(before) {
+        let processes = group.processes;
+        let cpu_after = cpu(processes)?;
+        let queued = run_queue_seconds(processes) - queued_before;
+        let waits = waits(&metrics_before, &scrape_all(processes).await?, queued);
+        let ours = |name: &str| bound_to_one_of(group.nodes, name);
+        let (upstairs, below) = (upstairs.only(ours), below.only(ours));
+        let latencies = latencies(&upstairs, started);
+        sides.push(Side {
+            idle: 0,
+            loaded: 0,
+            cpu: cpu_after - cpu_before,
+            p50: latencies.p50,
+            p99: latencies.p99,
+            total: latencies.total,
+            watches,
+            waits,
+            workers: runtime_workers(processes),
+            stages: Stages::of(&upstairs, &below),
+            quiet,
+        });
+    }
+    for ((side, group), idle) in sides.iter_mut().zip(groups).zip(idle) {
+        side.idle = idle;
+        side.loaded = settled_rss(group.processes).await?;
+    }
+    Ok((sides, ns.name))
 }
 
 /// The watches open on the upper API server, every resource's and client's together
@@ -763,6 +1142,74 @@ fn print_waits(federated: &Waits, separate: &Waits) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_pod_belongs_to_its_own_node_only() {
+        let nodes = |names: &[&str]| names.iter().map(ToString::to_string).collect::<Vec<_>>();
+        // (nodes, pod, bound to one of them)
+        let cases = [
+            (nodes(&["vk-fed-1"]), "vk-fed-1-00007", true),
+            (nodes(&["vk-fed-1"]), "vk-fed-10-00007", false),
+            (nodes(&["vk-fed-1", "vk-fed-10"]), "vk-fed-10-00007", true),
+            (nodes(&["vk-solo-1"]), "vk-fed-1-00007", false),
+            (nodes(&["vk-fed-1"]), "vk-fed-1-warm-00007", false),
+            (nodes(&[]), "vk-fed-1-00007", false),
+        ];
+        for (nodes, pod, want) in cases {
+            assert_eq!(bound_to_one_of(&nodes, pod), want, "{pod} on {nodes:?}");
+        }
+    }
+
+    #[test]
+    fn busy_cores_from_two_readings() {
+        let line = "cpu  100 0 50 800 50 0 0 0 0 0";
+        assert_eq!(ticks(line), (1000, 850));
+        // (before, after, cores, busy)
+        let cases = [
+            ((1000, 850), (1200, 950), 2, 1.0),
+            ((1000, 850), (1200, 1050), 2, 0.0),
+            ((1000, 850), (1200, 850), 4, 4.0),
+            ((1000, 850), (1000, 850), 2, 0.0),
+        ];
+        for (before, after, cores, want) in cases {
+            assert!(
+                (busy_cores(before, after, cores) - want).abs() < 1e-9,
+                "{before:?} {after:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn stages_are_measured_pod_by_pod() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let times = |pairs: &[(&str, u64)]| {
+            pairs
+                .iter()
+                .map(|(name, ms)| (name.to_string(), at(*ms)))
+                .collect::<HashMap<_, _>>()
+        };
+        let upstairs = Timeline {
+            created: times(&[("a", 0), ("b", 10)]),
+            seen: times(&[("a", 5), ("b", 30)]),
+            running: times(&[("a", 100), ("b", 200)]),
+        };
+        // Pod b never seen below: its later stages are not counted.
+        let below = Timeline {
+            created: HashMap::new(),
+            seen: times(&[("a", 20)]),
+            running: times(&[("a", 60)]),
+        };
+        let stages = Stages::of(&upstairs, &below);
+        let ms = Duration::from_millis;
+        assert_eq!(stages.created, (ms(5), ms(20)));
+        assert_eq!(stages.mirrored, (ms(15), ms(15)));
+        assert_eq!(stages.started_below, (ms(40), ms(40)));
+        assert_eq!(stages.reflected, (ms(40), ms(40)));
+        let only_b = upstairs.only(|name| name == "b");
+        assert_eq!(only_b.created.len(), 1);
+        assert_eq!(only_b.running.get("b"), Some(&at(200)));
+    }
 
     fn series(pairs: &[(&str, f64)]) -> BTreeMap<String, f64> {
         pairs.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect()

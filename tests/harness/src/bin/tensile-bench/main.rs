@@ -89,6 +89,18 @@ struct Args {
     /// after (to tell the order's share in a gap).
     #[arg(long, requires = "lower_clusters")]
     separate_first: bool,
+    /// With `--lower-clusters N`: the bench creates the burst's pods at this many a second
+    /// (each way the same arrivals), instead of as fast as `--concurrency` allows: as fast
+    /// as possible, the way that loads the upper API server less is handed its pods
+    /// sooner, more of them at once, and its latency per pod measures that too.
+    #[arg(long, requires = "lower_clusters")]
+    create_rate: Option<f64>,
+    /// With `--lower-clusters N`: both ways run side by side on the same clusters, and two
+    /// bursts each take `--pods` pods for each way at once, created alternately (the same
+    /// arrivals, moment and API servers for both; one after the other, the way measured
+    /// second was slower whichever it was); no isolation scenario.
+    #[arg(long, requires = "lower_clusters", conflicts_with = "separate_first")]
+    side_by_side: bool,
     /// Instead of the other scenarios: the cost of one scrape of the virtual node's kubelet
     /// `/metrics/resource` (time, bytes, lower API requests) at each of these pod counts,
     /// its lower cluster running metrics-server.
@@ -137,11 +149,31 @@ async fn main() -> ExitCode {
     }
 }
 
-/// When each pod was created and first seen Running, by name.
+/// When each pod was created, first seen by the bench's watch and first seen Running, by
+/// name.
 #[derive(Default)]
 struct Timeline {
     created: HashMap<String, Instant>,
+    seen: HashMap<String, Instant>,
     running: HashMap<String, Instant>,
+}
+
+impl Timeline {
+    /// The pods whose names `keep` keeps.
+    fn only(&self, keep: impl Fn(&str) -> bool) -> Timeline {
+        let only = |times: &HashMap<String, Instant>| {
+            times
+                .iter()
+                .filter(|(name, _)| keep(name))
+                .map(|(name, at)| (name.clone(), *at))
+                .collect()
+        };
+        Timeline {
+            created: only(&self.created),
+            seen: only(&self.seen),
+            running: only(&self.running),
+        }
+    }
 }
 
 type Shared = Arc<Mutex<Timeline>>;
@@ -161,33 +193,58 @@ fn track_running(api: Api<Pod>, labels: &str, timeline: Shared) -> tokio::task::
         );
         while let Some(event) = events.next().await {
             let Ok(pod) = event else { continue };
+            let now = Instant::now();
             let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
-            if let (true, Some(name)) = (running, pod.metadata.name) {
-                lock(&timeline)
-                    .running
-                    .entry(name)
-                    .or_insert_with(Instant::now);
+            let Some(name) = pod.metadata.name else {
+                continue;
+            };
+            let mut timeline = lock(&timeline);
+            if running {
+                timeline.running.entry(name.clone()).or_insert(now);
             }
+            timeline.seen.entry(name).or_insert(now);
         }
     })
 }
 
-/// Creates `pods`, `concurrency` at a time, recording each creation time.
+/// How the bench creates a burst's pods: at most `concurrency` creates at once, and, with
+/// `per_second`, each pod not before its turn at that rate.
+#[derive(Clone, Copy)]
+struct Pace {
+    concurrency: usize,
+    per_second: Option<f64>,
+}
+
+impl From<usize> for Pace {
+    fn from(concurrency: usize) -> Self {
+        Self {
+            concurrency,
+            per_second: None,
+        }
+    }
+}
+
+/// Creates `pods` at `pace`, recording each creation time.
 async fn create_all(
     api: &Api<Pod>,
     pods: Vec<Pod>,
-    concurrency: usize,
+    pace: impl Into<Pace>,
     timeline: &Shared,
 ) -> Result<()> {
-    futures::stream::iter(pods)
-        .map(|p| async move {
+    let pace = pace.into();
+    let start = tokio::time::Instant::now();
+    futures::stream::iter(pods.into_iter().enumerate())
+        .map(|(i, p)| async move {
+            if let Some(rate) = pace.per_second.filter(|r| *r > 0.0) {
+                tokio::time::sleep_until(start + Duration::from_secs_f64(i as f64 / rate)).await;
+            }
             let name = p.metadata.name.clone().unwrap_or_default();
             lock(timeline).created.insert(name.clone(), Instant::now());
             api.create(&PostParams::default(), &p)
                 .await
                 .with_context(|| format!("creating pod {name}"))
         })
-        .buffer_unordered(concurrency)
+        .buffer_unordered(pace.concurrency)
         .try_collect::<Vec<_>>()
         .await?;
     Ok(())
@@ -264,7 +321,7 @@ async fn burst(
     client: &Client,
     prefix: &str,
     pods: Vec<Pod>,
-    concurrency: usize,
+    pace: impl Into<Pace>,
 ) -> Result<(TestNamespace, Latencies, Shared)> {
     let ns = TestNamespace::create(client, prefix).await?;
     let api: Api<Pod> = Api::namespaced(client.clone(), &ns.name);
@@ -272,7 +329,7 @@ async fn burst(
     let n = pods.len();
     let tracker = track_running(api.clone(), "bench=1", timeline.clone());
     let start = Instant::now();
-    create_all(&api, pods, concurrency, &timeline).await?;
+    create_all(&api, pods, pace, &timeline).await?;
     wait_all_running(&timeline, n, &format!("{n} pods Running ({prefix})")).await?;
     tracker.abort();
     let result = latencies(&lock(&timeline), start);
