@@ -12,11 +12,9 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::Client;
 use kube::api::Api;
-use kube::runtime::{WatchStreamExt, watcher};
 use nix::sys::signal::Signal;
 use tensile_harness::fixtures::bound_pod;
 use tensile_harness::measure::{footprint, percentile, scrape};
@@ -26,7 +24,10 @@ use tensile_harness::{
     node_is_ready, wait_for,
 };
 
-use super::{Args, Pace, Shared, Timeline, burst, delete_and_wait, labelled, latencies, lock, ms};
+use super::{
+    Args, Pace, Shared, Timeline, burst, delete_and_wait, labelled, latencies, lock, ms,
+    track_running,
+};
 
 pub(super) const MEMBERS_NAMESPACE: &str = "tensile-bench-members";
 const MIB: f64 = 1024.0 * 1024.0;
@@ -144,33 +145,6 @@ impl Stages {
             ("  Running below -> Running upstairs", self.reflected),
         ]
     }
-}
-
-/// Records, from a watch of every namespace of `lower`, when each bench pod is first seen
-/// and first Running.
-fn track_below(lower: Client, timeline: Shared) -> tokio::task::JoinHandle<()> {
-    let config = watcher::Config::default().labels("bench=1");
-    tokio::spawn(async move {
-        let api: Api<Pod> = Api::all(lower);
-        let mut events = std::pin::pin!(
-            watcher::watcher(api, config)
-                .default_backoff()
-                .applied_objects()
-        );
-        while let Some(event) = events.next().await {
-            let Ok(pod) = event else { continue };
-            let now = Instant::now();
-            let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
-            let Some(name) = pod.metadata.name else {
-                continue;
-            };
-            let mut timeline = lock(&timeline);
-            if running {
-                timeline.running.entry(name.clone()).or_insert(now);
-            }
-            timeline.seen.entry(name).or_insert(now);
-        }
-    })
 }
 
 /// Runs the comparison for `clusters` lower clusters and `pods` pods in all.
@@ -822,7 +796,8 @@ async fn measure_groups(
     let below = Shared::default();
     let mut trackers = Vec::new();
     for lower in lowers {
-        trackers.push(track_below(lower.client().await?, below.clone()));
+        let every_namespace: Api<Pod> = Api::all(lower.client().await?);
+        trackers.push(track_running(every_namespace, "bench=1", below.clone()));
     }
     let started = Instant::now();
     let burst = burst(upper, prefix, pods, pace).await;

@@ -182,7 +182,8 @@ fn lock<T>(t: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     t.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Records, from a watch, when each pod of `api` matching `labels` is first Running.
+/// Records, from a watch, when each pod of `api` matching `labels` is first seen and first
+/// Running.
 fn track_running(api: Api<Pod>, labels: &str, timeline: Shared) -> tokio::task::JoinHandle<()> {
     let config = watcher::Config::default().labels(labels);
     tokio::spawn(async move {
