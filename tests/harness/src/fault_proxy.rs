@@ -234,34 +234,6 @@ fn counted_since<K: Ord + Clone>(
         .collect()
 }
 
-/// A query parameter's value as written before it was percent-encoded.
-fn percent_decoded(value: &str) -> String {
-    let bytes = value.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = bytes
-            .get(i + 1..i + 3)
-            .and_then(|h| std::str::from_utf8(h).ok())
-            .and_then(|h| u8::from_str_radix(h, 16).ok());
-        match (bytes[i], hex) {
-            (b'%', Some(byte)) => {
-                out.push(byte);
-                i += 3;
-            }
-            (b'+', _) => {
-                out.push(b' ');
-                i += 1;
-            }
-            (byte, _) => {
-                out.push(byte);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
 /// The verbs that change something.
 const WRITES: [&str; 5] = ["create", "update", "patch", "delete", "deletecollection"];
 
@@ -377,11 +349,11 @@ impl Route {
     }
 
     fn of(method: &http::Method, path: &str, query: Option<&str>) -> Self {
+        // The first value of query parameter `name`, decoded.
         let param = |name: &str| {
-            query.and_then(|q| {
-                q.split('&')
-                    .find_map(|pair| pair.strip_prefix(name)?.strip_prefix('='))
-            })
+            form_urlencoded::parse(query.unwrap_or_default().as_bytes())
+                .find(|(key, _)| key == name)
+                .map(|(_, value)| value.into_owned())
         };
         let watch = param("watch").is_some_and(|v| v == "true" || v == "1");
         let segments: Vec<&str> = path.split('/').filter(|s| !s.is_empty()).collect();
@@ -419,7 +391,7 @@ impl Route {
             verb,
             resource,
             resumed_watch,
-            field_selector: param("fieldSelector").map(percent_decoded),
+            field_selector: param("fieldSelector"),
         }
     }
 }
