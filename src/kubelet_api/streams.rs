@@ -324,13 +324,14 @@ pub fn parse_resizes(bytes: &[u8]) -> (Vec<TerminalSize>, usize) {
     (sizes, used)
 }
 
-/// Serves port-forward on `conn`: over one SPDY connection to the lower kubelet, tunnelled
-/// through the lower API server ([`super::tunnel`]), or, where the lower API server does not
-/// tunnel, a WebSocket per forwarded connection ([`port_forward_per_connection`]).
+/// Serves port-forward on `conn`: over one SPDY connection to the lower kubelet, upgraded
+/// or tunnelled through the lower API server ([`super::tunnel`]), or, where the lower API
+/// server takes neither, a WebSocket per forwarded connection
+/// ([`port_forward_per_connection`]).
 pub async fn port_forward(conn: Connection, pods: Api<Pod>, pod: String) {
     match super::tunnel::open(&pods, &pod).await {
-        Ok(lower) => {
-            info!(object = %pod, kind = "Pod", cluster = "lower", "port-forward: tunnelled SPDY to the lower kubelet");
+        Ok((lower, by)) => {
+            info!(object = %pod, kind = "Pod", cluster = "lower", %by, "port-forward: SPDY to the lower kubelet");
             super::tunnel::relay(conn, lower).await;
         }
         Err(error) => {

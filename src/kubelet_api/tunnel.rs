@@ -1,15 +1,17 @@
-//! port-forward over one SPDY connection to the lower kubelet, tunnelled through the lower
-//! API server in a WebSocket (subprotocol `SPDY/3.1+portforward.k8s.io`, the API server's
-//! `PortForwardWebsockets`, on by default since Kubernetes 1.31): the API server passes the
-//! SPDY bytes to the kubelet as they are, so the kubelet handles the stream the direct
-//! path gives it, instead of the WebSocket channel protocol (which costs it twice the CPU).
+//! port-forward over one SPDY connection to the lower kubelet, through the lower API
+//! server: by an HTTP upgrade to `SPDY/3.1` (the API server then passes the bytes on as they
+//! are, the least work for it and for virtual-node), or, where that is refused (a proxy in
+//! front that takes only WebSockets), tunnelled in a WebSocket (subprotocol
+//! `SPDY/3.1+portforward.k8s.io`, the API server's `PortForwardWebsockets`, on by default
+//! since Kubernetes 1.31). Either way the kubelet handles the stream the direct path gives
+//! it, instead of the WebSocket channel protocol (which costs it twice the CPU).
 //!
 //! Each stream kubectl opens upstairs (an `error` and a `data` stream per forwarded
 //! connection) is opened below with the same headers and joined to it both ways, FIN for
 //! FIN and reset for reset: virtual-node keeps its own limits on the upper connection
 //! ([`super::spdy`]) and the kubelet sees what kubectl would have sent it. Where the lower
-//! API server refuses the tunnel (older clusters), [`super::streams::port_forward`] serves
-//! the connection as before (a WebSocket per forwarded connection).
+//! API server takes neither upgrade, [`super::streams::port_forward`] serves the connection
+//! as before (a WebSocket per forwarded connection).
 
 use std::io;
 use std::pin::Pin;
@@ -59,14 +61,14 @@ pub enum TunnelError {
         /// Its message.
         message: String,
     },
-    /// It upgraded, but not to the tunnel.
-    #[error(
-        "lower cluster: port-forward tunnel to {pod}: upgraded to {protocol:?}, not {TUNNEL_PROTOCOL}"
-    )]
+    /// It upgraded, but not to what was asked.
+    #[error("lower cluster: port-forward to {pod} {by}: the answer upgraded to {protocol:?}")]
     Protocol {
         /// The lower pod.
         pod: String,
-        /// The subprotocol it chose.
+        /// The upgrade asked for.
+        by: Upgrade,
+        /// The protocol it chose.
         protocol: Option<String>,
     },
 }
@@ -88,8 +90,67 @@ pub fn accepts_tunnel(headers: &http::HeaderMap, key: &str) -> Result<(), Option
     }
 }
 
-/// Opens the tunnelled SPDY connection to the kubelet of `pod` through the lower API server.
-pub async fn open(pods: &Api<Pod>, pod: &str) -> Result<Connection, TunnelError> {
+/// The SPDY protocol header's value for port-forward (client-go's `PortForwardProtocolV1Name`).
+pub const PORT_FORWARD_PROTOCOL: &str = "portforward.k8s.io";
+/// The header that names the protocol carried on an upgraded SPDY connection.
+const STREAM_PROTOCOL_HEADER: &str = "x-stream-protocol-version";
+
+/// How the SPDY connection to the lower kubelet reaches it through the lower API server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Upgrade {
+    /// An HTTP upgrade to `SPDY/3.1`: the API server passes the bytes as they are, both
+    /// ways (what kubectl did before 1.31, and still does where WebSockets are refused).
+    Spdy,
+    /// A WebSocket carrying the SPDY bytes in binary messages ([`TUNNEL_PROTOCOL`]): for an
+    /// API server, or a proxy in front of it, that does not take the SPDY upgrade.
+    WebSocket,
+}
+
+impl std::fmt::Display for Upgrade {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Upgrade::Spdy => "upgraded to SPDY",
+            Upgrade::WebSocket => "tunnelled in a WebSocket",
+        })
+    }
+}
+
+/// Whether a 101 answer to a SPDY upgrade is one (and carries port-forward, where it says):
+/// pure.
+pub fn accepts_spdy(headers: &http::HeaderMap) -> Result<(), Option<String>> {
+    use http::header::UPGRADE;
+    let upgrade = headers.get(UPGRADE).and_then(|v| v.to_str().ok());
+    let protocol = headers
+        .get(STREAM_PROTOCOL_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim);
+    let spdy = upgrade.is_some_and(|u| u.trim().eq_ignore_ascii_case("SPDY/3.1"));
+    // A kubelet that negotiated nothing (no protocol header) speaks the first version.
+    if spdy && protocol.is_none_or(|p| p == PORT_FORWARD_PROTOCOL) {
+        Ok(())
+    } else {
+        Err(upgrade.map(str::to_owned))
+    }
+}
+
+/// Opens the SPDY connection to the kubelet of `pod` through the lower API server: by a
+/// SPDY upgrade (the API server then only passes bytes on: the least work for it and for
+/// virtual-node), else tunnelled in a WebSocket. Where neither is taken, the error of the
+/// WebSocket's.
+pub async fn open(pods: &Api<Pod>, pod: &str) -> Result<(Connection, Upgrade), TunnelError> {
+    match open_by(pods, pod, Upgrade::Spdy).await {
+        Ok(connection) => Ok((connection, Upgrade::Spdy)),
+        Err(error) => {
+            debug!(object = %pod, kind = "Pod", cluster = "lower", %error, "port-forward: no SPDY upgrade; trying the WebSocket tunnel");
+            let connection = open_by(pods, pod, Upgrade::WebSocket).await?;
+            Ok((connection, Upgrade::WebSocket))
+        }
+    }
+}
+
+/// Opens the SPDY connection to the kubelet of `pod` through the lower API server, `by`
+/// one way.
+pub async fn open_by(pods: &Api<Pod>, pod: &str, by: Upgrade) -> Result<Connection, TunnelError> {
     use http::header::{
         CONNECTION, SEC_WEBSOCKET_KEY, SEC_WEBSOCKET_PROTOCOL, SEC_WEBSOCKET_VERSION, UPGRADE,
     };
@@ -99,11 +160,18 @@ pub async fn open(pods: &Api<Pod>, pod: &str) -> Result<Connection, TunnelError>
     };
     let key = tungstenite::handshake::client::generate_key();
     let request = http::Request::get(format!("{}/{pod}/portforward", pods.resource_url()))
-        .header(CONNECTION, "Upgrade")
-        .header(UPGRADE, "websocket")
-        .header(SEC_WEBSOCKET_VERSION, "13")
-        .header(SEC_WEBSOCKET_PROTOCOL, TUNNEL_PROTOCOL)
-        .header(SEC_WEBSOCKET_KEY, &key)
+        .header(CONNECTION, "Upgrade");
+    let request = match by {
+        Upgrade::Spdy => request
+            .header(UPGRADE, "SPDY/3.1")
+            .header(STREAM_PROTOCOL_HEADER, PORT_FORWARD_PROTOCOL),
+        Upgrade::WebSocket => request
+            .header(UPGRADE, "websocket")
+            .header(SEC_WEBSOCKET_VERSION, "13")
+            .header(SEC_WEBSOCKET_PROTOCOL, TUNNEL_PROTOCOL)
+            .header(SEC_WEBSOCKET_KEY, &key),
+    };
+    let request = request
         .body(kube::client::Body::empty())
         .map_err(|e| failed(e.into()))?;
     let client = pods.clone().into_client();
@@ -125,19 +193,29 @@ pub async fn open(pods: &Api<Pod>, pod: &str) -> Result<Connection, TunnelError>
             message,
         });
     }
-    if let Err(protocol) = accepts_tunnel(response.headers(), &key) {
+    let accepted = match by {
+        Upgrade::Spdy => accepts_spdy(response.headers()),
+        Upgrade::WebSocket => accepts_tunnel(response.headers(), &key),
+    };
+    if let Err(protocol) = accepted {
         return Err(TunnelError::Protocol {
             pod: pod.to_owned(),
+            by,
             protocol,
         });
     }
     let upgraded = hyper::upgrade::on(response)
         .await
         .map_err(|e| failed(e.into()))?;
-    let config = WebSocketConfig::default().read_buffer_size(64 * 1024);
-    let socket =
-        WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Client, Some(config)).await;
-    Ok(Connection::client(TunnelIo::new(socket)))
+    let io = TokioIo::new(upgraded);
+    Ok(match by {
+        Upgrade::Spdy => Connection::client(io),
+        Upgrade::WebSocket => {
+            let config = WebSocketConfig::default().read_buffer_size(64 * 1024);
+            let socket = WebSocketStream::from_raw_socket(io, Role::Client, Some(config)).await;
+            Connection::client(TunnelIo::new(socket))
+        }
+    })
 }
 
 /// A WebSocket as a byte stream: what is written goes out in binary messages, what comes

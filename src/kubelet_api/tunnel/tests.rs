@@ -1,4 +1,4 @@
-//! The tunnel's pieces in process: the 101 check, the WebSocket byte stream, and the relay
+//! The tunnel's pieces in process: the 101 checks, the WebSocket byte stream, and the relay
 //! between an upper SPDY connection and a lower one (a SPDY client standing for kubectl, a
 //! SPDY server for the kubelet).
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
@@ -16,8 +16,9 @@ const KEY: &str = "dGhlIHNhbXBsZSBub25jZQ==";
 const ACCEPT: &str = "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=";
 const WAIT: Duration = Duration::from_secs(10);
 
-/// Sec-WebSocket-Accept, Sec-WebSocket-Protocol, and whether the answer is taken (else the
-/// protocol it named).
+/// Two headers of a 101 answer (Sec-WebSocket-Accept and Sec-WebSocket-Protocol, or
+/// Upgrade and X-Stream-Protocol-Version), and whether the answer is taken (else the
+/// protocol, or upgrade, it named).
 type UpgradeCase = (
     Option<&'static str>,
     Option<&'static str>,
@@ -56,6 +57,34 @@ fn only_an_upgrade_to_the_tunnel_is_taken() {
             want,
             "{accept:?} {protocol:?}"
         );
+    }
+}
+
+#[test]
+fn only_an_upgrade_to_spdy_carrying_port_forward_is_taken() {
+    let cases: [UpgradeCase; 6] = [
+        (Some("SPDY/3.1"), Some(PORT_FORWARD_PROTOCOL), Ok(())),
+        (Some("spdy/3.1"), Some(PORT_FORWARD_PROTOCOL), Ok(())),
+        // A kubelet that negotiated nothing speaks the first version.
+        (Some("SPDY/3.1"), None, Ok(())),
+        (
+            Some("SPDY/3.1"),
+            Some("channel.k8s.io"),
+            Err(Some("SPDY/3.1")),
+        ),
+        (Some("websocket"), None, Err(Some("websocket"))),
+        (None, Some(PORT_FORWARD_PROTOCOL), Err(None)),
+    ];
+    for (upgrade, protocol, want) in cases {
+        let mut headers = HeaderMap::new();
+        if let Some(upgrade) = upgrade {
+            headers.insert(http::header::UPGRADE, upgrade.parse().unwrap());
+        }
+        if let Some(protocol) = protocol {
+            headers.insert("x-stream-protocol-version", protocol.parse().unwrap());
+        }
+        let want = want.map_err(|p| p.map(str::to_owned));
+        assert_eq!(accepts_spdy(&headers), want, "{upgrade:?} {protocol:?}");
     }
 }
 
