@@ -136,10 +136,22 @@ pub fn accepts_spdy(headers: &http::HeaderMap) -> Result<(), Option<String>> {
 /// Opens the SPDY connection to the kubelet of `pod` through the lower API server: by a
 /// SPDY upgrade (the API server then only passes bytes on: the least work for it and for
 /// virtual-node), else tunnelled in a WebSocket. Where neither is taken, the error of the
-/// WebSocket's.
+/// WebSocket's; where the SPDY upgrade is refused as unauthorized, forbidden or not found,
+/// that error.
 pub async fn open(pods: &Api<Pod>, pod: &str) -> Result<(Connection, Upgrade), TunnelError> {
     match open_by(pods, pod, Upgrade::Spdy).await {
         Ok(connection) => Ok((connection, Upgrade::Spdy)),
+        // Whoever may not, or a pod not there, is told so whichever way it asks.
+        Err(error @ TunnelError::Refused { status, .. })
+            if [
+                StatusCode::UNAUTHORIZED,
+                StatusCode::FORBIDDEN,
+                StatusCode::NOT_FOUND,
+            ]
+            .contains(&status) =>
+        {
+            Err(error)
+        }
         Err(error) => {
             debug!(object = %pod, kind = "Pod", cluster = "lower", %error, "port-forward: no SPDY upgrade; trying the WebSocket tunnel");
             let connection = open_by(pods, pod, Upgrade::WebSocket).await?;
