@@ -249,13 +249,10 @@ async fn port_forward_echoes(pair: &ClusterPair, kubeconfig: &Path, ns: &str, na
     forward.stop().await;
 }
 
-#[tokio::test]
-async fn lower_cluster_answers_kubectl_directly() {
-    let pair = ClusterPair::shared().await.unwrap();
+/// A namespace of the lower cluster with the two-container pod `two` in it, Running.
+async fn pod_on_the_lower_cluster(pair: &ClusterPair, prefix: &str) -> (TestNamespace, Api<Pod>) {
     let lower = pair.lower.client().await.unwrap();
-    let ns = TestNamespace::create(&lower, "kubelet-direct")
-        .await
-        .unwrap();
+    let ns = TestNamespace::create(&lower, prefix).await.unwrap();
     let pods: Api<Pod> = Api::namespaced(lower, &ns.name);
     pods.create(&PostParams::default(), &pod("two", two_containers()))
         .await
@@ -270,6 +267,13 @@ async fn lower_cluster_answers_kubectl_directly() {
     })
     .await
     .unwrap();
+    (ns, pods)
+}
+
+#[tokio::test]
+async fn lower_cluster_answers_kubectl_directly() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let (ns, _) = pod_on_the_lower_cluster(pair, "kubelet-direct").await;
     kubectl_reaches_the_pod(pair, pair.lower_kubeconfig(), &ns.name, "two").await;
     port_forward_echoes(pair, pair.lower_kubeconfig(), &ns.name, "two").await;
     tty_and_resize(pair.lower.client().await.unwrap(), &ns.name, "two").await;
@@ -284,24 +288,7 @@ async fn lower_cluster_answers_kubectl_directly() {
 async fn the_lower_kubelet_is_reached_by_a_spdy_upgrade_or_the_websocket_tunnel() {
     use tensile::kubelet_api::tunnel::{Upgrade, open_by};
     let pair = ClusterPair::shared().await.unwrap();
-    let lower = pair.lower.client().await.unwrap();
-    let ns = TestNamespace::create(&lower, "kubelet-upgrade")
-        .await
-        .unwrap();
-    let pods: Api<Pod> = Api::namespaced(lower, &ns.name);
-    pods.create(&PostParams::default(), &pod("two", two_containers()))
-        .await
-        .unwrap();
-    wait_for("pod two Running", TIMEOUT, || async {
-        Ok(pods
-            .get("two")
-            .await
-            .ok()
-            .filter(common::running)
-            .map(|_| ()))
-    })
-    .await
-    .unwrap();
+    let (ns, pods) = pod_on_the_lower_cluster(pair, "kubelet-upgrade").await;
     let headers = |kind: &str| {
         [("streamtype", kind), ("port", "8080"), ("requestid", "0")]
             .map(|(k, v)| (k.to_owned(), v.to_owned()))
