@@ -495,6 +495,11 @@ impl StatusDigest {
         std::mem::size_of_val(&*self.conditions)
     }
 
+    /// How many bytes [`StatusDigest::write_to`] appends.
+    pub fn encoded_len(&self) -> usize {
+        8 + 4 + 16 * self.conditions.len()
+    }
+
     /// Appends it to `out`: `fields`, the number of conditions (4 bytes), and each
     /// condition's two hashes, all little-endian.
     pub fn write_to(&self, out: &mut Vec<u8>) {
@@ -2217,6 +2222,30 @@ mod tests {
                 digest_in_sync(&status_digest(Some(&status)), &status),
                 "{name}: a status is in sync with itself"
             );
+        }
+    }
+
+    #[test]
+    fn a_digest_reads_back_what_it_wrote_in_the_bytes_it_said() {
+        let condition = |kind: &str| json!({"type": kind, "status": "True"});
+        let cases = [
+            json!(null),
+            json!({"phase": "Running"}),
+            json!({"phase": "Running", "conditions": [condition("Ready")]}),
+            json!({"phase": "Running", "podIP": "10.0.0.1", "conditions": [
+                condition("tensile.dev/Mirrored"), condition("PodReadyToStartContainers"),
+                condition("Initialized"), condition("Ready"), condition("ContainersReady"),
+                condition("PodScheduled")]}),
+        ];
+        for status in cases {
+            let status: Option<PodStatus> = serde_json::from_value(status.clone()).unwrap();
+            let digest = status_digest(status.as_ref());
+            let mut bytes = Vec::new();
+            digest.write_to(&mut bytes);
+            assert_eq!(bytes.len(), digest.encoded_len(), "{status:?}");
+            bytes.extend_from_slice(b"rest");
+            let (read, rest) = StatusDigest::read_from(&bytes).unwrap();
+            assert_eq!((read, rest), (digest, &b"rest"[..]), "{status:?}");
         }
     }
 

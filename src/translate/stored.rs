@@ -461,7 +461,9 @@ impl Status {
     /// `digest` and `summary` (packed).
     fn summary(digest: &StatusDigest, summary: Option<PackedStatus>) -> Self {
         let summary = summary.map(PackedStatus::into_bytes).unwrap_or_default();
-        let mut bytes = Vec::with_capacity(SUMMARY_MARK.len() + 12 + 16 * 8 + summary.len());
+        // Exactly: the boxed slice then keeps the allocation (no shrinking copy).
+        let mut bytes =
+            Vec::with_capacity(SUMMARY_MARK.len() + digest.encoded_len() + summary.len());
         bytes.extend_from_slice(&SUMMARY_MARK);
         digest.write_to(&mut bytes);
         bytes.extend_from_slice(&summary);
