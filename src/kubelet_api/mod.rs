@@ -416,7 +416,7 @@ async fn handle(
                 &api,
                 req,
                 &target,
-                "portforward.k8s.io",
+                spdy::PORT_FORWARD_PROTOCOL,
                 move |conn, pods| streams::port_forward(conn, pods, pod),
             )
             .await
@@ -642,7 +642,7 @@ where
         .get(header::UPGRADE)
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default();
-    if !upgrade.eq_ignore_ascii_case("SPDY/3.1") {
+    if !upgrade.eq_ignore_ascii_case(spdy::UPGRADE_TOKEN) {
         return text(
             StatusCode::BAD_REQUEST,
             "this call needs an Upgrade: SPDY/3.1 (or, for exec and attach, websocket) connection",
@@ -650,7 +650,7 @@ where
     }
     let offered: Vec<String> = req
         .headers()
-        .get_all("X-Stream-Protocol-Version")
+        .get_all(spdy::PROTOCOL_HEADER)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(',').map(|p| p.trim().to_owned()))
@@ -682,11 +682,11 @@ where
     let headers = response.headers_mut();
     headers.remove(header::CONTENT_TYPE);
     headers.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
-    headers.insert(header::UPGRADE, HeaderValue::from_static("SPDY/3.1"));
     headers.insert(
-        "X-Stream-Protocol-Version",
-        HeaderValue::from_static(protocol),
+        header::UPGRADE,
+        HeaderValue::from_static(spdy::UPGRADE_TOKEN),
     );
+    headers.insert(spdy::PROTOCOL_HEADER, HeaderValue::from_static(protocol));
     response
 }
 

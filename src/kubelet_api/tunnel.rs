@@ -30,7 +30,10 @@ use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
 use tokio_tungstenite::tungstenite::{self, Message};
 use tracing::{Instrument, debug, debug_span};
 
-use super::spdy::{Connection, PendingStream, Stream, StreamReader, StreamWriter};
+use super::spdy::{
+    Connection, PORT_FORWARD_PROTOCOL, PROTOCOL_HEADER, PendingStream, Stream, StreamReader,
+    StreamWriter, UPGRADE_TOKEN,
+};
 
 /// The WebSocket subprotocol of tunnelled port-forward: SPDY/3.1 carrying
 /// `portforward.k8s.io`, in binary messages.
@@ -90,11 +93,6 @@ pub fn accepts_tunnel(headers: &http::HeaderMap, key: &str) -> Result<(), Option
     }
 }
 
-/// The SPDY protocol header's value for port-forward (client-go's `PortForwardProtocolV1Name`).
-pub const PORT_FORWARD_PROTOCOL: &str = "portforward.k8s.io";
-/// The header that names the protocol carried on an upgraded SPDY connection.
-const STREAM_PROTOCOL_HEADER: &str = "x-stream-protocol-version";
-
 /// How the SPDY connection to the lower kubelet reaches it through the lower API server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Upgrade {
@@ -121,10 +119,10 @@ pub fn accepts_spdy(headers: &http::HeaderMap) -> Result<(), Option<String>> {
     use http::header::UPGRADE;
     let upgrade = headers.get(UPGRADE).and_then(|v| v.to_str().ok());
     let protocol = headers
-        .get(STREAM_PROTOCOL_HEADER)
+        .get(PROTOCOL_HEADER)
         .and_then(|v| v.to_str().ok())
         .map(str::trim);
-    let spdy = upgrade.is_some_and(|u| u.trim().eq_ignore_ascii_case("SPDY/3.1"));
+    let spdy = upgrade.is_some_and(|u| u.trim().eq_ignore_ascii_case(UPGRADE_TOKEN));
     // A kubelet that negotiated nothing (no protocol header) speaks the first version.
     if spdy && protocol.is_none_or(|p| p == PORT_FORWARD_PROTOCOL) {
         Ok(())
@@ -175,8 +173,8 @@ pub async fn open_by(pods: &Api<Pod>, pod: &str, by: Upgrade) -> Result<Connecti
         .header(CONNECTION, "Upgrade");
     let request = match by {
         Upgrade::Spdy => request
-            .header(UPGRADE, "SPDY/3.1")
-            .header(STREAM_PROTOCOL_HEADER, PORT_FORWARD_PROTOCOL),
+            .header(UPGRADE, UPGRADE_TOKEN)
+            .header(PROTOCOL_HEADER, PORT_FORWARD_PROTOCOL),
         Upgrade::WebSocket => request
             .header(UPGRADE, "websocket")
             .header(SEC_WEBSOCKET_VERSION, "13")

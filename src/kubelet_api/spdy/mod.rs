@@ -43,6 +43,14 @@ use tracing::{debug, trace, warn};
 
 use frame::{Frame, FrameDecoder, FrameEncoder, goaway, rst};
 
+/// The `Upgrade` token of an HTTP upgrade to SPDY.
+pub const UPGRADE_TOKEN: &str = "SPDY/3.1";
+/// The header that offers (in a request) and names (in the 101) the protocol carried on an
+/// upgraded SPDY connection.
+pub const PROTOCOL_HEADER: &str = "X-Stream-Protocol-Version";
+/// That protocol for port-forward (client-go's `PortForwardProtocolV1Name`).
+pub const PORT_FORWARD_PROTOCOL: &str = "portforward.k8s.io";
+
 /// Largest DATA frame this server sends; larger writes are split.
 pub const MAX_DATA_FRAME: usize = 32 * 1024;
 /// Bytes received on a connection's streams and not yet read, before the connection stops
