@@ -321,6 +321,14 @@ async fn the_lower_kubelet_is_reached_by_a_spdy_upgrade_or_the_websocket_tunnel(
         assert!(back == message.as_bytes(), "{by}: the echo");
         conn.close().await;
     }
+    // The API server's own refusal (a pod that is not there) is final: not asked again
+    // the other way.
+    let Err(error) = open_by(&pods, "absent", Upgrade::Spdy).await else {
+        panic!("an upgrade to a pod that is not there");
+    };
+    assert!(error.is_final(), "{error}");
+    assert!(error.to_string().contains("404"), "{error}");
+    assert!(error.to_string().contains("\"absent\" not found"), "{error}");
     ns.delete().await.unwrap();
 }
 

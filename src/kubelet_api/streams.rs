@@ -329,7 +329,14 @@ pub fn parse_resizes(bytes: &[u8]) -> (Vec<TerminalSize>, usize) {
 /// server takes neither, a WebSocket per forwarded connection
 /// ([`port_forward_per_connection`]).
 pub async fn port_forward(conn: Connection, pods: Api<Pod>, pod: String) {
-    match super::tunnel::open(&pods, &pod).await {
+    let opened = tokio::select! {
+        opened = super::tunnel::open(&pods, &pod) => opened,
+        () = conn.ended() => {
+            debug!(object = %pod, kind = "Pod", cluster = "lower", "port-forward: the client went away before the lower kubelet was reached");
+            return;
+        }
+    };
+    match opened {
         Ok((lower, by)) => {
             info!(object = %pod, kind = "Pod", cluster = "lower", %by, "port-forward: SPDY to the lower kubelet");
             super::tunnel::relay(conn, lower).await;
@@ -445,17 +452,8 @@ async fn lower_port_forward(
         .await
         .map_err(|e| e.to_string())?;
     if response.status() != http::StatusCode::SWITCHING_PROTOCOLS {
-        let status = response.status();
-        let body = http_body_util::BodyExt::collect(response.into_body())
-            .await
-            .map(|b| b.to_bytes())
-            .unwrap_or_default();
         // The API server's answer is a Status; its message is what the user needs.
-        let message = serde_json::from_slice::<Status>(&body)
-            .ok()
-            .and_then(|s| s.message)
-            .unwrap_or_else(|| String::from_utf8_lossy(&body).into_owned());
-        return Err(format!("{status}: {message}"));
+        return Err(super::tunnel::Refusal::of(response).await.to_string());
     }
     let accept = handshake::derive_accept_key(key.as_bytes());
     if response

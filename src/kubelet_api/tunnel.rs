@@ -40,29 +40,38 @@ use super::spdy::{
 pub const TUNNEL_PROTOCOL: &str = "SPDY/3.1+portforward.k8s.io";
 /// How long the lower kubelet has to answer a stream (the kubelet's own creation timeout).
 const STREAM_REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long the lower API server has to answer one way of opening the connection (kube's
+/// client sets no read timeout: a proxy that takes the request and never answers would
+/// hold the upper connection for good).
+const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
+/// The most of a refusal's body that is read for its message.
+const REFUSAL_BODY_LIMIT: usize = 64 * 1024;
 /// Largest WebSocket message sent toward the lower API server.
 const TUNNEL_MESSAGE: usize = 64 * 1024;
 
-/// Why the tunnel could not be opened.
+/// Why the SPDY connection to the lower kubelet could not be opened.
 #[derive(Debug, thiserror::Error)]
 pub enum TunnelError {
-    /// The request could not be built or sent.
-    #[error("lower cluster: port-forward tunnel to {pod}: {source}")]
+    /// The request could not be built or sent, or was not answered in time.
+    #[error("lower cluster: port-forward to {pod} {by}: {source}")]
     Request {
         /// The lower pod.
         pod: String,
+        /// The upgrade asked for.
+        by: Upgrade,
         /// Why.
         source: Box<dyn std::error::Error + Send + Sync>,
     },
-    /// The lower API server answered without upgrading (it does not tunnel, or refused).
-    #[error("lower cluster: port-forward tunnel to {pod} refused: {status}: {message}")]
+    /// The answer was not an upgrade (the lower API server, or a proxy in front of it,
+    /// does not take this one, or refused the caller or the pod).
+    #[error("lower cluster: port-forward to {pod} {by} refused: {}", .refusal)]
     Refused {
         /// The lower pod.
         pod: String,
-        /// The answer's status.
-        status: StatusCode,
-        /// Its message.
-        message: String,
+        /// The upgrade asked for.
+        by: Upgrade,
+        /// The answer.
+        refusal: Refusal,
     },
     /// It upgraded, but not to what was asked.
     #[error("lower cluster: port-forward to {pod} {by}: the answer upgraded to {protocol:?}")]
@@ -74,6 +83,81 @@ pub enum TunnelError {
         /// The protocol it chose.
         protocol: Option<String>,
     },
+}
+
+impl TunnelError {
+    /// Whether asking again another way would be answered the same ([`Refusal::is_final`]).
+    pub fn is_final(&self) -> bool {
+        matches!(self, TunnelError::Refused { refusal, .. } if refusal.is_final())
+    }
+}
+
+/// An answer that was not an upgrade.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// Its status.
+    pub status: StatusCode,
+    /// Its message: the API server's `Status` message, else the body as text.
+    pub message: String,
+    /// Whether the body was the API server's own `Status` (not a proxy's page).
+    pub from_api_server: bool,
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.status, self.message)
+    }
+}
+
+impl Refusal {
+    /// Reads the answer `status` with `body` (what of it was read): pure.
+    pub fn read(status: StatusCode, body: &[u8]) -> Self {
+        #[derive(serde::Deserialize)]
+        struct ApiStatus {
+            kind: Option<String>,
+            message: Option<String>,
+        }
+        let api = serde_json::from_slice::<ApiStatus>(body)
+            .ok()
+            .filter(|s| s.kind.as_deref() == Some("Status"));
+        let from_api_server = api.is_some();
+        let message = api
+            .and_then(|s| s.message)
+            .unwrap_or_else(|| String::from_utf8_lossy(body).trim().to_owned());
+        Self {
+            status,
+            message,
+            from_api_server,
+        }
+    }
+
+    /// Reads `response`'s body (at most [`REFUSAL_BODY_LIMIT`] of it, within
+    /// [`OPEN_TIMEOUT`]).
+    pub async fn of(response: http::Response<kube::client::Body>) -> Self {
+        let status = response.status();
+        let body = http_body_util::Limited::new(response.into_body(), REFUSAL_BODY_LIMIT);
+        let body = tokio::time::timeout(OPEN_TIMEOUT, http_body_util::BodyExt::collect(body))
+            .await
+            .ok()
+            .and_then(Result::ok)
+            .map(|b| b.to_bytes())
+            .unwrap_or_default();
+        Self::read(status, &body)
+    }
+
+    /// Whether asking again another way would be answered the same: the API server
+    /// itself said the caller may not, or the pod is not there. A proxy's refusal of an
+    /// upgrade it does not pass on (Envoy answers 403 `upgrade_failed` to SPDY while it
+    /// passes WebSockets) is not final.
+    pub fn is_final(&self) -> bool {
+        self.from_api_server
+            && [
+                StatusCode::UNAUTHORIZED,
+                StatusCode::FORBIDDEN,
+                StatusCode::NOT_FOUND,
+            ]
+            .contains(&self.status)
+    }
 }
 
 /// Whether a 101 answer chose the tunnel (and accepted our key): pure.
@@ -114,42 +198,39 @@ impl std::fmt::Display for Upgrade {
 }
 
 /// Whether a 101 answer to a SPDY upgrade is one (and carries port-forward, where it says):
-/// pure.
+/// pure. Else what it upgraded to: the `Upgrade` header, and the protocol header where
+/// that is what is wrong.
 pub fn accepts_spdy(headers: &http::HeaderMap) -> Result<(), Option<String>> {
     use http::header::UPGRADE;
     let upgrade = headers.get(UPGRADE).and_then(|v| v.to_str().ok());
-    let protocol = headers
-        .get(PROTOCOL_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim);
-    let spdy = upgrade.is_some_and(|u| u.trim().eq_ignore_ascii_case(UPGRADE_TOKEN));
+    if !upgrade.is_some_and(|u| u.trim().eq_ignore_ascii_case(UPGRADE_TOKEN)) {
+        return Err(upgrade.map(str::to_owned));
+    }
     // A kubelet that negotiated nothing (no protocol header) speaks the first version.
-    if spdy && protocol.is_none_or(|p| p == PORT_FORWARD_PROTOCOL) {
-        Ok(())
-    } else {
-        Err(upgrade.map(str::to_owned))
+    let Some(protocol) = headers.get(PROTOCOL_HEADER) else {
+        return Ok(());
+    };
+    match protocol.to_str().map(str::trim) {
+        Ok(PORT_FORWARD_PROTOCOL) => Ok(()),
+        Ok(other) => Err(Some(format!(
+            "{UPGRADE_TOKEN} with {PROTOCOL_HEADER} {other}"
+        ))),
+        Err(_) => Err(Some(format!(
+            "{UPGRADE_TOKEN} with an unreadable {PROTOCOL_HEADER}"
+        ))),
     }
 }
 
 /// Opens the SPDY connection to the kubelet of `pod` through the lower API server: by a
 /// SPDY upgrade (the API server then only passes bytes on: the least work for it and for
 /// virtual-node), else tunnelled in a WebSocket. Where neither is taken, the error of the
-/// WebSocket's; where the SPDY upgrade is refused as unauthorized, forbidden or not found,
-/// that error.
+/// WebSocket's; where the API server refuses the SPDY upgrade as unauthorized, forbidden
+/// or not found ([`Refusal::is_final`]), that error, without asking again (the caller's
+/// fallback, a WebSocket per forwarded connection, then reports it on each).
 pub async fn open(pods: &Api<Pod>, pod: &str) -> Result<(Connection, Upgrade), TunnelError> {
     match open_by(pods, pod, Upgrade::Spdy).await {
         Ok(connection) => Ok((connection, Upgrade::Spdy)),
-        // Whoever may not, or a pod not there, is told so whichever way it asks.
-        Err(error @ TunnelError::Refused { status, .. })
-            if [
-                StatusCode::UNAUTHORIZED,
-                StatusCode::FORBIDDEN,
-                StatusCode::NOT_FOUND,
-            ]
-            .contains(&status) =>
-        {
-            Err(error)
-        }
+        Err(error) if error.is_final() => Err(error),
         Err(error) => {
             debug!(object = %pod, kind = "Pod", cluster = "lower", %error, "port-forward: no SPDY upgrade; trying the WebSocket tunnel");
             let connection = open_by(pods, pod, Upgrade::WebSocket).await?;
@@ -159,13 +240,26 @@ pub async fn open(pods: &Api<Pod>, pod: &str) -> Result<(Connection, Upgrade), T
 }
 
 /// Opens the SPDY connection to the kubelet of `pod` through the lower API server, `by`
-/// one way.
+/// one way, within [`OPEN_TIMEOUT`].
 pub async fn open_by(pods: &Api<Pod>, pod: &str, by: Upgrade) -> Result<Connection, TunnelError> {
+    tokio::time::timeout(OPEN_TIMEOUT, open_within(pods, pod, by))
+        .await
+        .unwrap_or_else(|_| {
+            Err(TunnelError::Request {
+                pod: pod.to_owned(),
+                by,
+                source: format!("no answer within {OPEN_TIMEOUT:?}").into(),
+            })
+        })
+}
+
+async fn open_within(pods: &Api<Pod>, pod: &str, by: Upgrade) -> Result<Connection, TunnelError> {
     use http::header::{
         CONNECTION, SEC_WEBSOCKET_KEY, SEC_WEBSOCKET_PROTOCOL, SEC_WEBSOCKET_VERSION, UPGRADE,
     };
     let failed = |source: Box<dyn std::error::Error + Send + Sync>| TunnelError::Request {
         pod: pod.to_owned(),
+        by,
         source,
     };
     let key = tungstenite::handshake::client::generate_key();
@@ -187,20 +281,10 @@ pub async fn open_by(pods: &Api<Pod>, pod: &str, by: Upgrade) -> Result<Connecti
     let client = pods.clone().into_client();
     let response = client.send(request).await.map_err(|e| failed(e.into()))?;
     if response.status() != StatusCode::SWITCHING_PROTOCOLS {
-        let status = response.status();
-        let body = http_body_util::BodyExt::collect(response.into_body())
-            .await
-            .map(|b| b.to_bytes())
-            .unwrap_or_default();
-        let message =
-            serde_json::from_slice::<k8s_openapi::apimachinery::pkg::apis::meta::v1::Status>(&body)
-                .ok()
-                .and_then(|s| s.message)
-                .unwrap_or_else(|| String::from_utf8_lossy(&body).trim().to_owned());
         return Err(TunnelError::Refused {
             pod: pod.to_owned(),
-            status,
-            message,
+            by,
+            refusal: Refusal::of(response).await,
         });
     }
     let accepted = match by {

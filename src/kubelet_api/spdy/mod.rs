@@ -74,6 +74,10 @@ const CONTROL_QUEUE: usize = 64;
 const WRITE_BATCH: usize = 256 * 1024;
 /// Bytes the reader asks the transport for at once (TLS hands over a record at a time).
 const READ_CHUNK: usize = 64 * 1024;
+/// How often a client pings its peer, as client-go's SPDY round tripper does (5 s): an
+/// idle port-forward then outlives the idle timeouts of proxies and load balancers between
+/// virtual-node and the lower API server.
+pub const PING_PERIOD: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// How a stream's receiving half ended; read by [`StreamReader`] once its queue is empty.
 const OPEN: u8 = 0;
@@ -208,6 +212,27 @@ impl PendingStream {
     }
 }
 
+/// Pings the peer every `period` (odd ids: a client's) until the connection ends. The
+/// peer's echoes are read and dropped ([`Reader::handle`]).
+async fn pings(period: std::time::Duration, ctrl: mpsc::Sender<Ctrl>, stop: CancellationToken) {
+    let mut ticks = tokio::time::interval(period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // The first tick is at once: the connection was just opened.
+    ticks.tick().await;
+    let mut id: u32 = 1;
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = ticks.tick() => {}
+        }
+        if ctrl.send(Ctrl::Frame(Frame::Ping { id })).await.is_err() {
+            return;
+        }
+        // Odd ids, wrapping within SPDY's 31 bits.
+        id = if id >= 0x7fff_fffd { 1 } else { id + 2 };
+    }
+}
+
 impl std::fmt::Debug for Connection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Connection").finish_non_exhaustive()
@@ -220,7 +245,7 @@ impl Connection {
     where
         IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
     {
-        Self::start(io, Role::Server)
+        Self::start(io, Role::Server, None)
     }
 
     /// Starts the client's end on `io`: streams are opened with [`Connection::open`]; any the
@@ -229,10 +254,11 @@ impl Connection {
     where
         IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
     {
-        Self::start(io, Role::Client)
+        Self::start(io, Role::Client, Some(PING_PERIOD))
     }
 
-    fn start<IO>(io: IO, role: Role) -> Connection
+    /// Starts `role`'s end on `io`, pinging the peer every `ping` if given.
+    fn start<IO>(io: IO, role: Role, ping: Option<std::time::Duration>) -> Connection
     where
         IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
     {
@@ -255,6 +281,9 @@ impl Connection {
             refused: 0,
         };
         tokio::spawn(reader.run(read_half, stop.clone()));
+        if let Some(period) = ping {
+            tokio::spawn(pings(period, ctrl.clone(), stop.clone()));
+        }
         tokio::spawn(write_loop(
             write_half,
             ctrl_rx,

@@ -33,6 +33,18 @@ impl Peer {
         (peer, Connection::server(server))
     }
 
+    /// The server side of a client [`Connection`] that pings every [`PING`].
+    fn serve() -> (Peer, Connection) {
+        let (client, server) = tokio::io::duplex(1 << 20);
+        let peer = Peer {
+            io: server,
+            enc: FrameEncoder::new().unwrap(),
+            dec: FrameDecoder::new(),
+            buf: BytesMut::new(),
+        };
+        (peer, Connection::start(client, Role::Client, Some(PING)))
+    }
+
     async fn send(&mut self, frame: Frame) {
         let mut wire = Vec::new();
         self.enc.encode(&frame, &mut wire).unwrap();
@@ -866,4 +878,47 @@ async fn a_batch_writes_the_encoded_frames_with_data_payloads_uncopied() {
         batch.clear();
         assert_eq!(batch.len(), 0);
     }
+}
+
+/// A ping period short enough for a test.
+const PING: Duration = Duration::from_millis(50);
+
+#[tokio::test]
+async fn a_client_pings_its_peer_every_period_until_it_ends() {
+    let (mut peer, conn) = Peer::serve();
+    let started = tokio::time::Instant::now();
+    assert_eq!(peer.recv().await, Some(Frame::Ping { id: 1 }));
+    assert!(started.elapsed() >= PING, "{:?}", started.elapsed());
+    // The peer's echo is taken quietly: nothing answers it, and the pings go on.
+    peer.send(Frame::Ping { id: 1 }).await;
+    assert_eq!(peer.recv().await, Some(Frame::Ping { id: 3 }));
+    assert!(started.elapsed() >= 2 * PING, "{:?}", started.elapsed());
+    // A ping of the peer's own (even id) is echoed, among the client's own.
+    peer.send(Frame::Ping { id: 2 }).await;
+    loop {
+        match peer.recv().await {
+            Some(Frame::Ping { id: 2 }) => break,
+            Some(Frame::Ping { id }) if id % 2 == 1 => continue,
+            other => panic!("want the echo of ping 2, got {other:?}"),
+        }
+    }
+    drop(conn);
+    let rest = peer.recv_all().await;
+    assert!(
+        rest.iter().all(|f| !matches!(f, Frame::Ping { .. })),
+        "no ping after the end: {rest:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_server_does_not_ping() {
+    let (mut peer, _conn) = Peer::connect();
+    let quiet = timeout(6 * PING, peer.recv()).await;
+    assert!(quiet.is_err(), "a server sent {quiet:?}");
+}
+
+#[test]
+fn a_client_pings_as_often_as_client_go() {
+    // client-go's SPDY round tripper: `PingPeriod: time.Second * 5`.
+    assert_eq!(PING_PERIOD, Duration::from_secs(5));
 }

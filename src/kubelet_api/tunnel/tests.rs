@@ -70,7 +70,9 @@ fn only_an_upgrade_to_spdy_carrying_port_forward_is_taken() {
         (
             Some("SPDY/3.1"),
             Some("channel.k8s.io"),
-            Err(Some("SPDY/3.1")),
+            Err(Some(
+                "SPDY/3.1 with X-Stream-Protocol-Version channel.k8s.io",
+            )),
         ),
         (Some("websocket"), None, Err(Some("websocket"))),
         (None, Some(PORT_FORWARD_PROTOCOL), Err(None)),
@@ -85,6 +87,102 @@ fn only_an_upgrade_to_spdy_carrying_port_forward_is_taken() {
         }
         let want = want.map_err(|p| p.map(str::to_owned));
         assert_eq!(accepts_spdy(&headers), want, "{upgrade:?} {protocol:?}");
+    }
+    // A protocol header that is not text is not taken for none.
+    let mut headers = HeaderMap::new();
+    headers.insert(http::header::UPGRADE, "SPDY/3.1".parse().unwrap());
+    headers.insert(
+        "x-stream-protocol-version",
+        HeaderValue::from_bytes(b"\xffportforward.k8s.io").unwrap(),
+    );
+    assert_eq!(
+        accepts_spdy(&headers),
+        Err(Some(
+            "SPDY/3.1 with an unreadable X-Stream-Protocol-Version".to_owned()
+        ))
+    );
+}
+
+#[test]
+fn only_the_api_servers_own_refusal_of_the_caller_or_pod_is_final() {
+    let status = |code: u16, reason: &str| {
+        format!(
+            r#"{{"kind":"Status","apiVersion":"v1","status":"Failure","message":"pods \"p\" is {reason}","reason":"{reason}","code":{code}}}"#
+        )
+    };
+    // (status, body, message read, from the API server, final)
+    let cases: [(u16, String, &str, bool, bool); 8] = [
+        (
+            403,
+            status(403, "Forbidden"),
+            "pods \"p\" is Forbidden",
+            true,
+            true,
+        ),
+        (
+            401,
+            status(401, "Unauthorized"),
+            "pods \"p\" is Unauthorized",
+            true,
+            true,
+        ),
+        (
+            404,
+            status(404, "NotFound"),
+            "pods \"p\" is NotFound",
+            true,
+            true,
+        ),
+        // Envoy refusing an upgrade it does not pass on: try the other way.
+        (403, "upgrade_failed".into(), "upgrade_failed", false, false),
+        // A kubelet's own answer passed through: no common protocol.
+        (
+            403,
+            "unable to upgrade: no common protocol\n".into(),
+            "unable to upgrade: no common protocol",
+            false,
+            false,
+        ),
+        (
+            400,
+            status(400, "BadRequest"),
+            "pods \"p\" is BadRequest",
+            true,
+            false,
+        ),
+        (
+            500,
+            status(500, "InternalError"),
+            "pods \"p\" is InternalError",
+            true,
+            false,
+        ),
+        // JSON, but not a Status.
+        (
+            404,
+            r#"{"message":"no route"}"#.into(),
+            r#"{"message":"no route"}"#,
+            false,
+            false,
+        ),
+    ];
+    for (code, body, message, from_api_server, fin) in cases {
+        let refusal = Refusal::read(StatusCode::from_u16(code).unwrap(), body.as_bytes());
+        assert_eq!(refusal.message, message, "{code} {body}");
+        assert_eq!(refusal.from_api_server, from_api_server, "{code} {body}");
+        assert_eq!(refusal.is_final(), fin, "{code} {body}");
+        let error = TunnelError::Refused {
+            pod: "p".into(),
+            by: Upgrade::Spdy,
+            refusal,
+        };
+        assert_eq!(error.is_final(), fin);
+        assert!(
+            error.to_string().starts_with(&format!(
+                "lower cluster: port-forward to p upgraded to SPDY refused: {code} "
+            )),
+            "{error}"
+        );
     }
 }
 
