@@ -328,7 +328,10 @@ async fn the_lower_kubelet_is_reached_by_a_spdy_upgrade_or_the_websocket_tunnel(
     };
     assert!(error.is_final(), "{error}");
     assert!(error.to_string().contains("404"), "{error}");
-    assert!(error.to_string().contains("\"absent\" not found"), "{error}");
+    assert!(
+        error.to_string().contains("\"absent\" not found"),
+        "{error}"
+    );
     ns.delete().await.unwrap();
 }
 

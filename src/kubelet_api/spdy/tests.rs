@@ -22,27 +22,27 @@ struct Peer {
 }
 
 impl Peer {
-    fn connect() -> (Peer, Connection) {
-        let (client, server) = tokio::io::duplex(1 << 20);
-        let peer = Peer {
-            io: client,
+    /// Speaks frames on `io`.
+    fn on(io: DuplexStream) -> Peer {
+        Peer {
+            io,
             enc: FrameEncoder::new().unwrap(),
             dec: FrameDecoder::new(),
             buf: BytesMut::new(),
-        };
-        (peer, Connection::server(server))
+        }
+    }
+
+    /// The client side of a server [`Connection`].
+    fn connect() -> (Peer, Connection) {
+        let (client, server) = tokio::io::duplex(1 << 20);
+        (Peer::on(client), Connection::server(server))
     }
 
     /// The server side of a client [`Connection`] that pings every [`PING`].
     fn serve() -> (Peer, Connection) {
         let (client, server) = tokio::io::duplex(1 << 20);
-        let peer = Peer {
-            io: server,
-            enc: FrameEncoder::new().unwrap(),
-            dec: FrameDecoder::new(),
-            buf: BytesMut::new(),
-        };
-        (peer, Connection::start(client, Role::Client, Some(PING)))
+        let conn = Connection::start(client, Role::Client, Some(PING));
+        (Peer::on(server), conn)
     }
 
     async fn send(&mut self, frame: Frame) {
@@ -663,12 +663,7 @@ async fn write_until_stalled(io: &mut DuplexStream, wire: &[u8]) -> (usize, bool
 async fn unread_data_stops_the_connection_within_its_byte_budget() {
     // A small pipe, so that what the server took is what the client could write.
     let (client, server) = tokio::io::duplex(4096);
-    let mut peer = Peer {
-        io: client,
-        enc: FrameEncoder::new().unwrap(),
-        dec: FrameDecoder::new(),
-        buf: BytesMut::new(),
-    };
+    let mut peer = Peer::on(client);
     let mut conn = Connection::server(server);
     let mut readers = Vec::new();
     for id in (1..=15).step_by(2) {
