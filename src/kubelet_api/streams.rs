@@ -386,8 +386,10 @@ async fn forward_one(
     let (from_client, mut to_client) = data.split();
     let result = async {
         let port = port.ok_or("port-forward: missing or invalid port header")?;
-        let lower = lower_port_forward(&pods, &pod, port)
+        let timeout = super::tunnel::OPEN_TIMEOUT;
+        let lower = tokio::time::timeout(timeout, lower_port_forward(&pods, &pod, port))
             .await
+            .unwrap_or_else(|_| Err(format!("no answer within {timeout:?}")))
             .map_err(|e| format!("lower cluster: port-forward to {pod}:{port}: {e}"))?;
         relay(lower, from_client, &mut to_client).await
     }

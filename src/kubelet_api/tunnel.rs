@@ -40,10 +40,10 @@ use super::spdy::{
 pub const TUNNEL_PROTOCOL: &str = "SPDY/3.1+portforward.k8s.io";
 /// How long the lower kubelet has to answer a stream (the kubelet's own creation timeout).
 const STREAM_REPLY_TIMEOUT: Duration = Duration::from_secs(30);
-/// How long the lower API server has to answer one way of opening the connection (kube's
+/// How long the lower API server has to answer one way of opening a port-forward (kube's
 /// client sets no read timeout: a proxy that takes the request and never answers would
 /// hold the upper connection for good).
-const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
+pub const OPEN_TIMEOUT: Duration = Duration::from_secs(30);
 /// The most of a refusal's body that is read for its message.
 const REFUSAL_BODY_LIMIT: usize = 64 * 1024;
 /// Largest WebSocket message sent toward the lower API server.
@@ -131,15 +131,14 @@ impl Refusal {
         }
     }
 
-    /// Reads `response`'s body (at most [`REFUSAL_BODY_LIMIT`] of it, within
-    /// [`OPEN_TIMEOUT`]).
+    /// Reads `response`'s body (at most [`REFUSAL_BODY_LIMIT`] of it; the caller bounds the
+    /// time, [`OPEN_TIMEOUT`]).
     pub async fn of(response: http::Response<kube::client::Body>) -> Self {
         let status = response.status();
         let body = http_body_util::Limited::new(response.into_body(), REFUSAL_BODY_LIMIT);
-        let body = tokio::time::timeout(OPEN_TIMEOUT, http_body_util::BodyExt::collect(body))
+        let body = http_body_util::BodyExt::collect(body)
             .await
             .ok()
-            .and_then(Result::ok)
             .map(|b| b.to_bytes())
             .unwrap_or_default();
         Self::read(status, &body)
