@@ -53,7 +53,8 @@ enum Command {
         /// Name of the virtual node joining the lower cluster to the upper one.
         #[arg(long, default_value = "vk-node")]
         node_name: String,
-        /// Only the two clusters: no virtual node, no example workload.
+        /// Only the two clusters: no virtual node, no example workload, and no scheduler
+        /// extender (the upper kube-scheduler as it comes).
         #[arg(long)]
         clusters_only: bool,
         /// Lower clusters. Past one, each is joined by `virtual-node join` as a member of
@@ -236,14 +237,24 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
     };
     options.lower.nodes = shape.lower_nodes;
     options.upper.nodes = shape.upper_nodes;
-    // The upper kube-scheduler calls the scheduler extender as the README tells users to
-    // configure it (deploy/scheduler-extender/kube-scheduler-config.yaml): local first.
-    let extender_port = tensile_harness::ports::free_port()?;
-    options.upper.scheduler_config.extend(
-        tensile_harness::scheduler_extender::shipped_scheduler_config(&format!(
-            "http://127.0.0.1:{extender_port}"
-        ))?,
-    );
+    // With virtual nodes, the upper kube-scheduler calls the scheduler extender as the
+    // README tells users to configure it (deploy/scheduler-extender/kube-scheduler-config.yaml):
+    // local first. `--clusters-only` leaves the scheduler as it comes and starts no
+    // extender: configured with the shipped `ignorable: false` and not running, it would
+    // keep every pod Pending, and running, it would fail the virtual node a user then
+    // starts by hand (one it was not given with `--cluster`).
+    let extender_port = match node {
+        Some(_) => {
+            let port = tensile_harness::ports::free_port()?;
+            options.upper.scheduler_config.extend(
+                tensile_harness::scheduler_extender::shipped_scheduler_config(&format!(
+                    "http://127.0.0.1:{port}"
+                ))?,
+            );
+            Some(port)
+        }
+        None => None,
+    };
     // metrics-server in every cluster: `kubectl top` upstairs reads the virtual nodes.
     options.upper.metrics = true;
     options.lower.metrics = true;
@@ -298,9 +309,7 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
         })
         .unwrap_or_default();
     // Before any pod: the upper kube-scheduler waits for the extender (ignorable: false).
-    let extender = if members.is_empty() {
-        None
-    } else {
+    let extender = if let Some(extender_port) = extender_port {
         eprintln!("starting the scheduler extender on 127.0.0.1:{extender_port} ...");
         let clusters: Vec<(String, &Path)> = members
             .iter()
@@ -314,6 +323,8 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
             _ = sigterm.recv() => bail!("interrupted while starting"),
             _ = sigint.recv() => bail!("interrupted while starting"),
         })
+    } else {
+        None
     };
     let virtual_node = if members.is_empty() {
         None

@@ -1,0 +1,204 @@
+//! `tensile-playground` run as a user runs it: the binary with its `--dir`, then `kubectl`
+//! against the kubeconfig it writes there.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use tensile_harness::{Binaries, wait_for};
+
+const PLAYGROUND: &str = env!("CARGO_BIN_EXE_tensile-playground");
+
+/// A running `tensile-playground up`. Dropped (a failed test included), it is taken `down`
+/// and killed if still there, and its directory removed unless `TENSILE_KEEP_STATE` is set.
+struct Playground {
+    dir: PathBuf,
+    up: std::process::Child,
+}
+
+impl Playground {
+    /// Runs `tensile-playground up --dir <temporary> <args>`, its output in
+    /// `<dir>/playground.log`.
+    fn up(args: &[&str]) -> Result<Self> {
+        let dir = tempfile::Builder::new()
+            .prefix("tensile-playground-test-")
+            .tempdir()
+            .context("creating the playground directory")?
+            .keep();
+        let log = std::fs::File::create(dir.join("playground.log"))?;
+        let up = std::process::Command::new(PLAYGROUND)
+            .arg("up")
+            .arg("--dir")
+            .arg(&dir)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {PLAYGROUND}"))?;
+        Ok(Self { dir, up })
+    }
+
+    /// Waits for `<dir>/ready`; fails at once, with the log, if `up` ends first.
+    async fn ready(&mut self, timeout: Duration) -> Result<()> {
+        let ready = self.dir.join("ready");
+        wait_for("tensile-playground up ready", timeout, || {
+            let exited = self.up.try_wait();
+            let ready = ready.exists();
+            async move {
+                if let Some(status) = exited? {
+                    bail!("tensile-playground up ended ({status}) before ready");
+                }
+                Ok(ready.then_some(()))
+            }
+        })
+        .await
+        .with_context(|| self.log_tail())
+    }
+
+    fn kubeconfig(&self, cluster: &str) -> PathBuf {
+        self.dir.join(format!("{cluster}.kubeconfig"))
+    }
+
+    /// The last lines of `up`'s output, for a failure's message.
+    fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(self.dir.join("playground.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        let tail = lines[lines.len().saturating_sub(20)..].join("\n");
+        format!("tensile-playground up's output ends:\n{tail}")
+    }
+
+    /// `tensile-playground down --dir <dir>`, as from another terminal; `up` must then end
+    /// cleanly.
+    async fn down(mut self) -> Result<()> {
+        let down = tokio::process::Command::new(PLAYGROUND)
+            .arg("down")
+            .arg("--dir")
+            .arg(&self.dir)
+            .output()
+            .await?;
+        if !down.status.success() {
+            bail!(
+                "tensile-playground down failed ({}): {}",
+                down.status,
+                String::from_utf8_lossy(&down.stderr)
+            );
+        }
+        let status = wait_for(
+            "tensile-playground up ended",
+            Duration::from_secs(10),
+            || {
+                let exited = self.up.try_wait();
+                async move { Ok(exited?) }
+            },
+        )
+        .await?;
+        if !status.success() {
+            bail!(
+                "tensile-playground up ended with {status}\n{}",
+                self.log_tail()
+            );
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Playground {
+    fn drop(&mut self) {
+        if self.up.try_wait().ok().flatten().is_none() {
+            let _ = std::process::Command::new(PLAYGROUND)
+                .arg("down")
+                .arg("--dir")
+                .arg(&self.dir)
+                .stdout(Stdio::null())
+                .status();
+            let _ = self.up.kill();
+        }
+        let _ = self.up.wait();
+        if std::env::var_os("TENSILE_KEEP_STATE").is_none() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+/// `kubectl --kubeconfig <kubeconfig> <args>`: its stdout, or an error with its stderr.
+async fn kubectl(kubectl: &Path, kubeconfig: &Path, args: &[&str]) -> Result<String> {
+    let output = tokio::process::Command::new(kubectl)
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(args)
+        .output()
+        .await
+        .with_context(|| format!("running {}", kubectl.display()))?;
+    if !output.status.success() {
+        bail!(
+            "kubectl {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+/// `up --clusters-only` is just the two clusters, and their schedulers schedule: a plain
+/// pod created with `kubectl run` in the upper cluster is bound to its regular node. (The
+/// upper kube-scheduler used to call a scheduler extender that this mode never starts,
+/// with `ignorable: false`, so every pod stayed Pending: "connection refused".)
+#[tokio::test(flavor = "multi_thread")]
+async fn clusters_only_schedules_pods_in_the_upper_cluster() -> Result<()> {
+    // Built (once, locked) before the deadline below starts; the playground finds the same.
+    let binaries = tokio::task::spawn_blocking(Binaries::locate).await??;
+    let kubectl_bin = binaries.bin("kubectl");
+    let mut playground = Playground::up(&[
+        "--clusters-only",
+        "--upper-nodes",
+        "1",
+        "--lower-nodes",
+        "1",
+    ])?;
+    playground.ready(Duration::from_secs(180)).await?;
+    let upper = playground.kubeconfig("upper");
+
+    // Retried: the namespace's default ServiceAccount may not exist yet.
+    let run = [
+        "run",
+        "probe",
+        "--image=registry.k8s.io/pause:3.10",
+        "--restart=Never",
+    ];
+    wait_for("kubectl run probe", Duration::from_secs(30), || async {
+        match kubectl(&kubectl_bin, &upper, &run).await {
+            Ok(_) => Ok(Some(())),
+            Err(error) if format!("{error:#}").contains("AlreadyExists") => Ok(Some(())),
+            Err(error) => Err(error),
+        }
+    })
+    .await?;
+    let get = ["get", "pod", "probe", "-o", "jsonpath={.spec.nodeName}"];
+    let scheduled = wait_for(
+        "pod probe scheduled in the upper cluster",
+        Duration::from_secs(30),
+        || async {
+            let node = kubectl(&kubectl_bin, &upper, &get).await?;
+            Ok((!node.trim().is_empty()).then(|| node.trim().to_owned()))
+        },
+    )
+    .await;
+    let node = match scheduled {
+        Ok(node) => node,
+        Err(error) => {
+            let conditions = ["get", "pod", "probe", "-o", "jsonpath={.status.conditions}"];
+            let why = kubectl(&kubectl_bin, &upper, &conditions)
+                .await
+                .unwrap_or_else(|e| format!("{e:#}"));
+            return Err(error.context(format!("pod probe's conditions: {why}")));
+        }
+    };
+    assert_eq!(
+        node, "upper-node-0",
+        "the upper cluster's only regular node"
+    );
+
+    playground.down().await
+}
