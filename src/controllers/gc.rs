@@ -14,7 +14,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::Api;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -24,6 +24,7 @@ use super::pod_watch::PodStores;
 use super::write_budget::{Admission, WriteBudget};
 use super::{Context, Error, api_error};
 use crate::api::{Deleted, delete_exact};
+use crate::node::owner::of_member;
 use crate::side::Side;
 use crate::translate::meta::Owner;
 use crate::translate::stored::{StoredPod, Uid};
@@ -81,6 +82,20 @@ pub fn confirmed_orphan(
         candidate.upper_uid().as_deref(),
         bound.and_then(|p| p.metadata.uid.as_deref()),
     )
+}
+
+/// The node `candidate`'s own upper pod (`live`, its UID the candidate's mark) is bound to
+/// when that node is not one `serves` knows: a virtual node of the member not (yet) among
+/// those it serves (a group admitted late), whose Node must be read before the copy goes.
+pub fn bound_elsewhere<'a>(
+    candidate: &StoredPod,
+    live: Option<&'a Pod>,
+    serves: impl Fn(Option<&str>) -> bool,
+) -> Option<&'a str> {
+    let live = live?;
+    let node = live.spec.as_ref()?.node_name.as_deref()?;
+    let same = candidate.upper_uid().as_deref() == live.metadata.uid.as_deref();
+    (same && !serves(Some(node))).then_some(node)
 }
 
 /// What became of a candidate.
@@ -191,6 +206,21 @@ async fn collect(
     let live = read_upper_pod(&upper_api, name, key).await?;
     if !confirmed_orphan(candidate, live.as_ref(), |node| ctx.serves(node)) {
         return Ok(Collected::Kept);
+    }
+    // Bound to a virtual node of this member that it does not serve yet: kept (the
+    // member serves it once its group is admitted).
+    if let Some(node) = bound_elsewhere(candidate, live.as_ref(), |node| ctx.serves(node)) {
+        let nodes: Api<Node> = Api::all(ctx.upper.clone());
+        let found =
+            nodes
+                .get_opt(node)
+                .await
+                .map_err(api_error(Side::Upper, "reading", "Node", node))?;
+        if found.is_some_and(|n| of_member(&n, &ctx.owner.node)) {
+            debug!(object = %key, kind = "Pod", cluster = "lower", %node,
+                "not an orphan: its upper pod is bound to a virtual node of this member it does not serve yet");
+            return Ok(Collected::Kept);
+        }
     }
     let lower_api: Api<Pod> = Api::namespaced(ctx.lower.clone(), namespace);
     let deleted = delete_exact(&lower_api, name, Some(uid.to_owned()), None)
@@ -350,6 +380,53 @@ mod tests {
         for (name, candidate, live, want) in cases {
             assert_eq!(
                 confirmed_orphan(&candidate, live.as_ref(), |node| node == Some("vk")),
+                want,
+                "{name}"
+            );
+        }
+    }
+
+    /// A candidate whose own upper pod is bound to a node the member does not serve (yet)
+    /// is named for a read of that Node; one bound where it serves, a pod replaced upstairs
+    /// or gone, is not.
+    #[test]
+    fn a_pod_bound_to_a_node_not_served_yet_is_looked_at_before_it_goes() {
+        let upper = |uid: &str, node: &str| -> Pod {
+            serde_json::from_value(json!({
+                "metadata": {"name": "a", "namespace": "ns", "uid": uid},
+                "spec": {"containers": [], "nodeName": node},
+            }))
+            .unwrap()
+        };
+        let cases: Vec<(&str, Arc<StoredPod>, Option<Pod>, Option<&str>)> = vec![
+            (
+                "its pod on a group node admitted late",
+                lower("a", "ns", "vk", Some("u-a"), false),
+                Some(upper("u-a", "vk-zone-b")),
+                Some("vk-zone-b"),
+            ),
+            (
+                "its pod on a node served",
+                lower("a", "ns", "vk", Some("u-a"), false),
+                Some(upper("u-a", "vk")),
+                None,
+            ),
+            (
+                "another pod of its name elsewhere",
+                lower("a", "ns", "vk", Some("u-old"), false),
+                Some(upper("u-new", "vk-zone-b")),
+                None,
+            ),
+            (
+                "no upper pod",
+                lower("a", "ns", "vk", Some("u-a"), false),
+                None,
+                None,
+            ),
+        ];
+        for (name, candidate, live, want) in cases {
+            assert_eq!(
+                bound_elsewhere(&candidate, live.as_ref(), |node| node == Some("vk")),
                 want,
                 "{name}"
             );

@@ -38,6 +38,7 @@ use self::references::References;
 use self::write_budget::{Admission, LONGEST_DELAY, QUIET, WriteBudget};
 use crate::lower_view::NamespaceView;
 use crate::metrics::Metrics;
+use crate::node::Cordons;
 use crate::node::burst::Burst;
 use crate::side::Side;
 use crate::translate::TranslateError;
@@ -192,9 +193,9 @@ pub struct Context {
     pub namespaces: Option<Arc<NamespaceView>>,
     /// The member's burst priority and share, as they change.
     pub bursting: watch::Receiver<Burst>,
-    /// Whether the virtual node is cordoned (`spec.unschedulable`), as it changes: nothing
-    /// new is created below while it is.
-    pub cordoned: watch::Receiver<bool>,
+    /// The virtual nodes' cordons (`spec.unschedulable`): nothing new is created below for
+    /// a pod whose own node is cordoned ([`Context::node_cordoned`]).
+    pub cordons: Arc<Cordons>,
     /// A member of `node` or `label=<key>` granularity: its virtual nodes (the upper pods
     /// bound to any of them are its own). `None`: the one node `owner.node`.
     pub groups: Option<Arc<crate::node::groups::GroupNodes>>,
@@ -230,7 +231,7 @@ impl Context {
             tokens: None,
             namespaces: None,
             bursting: watch::channel(Burst::default()).1,
-            cordoned: watch::channel(false).1,
+            cordons: Arc::default(),
             groups: None,
         }
     }
@@ -255,15 +256,17 @@ impl Context {
         groups.confinement(node?)
     }
 
-    /// The same context, following the member's burst settings and its node's cordon.
-    pub fn bursting(
-        mut self,
-        bursting: watch::Receiver<Burst>,
-        cordoned: watch::Receiver<bool>,
-    ) -> Self {
+    /// The same context, following the member's burst settings and its nodes' cordons.
+    pub fn bursting(mut self, bursting: watch::Receiver<Burst>, cordons: Arc<Cordons>) -> Self {
         self.bursting = bursting;
-        self.cordoned = cordoned;
+        self.cordons = cordons;
         self
+    }
+
+    /// Whether `node`, a pod's node (one of the member's), is cordoned: its pods get no
+    /// new lower copy.
+    pub fn node_cordoned(&self, node: Option<&str>) -> bool {
+        self.cordons.is_cordoned(node.unwrap_or(&self.owner.node))
     }
 
     /// The same context, its lower client speaking through the namespace mapping `view`.

@@ -309,7 +309,7 @@ pub async fn run(
     let queue = PodQueue::measured(&pod_ctx.ctx.metrics, &pod_ctx.ctx.owner.node, "pod queue");
     // An uncordon, or a new burst priority, concerns every pod: each is looked at again.
     let every_pod = wake_every_pod(
-        pod_ctx.ctx.cordoned.clone(),
+        pod_ctx.ctx.cordons.lifted(),
         pod_ctx.ctx.bursting.clone(),
         pod_ctx.upper_pods.clone(),
     );
@@ -337,24 +337,26 @@ pub async fn run(
     .await;
 }
 
-/// Every pod of `upper` each time the node is uncordoned or its burst priority changes.
+/// Every pod of `upper` each time a node is uncordoned (`lifted`) or the burst priority
+/// changes.
 fn wake_every_pod(
-    cordoned: watch::Receiver<bool>,
+    lifted: watch::Receiver<u64>,
     bursting: watch::Receiver<Burst>,
     upper: PodStore,
 ) -> impl futures::Stream<Item = Arc<StoredPod>> + Send + 'static {
     let priority = bursting.borrow().priority;
-    let state = (cordoned, priority, bursting, true, true);
+    let state = (lifted, priority, bursting, true, true);
     let changes = futures::stream::unfold(state, |mut state| async move {
         loop {
-            let (cordoned, priority, bursting, cordon_open, bursting_open) = &mut state;
+            let (lifted, priority, bursting, cordon_open, bursting_open) = &mut state;
             if !*cordon_open && !*bursting_open {
                 return None;
             }
             tokio::select! {
-                changed = cordoned.changed(), if *cordon_open => {
+                changed = lifted.changed(), if *cordon_open => {
                     *cordon_open = changed.is_ok();
-                    if changed.is_ok() && !*cordoned.borrow_and_update() {
+                    lifted.mark_unchanged();
+                    if changed.is_ok() {
                         return Some(((), state));
                     }
                 }
@@ -417,14 +419,13 @@ async fn write_deletion_cost(stored: &StoredPod, cost: i32, ctx: &Context) -> Re
     }
 }
 
-/// Holds back the lower copy of `upper` while the node is cordoned: said in an Event on
-/// the pod (it stays Pending; an uncordon wakes it).
-async fn hold_while_cordoned(upper: &Pod, ctx: &Context, key: &str) {
-    info!(object = %key, kind = "Pod", cluster = "upper", "node cordoned: not creating the lower pod");
+/// Holds back the lower copy of `upper` while its node `node` is cordoned: said in an
+/// Event on the pod (it stays Pending; an uncordon wakes it).
+async fn hold_while_cordoned(upper: &Pod, ctx: &Context, key: &str, node: &str) {
+    info!(object = %key, kind = "Pod", cluster = "upper", %node, "node cordoned: not creating the lower pod");
     let note = format!(
-        "virtual node {} is cordoned (spec.unschedulable): the pod is not created in the \
-         lower cluster until the node is uncordoned",
-        ctx.owner.node
+        "virtual node {node} is cordoned (spec.unschedulable): the pod is not created in the \
+         lower cluster until the node is uncordoned"
     );
     ctx.warn_on(upper, NODE_CORDONED, note).await;
 }
@@ -535,7 +536,10 @@ async fn reconcile_pod(
                 "deleting a lower pod left by an earlier pod of this name"
             );
         }
-        Step::Create if *ctx.cordoned.borrow() => hold_while_cordoned(upper, ctx, key).await,
+        Step::Create if ctx.node_cordoned(pod_node(upper)) => {
+            let node = pod_node(upper).unwrap_or(&ctx.owner.node);
+            hold_while_cordoned(upper, ctx, key, node).await;
+        }
         Step::Create => create(upper, pc, &lower_api, key).await?,
         Step::MarkFailed => match reclaim(upper, pc, &lower_api, key).await? {
             Found::Copy | Found::OursInTransit => {}
@@ -1448,4 +1452,9 @@ mod tests {
             );
         }
     }
+}
+
+/// The node `pod` is bound to.
+fn pod_node(pod: &Pod) -> Option<&str> {
+    pod.spec.as_ref().and_then(|s| s.node_name.as_deref())
 }

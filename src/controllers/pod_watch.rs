@@ -228,9 +228,50 @@ fn keep_if_departed(
 
 /// Sets up the watches: upper pods with `spec.nodeName=<node>` (in `--namespace` if
 /// given; routed from the shared watch in a federated process), lower pods labelled as
-/// this node's.
-pub fn watches(ctx: &Context) -> PodWatches {
-    let upper_watch = match &ctx.upper_watches {
+/// this node's. With node granularity, each change of `replay` starts the upper watch
+/// anew (a fresh list): a virtual node with pods joined the member after it listed.
+pub fn watches(ctx: &Arc<Context>, replay: watch::Receiver<u64>) -> PodWatches {
+    let upper_watch = match &ctx.groups {
+        None => upper_pod_watch(ctx),
+        Some(_) => {
+            let ctx = ctx.clone();
+            relisted(move || upper_pod_watch(&ctx), replay)
+        }
+    };
+    lower_and_stores(ctx, upper_watch)
+}
+
+type PodEvents = futures::stream::BoxStream<'static, Result<watcher::Event<Pod>, watcher::Error>>;
+
+/// The stream `make` gives, made again (from its first list) each time `replay` changes.
+fn relisted(
+    make: impl Fn() -> PodEvents + Send + 'static,
+    replay: watch::Receiver<u64>,
+) -> PodEvents {
+    futures::stream::unfold(
+        (make(), replay, true, make),
+        |(mut events, mut replay, mut open, make)| async move {
+            loop {
+                tokio::select! {
+                    changed = replay.changed(), if open => {
+                        open = changed.is_ok();
+                        if open {
+                            replay.mark_unchanged();
+                            events = make();
+                        }
+                    }
+                    event = events.next() => return event.map(|e| (e, (events, replay, open, make))),
+                }
+            }
+        },
+    )
+    .boxed()
+}
+
+/// The member's upper pod watch: its node's pods, or its virtual nodes' (node
+/// granularity).
+fn upper_pod_watch(ctx: &Context) -> PodEvents {
+    match &ctx.upper_watches {
         Some(shared) => match &ctx.groups {
             None => shared.pods.subscribe(&ctx.owner.node),
             // Node granularity: the pods of every one of the member's virtual nodes.
@@ -273,7 +314,11 @@ pub fn watches(ctx: &Context) -> PodWatches {
                 }
             }
         }
-    };
+    }
+}
+
+/// The lower pod watch and both stores, the upper fed by `upper_watch`.
+fn lower_and_stores(ctx: &Context, upper_watch: PodEvents) -> PodWatches {
     let lower_watch = watcher::watcher(
         Api::all(ctx.lower.clone()),
         watcher::Config::default().labels(&ctx.owner.selector()),

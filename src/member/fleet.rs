@@ -26,7 +26,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, info, info_span, warn};
 
-use super::leave::{self, Bound, LeaveError};
+use super::leave::{self, Bound, LeaveError, MemberNode};
 use crate::clusters::HeartbeatClients;
 use crate::kubelet_api::node_ports::{self, GroupPorts};
 use crate::node::burst::Burst;
@@ -34,6 +34,7 @@ use crate::node::groups::{
     Granularity, GroupNodes, GroupOffer, LeftBehind, MEMBER_NODE_LABEL, group_requirement,
     left_behind, lower_selector,
 };
+use crate::node::owner::{Holding, NodeOwner};
 use crate::node::spec::{LowerReadiness, NodeConfig};
 use crate::node::{self, CORDONED_BY_ANNOTATION, CORDONED_BY_LEAVE, SharedBeat};
 
@@ -65,6 +66,12 @@ pub struct Fleet {
     /// Virtual nodes of an earlier run whose group is gone ([`find_left_behind`]):
     /// drained and deleted unless their group is back.
     pub left_behind: Vec<LeftBehind>,
+    /// The virtual nodes' cordons, as the member's pods read them: each node's recorded
+    /// at its registration.
+    pub cordons: Arc<node::Cordons>,
+    /// Asks the member's upper pod watch to list again (a Node that has pods joined the
+    /// member's virtual nodes after it listed).
+    pub replay: watch::Sender<u64>,
 }
 
 /// One registered virtual node.
@@ -74,6 +81,8 @@ struct Running {
     capacity: watch::Sender<Option<BTreeMap<String, Quantity>>>,
     readiness: watch::Sender<LowerReadiness>,
     cordoned_below: bool,
+    /// The lower labels its group agrees on, as last written.
+    labels: BTreeMap<String, String>,
     stop: CancellationToken,
     /// Its own kubelet port (`--kubelet-port-range`), if it has one.
     port: Option<u16>,
@@ -116,7 +125,7 @@ const LEFT_BEHIND_TRIES: usize = 4;
 /// failing is logged: those Nodes stay until the next start.
 pub async fn find_left_behind(
     upper: &Client,
-    base: &str,
+    (base, owner): (&str, &NodeOwner),
     granularity: &Granularity,
     offers: &BTreeMap<String, GroupOffer>,
     nodes: &GroupNodes,
@@ -142,6 +151,11 @@ pub async fn find_left_behind(
             }
         }
     };
+    // Only the member's own: a Node labelled with its name by anyone else stays.
+    let listed: Vec<Node> = listed
+        .into_iter()
+        .filter(|n| owner.holding(n).is_ours())
+        .collect();
     let found = left_behind(granularity, offers, &listed);
     for node in &found {
         info!(node = %node.name, group = %node.key, cluster = "upper",
@@ -238,6 +252,18 @@ impl Fleet {
                         r.cordoned_below = offer.group.cordoned;
                         self.cordon_below(&r.name, &r.uid, r.cordoned_below).await;
                     }
+                    if r.labels != offer.group.labels {
+                        let config = self.group_config(key, offer, r.port);
+                        let priority = bursting.borrow().priority;
+                        // Tried again at the next change of the offers.
+                        match node::relabel(&self.upper, &config, &r.uid, priority).await {
+                            Ok(()) => r.labels = offer.group.labels.clone(),
+                            Err(error) => {
+                                warn!(%error, node = %r.name, group = %key, cluster = "upper",
+                                "updating the virtual node's labels to what its group agrees on")
+                            }
+                        }
+                    }
                     continue;
                 }
                 if retrying.get(key).is_some_and(|r| r.at > Instant::now()) {
@@ -320,6 +346,7 @@ impl Fleet {
                     key: key.clone(),
                     name: name.clone(),
                     uid,
+                    owner: self.base.owner.clone(),
                     keep_alive: node.as_ref().map(|n| n.stop.clone()),
                     bound: Bound {
                         until: Instant::now() + self.drain_timeout,
@@ -444,9 +471,11 @@ impl Fleet {
         (upper_beat, lower_beat): &(SharedBeat, SharedBeat),
         stop: CancellationToken,
     ) -> Result<(Running, impl Future<Output = ()> + Send + 'static), String> {
-        let confinement = group_requirement(&self.granularity, key);
-        let lower_selector = confinement.as_ref().map(lower_selector);
-        self.nodes.insert(&offer.group.name, confinement);
+        // A name the member's pod watch did not know when it listed (a group admitted
+        // late): pods bound to its Node from an earlier run are handed to it again.
+        let known = self.nodes.contains(&offer.group.name);
+        self.nodes
+            .insert(&offer.group.name, group_requirement(&self.granularity, key));
         let listening = match (&self.ports, port) {
             (Some(ports), Some(port)) => {
                 node_ports::listen(ports, port, taken, &offer.group.name, stop.clone()).await
@@ -454,24 +483,26 @@ impl Fleet {
             _ => None,
         };
         let own_port = listening.as_ref().map(|(port, _)| *port);
-        let config = NodeConfig {
-            name: offer.group.name.clone(),
-            group_labels: offer.group.labels.clone(),
-            lower_selector,
-            kubelet_port: own_port.map_or(self.base.kubelet_port, i32::from),
-            ..self.base.clone()
-        };
+        let config = self.group_config(key, offer, own_port);
         let bursting = self.bursting.borrow().clone();
         let offered = bursting.share.cap(part);
         let readiness = LowerReadiness::of_group(key, offer.group.ready);
-        let registered = node::register_as(&self.upper, &config, &offered, &readiness, &bursting)
-            .await
-            .map_err(|e| format!("node {} (group {key}): {e}", config.name))?;
+        let (registered, created) =
+            node::register_as(&self.upper, &config, &offered, &readiness, &bursting)
+                .await
+                .map_err(|e| format!("node {} (group {key}): {e}", config.name))?;
+        if !known && !created {
+            info!(node = %config.name, group = %key, cluster = "upper",
+                "a virtual node of an earlier run joins the member late: listing its pods again");
+            self.replay.send_modify(|n| *n = n.wrapping_add(1));
+        }
         info!(node = %config.name, group = %key, kubelet_port = config.kubelet_port, "virtual node registered");
         if let (Some(ports), None) = (&self.ports, own_port) {
             no_port_left(ports, &registered, self.base.kubelet_port).await;
         }
         let uid = registered.metadata.uid.clone().unwrap_or_default();
+        self.cordons
+            .set(&config.name, node::resources::node_cordoned(&registered));
         // The cordon a lower cordon made is followed from now on: made if the group is
         // cordoned, lifted if it no longer is (an earlier run's).
         if offer.group.cordoned || cordoned_by(&registered, CORDONED_BY_LOWER) {
@@ -508,11 +539,25 @@ impl Fleet {
                 capacity,
                 readiness,
                 cordoned_below: offer.group.cordoned,
+                labels: offer.group.labels.clone(),
                 stop,
                 port: own_port,
             },
             beat,
         ))
+    }
+
+    /// The Node of group `key` as `offer` shows it, on its own kubelet port `port` if it
+    /// has one.
+    fn group_config(&self, key: &str, offer: &GroupOffer, port: Option<u16>) -> NodeConfig {
+        let confinement = group_requirement(&self.granularity, key);
+        NodeConfig {
+            name: offer.group.name.clone(),
+            group_labels: offer.group.labels.clone(),
+            lower_selector: confinement.as_ref().map(lower_selector),
+            kubelet_port: port.map_or(self.base.kubelet_port, i32::from),
+            ..self.base.clone()
+        }
     }
 
     /// Cordons the virtual node `name` (`uid` as the precondition), marked `by`.
@@ -598,14 +643,56 @@ struct GroupDrain {
     recorder: Recorder,
     key: String,
     name: String,
-    /// The Node registered (`None`: an earlier run's, its UID read).
+    /// The Node registered (`None`: a Node of that name from an earlier run, drained only
+    /// if it is the member's).
     uid: Option<String>,
+    /// The member, whose Node alone is drained.
+    owner: NodeOwner,
     /// Stops the Node's keep-alive, once its pods are gone and before it is deleted.
     keep_alive: Option<CancellationToken>,
     bound: Bound,
 }
 
 impl GroupDrain {
+    /// The Node to drain: the one registered, or (an earlier run's, unregistered in this
+    /// one) the Node of the name, read (with backoff), if it is the member's; `None` when
+    /// there is none of the member's, or `stop` fired.
+    async fn member_node(&self, stop: &CancellationToken) -> Option<MemberNode> {
+        if let Some(uid) = &self.uid {
+            return Some(MemberNode {
+                name: self.name.clone(),
+                uid: uid.clone(),
+            });
+        }
+        let nodes: Api<Node> = Api::all(self.upper.clone());
+        let mut delays = register_delays();
+        loop {
+            match nodes.get_opt(&self.name).await {
+                Ok(None) => return None,
+                Ok(Some(found)) => {
+                    if let Holding::Another(holder) = self.owner.holding(&found) {
+                        info!(%holder, cluster = "upper",
+                            "group gone below: the Node of its name is not this member's: nothing to drain");
+                        return None;
+                    }
+                    return Some(MemberNode {
+                        name: self.name.clone(),
+                        uid: found.metadata.uid?,
+                    });
+                }
+                Err(error) => {
+                    let delay = delays.next().unwrap_or(MAX_REGISTER_DELAY);
+                    warn!(%error, cluster = "upper", retry_in = ?delay,
+                        "reading the Node of a group gone below; trying again");
+                    tokio::select! {
+                        () = stop.cancelled() => return None,
+                        () = tokio::time::sleep(delay) => {}
+                    }
+                }
+            }
+        }
+    }
+
     /// [`GroupDrain::drain`] until `stop` fires, which ends it at once, even in the middle
     /// of a call (an eviction a disruption budget refuses is retried within the client
     /// for minutes): what it did is read from the cluster by whoever comes next.
@@ -621,11 +708,17 @@ impl GroupDrain {
     /// its UID) and forgets its name, once its pods (and so their lower copies) are gone.
     /// A failure is tried again with backoff; returns when done or when `stop` fires.
     async fn drain(&self, stop: &CancellationToken) {
+        let Some(member_node) = self.member_node(stop).await else {
+            if !stop.is_cancelled() {
+                self.nodes.remove(&self.name);
+            }
+            return;
+        };
         let object = ObjectReference {
             api_version: Some("v1".into()),
             kind: Some("Node".into()),
             name: Some(self.name.clone()),
-            uid: self.uid.clone(),
+            uid: Some(member_node.uid.clone()),
             ..ObjectReference::default()
         };
         info!(
@@ -648,7 +741,7 @@ impl GroupDrain {
             let done = async {
                 leave::drain(
                     &self.upper,
-                    &self.name,
+                    &member_node,
                     self.bound,
                     (&self.recorder, &object),
                     stop,
@@ -660,7 +753,7 @@ impl GroupDrain {
                 if let Some(keep_alive) = &self.keep_alive {
                     keep_alive.cancel();
                 }
-                leave::delete_node_of(&self.upper, &self.name, self.uid.as_deref()).await
+                leave::delete_node_of(&self.upper, &self.name, &member_node.uid).await
             }
             .await;
             let error = match done {

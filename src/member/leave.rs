@@ -36,6 +36,7 @@ use tracing::{info, warn};
 
 use crate::api::{delete_exact, is_status};
 use crate::duration::format_duration;
+use crate::node::owner::{Holding, NodeOwner};
 use crate::translate::deps::{DependencyKind, pod_dependencies};
 use crate::translate::meta::{OWNER_NODE_LABEL, Owner, UPPER_CLUSTER_LABEL};
 
@@ -155,16 +156,25 @@ pub(super) async fn say(
 /// lower cluster still answers, go with the lower cleanup), said in an Event on `object`.
 pub async fn drain(
     upper: &Client,
-    node: &str,
+    member_node: &MemberNode,
     bound: Bound,
     (recorder, object): (&Recorder, &ObjectReference),
     shutdown: &CancellationToken,
 ) -> Result<(), LeaveError> {
+    let node = member_node.name.as_str();
     let nodes: Api<Node> = Api::all(upper.clone());
     let found = nodes
         .get_opt(node)
         .await
         .map_err(upper_error("reading node", node))?;
+    // Another Node of that name now (the member's was deleted): not this drain's.
+    if found
+        .as_ref()
+        .is_some_and(|f| f.metadata.uid.as_deref() != Some(member_node.uid.as_str()))
+    {
+        info!(%node, cluster = "upper", "the Node drained is gone and another of that name is there: left as it is");
+        return Ok(());
+    }
     // A user's cordon (or none to make: the Node is gone) is left as it is, unmarked.
     if let Some(found) = found.filter(|n| !crate::node::resources::node_cordoned(n)) {
         let cordoned = nodes
@@ -457,55 +467,70 @@ where
     }
 }
 
-/// The virtual nodes of the member whose `--nodename` is `node`: `node` itself, and with
-/// `node` or `label=<key>` granularity each group's node (labelled
-/// [`crate::node::groups::MEMBER_NODE_LABEL`] with `node`).
-pub async fn member_nodes(upper: &Client, node: &str) -> Result<Vec<String>, LeaveError> {
+/// A virtual node of a leaving member, as read: its drain and deletion are of that Node
+/// only.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MemberNode {
+    /// The Node's name.
+    pub name: String,
+    /// Its UID.
+    pub uid: String,
+}
+
+/// The virtual nodes the member `owner` (`--nodename` `node`) registered: `node` itself,
+/// and with `node` or `label=<key>` granularity each group's node (labelled
+/// [`crate::node::groups::MEMBER_NODE_LABEL`] with `node`), each only if it is the
+/// member's ([`NodeOwner::holding`]): another's Node of such a name is never drained.
+pub async fn member_nodes(
+    upper: &Client,
+    node: &str,
+    owner: &NodeOwner,
+) -> Result<Vec<MemberNode>, LeaveError> {
     let nodes: Api<Node> = Api::all(upper.clone());
     let groups = ListParams::default().labels(&format!(
         "{}={node}",
         crate::node::groups::MEMBER_NODE_LABEL
     ));
-    let mut names: Vec<String> = nodes
-        .list_metadata(&groups)
+    let mut found: Vec<Node> = nodes
+        .list(&groups)
         .await
         .map_err(upper_error("listing the virtual nodes of member", node))?
-        .items
+        .items;
+    if !found
         .iter()
-        .map(ResourceExt::name_any)
-        .collect();
-    names.insert(0, node.to_owned());
-    names.dedup();
-    Ok(names)
-}
-
-/// Deletes the Node `node` (under its UID, if it still is the one read) and its Lease in
-/// `kube-node-lease`.
-pub async fn delete_node(upper: &Client, node: &str) -> Result<(), LeaveError> {
-    delete_node_of(upper, node, None).await
-}
-
-/// [`delete_node`] under `uid` when given (the Node a fleet registered: one of that name
-/// registered since is left alone), else under the UID read.
-pub async fn delete_node_of(
-    upper: &Client,
-    node: &str,
-    uid: Option<&str>,
-) -> Result<(), LeaveError> {
-    let nodes: Api<Node> = Api::all(upper.clone());
-    let uid = match uid {
-        Some(uid) => Some(uid.to_owned()),
-        None => nodes
+        .any(|n| n.metadata.name.as_deref() == Some(node))
+        && let Some(own) = nodes
             .get_opt(node)
             .await
             .map_err(upper_error("reading node", node))?
-            .and_then(|found| found.uid()),
-    };
-    if uid.is_some() {
-        delete_exact(&nodes, node, uid.clone(), None)
-            .await
-            .map_err(upper_error("deleting node", node))?;
+    {
+        found.insert(0, own);
     }
+    Ok(found
+        .into_iter()
+        .filter_map(|found| {
+            let name = found.name_any();
+            if let Holding::Another(holder) = owner.holding(&found) {
+                warn!(node = %name, %holder, cluster = "upper",
+                    "member leaving: the Node of this name is not its own: left as it is");
+                return None;
+            }
+            Some(MemberNode {
+                uid: found.uid()?,
+                name,
+            })
+        })
+        .collect())
+}
+
+/// Deletes the Node `node` of `uid` (the member's, [`member_nodes`]: one of that name
+/// registered since is left alone) and its Lease in `kube-node-lease`.
+pub async fn delete_node_of(upper: &Client, node: &str, uid: &str) -> Result<(), LeaveError> {
+    let nodes: Api<Node> = Api::all(upper.clone());
+    let uid = Some(uid.to_owned());
+    delete_exact(&nodes, node, uid.clone(), None)
+        .await
+        .map_err(upper_error("deleting node", node))?;
     let leases: Api<Lease> = Api::namespaced(upper.clone(), crate::node::LEASE_NAMESPACE);
     // The Lease of a Node of that name registered since (owned by another UID) stays.
     let of_another = |lease: &Lease| {

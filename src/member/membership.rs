@@ -36,6 +36,7 @@ use tracing::{Instrument, error, info, info_span, warn};
 use super::spec::{self, BadMember, Defaults, MEMBER_FINALIZER, MEMBER_LABEL, MemberSecret};
 use super::{LowerCheck, MemberSpec, Shared, leave};
 use crate::node::groups::{GRANULARITY_ANNOTATION, Granularity};
+use crate::node::owner::{Holding, NodeOwner};
 use crate::translate::meta::Owner;
 
 /// Recorded on a member Secret when its member joins: the node it joined as. A changed
@@ -341,7 +342,7 @@ impl Membership {
                     continue;
                 }
             };
-            if let Err(why) = self.node_is_ours_to_take(&member.node).await {
+            if let Err(why) = self.node_is_ours_to_take(&member.node, &secret).await {
                 self.complain(&secret, "MemberNodeNameTaken", &why).await;
                 continue;
             }
@@ -417,17 +418,21 @@ impl Membership {
         found
     }
 
-    /// Whether `node` may be registered by a member: no Node of that name, or one that
-    /// tensile registered ([`is_tensile_node`]); a real node's name, or another virtual
-    /// kubelet's (Liqo, Admiralty: a leave would delete it), is refused.
-    async fn node_is_ours_to_take(&self, node: &str) -> Result<(), String> {
+    /// Whether `node` may be registered by the member of `secret`: no Node of that name,
+    /// or one that member registered ([`NodeOwner::holding`]); a real node's name,
+    /// another virtual kubelet's (Liqo, Admiralty), or another member's (of this
+    /// installation or another) is refused: its leave would drain and delete it.
+    async fn node_is_ours_to_take(&self, node: &str, secret: &Secret) -> Result<(), String> {
         let nodes: Api<Node> = Api::all(self.shared.upper.client.clone());
+        let owner = NodeOwner::new(node, Some(&secret.object_ref(&())));
         match nodes.get_opt(node).await {
             Ok(None) => Ok(()),
-            Ok(Some(found)) if is_tensile_node(&found) => Ok(()),
-            Ok(Some(_)) => Err(format!(
-                "node name {node} is taken by a Node of the upper cluster that tensile did not register"
-            )),
+            Ok(Some(found)) => match owner.holding(&found) {
+                Holding::Ours | Holding::Unrecorded => Ok(()),
+                Holding::Another(holder) => Err(format!(
+                    "node name {node} is taken: the upper Node of that name is {holder}'s, not this Secret's; rename the member (tensile.dev/node-name)"
+                )),
+            },
             Err(error) => Err(format!("upper cluster: reading node {node}: {error}")),
         }
     }
@@ -579,7 +584,10 @@ async fn leave_member(
             // Not running here (this process restarted meanwhile, or the member never
             // started): start it for the leave, from the Secret the finalizer kept.
             let member = member.map_err(|e| format!("cannot leave: the Secret {e}"))?;
-            let spec = super::member_spec(&member).await?;
+            let spec = MemberSpec {
+                secret: Some(object.clone()),
+                ..super::member_spec(&member).await?
+            };
             let stop = shutdown.child_token();
             // Unchecked: a leave only cleans what carries this node's marks.
             let task = tokio::spawn(supervise(
@@ -612,8 +620,10 @@ async fn leave_member(
     let bound = leave::Bound::of(secret, shared.args.leave_timeout);
     let say = (recorder, &object);
     // Every virtual node of the member at once (one per group with node or label=
-    // granularity), so that each is cordoned before any pod is evicted.
-    let nodes = match leave::member_nodes(&shared.upper.client, &node).await {
+    // granularity), so that each is cordoned before any pod is evicted: only those it
+    // registered (another's Node of its name is not drained).
+    let owner_of_nodes = NodeOwner::new(&node, Some(&object));
+    let nodes = match leave::member_nodes(&shared.upper.client, &node, &owner_of_nodes).await {
         Ok(nodes) => nodes,
         Err(error) => {
             stop(running).await;
@@ -647,8 +657,8 @@ async fn leave_member(
     })
     .await?
     .unwrap_or(0);
-    for name in &nodes {
-        leave::delete_node(&shared.upper.client, name)
+    for node in &nodes {
+        leave::delete_node_of(&shared.upper.client, &node.name, &node.uid)
             .await
             .map_err(|e| e.to_string())?;
     }
@@ -822,29 +832,6 @@ fn joined_node(
         joined: joined.to_owned(),
         requested,
     })
-}
-
-/// The container runtime a Node registered by tensile reports (`tensile://<version>`).
-const TENSILE_RUNTIME: &str = "tensile://";
-
-/// Whether `node` was registered by tensile: it reports tensile as its container runtime,
-/// or (registered a moment ago, its status not yet written) it is a virtual kubelet whose
-/// `clusterID` is its own name, as tensile labels its Nodes, and reports no runtime.
-fn is_tensile_node(node: &Node) -> bool {
-    let runtime = node
-        .status
-        .as_ref()
-        .and_then(|s| s.node_info.as_ref())
-        .map(|i| i.container_runtime_version.as_str())
-        .filter(|r| !r.is_empty());
-    let labels = node.labels();
-    match runtime {
-        Some(runtime) => runtime.starts_with(TENSILE_RUNTIME),
-        None => {
-            labels.get("type").is_some_and(|t| t == "virtual-kubelet")
-                && labels.get("clusterID") == node.metadata.name.as_ref()
-        }
-    }
 }
 
 /// What a member was started from: a change to any of it restarts the member (burst
@@ -1142,8 +1129,9 @@ mod tests {
         node
     }
 
-    /// Only a Node tensile registered may be taken over (and so deleted by a leave): not
-    /// a real node, nor another virtual kubelet's (Liqo, Admiralty, tensile-kube).
+    /// Only a Node tensile registered (for this member, recording no other) may be taken
+    /// over (and so deleted by a leave): not a real node, nor another virtual kubelet's
+    /// (Liqo, Admiralty, tensile-kube).
     #[test]
     fn only_nodes_tensile_registered_are_ours_to_take() {
         let vk = [("type", "virtual-kubelet"), ("clusterID", "vk")];
@@ -1172,8 +1160,14 @@ mod tests {
             (node(&[], Some("containerd://1.7.0")), false),
             (node(&[], None), false),
         ];
+        let owner = NodeOwner::new("vk", None);
         for (node, ours) in cases {
-            assert_eq!(is_tensile_node(&node), ours, "{:?}", node.metadata.labels);
+            assert_eq!(
+                owner.holding(&node).is_ours(),
+                ours,
+                "{:?}",
+                node.metadata.labels
+            );
         }
     }
 

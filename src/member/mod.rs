@@ -33,6 +33,7 @@ use crate::lower_view::NamespaceView;
 use crate::metrics::Metrics;
 use crate::node::burst::Burst;
 use crate::node::groups::{Granularity, LabelPatterns};
+use crate::node::owner::NodeOwner;
 use crate::node::{self, spec::NodeConfig};
 use crate::shutdown::Tasks;
 use crate::side::Side;
@@ -278,23 +279,30 @@ async fn run_member(
         raw_lower,
         lower,
     } = prepared;
-    // Known from the Node once registered (before any controller runs), then watched.
-    let (cordon_tx, cordon_rx) = watch::channel(false);
+    // The cordons of the member's virtual nodes: known from each Node once registered
+    // (before its pods are looked at), then watched (one watch of every virtual node,
+    // shared by the members of a federated process).
+    let cordons = match &shared.upper_watches {
+        Some(watches) => watches.cordons.clone(),
+        None => Arc::new(node::Cordons::default()),
+    };
     let ctx = context(
         &shared,
         &spec,
         owner.clone(),
         &lower,
         namespaces.as_ref().map(|(view, _)| view.clone()),
-        cordon_rx,
+        cordons.clone(),
         group_nodes.clone(),
     );
+    // Node granularity: a virtual node with pods that joins the member late is listed.
+    let (replay, replay_rx) = watch::channel(0_u64);
     let controllers::pod_watch::PodWatches {
         stores,
         pump,
         pods: pod_triggers,
         status: status_triggers,
-    } = controllers::pod_watch::watches(&ctx);
+    } = controllers::pod_watch::watches(&ctx, replay_rx);
     let lower_pods = kubelet_api::resource_scrape::LowerPods {
         store: stores.lower.clone(),
         upper: stores.upper.clone(),
@@ -327,6 +335,14 @@ async fn run_member(
     );
 
     let mut tasks = Tasks::new(shutdown.clone());
+    if shared.upper_watches.is_none() {
+        tasks.spawn(
+            "cordon watch",
+            cordons
+                .clone()
+                .watch(upper.client.clone(), shutdown.clone()),
+        );
+    }
     // Standbys serve the kubelet API too: it only proxies reads and streams to lower pods,
     // and the upper API server calls the address on the Node, which only the leader writes.
     if let (Some(range), None) = (spec.kubelet_port_range, &group_nodes) {
@@ -354,10 +370,10 @@ async fn run_member(
     let mut admission = names::Admission::new(
         shared.node_names.clone(),
         names::Claimant::new(&spec.node, spec.secret.as_ref()),
-        shared.upper_watches.as_ref().map(|_| upper.client.clone()),
-        spec.secret
-            .clone()
-            .map(|secret| (ctx.recorder.clone(), secret)),
+        NodeOwner::new(&spec.node, spec.secret.as_ref()),
+        upper.client.clone(),
+        (ctx.recorder.clone(), spec.secret.clone()),
+        group_nodes.clone(),
     );
     let grouped = group_nodes.as_ref().map(|_| node::GroupWatch {
         groups: node::groups::Groups::new(
@@ -399,7 +415,10 @@ async fn run_member(
         let offered = offers_rx.borrow().clone();
         left_behind = fleet::find_left_behind(
             &upper.client,
-            &spec.node,
+            (
+                &spec.node,
+                &NodeOwner::new(&spec.node, spec.secret.as_ref()),
+            ),
             &spec.granularity,
             &offered,
             nodes,
@@ -498,6 +517,8 @@ async fn run_member(
             drain_timeout: args.leave_timeout,
             ports: group_ports,
             left_behind,
+            cordons,
+            replay,
         };
         tasks.spawn_fallible("virtual nodes", fleet.run(offers_rx, shutdown.clone()));
         let watched = PodWatched {
@@ -522,28 +543,7 @@ async fn run_member(
     match registered {
         None => tasks.supervise().await.map_err(|f| f.to_string()),
         Some(Ok(node)) => {
-            cordon_tx.send_replace(node::resources::node_cordoned(&node));
-            // Members sharing the upper watches read their cordon from the one watch of
-            // every virtual node; a lone member watches its own Node.
-            match shared.upper_watches.as_ref() {
-                Some(watches) => tasks.spawn(
-                    "cordon",
-                    node::follow_cordon(
-                        watches.cordons.subscribe(&spec.node),
-                        cordon_tx,
-                        shutdown.clone(),
-                    ),
-                ),
-                None => tasks.spawn(
-                    "cordon watch",
-                    node::watch_cordon(
-                        upper.client.clone(),
-                        spec.node.clone(),
-                        cordon_tx,
-                        shutdown.clone(),
-                    ),
-                ),
-            };
+            cordons.set(&spec.node, node::resources::node_cordoned(&node));
             let watched = PodWatched {
                 stores,
                 pods: triggers.0,
@@ -717,6 +717,7 @@ fn node_config(
         lower_version: lower.version.clone(),
         group_labels: BTreeMap::new(),
         lower_selector: None,
+        owner: NodeOwner::new(&spec.node, spec.secret.as_ref()),
     }
 }
 
@@ -758,7 +759,7 @@ fn context(
     owner: Owner,
     lower: &Cluster,
     namespaces: Option<Arc<NamespaceView>>,
-    cordoned: watch::Receiver<bool>,
+    cordons: Arc<node::Cordons>,
     groups: Option<Arc<node::groups::GroupNodes>>,
 ) -> Arc<Context> {
     let reporter = Reporter {
@@ -779,7 +780,7 @@ fn context(
         )
         .sharing(shared.upper_watches.clone())
         .viewing(namespaces)
-        .bursting(spec.bursting.subscribe(), cordoned)
+        .bursting(spec.bursting.subscribe(), cordons)
         .grouping(groups)
         // Checked at start: a bad address never gets this far.
         .with_upper_identity(shared.args.upper_identity().ok().flatten()),

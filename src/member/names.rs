@@ -4,9 +4,12 @@
 //! (`vk-a` with zone `zone-1`, `vk-a-zone` with pool `1`). The first to claim a name keeps
 //! it; the later member's clashing group is not registered (a Warning Event
 //! `MemberNodeNameClash` on its Secret, and the log say so), and the rest of both members
-//! run on. In a federated process a group's name is also refused while an upper Node of
-//! that name is another member's (its `clusterID` label): so the order survives a restart
-//! of the process, whichever member reaches its lower cluster first.
+//! run on. A group's name is also refused while an upper Node of that name is not the
+//! member's ([`crate::node::owner`]: another member's, this process's or another
+//! installation's, or a Node tensile did not register): so the order survives a restart
+//! of the process, whichever member reaches its lower cluster first, and a lower cluster
+//! never names its way onto another's Node. A Node that could not be read is read again
+//! with backoff (the group waits meanwhile).
 //!
 //! A member's names are kept across its restarts and released when it is gone for good
 //! (its Secret deleted and its leave done): a refused group is tried again then.
@@ -14,6 +17,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
+
+use backon::BackoffBuilder;
 
 use k8s_openapi::api::core::v1::{Node, ObjectReference};
 use kube::Client;
@@ -23,7 +28,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::node::groups::GroupOffer;
+use crate::node::groups::{GroupNodes, GroupOffer};
+use crate::node::owner::{Holding, NodeOwner};
 
 /// The reason of the Event on a member Secret whose virtual node's name another member has.
 pub const NODE_NAME_CLASH: &str = "MemberNodeNameClash";
@@ -138,24 +144,6 @@ impl NodeNames {
     }
 }
 
-/// Who has the upper Node `node` (a federated process's check), if not `member`: its
-/// `clusterID` label, which tensile sets to the registering member's `--nodename`, or, a
-/// Node without it, a Node tensile did not register.
-pub fn registered_by_another(node: &Node, member: &str) -> Option<String> {
-    let owner = node
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|l| l.get("clusterID"));
-    match owner {
-        Some(owner) if owner == member => None,
-        Some(owner) => Some(format!(
-            "the member of node name {owner} (its Node's clusterID)"
-        )),
-        None => Some("a Node tensile did not register".to_owned()),
-    }
-}
-
 /// The message of a clash: `claimant`'s virtual node `name` (group `group`) is not
 /// registered, since `holder` has the name.
 /// `group` is empty for a member of `cluster` granularity.
@@ -178,33 +166,51 @@ pub fn clash_message(name: &str, group: &str, claimant: &Claimant, holder: &str)
 pub struct Admission {
     names: Arc<NodeNames>,
     claimant: Claimant,
-    /// Federated: the upper client that reads a name's Node.
-    upper: Option<Client>,
-    /// Where clashes are said (the member's Secret), and by whom.
-    said_on: Option<(Recorder, ObjectReference)>,
-    /// Names admitted: the member's for as long as it runs.
+    /// Whose a Node of a group's name must be ([`NodeOwner::holding`]).
+    owner: NodeOwner,
+    /// The upper client that reads a name's Node.
+    upper: Client,
+    /// Where clashes are said (the member's Secret; the flags' member says them on the
+    /// Node it does not take), and by whom.
+    recorder: Recorder,
+    secret: Option<ObjectReference>,
+    /// The member's virtual nodes: a name admitted is released once its group is gone
+    /// and its Node drained (no longer among them).
+    nodes: Option<Arc<GroupNodes>>,
+    /// Names admitted: the member's while their group is offered or their Node drains.
     ours: BTreeSet<String>,
     /// Names refused, each with its holder: not claimed again until one is released (or,
     /// held by a Node, every [`RECHECK`]).
     refused: BTreeMap<String, String>,
+    /// Names whose Node could not be read: read again with backoff.
+    unread: BTreeSet<String>,
+    unread_delays: Option<backon::ExponentialBackoff>,
 }
 
 impl Admission {
-    /// The admission of `claimant`'s groups, its clashes said on `said_on`; `upper`
-    /// (federated) checks a name's Node too.
+    /// The admission of `claimant`'s groups (each Node of their names `owner`'s),
+    /// its clashes said by `recorder` on its `secret` (or the Node); `nodes`, the member's
+    /// virtual nodes (node granularity).
     pub fn new(
         names: Arc<NodeNames>,
         claimant: Claimant,
-        upper: Option<Client>,
-        said_on: Option<(Recorder, ObjectReference)>,
+        owner: NodeOwner,
+        upper: Client,
+        (recorder, secret): (Recorder, Option<ObjectReference>),
+        nodes: Option<Arc<GroupNodes>>,
     ) -> Self {
         Self {
             names,
             claimant,
+            owner,
             upper,
-            said_on,
+            recorder,
+            secret,
+            nodes,
             ours: BTreeSet::new(),
             refused: BTreeMap::new(),
+            unread: BTreeSet::new(),
+            unread_delays: None,
         }
     }
 
@@ -214,6 +220,8 @@ impl Admission {
         &mut self,
         offers: BTreeMap<String, GroupOffer>,
     ) -> BTreeMap<String, GroupOffer> {
+        self.release_gone(&offers);
+        self.unread.clear();
         let mut admitted = BTreeMap::new();
         for (key, offer) in offers {
             let name = offer.group.name.clone();
@@ -225,7 +233,7 @@ impl Admission {
                 continue;
             }
             let holder = match self.names.claim(&name, &self.claimant) {
-                Claim::HeldBy(holder) => Some(holder.described),
+                Claim::HeldBy(holder) => Some((holder.described, None)),
                 // An earlier run of the member registered it.
                 Claim::Ours => None,
                 Claim::Claimed => {
@@ -235,8 +243,11 @@ impl Admission {
                     }
                     match holder {
                         Ok(holder) => holder,
-                        // Tried again at the next change.
-                        Err(()) => continue,
+                        // Read again with backoff.
+                        Err(()) => {
+                            self.unread.insert(name);
+                            continue;
+                        }
                     }
                 }
             };
@@ -245,21 +256,43 @@ impl Admission {
                     self.ours.insert(name);
                     admitted.insert(key, offer);
                 }
-                Some(holder) => self.refuse(&name, &key, holder).await,
+                Some((holder, node)) => self.refuse(&name, &key, holder, node.as_ref()).await,
             }
+        }
+        if self.unread.is_empty() {
+            self.unread_delays = None;
         }
         admitted
     }
 
-    /// Who has the Node `name` if another member (federated only); `Err` if it could not
-    /// be read.
-    async fn node_holder(&self, name: &str) -> Result<Option<String>, ()> {
-        let Some(upper) = &self.upper else {
-            return Ok(None);
+    /// Releases the names admitted whose group is no longer offered and whose Node is
+    /// drained and deleted (no longer among the member's virtual nodes).
+    fn release_gone(&mut self, offers: &BTreeMap<String, GroupOffer>) {
+        let Some(nodes) = &self.nodes else {
+            return;
         };
-        match Api::<Node>::all(upper.clone()).get_opt(name).await {
+        let offered: BTreeSet<&str> = offers.values().map(|o| o.group.name.as_str()).collect();
+        let gone: Vec<String> = self
+            .ours
+            .iter()
+            .filter(|name| !offered.contains(name.as_str()) && !nodes.contains(name))
+            .cloned()
+            .collect();
+        for name in gone {
+            self.names.lock().unclaim(&name, &self.claimant.member);
+            self.ours.remove(&name);
+        }
+    }
+
+    /// Who has the Node `name` ([`NodeOwner::holding`]), if not the member, with that Node;
+    /// `Err` if it could not be read.
+    async fn node_holder(&self, name: &str) -> Result<Option<(String, Option<Node>)>, ()> {
+        match Api::<Node>::all(self.upper.clone()).get_opt(name).await {
             Ok(None) => Ok(None),
-            Ok(Some(node)) => Ok(registered_by_another(&node, &self.claimant.member)),
+            Ok(Some(node)) => match self.owner.holding(&node) {
+                Holding::Another(holder) => Ok(Some((holder, Some(node)))),
+                Holding::Ours | Holding::Unrecorded => Ok(None),
+            },
             Err(error) => {
                 warn!(node = name, %error, cluster = "upper",
                     "reading the Node of a group's name before registering it; trying again");
@@ -268,8 +301,9 @@ impl Admission {
         }
     }
 
-    /// Refuses `name` (group `key`): said once while it stays refused.
-    async fn refuse(&mut self, name: &str, key: &str, holder: String) {
+    /// Refuses `name` (group `key`): said once while it stays refused, on the member
+    /// Secret, or (the flags' member) on the Node `node` it does not take.
+    async fn refuse(&mut self, name: &str, key: &str, holder: String, node: Option<&Node>) {
         let message = clash_message(name, key, &self.claimant, &holder);
         warn!(
             node = name,
@@ -278,10 +312,14 @@ impl Admission {
             cluster = "upper",
             "{message}"
         );
-        if let Some((recorder, secret)) = &self.said_on {
+        let on = self
+            .secret
+            .clone()
+            .or_else(|| node.map(|n| kube::Resource::object_ref(n, &())));
+        if let Some(on) = on {
             super::leave::say(
-                recorder,
-                secret,
+                &self.recorder,
+                &on,
                 EventType::Warning,
                 NODE_NAME_CLASH,
                 message,
@@ -289,6 +327,22 @@ impl Admission {
             .await;
         }
         self.refused.insert(name.to_owned(), holder);
+    }
+
+    /// When the names whose Node could not be read are read again.
+    fn next_read(&mut self) -> Option<Duration> {
+        if self.unread.is_empty() {
+            return None;
+        }
+        let delays = self.unread_delays.get_or_insert_with(|| {
+            backon::ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(500))
+                .with_max_delay(RECHECK)
+                .with_jitter()
+                .without_max_times()
+                .build()
+        });
+        Some(delays.next().unwrap_or(RECHECK))
     }
 
     /// Keeps `admitted` to what of `offers` is the member's until `shutdown`: at each
@@ -304,11 +358,13 @@ impl Admission {
         recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         recheck.reset();
         loop {
+            let read_again = self.next_read();
             tokio::select! {
                 () = shutdown.cancelled() => return,
                 changed = offers.changed() => if changed.is_err() { return },
                 _ = released.changed() => self.forget_refusals(),
                 _ = recheck.tick(), if !self.refused.is_empty() => self.forget_refusals(),
+                () = tokio::time::sleep(read_again.unwrap_or_default()), if read_again.is_some() => {}
             }
             let now = offers.borrow_and_update().clone();
             let now = self.admit(now).await;
@@ -326,12 +382,13 @@ impl Admission {
     }
 
     /// Claims the one node `name` of a member of `cluster` granularity; `Err` says who has
-    /// it (said on the Secret and logged).
+    /// it (said on the Secret and logged). Whose the Node is, is checked as it is
+    /// registered ([`crate::node::register`]).
     pub async fn claim_node(&mut self, name: &str) -> Result<(), String> {
         match self.names.claim(name, &self.claimant) {
             Claim::Ours | Claim::Claimed => Ok(()),
             Claim::HeldBy(holder) => {
-                self.refuse(name, "", holder.described.clone()).await;
+                self.refuse(name, "", holder.described.clone(), None).await;
                 Err(clash_message(name, "", &self.claimant, &holder.described))
             }
         }
@@ -392,35 +449,6 @@ mod tests {
             assert_eq!(got, want, "step {i}");
         }
         assert!(!claims.release("a"), "nothing left to release");
-    }
-
-    /// A Node of a group's name is another member's by its `clusterID` label; one without
-    /// it is not tensile's.
-    #[test]
-    fn a_node_is_another_members_by_its_cluster_id() {
-        let node = |label: Option<&str>| {
-            let mut node = Node::default();
-            if let Some(owner) = label {
-                node.metadata.labels = Some([("clusterID".to_owned(), owner.to_owned())].into());
-            }
-            node
-        };
-        let cases = [
-            (Some("vk-a"), "vk-a", None),
-            (
-                Some("vk-a"),
-                "vk-a-zone",
-                Some("the member of node name vk-a (its Node's clusterID)"),
-            ),
-            (None, "vk-a", Some("a Node tensile did not register")),
-        ];
-        for (label, member, want) in cases {
-            assert_eq!(
-                registered_by_another(&node(label), member).as_deref(),
-                want,
-                "{label:?} for {member}"
-            );
-        }
     }
 
     /// The Event's message names the node, both members and the way out.

@@ -4,6 +4,7 @@
 pub mod burst;
 pub mod capacity;
 pub mod groups;
+pub mod owner;
 pub mod quantity;
 pub mod resources;
 pub mod spec;
@@ -14,7 +15,7 @@ use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, NodeStatus, Pod};
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, Time};
 use k8s_openapi::jiff::Timestamp;
@@ -91,6 +92,18 @@ pub enum NodeError {
         /// The API error.
         source: kube::Error,
     },
+    /// A Node of the name is another's ([`owner::NodeOwner::holding`]): never written.
+    #[error(
+        "upper cluster: node {node} is not registered: the Node of that name is {holder}'s, not this member's ({owner}); rename the member (--nodename, tensile.dev/node-name) or delete that Node"
+    )]
+    Taken {
+        /// The node.
+        node: String,
+        /// Who has it, in words.
+        holder: String,
+        /// This member, as it would be recorded.
+        owner: String,
+    },
 }
 
 fn upper_error(action: &'static str, node: &str) -> impl FnOnce(kube::Error) -> NodeError {
@@ -110,23 +123,27 @@ pub async fn register(
     capacity: &BTreeMap<String, Quantity>,
     bursting: &Burst,
 ) -> Result<Node, NodeError> {
-    register_as(upper, config, capacity, &LowerReadiness::Ready, bursting).await
+    register_as(upper, config, capacity, &LowerReadiness::Ready, bursting)
+        .await
+        .map(|(node, _)| node)
 }
 
-/// [`register`], its status showing `readiness` (a group's virtual node).
+/// [`register`], its status showing `readiness` (a group's virtual node); with whether
+/// the Node was created (else it was there, this member's).
 pub async fn register_as(
     upper: &Client,
     config: &NodeConfig,
     capacity: &BTreeMap<String, Quantity>,
     readiness: &LowerReadiness,
     bursting: &Burst,
-) -> Result<Node, NodeError> {
+) -> Result<(Node, bool), NodeError> {
     let nodes: Api<Node> = Api::all(upper.clone());
     let name = config.name.as_str();
     let existing = nodes
         .get_opt(name)
         .await
         .map_err(upper_error("reading", name))?;
+    let existing_none = existing.is_none();
     let node = match existing {
         None => {
             info!(
@@ -145,43 +162,107 @@ pub async fn register_as(
                 .map_err(upper_error("creating", name))?
         }
         Some(node) => {
-            let existing_taints = node.spec.as_ref().and_then(|s| s.taints.as_deref());
-            let mut labels = node_labels(config);
-            labels.insert(BURST_PRIORITY_LABEL.into(), bursting.priority.to_string());
-            let taints = merge_taints(existing_taints, config.taint.as_ref());
-            let current = node.metadata.labels.clone().unwrap_or_default();
-            let labels_ok = labels.iter().all(|(k, v)| current.get(k) == Some(v));
-            let annotations = node_annotations(config);
-            let noted = node.metadata.annotations.clone().unwrap_or_default();
-            let annotations_ok = annotations.iter().all(|(k, v)| noted.get(k) == Some(v));
-            // A cordon is the user's and kept; only the one a leave made (marked) goes
-            // when the member joins again.
-            let leave_cordon = cordoned_by_leave(&node);
-            if labels_ok && annotations_ok && taints.as_deref() == existing_taints && !leave_cordon
-            {
-                node
-            } else {
-                let mut patch = json!({
-                    "metadata": {"uid": node.metadata.uid, "labels": labels, "annotations": annotations},
-                    "spec": {"taints": taints},
+            let holding = config.owner.holding(&node);
+            if let owner::Holding::Another(holder) = holding {
+                return Err(NodeError::Taken {
+                    node: name.to_owned(),
+                    holder,
+                    owner: config.owner.mark().to_owned(),
                 });
-                if leave_cordon {
-                    patch["metadata"]["annotations"][CORDONED_BY_ANNOTATION] = json!(null);
-                    patch["spec"]["unschedulable"] = json!(null);
-                    info!(
-                        node = name,
-                        cluster = "upper",
-                        "member joins again: lifting the cordon its leave made"
-                    );
+            }
+            if holding == owner::Holding::Unrecorded {
+                info!(
+                    node = name,
+                    cluster = "upper",
+                    owner = config.owner.mark(),
+                    "adopting the virtual node an earlier tensile release registered for this member: recording its owner"
+                );
+            }
+            match node_update(&node, config, bursting.priority) {
+                None => node,
+                Some(patch) => {
+                    if cordoned_by_leave(&node) {
+                        info!(
+                            node = name,
+                            cluster = "upper",
+                            "member joins again: lifting the cordon its leave made"
+                        );
+                    }
+                    nodes
+                        .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+                        .await
+                        .map_err(upper_error("updating", name))?
                 }
-                nodes
-                    .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
-                    .await
-                    .map_err(upper_error("updating", name))?
             }
         }
     };
-    write_status(upper, config, capacity, readiness, node.status.as_ref()).await
+    let created = existing_none;
+    write_status(upper, config, capacity, readiness, &node)
+        .await
+        .map(|node| (node, created))
+}
+
+/// The merge patch (under `node`'s UID) that brings the existing Node `node` to what
+/// `config` and burst `priority` say: tensile's labels and annotations (labels it no
+/// longer wants removed, [`spec::labels_change`]), its taint (others' kept), and the
+/// cordon a leave made lifted (a user's kept); `None` when it is so already.
+pub fn node_update(node: &Node, config: &NodeConfig, priority: u32) -> Option<serde_json::Value> {
+    let existing_taints = node.spec.as_ref().and_then(|s| s.taints.as_deref());
+    let mut labels = node_labels(config);
+    labels.insert(BURST_PRIORITY_LABEL.into(), priority.to_string());
+    let labels = spec::labels_change(node, &labels, config.lower_selector.is_some());
+    let taints = merge_taints(existing_taints, config.taint.as_ref());
+    let annotations = node_annotations(config);
+    let noted = node.metadata.annotations.clone().unwrap_or_default();
+    let annotations_ok = annotations.iter().all(|(k, v)| noted.get(k) == Some(v));
+    // A cordon is the user's and kept; only the one a leave made (marked) goes when the
+    // member joins again.
+    let leave_cordon = cordoned_by_leave(node);
+    if labels.is_none() && annotations_ok && taints.as_deref() == existing_taints && !leave_cordon {
+        return None;
+    }
+    let mut patch = json!({
+        "metadata": {"uid": node.metadata.uid, "labels": labels.unwrap_or_default(), "annotations": annotations},
+        "spec": {"taints": taints},
+    });
+    if leave_cordon {
+        patch["metadata"]["annotations"][CORDONED_BY_ANNOTATION] = json!(null);
+        patch["spec"]["unschedulable"] = json!(null);
+    }
+    Some(patch)
+}
+
+/// Brings the labels and annotations of the registered virtual node `uid` up to
+/// `config` ([`node_update`]): a group whose lower nodes changed what they agree on. A Node
+/// of that name with another UID is not written.
+pub async fn relabel(
+    upper: &Client,
+    config: &NodeConfig,
+    uid: &str,
+    priority: u32,
+) -> Result<(), NodeError> {
+    let nodes: Api<Node> = Api::all(upper.clone());
+    let name = config.name.as_str();
+    let Some(node) = nodes
+        .get_opt(name)
+        .await
+        .map_err(upper_error("reading", name))?
+        .filter(|n| n.metadata.uid.as_deref() == Some(uid))
+    else {
+        return Ok(());
+    };
+    if let Some(patch) = node_update(&node, config, priority) {
+        info!(
+            node = name,
+            cluster = "upper",
+            "the group's lower nodes agree on other labels: updating the virtual node's"
+        );
+        nodes
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(upper_error("updating", name))?;
+    }
+    Ok(())
 }
 
 /// Set by a member's leave beside the cordon it makes, so that the cordon is told from a
@@ -206,21 +287,19 @@ async fn write_status(
     config: &NodeConfig,
     capacity: &BTreeMap<String, Quantity>,
     readiness: &LowerReadiness,
-    previous: Option<&NodeStatus>,
+    previous: &Node,
 ) -> Result<Node, NodeError> {
     let status = node_status(
         config,
         capacity,
         readiness,
-        previous,
+        previous.status.as_ref(),
         Time(Timestamp::now()),
     );
+    // Only while it is the Node registered (its UID).
+    let patch = json!({ "metadata": {"uid": previous.metadata.uid}, "status": status });
     Api::<Node>::all(upper.clone())
-        .patch_status(
-            &config.name,
-            &PatchParams::default(),
-            &Patch::Merge(&json!({ "status": status })),
-        )
+        .patch_status(&config.name, &PatchParams::default(), &Patch::Merge(&patch))
         .await
         .map_err(upper_error("writing the status of", &config.name))
 }
@@ -338,42 +417,74 @@ pub struct GroupWatch {
     pub tx: watch::Sender<BTreeMap<String, GroupOffer>>,
 }
 
-/// Every virtual node's cordon (`spec.unschedulable`), from one upper watch of the Nodes
-/// labelled `type=virtual-kubelet`, for the members that share the upper watches: one
-/// watch however many members.
-#[derive(Default)]
+/// The virtual nodes' cordons (`spec.unschedulable`), by name, from one upper watch of the
+/// Nodes labelled `type=virtual-kubelet` (one watch however many members share it): what
+/// decides, per pod, whether its own node takes new pods. A Node deleted is forgotten.
 pub struct Cordons {
-    nodes: std::sync::Mutex<HashMap<String, watch::Sender<bool>>>,
+    nodes: std::sync::Mutex<HashMap<String, bool>>,
+    /// Counts the cordons lifted: each wakes the pods held back.
+    lifted: watch::Sender<u64>,
+}
+
+impl Default for Cordons {
+    fn default() -> Self {
+        Self {
+            nodes: std::sync::Mutex::default(),
+            lifted: watch::Sender::new(0),
+        }
+    }
 }
 
 impl Cordons {
-    /// The cordon of `node` as the watch last saw it (false until it has).
-    pub fn subscribe(&self, node: &str) -> watch::Receiver<bool> {
-        let mut nodes = self
-            .nodes
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        nodes
-            .entry(node.to_owned())
-            .or_insert_with(|| watch::channel(false).0)
-            .subscribe()
+    /// Whether `node` is cordoned as last seen (false for a node not seen).
+    pub fn is_cordoned(&self, node: &str) -> bool {
+        self.lock().get(node).copied().unwrap_or(false)
     }
 
-    fn set(&self, node: &str, cordoned: bool) {
-        let mut nodes = self
-            .nodes
+    /// Changes each time a cordon is lifted (or a cordoned node goes).
+    pub fn lifted(&self) -> watch::Receiver<u64> {
+        self.lifted.subscribe()
+    }
+
+    /// Records `node`'s cordon as just read (the watch's, or a registration's).
+    pub fn set(&self, node: &str, cordoned: bool) {
+        let before = self.lock().insert(node.to_owned(), cordoned);
+        if before != Some(cordoned) && (before.is_some() || cordoned) {
+            info!(node, cordoned, cluster = "upper", "node cordon changed");
+        }
+        if before == Some(true) && !cordoned {
+            self.lifted.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    /// Forgets `node` (deleted).
+    fn forget(&self, node: &str) {
+        if self.lock().remove(node) == Some(true) {
+            self.lifted.send_modify(|n| *n = n.wrapping_add(1));
+        }
+    }
+
+    /// How many nodes it holds.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, bool>> {
+        self.nodes
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let sender = nodes
-            .entry(node.to_owned())
-            .or_insert_with(|| watch::channel(false).0);
-        say_cordon(sender, node, cordoned);
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Keeps every virtual node's cordon current until `shutdown`.
     pub async fn watch(self: std::sync::Arc<Self>, upper: Client, shutdown: CancellationToken) {
         let config = watcher::Config::default().labels("type=virtual-kubelet");
         let mut events = watcher(Api::<Node>::all(upper), config).boxed();
+        let mut listed = std::collections::HashSet::new();
         loop {
             let event = tokio::select! {
                 () = shutdown.cancelled() => return,
@@ -384,81 +495,32 @@ impl Cordons {
                 Some(Err(error)) => {
                     warn!(%error, cluster = "upper", "watching the virtual nodes for cordons");
                 }
-                Some(Ok(Event::InitApply(node) | Event::Apply(node))) => {
+                Some(Ok(Event::Init)) => listed.clear(),
+                Some(Ok(Event::InitApply(node))) => {
+                    let name = node.name_any();
+                    self.set(&name, self::resources::node_cordoned(&node));
+                    listed.insert(name);
+                }
+                Some(Ok(Event::Apply(node))) => {
                     self.set(&node.name_any(), self::resources::node_cordoned(&node));
                 }
-                Some(Ok(Event::Delete(node))) => self.set(&node.name_any(), false),
-                Some(Ok(Event::Init | Event::InitDone)) => {}
-            }
-        }
-    }
-}
-
-/// Forwards `node`'s cordon from the shared [`Cordons`] to `tx` until `shutdown`.
-pub async fn follow_cordon(
-    mut cordon: watch::Receiver<bool>,
-    tx: watch::Sender<bool>,
-    shutdown: CancellationToken,
-) {
-    loop {
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            changed = cordon.changed() => {
-                if changed.is_err() {
-                    return;
+                Some(Ok(Event::Delete(node))) => self.forget(&node.name_any()),
+                // A node deleted while the watch was away is not in the new list.
+                Some(Ok(Event::InitDone)) => {
+                    let gone: Vec<String> = self
+                        .lock()
+                        .keys()
+                        .filter(|n| !listed.contains(*n))
+                        .cloned()
+                        .collect();
+                    for node in gone {
+                        self.forget(&node);
+                    }
+                    listed = std::collections::HashSet::new();
                 }
-                let cordoned = *cordon.borrow_and_update();
-                tx.send_if_modified(|current| {
-                    let changed = *current != cordoned;
-                    *current = cordoned;
-                    changed
-                });
             }
         }
     }
-}
-
-/// Publishes whether the Node `name` is cordoned (`spec.unschedulable`) as it changes,
-/// until `shutdown`. A Node deleted counts as not cordoned (it is registered again).
-pub async fn watch_cordon(
-    upper: Client,
-    name: String,
-    tx: watch::Sender<bool>,
-    shutdown: CancellationToken,
-) {
-    let config = watcher::Config::default().fields(&format!("metadata.name={name}"));
-    let mut events = watcher(Api::<Node>::all(upper), config).boxed();
-    loop {
-        let event = tokio::select! {
-            () = shutdown.cancelled() => return,
-            event = events.next() => event,
-        };
-        let cordoned = match event {
-            None => return,
-            Some(Err(error)) => {
-                warn!(%error, node = %name, cluster = "upper", "watching the node for a cordon");
-                continue;
-            }
-            Some(Ok(Event::InitApply(node) | Event::Apply(node))) => {
-                self::resources::node_cordoned(&node)
-            }
-            Some(Ok(Event::Delete(_))) => false,
-            Some(Ok(Event::Init | Event::InitDone)) => continue,
-        };
-        say_cordon(&tx, &name, cordoned);
-    }
-}
-
-/// Sends `node`'s cordon on `tx` when it changed.
-fn say_cordon(tx: &watch::Sender<bool>, node: &str, cordoned: bool) {
-    tx.send_if_modified(|current| {
-        let changed = *current != cordoned;
-        if changed {
-            info!(node, cordoned, cluster = "upper", "node cordon changed");
-            *current = cordoned;
-        }
-        changed
-    });
 }
 
 enum Change {
@@ -813,8 +875,7 @@ pub async fn keep_group_alive(
         }
         let written = upper
             .call("writing the status of", |client| {
-                let (config, current, ready, previous) =
-                    (&config, &current, &ready, last.status.as_ref());
+                let (config, current, ready, previous) = (&config, &current, &ready, &last);
                 async move { write_status(&client, config, current, ready, previous).await }
             })
             .await;

@@ -34,25 +34,57 @@ pub struct NodeConfig {
     /// ([`super::groups::LOWER_SELECTOR_ANNOTATION`]); `None` for a member that is one
     /// virtual node.
     pub lower_selector: Option<String>,
+    /// The member that registers the Node, recorded on it ([`super::owner`]).
+    pub owner: super::owner::NodeOwner,
 }
 
-/// The annotations tensile writes on the virtual node: the group's lower selector.
+/// The annotations tensile writes on the virtual node: its owner and the group's lower
+/// selector.
 pub fn node_annotations(config: &NodeConfig) -> BTreeMap<String, String> {
-    config
-        .lower_selector
-        .iter()
-        .map(|s| {
-            (
-                super::groups::LOWER_SELECTOR_ANNOTATION.to_owned(),
-                s.clone(),
-            )
-        })
+    let owner = (
+        super::owner::NODE_OWNER_ANNOTATION.to_owned(),
+        config.owner.mark().to_owned(),
+    );
+    let selector = config.lower_selector.iter().map(|s| {
+        (
+            super::groups::LOWER_SELECTOR_ANNOTATION.to_owned(),
+            s.clone(),
+        )
+    });
+    // A group's virtual node records the label keys it is given, to remove those its
+    // lower nodes no longer agree on.
+    let managed = config.lower_selector.is_some().then(|| {
+        let keys: Vec<String> = node_labels(config).into_keys().collect();
+        (MANAGED_LABELS_ANNOTATION.to_owned(), keys.join(","))
+    });
+    std::iter::once(owner)
+        .chain(selector)
+        .chain(managed)
         .collect()
 }
 
-/// Labels tensile-kube's nodes carry (users' nodeSelectors depend on them).
+/// The annotation on a group's virtual node listing the label keys tensile wrote there
+/// (comma-separated): a key it no longer wants is removed, never one another writer added.
+pub const MANAGED_LABELS_ANNOTATION: &str = "tensile.dev/managed-labels";
+
+/// The label keys tensile may have written on a group's virtual node that records none
+/// (registered by an earlier release): the documented lower labels and their beta twins.
+const MANAGED_BEFORE_RECORDS: [&str; 7] = [
+    "topology.kubernetes.io/zone",
+    "topology.kubernetes.io/region",
+    "node.kubernetes.io/instance-type",
+    "kubernetes.io/arch",
+    "beta.kubernetes.io/arch",
+    "kubernetes.io/os",
+    "beta.kubernetes.io/os",
+];
+
+/// Labels tensile-kube's nodes carry (users' nodeSelectors depend on them). A group's
+/// virtual node shows an architecture only where its lower nodes agree on one (an arm64
+/// node joining an amd64 group takes `kubernetes.io/arch` off).
 pub fn node_labels(config: &NodeConfig) -> BTreeMap<String, String> {
     let os = config.os.to_lowercase();
+    let group = config.lower_selector.is_some();
     let own = [
         ("type", "virtual-kubelet"),
         ("kubernetes.io/role", "agent"),
@@ -64,9 +96,44 @@ pub fn node_labels(config: &NodeConfig) -> BTreeMap<String, String> {
         ("clusterID", config.cluster_id.as_str()),
     ]
     .into_iter()
+    .filter(|(k, _)| !(group && k.ends_with("kubernetes.io/arch")))
     .map(|(k, v)| (k.to_owned(), v.to_owned()))
     .collect();
     super::groups::group_labels(&own, &config.group_labels)
+}
+
+/// The change to `node`'s labels (a merge patch's `metadata.labels`: a value to set, or
+/// null to remove) that makes them `desired`: keys tensile wrote before
+/// ([`MANAGED_LABELS_ANNOTATION`]) and no longer wants are removed; `None` when nothing
+/// changes. `group`: a group's virtual node (only those record the keys).
+pub fn labels_change(
+    node: &Node,
+    desired: &BTreeMap<String, String>,
+    group: bool,
+) -> Option<serde_json::Map<String, serde_json::Value>> {
+    let current = node.metadata.labels.clone().unwrap_or_default();
+    let recorded = node
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(MANAGED_LABELS_ANNOTATION));
+    let managed: Vec<&str> = match recorded {
+        Some(keys) => keys.split(',').filter(|k| !k.is_empty()).collect(),
+        None if group => MANAGED_BEFORE_RECORDS.to_vec(),
+        None => Vec::new(),
+    };
+    let mut change = serde_json::Map::new();
+    for (key, value) in desired {
+        if current.get(key) != Some(value) {
+            change.insert(key.clone(), value.clone().into());
+        }
+    }
+    for key in managed {
+        if !desired.contains_key(key) && current.contains_key(key) {
+            change.insert(key.to_owned(), serde_json::Value::Null);
+        }
+    }
+    (!change.is_empty()).then_some(change)
 }
 
 /// The Node to create when none exists.
@@ -75,7 +142,7 @@ pub fn new_node(config: &NodeConfig) -> Node {
         metadata: ObjectMeta {
             name: Some(config.name.clone()),
             labels: Some(node_labels(config)),
-            annotations: Some(node_annotations(config)).filter(|a| !a.is_empty()),
+            annotations: Some(node_annotations(config)),
             ..ObjectMeta::default()
         },
         spec: Some(NodeSpec {
@@ -224,7 +291,11 @@ pub fn node_status(
             operating_system: os,
             kubelet_version: config.lower_version.clone(),
             kube_proxy_version: String::new(),
-            container_runtime_version: format!("tensile://{}", env!("CARGO_PKG_VERSION")),
+            container_runtime_version: format!(
+                "{}{}",
+                super::owner::TENSILE_RUNTIME,
+                env!("CARGO_PKG_VERSION")
+            ),
             ..NodeSystemInfo::default()
         }),
         ..NodeStatus::default()
@@ -263,6 +334,7 @@ mod tests {
             lower_version: "v1.36.3".into(),
             group_labels: BTreeMap::new(),
             lower_selector: None,
+            owner: crate::node::owner::NodeOwner::new("vk-node", None),
         }
     }
 
@@ -305,6 +377,121 @@ mod tests {
         // Without group labels: exactly tensile-kube's set, as before.
         assert_eq!(plain.len(), 8);
         assert!(!plain.contains_key("topology.kubernetes.io/zone"));
+    }
+
+    /// A group's virtual node loses the labels tensile wrote and no longer wants (recorded,
+    /// or the documented ones on a Node of an earlier release), never another writer's; a
+    /// member's one node removes nothing.
+    #[test]
+    fn labels_no_longer_agreed_leave_the_node() {
+        let node = |labels: serde_json::Value, managed: Option<&str>| -> Node {
+            let mut node = serde_json::json!({"metadata": {"name": "vk-gpu", "labels": labels}});
+            if let Some(managed) = managed {
+                node["metadata"]["annotations"] =
+                    serde_json::json!({ MANAGED_LABELS_ANNOTATION: managed });
+            }
+            serde_json::from_value(node).unwrap()
+        };
+        let desired: BTreeMap<String, String> = [("type", "virtual-kubelet"), ("pool", "gpu")]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect();
+        let now = serde_json::json!({
+            "type": "virtual-kubelet", "pool": "gpu", "kubernetes.io/arch": "amd64",
+            "topology.kubernetes.io/zone": "z1", "team": "theirs",
+        });
+        type Case<'a> = (&'a str, Node, bool, Option<serde_json::Value>);
+        let cases: Vec<Case> = vec![
+            (
+                "recorded keys no longer agreed go; another writer's stays",
+                node(
+                    now.clone(),
+                    Some("type,pool,kubernetes.io/arch,topology.kubernetes.io/zone"),
+                ),
+                true,
+                Some(serde_json::json!({
+                    "kubernetes.io/arch": null, "topology.kubernetes.io/zone": null,
+                })),
+            ),
+            (
+                "an earlier release's group node: the documented keys",
+                node(now.clone(), None),
+                true,
+                Some(serde_json::json!({
+                    "kubernetes.io/arch": null, "topology.kubernetes.io/zone": null,
+                })),
+            ),
+            (
+                "a member's one node removes nothing",
+                node(now.clone(), None),
+                false,
+                None,
+            ),
+            (
+                "a value changed and one missing",
+                node(serde_json::json!({"type": "x"}), Some("type,pool")),
+                true,
+                Some(serde_json::json!({"type": "virtual-kubelet", "pool": "gpu"})),
+            ),
+            (
+                "as wanted",
+                node(
+                    serde_json::json!({"type": "virtual-kubelet", "pool": "gpu"}),
+                    Some("type,pool"),
+                ),
+                true,
+                None,
+            ),
+        ];
+        for (what, node, group, want) in cases {
+            let got = labels_change(&node, &desired, group).map(serde_json::Value::Object);
+            assert_eq!(got, want, "{what}");
+        }
+    }
+
+    /// A group's virtual node shows an architecture only where its lower nodes agree on
+    /// one, and records the keys it is given.
+    #[test]
+    fn a_group_shows_no_architecture_its_nodes_do_not_agree_on() {
+        let group = NodeConfig {
+            lower_selector: Some("pool=gpu".into()),
+            ..config()
+        };
+        let labels = node_labels(&group);
+        assert!(!labels.contains_key("kubernetes.io/arch"), "{labels:?}");
+        assert!(
+            !labels.contains_key("beta.kubernetes.io/arch"),
+            "{labels:?}"
+        );
+        let managed = node_annotations(&group);
+        assert_eq!(
+            managed.get(MANAGED_LABELS_ANNOTATION).map(String::as_str),
+            Some(
+                labels
+                    .keys()
+                    .cloned()
+                    .collect::<Vec<_>>()
+                    .join(",")
+                    .as_str()
+            )
+        );
+        assert_eq!(
+            managed
+                .get(crate::node::owner::NODE_OWNER_ANNOTATION)
+                .map(String::as_str),
+            Some("nodename/vk-node")
+        );
+        let agreed = NodeConfig {
+            group_labels: [("kubernetes.io/arch".to_owned(), "arm64".to_owned())].into(),
+            ..group
+        };
+        assert_eq!(
+            node_labels(&agreed)
+                .get("kubernetes.io/arch")
+                .map(String::as_str),
+            Some("arm64")
+        );
+        assert!(!node_annotations(&config()).contains_key(MANAGED_LABELS_ANNOTATION));
     }
 
     #[test]

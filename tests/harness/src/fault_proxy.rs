@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use bytes::Bytes;
+use futures::FutureExt;
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::{Frame, Incoming};
@@ -80,6 +81,8 @@ struct State {
     fault: Fault,
     /// Out of every 100 requests, how many the fault hits.
     percent: u64,
+    /// GETs of this path answered `500` (besides `fault`), this many more times.
+    failing_gets: Option<(String, u64)>,
 }
 
 /// A running proxy; dropping it stops it.
@@ -132,6 +135,7 @@ impl FaultProxy {
             state: Mutex::new(State {
                 fault: Fault::None,
                 percent: 0,
+                failing_gets: None,
             }),
             received: AtomicU64::new(0),
             faulted: AtomicU64::new(0),
@@ -154,6 +158,21 @@ impl FaultProxy {
         let mut state = self.shared.state();
         state.fault = fault;
         state.percent = percent.min(100);
+    }
+
+    /// The next `count` GETs of `path` (e.g. `/api/v1/nodes/vk-a`) are answered `500`,
+    /// whatever [`FaultProxy::set`] says for the others.
+    pub fn fail_gets(&self, path: &str, count: u64) {
+        self.shared.state().failing_gets = Some((path.to_owned(), count));
+    }
+
+    /// How many of the GETs [`FaultProxy::fail_gets`] asked to fail are still to come.
+    pub fn gets_left_to_fail(&self) -> u64 {
+        self.shared
+            .state()
+            .failing_gets
+            .as_ref()
+            .map_or(0, |(_, left)| *left)
     }
 
     /// Ends every watch open now with an `ERROR` event (410, `Expired`), as an API server
@@ -419,10 +438,26 @@ async fn serve(listener: TcpListener, upstream: Client, shared: Arc<Shared>) {
                         route.field_selector.clone(),
                     );
                 }
-                let (fault, percent) = {
-                    let state = shared.state();
-                    (state.fault, state.percent)
+                let (fault, percent, failed_get) = {
+                    let mut state = shared.state();
+                    let failed_get = request.method() == hyper::Method::GET
+                        && match &mut state.failing_gets {
+                            Some((path, left)) if *left > 0 && path == request.uri().path() => {
+                                *left -= 1;
+                                true
+                            }
+                            _ => false,
+                        };
+                    (state.fault, state.percent, failed_get)
                 };
+                if failed_get {
+                    shared.faulted.fetch_add(1, Ordering::Relaxed);
+                    let (upstream, shared) = (upstream.clone(), shared.clone());
+                    return async move {
+                        answer(upstream, shared, request, Fault::InternalError, n).await
+                    }
+                    .boxed();
+                }
                 let n = if fault == Fault::Forbidden {
                     route.names_a_resource().then_some(n)
                 } else if !fault.resumed_watches_only() {
@@ -441,6 +476,7 @@ async fn serve(listener: TcpListener, upstream: Client, shared: Arc<Shared>) {
                 let upstream = upstream.clone();
                 let shared = shared.clone();
                 async move { answer(upstream, shared, request, fault, n.unwrap_or_default()).await }
+                    .boxed()
             });
             let _ = hyper::server::conn::http1::Builder::new()
                 .serve_connection(TokioIo::new(stream), service)
