@@ -23,6 +23,7 @@ use k8s_openapi::api::core::v1::{
     ServiceAccount,
 };
 use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::node::v1::RuntimeClass;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, EvictParams, ListParams, Patch, PatchParams};
@@ -361,6 +362,74 @@ pub async fn clean_lower(lower: &Client, owner: &Owner) -> Result<usize, LeaveEr
     deleted += delete_marked::<Service>(lower, &selector, None, &none).await?;
     deleted += delete_marked::<EndpointSlice>(lower, &selector, None, &none).await?;
     deleted += delete_marked::<Endpoints>(lower, &selector, None, &none).await?;
+    let runtime_classes = runtime_class_users(&below.items, owner);
+    deleted += delete_marked_runtime_classes(lower, &selector, &runtime_classes).await?;
+    Ok(deleted)
+}
+
+/// The RuntimeClasses the lower `pods` that are not `leaving`'s run with, each with the
+/// node to hand it to ([`users`]' rule).
+fn runtime_class_users(pods: &[Pod], leaving: &Owner) -> BTreeMap<String, Option<Owner>> {
+    let mut used: BTreeMap<String, Option<Owner>> = BTreeMap::new();
+    for pod in pods {
+        let labels = pod.metadata.labels.as_ref();
+        if leaving.owns(labels) {
+            continue;
+        }
+        let Some(name) = pod.spec.as_ref().and_then(|s| s.runtime_class_name.clone()) else {
+            continue;
+        };
+        let label = |key: &str| labels.and_then(|l| l.get(key)).cloned();
+        let owner = label(OWNER_NODE_LABEL)
+            .zip(label(UPPER_CLUSTER_LABEL))
+            .map(|(node, cluster)| Owner::new(node, cluster));
+        let entry = used.entry(name).or_insert(None);
+        if entry.is_none() {
+            *entry = owner;
+        }
+    }
+    used
+}
+
+/// The RuntimeClasses labelled `selector` (cluster-scoped, copied for the leaving node's
+/// pods): handed to another node whose pod runs with one, kept if a pod of no node does,
+/// else deleted; how many were deleted.
+async fn delete_marked_runtime_classes(
+    lower: &Client,
+    selector: &str,
+    used: &BTreeMap<String, Option<Owner>>,
+) -> Result<usize, LeaveError> {
+    let api: Api<RuntimeClass> = Api::all(lower.clone());
+    let found = api
+        .list(&ListParams::default().labels(selector))
+        .await
+        .map_err(lower_error(
+            "listing",
+            &format!("RuntimeClasses labelled {selector}"),
+        ))?;
+    let mut deleted = 0;
+    for object in found.items {
+        let name = object.name_any();
+        match used.get(&name) {
+            Some(Some(heir)) => {
+                hand_over(&api, &object, heir)
+                    .await
+                    .map_err(lower_error("handing over", &format!("RuntimeClass {name}")))?;
+                info!(object = %name, kind = "RuntimeClass", to = %heir.node, cluster = "lower",
+                    "member leaving: a copy another node's pod uses handed to that node");
+            }
+            Some(None) => {
+                info!(object = %name, kind = "RuntimeClass", cluster = "lower",
+                    "member leaving: a copy a pod of no virtual node uses is kept");
+            }
+            None => {
+                delete_exact(&api, &name, object.uid(), None)
+                    .await
+                    .map_err(lower_error("deleting", &format!("RuntimeClass {name}")))?;
+                deleted += 1;
+            }
+        }
+    }
     Ok(deleted)
 }
 
@@ -595,6 +664,33 @@ mod tests {
             Some(&Some(Owner::new("vk-a", "c2"))),
             "a node of the same name in another upper cluster is another node"
         );
+    }
+
+    /// A RuntimeClass another node's pod runs with goes to that node; one only a pod of
+    /// no node runs with is kept (no heir); the leaving node's alone is deleted (absent).
+    #[test]
+    fn runtime_classes_other_pods_run_with_are_handed_over() {
+        let leaving = Owner::new("vk-a", "c1");
+        let with = |name: &str, labels: &[(&str, &str)], class: &str| -> Pod {
+            serde_json::from_value(json!({
+                "metadata": {"name": name, "namespace": "ns",
+                             "labels": labels.iter().copied().collect::<BTreeMap<_, _>>()},
+                "spec": {"containers": [], "runtimeClassName": class},
+            }))
+            .unwrap()
+        };
+        let a = [(OWNER_NODE_LABEL, "vk-a"), (UPPER_CLUSTER_LABEL, "c1")];
+        let b = [(OWNER_NODE_LABEL, "vk-b"), (UPPER_CLUSTER_LABEL, "c1")];
+        let pods = [
+            with("a", &a, "only-a"),
+            with("a2", &a, "shared"),
+            with("b", &b, "shared"),
+            with("native", &[], "native-only"),
+        ];
+        let used = runtime_class_users(&pods, &leaving);
+        assert_eq!(used.get("only-a"), None);
+        assert_eq!(used.get("shared"), Some(&Some(Owner::new("vk-b", "c1"))));
+        assert_eq!(used.get("native-only"), Some(&None));
     }
 
     #[test]
