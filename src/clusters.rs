@@ -17,7 +17,7 @@ use k8s_openapi::api::authorization::v1::{
 use kube::api::{Api, PostParams};
 use kube::client::retry::RetryPolicy;
 use kube::client::{ClientBuilder, ConfigExt, DynBody};
-use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::config::{KubeConfigOptions, Kubeconfig, KubeconfigError};
 use kube::{Client, Config};
 use prometheus_client::metrics::histogram::Histogram;
 use tower::limit::RateLimitLayer;
@@ -40,6 +40,17 @@ pub enum StartupError {
         path: PathBuf,
         /// What went wrong.
         source: kube::config::KubeconfigError,
+    },
+    /// A kubeconfig from a Secret (mounted as a file) is not one, or asks for more than
+    /// its inline credentials ([`Trust::FromSecret`]).
+    #[error("{side} cluster: kubeconfig {path}, from a Secret, {reason}")]
+    FromSecret {
+        /// Which cluster.
+        side: Side,
+        /// The file.
+        path: PathBuf,
+        /// What it asks for, or where it cannot be read.
+        reason: BadKubeconfig,
     },
     /// No kubeconfig given and not running in a pod.
     #[error(
@@ -231,26 +242,168 @@ impl RateLimit {
 }
 
 /// Loads the config: an explicit kubeconfig, else `~/.kube/config` (upper only), else
-/// in-cluster.
+/// in-cluster. A kubeconfig named here is the operator's ([`Trust::Operator`]).
 pub async fn load_config(side: Side, path: Option<&Path>) -> Result<Config, StartupError> {
     let home = std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".kube/config"));
     let path = path
         .map(Path::to_owned)
         .or_else(|| home.filter(|p| p.exists()));
     match path {
-        Some(path) => {
-            let kubeconfig =
-                Kubeconfig::read_from(&path).map_err(|source| StartupError::Kubeconfig {
-                    side,
-                    path: path.clone(),
-                    source,
-                })?;
-            Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
-                .await
-                .map_err(|source| StartupError::Kubeconfig { side, path, source })
-        }
+        Some(path) => load_kubeconfig(side, &path, Trust::Operator).await,
         None => Config::incluster().map_err(|source| StartupError::NoConfig { side, source }),
     }
+}
+
+/// Who wrote a kubeconfig, and so what loading it may make this process do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Trust {
+    /// The operator's own file (a flag, `~/.kube/config`): read as it is, whatever it asks
+    /// for (exec plugins, auth providers, file paths).
+    Operator,
+    /// A Secret's, chosen by whoever may write that Secret: inline credentials only (a
+    /// bearer `token`, or `client-certificate-data` and `client-key-data`) and an inline CA
+    /// (or none: the system roots). Nothing that runs a command (`exec`, `auth-provider`),
+    /// reads one of this process's files (`tokenFile`, `client-certificate`, `client-key`,
+    /// `certificate-authority`: its own ServiceAccount token among them) or sends anything
+    /// but those credentials (basic authentication, impersonation).
+    FromSecret,
+}
+
+/// Why a kubeconfig cannot be used at its [`Trust`]. Quotes none of the kubeconfig: it may
+/// hold credentials.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BadKubeconfig {
+    /// It is not a kubeconfig. Only where: a YAML error message may quote the value it
+    /// choked on.
+    #[error("cannot be read as a kubeconfig{at} (not quoted: it may hold credentials)")]
+    Unreadable {
+        /// ` at line L, column C`, or empty where the parser knows no position.
+        at: String,
+    },
+    /// It sets a field that its trust does not allow.
+    #[error("sets {field}: {why}")]
+    Refused {
+        /// Where, as in the kubeconfig: `users[NAME].user.exec`.
+        field: String,
+        /// Why it is refused.
+        why: &'static str,
+    },
+}
+
+/// Why each field a kubeconfig from a Secret may not set is refused.
+const RUNS_A_COMMAND: &str = "a kubeconfig from a Secret may not run a command; put the credentials inline (virtual-node join does)";
+const READS_A_FILE: &str = "a kubeconfig from a Secret may not name a file to read (the reader's own ServiceAccount token is one); put the data inline (the *-data field)";
+const BASIC_AUTH: &str = "basic authentication is refused (API servers dropped it in Kubernetes 1.19); use a token or a client certificate";
+const IMPERSONATES: &str = "impersonation is refused in a kubeconfig from a Secret; give the identity's own token or client certificate";
+
+impl Trust {
+    /// Whether `kubeconfig` may be used at this trust: [`Trust::Operator`] takes anything,
+    /// [`Trust::FromSecret`] refuses the first field beyond inline credentials. Every user
+    /// and cluster is checked, not only the current context's, so that no later edit of
+    /// `current-context` turns a refused entry on.
+    pub fn admit(self, kubeconfig: &Kubeconfig) -> Result<(), BadKubeconfig> {
+        if self == Trust::Operator {
+            return Ok(());
+        }
+        let refused = |field: String, why: &'static str| BadKubeconfig::Refused { field, why };
+        for named in &kubeconfig.clusters {
+            if let Some(cluster) = &named.cluster
+                && cluster.certificate_authority.is_some()
+            {
+                let field = format!("clusters[{}].cluster.certificate-authority", named.name);
+                return Err(refused(field, READS_A_FILE));
+            }
+        }
+        for named in &kubeconfig.auth_infos {
+            if let Some(user) = &named.auth_info
+                && let Some((field, why)) = refused_user_field(user)
+            {
+                return Err(refused(format!("users[{}].user.{field}", named.name), why));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The first field of `user` a kubeconfig from a Secret may not set, and why.
+fn refused_user_field(user: &kube::config::AuthInfo) -> Option<(&'static str, &'static str)> {
+    [
+        ("exec", user.exec.is_some(), RUNS_A_COMMAND),
+        (
+            "auth-provider",
+            user.auth_provider.is_some(),
+            RUNS_A_COMMAND,
+        ),
+        ("tokenFile", user.token_file.is_some(), READS_A_FILE),
+        (
+            "client-certificate",
+            user.client_certificate.is_some(),
+            READS_A_FILE,
+        ),
+        ("client-key", user.client_key.is_some(), READS_A_FILE),
+        ("username", user.username.is_some(), BASIC_AUTH),
+        ("password", user.password.is_some(), BASIC_AUTH),
+        ("as", user.impersonate.is_some(), IMPERSONATES),
+        ("as-uid", user.impersonate_uid.is_some(), IMPERSONATES),
+        ("as-groups", user.impersonate_groups.is_some(), IMPERSONATES),
+        (
+            "as-user-extra",
+            user.impersonate_user_extra.is_some(),
+            IMPERSONATES,
+        ),
+    ]
+    .into_iter()
+    .find(|(_, set, _)| *set)
+    .map(|(field, _, why)| (field, why))
+}
+
+/// Reads kubeconfig `text` written with `trust` ([`Trust::admit`]). The error quotes
+/// nothing of the text.
+pub fn read_kubeconfig(text: &str, trust: Trust) -> Result<Kubeconfig, BadKubeconfig> {
+    let kubeconfig = Kubeconfig::from_yaml(text).map_err(|error| BadKubeconfig::Unreadable {
+        at: match error {
+            KubeconfigError::Parse(error) => error
+                .location()
+                .filter(|l| l.line() > 0)
+                .map(|l| format!(" at line {}, column {}", l.line(), l.column()))
+                .unwrap_or_default(),
+            _ => String::new(),
+        },
+    })?;
+    trust.admit(&kubeconfig)?;
+    Ok(kubeconfig)
+}
+
+/// Loads the kubeconfig file at `path`, written with `trust`, as a client config: the one
+/// way a kubeconfig file becomes a [`Config`]. An operator's is read as kube-rs reads it
+/// (relative file paths from its directory); a Secret's (one mounted as a file) through
+/// [`read_kubeconfig`], so that it asks for nothing beyond its inline credentials and no
+/// error quotes it.
+pub async fn load_kubeconfig(
+    side: Side,
+    path: &Path,
+    trust: Trust,
+) -> Result<Config, StartupError> {
+    let unusable = |source| StartupError::Kubeconfig {
+        side,
+        path: path.to_owned(),
+        source,
+    };
+    let kubeconfig = match trust {
+        Trust::Operator => Kubeconfig::read_from(path).map_err(unusable)?,
+        Trust::FromSecret => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| unusable(KubeconfigError::ReadConfig(e, path.to_owned())))?;
+            read_kubeconfig(&text, trust).map_err(|reason| StartupError::FromSecret {
+                side,
+                path: path.to_owned(),
+                reason,
+            })?
+        }
+    };
+    Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+        .await
+        .map_err(unusable)
 }
 
 /// Builds the client (rate limited, its requests counted in `metrics`; speaking upper
@@ -1134,5 +1287,214 @@ mod tests {
             let unique: std::collections::BTreeSet<&String> = listed.iter().collect();
             assert_eq!(unique.len(), listed.len(), "{side}: {listed:?}");
         }
+    }
+
+    /// A kubeconfig of one cluster and one user, with `cluster` and `user` as the fields
+    /// of each (YAML flow mappings).
+    fn kubeconfig(cluster: &str, user: &str) -> String {
+        format!(
+            "apiVersion: v1\nkind: Config\n\
+             clusters: [{{name: lower, cluster: {{server: 'https://203.0.113.1:6443', {cluster}}}}}]\n\
+             users: [{{name: vk, user: {{{user}}}}}]\n\
+             contexts: [{{name: lower, context: {{cluster: lower, user: vk}}}}]\n\
+             current-context: lower\n"
+        )
+    }
+
+    #[test]
+    fn a_kubeconfig_from_a_secret_may_only_hold_inline_credentials() {
+        let ca = "certificate-authority-data: Q0E=";
+        // (case, cluster fields, user fields, the FromSecret error's text or None for
+        // accepted). The operator's own file takes every one of them.
+        let cases: [(&str, &str, &str, Option<&str>); 16] = [
+            ("join's: inline token and CA", ca, "token: abc", None),
+            (
+                "inline client certificate and key",
+                ca,
+                "client-certificate-data: Q0VSVA==, client-key-data: S0VZ",
+                None,
+            ),
+            ("no CA (system roots)", "", "token: abc", None),
+            (
+                "skip verify",
+                "insecure-skip-tls-verify: true",
+                "token: abc",
+                None,
+            ),
+            (
+                "exec",
+                ca,
+                "exec: {apiVersion: client.authentication.k8s.io/v1, command: sh, args: [-c, 'touch /tmp/x; exit 1']}",
+                Some("sets users[vk].user.exec: a kubeconfig from a Secret may not run a command"),
+            ),
+            (
+                "auth-provider",
+                ca,
+                "auth-provider: {name: gcp, config: {cmd-path: /bin/sh}}",
+                Some(
+                    "sets users[vk].user.auth-provider: a kubeconfig from a Secret may not run a command",
+                ),
+            ),
+            (
+                "tokenFile: the reader's own ServiceAccount token",
+                ca,
+                "tokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token",
+                Some(
+                    "sets users[vk].user.tokenFile: a kubeconfig from a Secret may not name a file to read",
+                ),
+            ),
+            (
+                "tokenFile beside a token",
+                ca,
+                "token: abc, tokenFile: /etc/shadow",
+                Some("sets users[vk].user.tokenFile"),
+            ),
+            (
+                "client-certificate path",
+                ca,
+                "client-certificate: /etc/kubernetes/pki/admin.crt, client-key-data: S0VZ",
+                Some(
+                    "sets users[vk].user.client-certificate: a kubeconfig from a Secret may not name a file",
+                ),
+            ),
+            (
+                "client-key path",
+                ca,
+                "client-certificate-data: Q0VSVA==, client-key: /etc/kubernetes/pki/admin.key",
+                Some(
+                    "sets users[vk].user.client-key: a kubeconfig from a Secret may not name a file",
+                ),
+            ),
+            (
+                "certificate-authority path",
+                "certificate-authority: /var/run/secrets/kubernetes.io/serviceaccount/ca.crt",
+                "token: abc",
+                Some(
+                    "sets clusters[lower].cluster.certificate-authority: a kubeconfig from a Secret may not name a file",
+                ),
+            ),
+            (
+                "basic auth",
+                ca,
+                "username: admin, password: hunter2",
+                Some("sets users[vk].user.username: basic authentication is refused"),
+            ),
+            (
+                "password alone",
+                ca,
+                "password: hunter2",
+                Some("sets users[vk].user.password"),
+            ),
+            (
+                "impersonation",
+                ca,
+                "token: abc, as: system:admin",
+                Some("sets users[vk].user.as: impersonation is refused"),
+            ),
+            (
+                "impersonated groups",
+                ca,
+                "token: abc, as-groups: [system:masters]",
+                Some("sets users[vk].user.as-groups"),
+            ),
+            (
+                "impersonated extra",
+                ca,
+                "token: abc, as-user-extra: {scopes: [all]}",
+                Some("sets users[vk].user.as-user-extra"),
+            ),
+        ];
+        for (case, cluster, user, want) in cases {
+            let text = kubeconfig(cluster, user);
+            if let Err(error) = read_kubeconfig(&text, Trust::Operator) {
+                panic!("{case}: the operator's own file is refused: {error}");
+            }
+            match (read_kubeconfig(&text, Trust::FromSecret), want) {
+                (Ok(_), None) => {}
+                (Err(error), Some(needle)) => {
+                    assert!(error.to_string().contains(needle), "{case}: {error}");
+                }
+                (got, want) => panic!("{case}: got {got:?}, want {want:?}"),
+            }
+        }
+        // A user that no context names is checked too (a later current-context edit would
+        // turn it on).
+        let spare = format!(
+            "{}users: [{{name: vk, user: {{token: abc}}}}, {{name: spare, user: {{exec: {{command: sh}}}}}}]\n",
+            kubeconfig(ca, "token: abc").replace("users: [{name: vk, user: {token: abc}}]\n", "")
+        );
+        let error = read_kubeconfig(&spare, Trust::FromSecret).unwrap_err();
+        assert!(
+            error.to_string().contains("users[spare].user.exec"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn an_unreadable_kubeconfig_is_never_quoted() {
+        let token = "eyJhbGciOiJSUzI1NiJ9.c2VjcmV0LXRva2VuLXRleHQ";
+        for text in [
+            // Malformed YAML right after the token.
+            format!("users:\n- name: vk\n  user:\n    token: {token}\n  : [\n"),
+            // A token where a mapping belongs (a type error names what it found).
+            format!("users: {token}\n"),
+            format!("users:\n- name: vk\n  user: \"{token}\"\n"),
+            // Unterminated quoted token.
+            format!("users:\n- name: vk\n  user:\n    token: \"{token}\n"),
+            format!("clusters: [{{name: {token}, cluster: 7}}]\n"),
+        ] {
+            for trust in [Trust::Operator, Trust::FromSecret] {
+                let error = read_kubeconfig(&text, trust).unwrap_err().to_string();
+                assert!(error.contains("cannot be read as a kubeconfig"), "{error}");
+                assert!(!error.contains("c2VjcmV0"), "the token is quoted: {error}");
+            }
+        }
+        let error = read_kubeconfig(&kubeconfig("", "token: [abc"), Trust::FromSecret);
+        assert!(
+            error.unwrap_err().to_string().contains("at line"),
+            "where, at least"
+        );
+    }
+
+    /// The loader of kubeconfig files: a Secret's mounted as a file asks for no file of the
+    /// reader's, an operator's may.
+    #[tokio::test]
+    async fn a_kubeconfig_file_is_loaded_at_its_trust() {
+        let dir = tempfile::tempdir().unwrap();
+        let token = dir.path().join("token");
+        std::fs::write(&token, "file-token").unwrap();
+        let reads_a_file = dir.path().join("reads-a-file.kubeconfig");
+        let inline = dir.path().join("inline.kubeconfig");
+        let user = format!("tokenFile: {}", token.display());
+        std::fs::write(&reads_a_file, kubeconfig("", &user)).unwrap();
+        std::fs::write(&inline, kubeconfig("", "token: abc")).unwrap();
+        for trust in [Trust::Operator, Trust::FromSecret] {
+            let config = load_kubeconfig(Side::Lower, &inline, trust).await.unwrap();
+            assert_eq!(config.cluster_url.to_string(), "https://203.0.113.1:6443/");
+        }
+        let config = load_kubeconfig(Side::Lower, &reads_a_file, Trust::Operator)
+            .await
+            .unwrap();
+        assert_eq!(
+            config.auth_info.token_file,
+            Some(token.display().to_string())
+        );
+        let error = load_kubeconfig(Side::Lower, &reads_a_file, Trust::FromSecret)
+            .await
+            .unwrap_err()
+            .to_string();
+        let path = reads_a_file.display();
+        assert!(
+            error.starts_with(&format!(
+                "lower cluster: kubeconfig {path}, from a Secret, sets users[vk].user.tokenFile: "
+            )),
+            "{error}"
+        );
+        let missing = dir.path().join("missing");
+        let error = load_kubeconfig(Side::Lower, &missing, Trust::FromSecret)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("cannot read kubeconfig"), "{error}");
     }
 }

@@ -9,6 +9,7 @@ use clap::Parser;
 use serde::Deserialize;
 
 use crate::extender::OnUnknown;
+use tensile::clusters::Trust;
 use tensile::logging::LogFormat;
 
 /// kube-scheduler extender: a virtual node passes filter only when a real node of its
@@ -23,7 +24,7 @@ use tensile::logging::LogFormat;
 )]
 pub struct Cli {
     /// A virtual node and the kubeconfig of its lower cluster, `NODE=KUBECONFIG`
-    /// (repeatable).
+    /// (repeatable). The operator's own file, read as it is (exec plugins, file paths).
     #[arg(long = "cluster", value_parser = parse_cluster)]
     pub clusters: Vec<(String, PathBuf)>,
 
@@ -34,7 +35,9 @@ pub struct Cli {
     pub kubeconfig: Option<PathBuf>,
 
     /// A JSON file `{"clusters": {"NODE": "KUBECONFIG", …}}`, merged with `--cluster`
-    /// (`--cluster` wins for the same node).
+    /// (`--cluster` wins for the same node). Its kubeconfigs are read as Secrets' (the
+    /// chart and deploy/scheduler-extender mount them from Secrets, member Secrets among
+    /// them): inline credentials only, no exec, auth-provider, tokenFile or other file.
     #[arg(long)]
     pub config: Option<PathBuf>,
 
@@ -67,6 +70,20 @@ pub struct Cli {
     /// Log lines as `text` or `json`.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+}
+
+/// A virtual node the extender judges, and where its lower cluster's kubeconfig comes from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LowerCluster {
+    /// The virtual node.
+    pub node: String,
+    /// The kubeconfig of its lower cluster.
+    pub kubeconfig: PathBuf,
+    /// [`Trust::Operator`] for `--cluster`; [`Trust::FromSecret`] for a `--config` entry:
+    /// whoever may write the Secret mounted there (a member Secret's writer) must not get
+    /// the extender to run a command, or to send its own ServiceAccount token (`tokenFile`)
+    /// to a server of theirs.
+    pub trust: Trust,
 }
 
 /// The config file.
@@ -112,17 +129,33 @@ fn parse_cluster(text: &str) -> Result<(String, PathBuf), String> {
 }
 
 impl Cli {
-    /// Every (virtual node, kubeconfig): the config file's, then `--cluster` flags.
-    pub fn clusters(&self) -> Result<Vec<(String, PathBuf)>, ConfigError> {
-        let mut all = match &self.config {
-            Some(path) => read_config(path)?.clusters,
+    /// Every virtual node and its kubeconfig: the config file's (from Secrets), then
+    /// `--cluster` flags (the operator's), by node name.
+    pub fn clusters(&self) -> Result<Vec<LowerCluster>, ConfigError> {
+        let mut all: BTreeMap<String, (PathBuf, Trust)> = match &self.config {
+            Some(path) => read_config(path)?
+                .clusters
+                .into_iter()
+                .map(|(node, kubeconfig)| (node, (kubeconfig, Trust::FromSecret)))
+                .collect(),
             None => BTreeMap::new(),
         };
-        all.extend(self.clusters.iter().cloned());
+        all.extend(
+            self.clusters
+                .iter()
+                .map(|(node, kubeconfig)| (node.clone(), (kubeconfig.clone(), Trust::Operator))),
+        );
         if all.is_empty() {
             return Err(ConfigError::NoClusters);
         }
-        Ok(all.into_iter().collect())
+        Ok(all
+            .into_iter()
+            .map(|(node, (kubeconfig, trust))| LowerCluster {
+                node,
+                kubeconfig,
+                trust,
+            })
+            .collect())
     }
 }
 
@@ -161,13 +194,19 @@ mod tests {
         .unwrap();
         assert_eq!(cli.on_unknown, OnUnknown::Pass);
         assert_eq!(cli.assume_ttl, Duration::from_secs(90));
-        let clusters = cli.clusters().unwrap();
+        let clusters: Vec<_> = cli
+            .clusters()
+            .unwrap()
+            .into_iter()
+            .map(|c| (c.node, c.kubeconfig, c.trust))
+            .collect();
+        // The config file's are mounted from Secrets; a flag's is the operator's own.
         assert_eq!(
             clusters,
             [
-                ("vk-a".to_owned(), PathBuf::from("/a")),
-                ("vk-b".to_owned(), PathBuf::from("/b2")),
-                ("vk-c".to_owned(), PathBuf::from("/c")),
+                ("vk-a".to_owned(), PathBuf::from("/a"), Trust::FromSecret),
+                ("vk-b".to_owned(), PathBuf::from("/b2"), Trust::Operator),
+                ("vk-c".to_owned(), PathBuf::from("/c"), Trust::Operator),
             ]
         );
     }

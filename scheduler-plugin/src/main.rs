@@ -54,7 +54,7 @@ async fn run(cli: Cli) -> Result<(), String> {
         .await
         .map_err(|e| e.to_string())?;
     let upper_nodes = watch::run_upper(upper, extender.upper.clone(), shutdown.clone());
-    let nodes: Vec<&str> = clusters.iter().map(|(n, _)| n.as_str()).collect();
+    let nodes: Vec<&str> = clusters.iter().map(|c| c.node.as_str()).collect();
     info!(listen = %cli.listen, tls = tls.is_some(), virtual_nodes = ?nodes, "serving");
     let app = Arc::new(App {
         extender,

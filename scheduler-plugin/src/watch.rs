@@ -13,11 +13,12 @@ use kube::api::Api;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use kube::{Client, Resource};
-use tensile::clusters::load_config;
+use tensile::clusters::{load_config, load_kubeconfig};
 use tensile::side::Side;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::cli::LowerCluster;
 use crate::extender::{SharedCluster, Watched};
 use crate::upper::SharedUpperNodes;
 
@@ -29,7 +30,8 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
 /// Why a lower cluster could not be connected to.
 #[derive(thiserror::Error, Debug)]
 pub enum WatchError {
-    /// Its kubeconfig could not be loaded (the source names the file).
+    /// Its kubeconfig could not be loaded, or one from a Secret asks for more than its
+    /// inline credentials (the source names the file and the field).
     #[error("virtual node {node}: {source}")]
     Kubeconfig {
         /// The virtual node.
@@ -52,17 +54,23 @@ pub enum WatchError {
     },
 }
 
-/// A client of the lower cluster of `node`, from `kubeconfig`.
-pub async fn lower_client(node: &str, kubeconfig: &Path) -> Result<Client, WatchError> {
-    let config = load_config(Side::Lower, Some(kubeconfig))
+/// A client of the lower cluster of `cluster`'s virtual node, from its kubeconfig read at
+/// its trust: one from a Secret may hold inline credentials only.
+pub async fn lower_client(cluster: &LowerCluster) -> Result<Client, WatchError> {
+    let LowerCluster {
+        node,
+        kubeconfig,
+        trust,
+    } = cluster;
+    let config = load_kubeconfig(Side::Lower, kubeconfig, *trust)
         .await
         .map_err(|source| WatchError::Kubeconfig {
-            node: node.to_owned(),
-            path: kubeconfig.to_owned(),
+            node: node.clone(),
+            path: kubeconfig.clone(),
             source,
         })?;
     Client::try_from(config).map_err(|source| WatchError::Client {
-        node: node.to_owned(),
+        node: node.clone(),
         source,
     })
 }
@@ -297,12 +305,12 @@ async fn probe(node: String, client: Client, cluster: SharedCluster, shutdown: C
     }
 }
 
-/// Connects to every lower cluster (virtual node name, kubeconfig) and returns
+/// Connects to every lower cluster (virtual node name, kubeconfig and its trust) and returns
 /// `extender` (its settings; its clusters are replaced) over their caches, with the future
 /// that keeps them current until `shutdown`. The caches fill in the background; until a
 /// cluster has synced its virtual node is unknown.
 pub async fn connect(
-    clusters: &[(String, PathBuf)],
+    clusters: &[LowerCluster],
     mut extender: crate::extender::Extender,
     shutdown: CancellationToken,
 ) -> Result<
@@ -313,8 +321,8 @@ pub async fn connect(
     WatchError,
 > {
     let mut clients = Vec::new();
-    for (node, kubeconfig) in clusters {
-        clients.push((node.clone(), lower_client(node, kubeconfig).await?));
+    for cluster in clusters {
+        clients.push((cluster.node.clone(), lower_client(cluster).await?));
     }
     let clusters: Vec<(String, Client, SharedCluster)> = clients
         .into_iter()
@@ -343,6 +351,7 @@ pub async fn connect(
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use tensile::clusters::Trust;
 
     #[test]
     fn an_error_starts_the_stream_over() {
@@ -437,6 +446,80 @@ mod tests {
         ];
         for (error, words) in cases {
             assert_eq!(describe(&error), words);
+        }
+    }
+
+    /// What a member Secret's writer puts in the kubeconfig the chart mounts for the
+    /// extender (a `--config` entry) is refused before any client is built: the field is
+    /// named, and nothing is sent. The operator's own `--cluster` file is read as it is.
+    #[tokio::test]
+    async fn a_kubeconfig_from_a_secret_may_not_name_the_extenders_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let token = dir.path().join("token");
+        std::fs::write(&token, "the-extenders-own-token").unwrap();
+        let kubeconfig = |user: &str| {
+            format!(
+                "apiVersion: v1\nkind: Config\n\
+                 clusters: [{{name: l, cluster: {{server: 'https://203.0.113.1:6443'}}}}]\n\
+                 users: [{{name: u, user: {{{user}}}}}]\n\
+                 contexts: [{{name: l, context: {{cluster: l, user: u}}}}]\n\
+                 current-context: l\n"
+            )
+        };
+        // (case, user fields, trust, the error's text or None for a client)
+        let cases = [
+            (
+                "inline token, from a Secret",
+                "token: abc".to_owned(),
+                Trust::FromSecret,
+                None,
+            ),
+            (
+                "inline token, the operator's",
+                "token: abc".to_owned(),
+                Trust::Operator,
+                None,
+            ),
+            (
+                "tokenFile, from a Secret",
+                format!("tokenFile: {}", token.display()),
+                Trust::FromSecret,
+                Some("from a Secret, sets users[u].user.tokenFile: "),
+            ),
+            (
+                "tokenFile, the operator's",
+                format!("tokenFile: {}", token.display()),
+                Trust::Operator,
+                None,
+            ),
+            (
+                "exec, from a Secret",
+                "exec: {apiVersion: client.authentication.k8s.io/v1, command: sh}".to_owned(),
+                Trust::FromSecret,
+                Some("from a Secret, sets users[u].user.exec: "),
+            ),
+        ];
+        for (case, user, trust, want) in cases {
+            let path = dir.path().join("vk-b.kubeconfig");
+            std::fs::write(&path, kubeconfig(&user)).unwrap();
+            let cluster = LowerCluster {
+                node: "vk-b".into(),
+                kubeconfig: path.clone(),
+                trust,
+            };
+            match (lower_client(&cluster).await, want) {
+                (Ok(_), None) => {}
+                (Err(error), Some(needle)) => {
+                    let error = error.to_string();
+                    let prefix = format!(
+                        "virtual node vk-b: lower cluster: kubeconfig {}, ",
+                        path.display()
+                    );
+                    assert!(error.starts_with(&prefix), "{case}: {error}");
+                    assert!(error.contains(needle), "{case}: {error}");
+                }
+                (got, want) => panic!("{case}: got {:?}, want {want:?}", got.map(|_| ())),
+            }
         }
     }
 }

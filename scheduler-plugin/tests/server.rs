@@ -156,3 +156,62 @@ async fn http(port: u16, method: &str, path: &str, body: &str) -> (u16, String) 
         .await
         .unwrap()
 }
+
+/// A member Secret's writer who puts `tokenFile: <the extender's own token>` and a server of
+/// theirs in a kubeconfig the extender is given through `--config` (as the chart mounts
+/// Secrets) stops it at start, the node, the file and the field named, and nothing reaches
+/// their server.
+#[tokio::test]
+async fn a_kubeconfig_from_a_secret_naming_a_token_file_is_refused_at_start() {
+    let theirs = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    theirs.set_nonblocking(true).unwrap();
+    let server = format!("https://{}", theirs.local_addr().unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "the-extenders-own-token").unwrap();
+    let kubeconfig = |server: &str, user: &str| {
+        json!({
+            "apiVersion": "v1", "kind": "Config",
+            "clusters": [{"name": "c", "cluster": {"server": server}}],
+            "users": [{"name": "u", "user": serde_json::from_str::<serde_json::Value>(user).unwrap()}],
+            "contexts": [{"name": "c", "context": {"cluster": "c", "user": "u"}}],
+            "current-context": "c",
+        })
+        .to_string()
+    };
+    let upper = dir.path().join("upper.kubeconfig");
+    std::fs::write(
+        &upper,
+        kubeconfig("https://127.0.0.1:1", r#"{"token": "abc"}"#),
+    )
+    .unwrap();
+    let member = dir.path().join("vk-b.kubeconfig");
+    let user = json!({"tokenFile": token}).to_string();
+    std::fs::write(&member, kubeconfig(&server, &user)).unwrap();
+    let config = dir.path().join("config.json");
+    std::fs::write(&config, json!({"clusters": {"vk-b": member}}).to_string()).unwrap();
+
+    let output = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(env!("CARGO_BIN_EXE_tensile-scheduler-extender"))
+            .arg(format!("--kubeconfig={}", upper.display()))
+            .arg(format!("--config={}", config.display()))
+            .arg("--listen=127.0.0.1:0")
+            .env_remove("KUBECONFIG")
+            .output(),
+    )
+    .await
+    .expect("the extender kept running")
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    let refused = format!(
+        "virtual node vk-b: lower cluster: kubeconfig {}, from a Secret, sets users[u].user.tokenFile: ",
+        member.display()
+    );
+    assert!(stderr.contains(&refused), "{stderr}");
+    assert!(
+        theirs.accept().is_err(),
+        "the extender connected to the kubeconfig's server"
+    );
+}

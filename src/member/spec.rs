@@ -28,15 +28,17 @@
 //! must not get virtual-node to run a command (`exec`, `auth-provider`), read one of its
 //! files (`tokenFile`, `client-certificate`, `client-key`, `certificate-authority`: its
 //! own ServiceAccount token among them) or send anything but the Secret's own credentials
-//! ([`lower_kubeconfig`]). The single-cluster `--client-kubeconfig` is the operator's own
-//! file and is read as it is.
+//! ([`lower_kubeconfig`], [`Trust::FromSecret`]: the check the scheduler extender makes of
+//! the kubeconfigs it is given from Secrets too). The single-cluster `--client-kubeconfig`
+//! is the operator's own file and is read as it is ([`Trust::Operator`]).
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{Secret, Taint};
-use kube::config::{AuthInfo, Kubeconfig, KubeconfigError};
+use kube::config::Kubeconfig;
 
 use crate::cli::{MIN_QPS, parse_node_name};
+use crate::clusters::{BadKubeconfig, Trust, read_kubeconfig};
 use crate::node::burst::{Burst, parse_priority, parse_share};
 pub use crate::node::groups::{GRANULARITY_ANNOTATION, LOWER_NODE_LABELS_ANNOTATION};
 use crate::node::groups::{Granularity, LabelPatterns, parse_granularity, parse_label_patterns};
@@ -141,98 +143,18 @@ pub enum BadMember {
         /// What is wrong.
         why: String,
     },
-    /// The kubeconfig is not one. Only where: the text may hold credentials, so none of
-    /// it is quoted (a YAML error message may quote the value it choked on).
-    #[error(
-        "its {KUBECONFIG_KEY:?} cannot be read as a kubeconfig{at} (not quoted: it may hold credentials)"
-    )]
-    Unreadable {
-        /// ` at line L, column C`, or empty where the parser knows no position.
-        at: String,
-    },
-    /// The kubeconfig asks for something a member Secret may not: a command run, a file
-    /// read, or credentials other than its own inline ones.
-    #[error("its {KUBECONFIG_KEY:?} sets {field}: {why}")]
-    Refused {
-        /// Where, as in the kubeconfig: `users[NAME].user.exec`.
-        field: String,
-        /// Why it is refused.
-        why: &'static str,
-    },
+    /// The kubeconfig is not one, or asks for more than a kubeconfig from a Secret may
+    /// ([`Trust::FromSecret`]): a command run, a file read, or credentials other than its
+    /// own inline ones. Quotes none of it.
+    #[error("its {KUBECONFIG_KEY:?} {0}")]
+    Kubeconfig(#[from] BadKubeconfig),
 }
 
-/// Why each refused kubeconfig field is.
-const RUNS_A_COMMAND: &str = "a member Secret may not have virtual-node run a command; put the credentials inline (virtual-node join does)";
-const READS_A_FILE: &str = "a member Secret may not have virtual-node read one of its files; put the data inline (the *-data field)";
-const BASIC_AUTH: &str = "basic authentication is refused (API servers dropped it in Kubernetes 1.19); use a token or a client certificate";
-const IMPERSONATES: &str = "impersonation is refused in a member Secret; give the identity's own token or client certificate";
-
-/// Reads the kubeconfig of a member Secret and refuses anything in it beyond what `join`
-/// writes: inline credentials (a bearer token, or a client certificate and key) and an
-/// inline CA. Every user and cluster is checked, not only the current context's, so that
-/// no later edit of `current-context` turns a refused entry on. The error quotes nothing
-/// of the text.
+/// Reads the kubeconfig of a member Secret: written by whoever may write the Secret, it
+/// is read as [`Trust::FromSecret`] (what `join` writes: inline credentials and CA), the
+/// same check every kubeconfig from a Secret passes ([`crate::clusters::read_kubeconfig`]).
 pub fn lower_kubeconfig(text: &str) -> Result<Kubeconfig, BadMember> {
-    let kubeconfig = Kubeconfig::from_yaml(text).map_err(|error| BadMember::Unreadable {
-        at: match error {
-            KubeconfigError::Parse(error) => error
-                .location()
-                .filter(|l| l.line() > 0)
-                .map(|l| format!(" at line {}, column {}", l.line(), l.column()))
-                .unwrap_or_default(),
-            _ => String::new(),
-        },
-    })?;
-    let refused = |field: String, why: &'static str| BadMember::Refused { field, why };
-    for named in &kubeconfig.clusters {
-        let Some(cluster) = &named.cluster else {
-            continue;
-        };
-        if cluster.certificate_authority.is_some() {
-            let field = format!("clusters[{}].cluster.certificate-authority", named.name);
-            return Err(refused(field, READS_A_FILE));
-        }
-    }
-    for named in &kubeconfig.auth_infos {
-        if let Some(user) = &named.auth_info
-            && let Some((field, why)) = refused_user_field(user)
-        {
-            return Err(refused(format!("users[{}].user.{field}", named.name), why));
-        }
-    }
-    Ok(kubeconfig)
-}
-
-/// The first field of `user` a member Secret may not set, and why.
-fn refused_user_field(user: &AuthInfo) -> Option<(&'static str, &'static str)> {
-    [
-        ("exec", user.exec.is_some(), RUNS_A_COMMAND),
-        (
-            "auth-provider",
-            user.auth_provider.is_some(),
-            RUNS_A_COMMAND,
-        ),
-        ("tokenFile", user.token_file.is_some(), READS_A_FILE),
-        (
-            "client-certificate",
-            user.client_certificate.is_some(),
-            READS_A_FILE,
-        ),
-        ("client-key", user.client_key.is_some(), READS_A_FILE),
-        ("username", user.username.is_some(), BASIC_AUTH),
-        ("password", user.password.is_some(), BASIC_AUTH),
-        ("as", user.impersonate.is_some(), IMPERSONATES),
-        ("as-uid", user.impersonate_uid.is_some(), IMPERSONATES),
-        ("as-groups", user.impersonate_groups.is_some(), IMPERSONATES),
-        (
-            "as-user-extra",
-            user.impersonate_user_extra.is_some(),
-            IMPERSONATES,
-        ),
-    ]
-    .into_iter()
-    .find(|(_, set, _)| *set)
-    .map(|(field, _, why)| (field, why))
+    Ok(read_kubeconfig(text, Trust::FromSecret)?)
 }
 
 /// The node a member Secret names (its annotation, else the Secret's name), unchecked.
@@ -709,132 +631,43 @@ mod tests {
         )
     }
 
+    /// The table of what a kubeconfig from a Secret may hold is `clusters`'
+    /// (`a_kubeconfig_from_a_secret_may_only_hold_inline_credentials`); here, that a member
+    /// Secret's is read at that trust and its error says which key.
     #[test]
     fn a_member_kubeconfig_may_only_hold_inline_credentials() {
         let ca = "certificate-authority-data: Q0E=";
-        // (case, cluster fields, user fields, the error's text or None for accepted)
-        let cases: [(&str, &str, &str, Option<&str>); 17] = [
-            ("join's: inline token and CA", ca, "token: abc", None),
+        let cases = [
+            ("join's: inline token and CA", "token: abc", None),
             (
-                "inline client certificate and key",
-                ca,
-                "client-certificate-data: Q0VSVA==, client-key-data: S0VZ",
-                None,
-            ),
-            ("no CA (system roots)", "", "token: abc", None),
-            (
-                "skip verify",
-                "insecure-skip-tls-verify: true",
-                "token: abc",
-                None,
+                "tokenFile: virtual-node's own ServiceAccount token",
+                "tokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token",
+                Some(
+                    "its \"kubeconfig\" sets users[vk].user.tokenFile: a kubeconfig from a Secret may not name a file to read",
+                ),
             ),
             (
                 "exec",
-                ca,
-                "exec: {apiVersion: client.authentication.k8s.io/v1, command: sh, args: [-c, 'touch /tmp/x; exit 1']}",
+                "exec: {command: sh}",
                 Some(
-                    "users[vk].user.exec: a member Secret may not have virtual-node run a command",
+                    "its \"kubeconfig\" sets users[vk].user.exec: a kubeconfig from a Secret may not run a command",
                 ),
-            ),
-            (
-                "auth-provider",
-                ca,
-                "auth-provider: {name: gcp, config: {cmd-path: /bin/sh}}",
-                Some(
-                    "users[vk].user.auth-provider: a member Secret may not have virtual-node run a command",
-                ),
-            ),
-            (
-                "tokenFile",
-                ca,
-                "tokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token",
-                Some(
-                    "users[vk].user.tokenFile: a member Secret may not have virtual-node read one of its files",
-                ),
-            ),
-            (
-                "tokenFile beside a token",
-                ca,
-                "token: abc, tokenFile: /etc/shadow",
-                Some("users[vk].user.tokenFile"),
-            ),
-            (
-                "client-certificate path",
-                ca,
-                "client-certificate: /etc/kubernetes/pki/admin.crt, client-key-data: S0VZ",
-                Some(
-                    "users[vk].user.client-certificate: a member Secret may not have virtual-node read",
-                ),
-            ),
-            (
-                "client-key path",
-                ca,
-                "client-certificate-data: Q0VSVA==, client-key: /etc/kubernetes/pki/admin.key",
-                Some("users[vk].user.client-key: a member Secret may not have virtual-node read"),
-            ),
-            (
-                "certificate-authority path",
-                "certificate-authority: /var/run/secrets/kubernetes.io/serviceaccount/ca.crt",
-                "token: abc",
-                Some(
-                    "clusters[lower].cluster.certificate-authority: a member Secret may not have virtual-node read",
-                ),
-            ),
-            (
-                "basic auth",
-                ca,
-                "username: admin, password: hunter2",
-                Some("users[vk].user.username: basic authentication is refused"),
-            ),
-            (
-                "password alone",
-                ca,
-                "password: hunter2",
-                Some("users[vk].user.password"),
-            ),
-            (
-                "impersonation",
-                ca,
-                "token: abc, as: system:admin",
-                Some("users[vk].user.as: impersonation is refused"),
-            ),
-            (
-                "impersonated groups",
-                ca,
-                "token: abc, as-groups: [system:masters]",
-                Some("users[vk].user.as-groups"),
             ),
             (
                 "not YAML",
-                ca,
                 "token: [abc",
-                Some("cannot be read as a kubeconfig at line"),
-            ),
-            (
-                "not a kubeconfig",
-                ca,
-                "token: {a: b}",
-                Some("cannot be read as a kubeconfig"),
+                Some("its \"kubeconfig\" cannot be read as a kubeconfig at line"),
             ),
         ];
-        for (case, cluster, user, want) in cases {
-            let got = lower_kubeconfig(&kubeconfig(cluster, user));
-            match (got, want) {
+        for (case, user, want) in cases {
+            match (lower_kubeconfig(&kubeconfig(ca, user)), want) {
                 (Ok(_), None) => {}
                 (Err(error), Some(needle)) => {
-                    assert!(error.to_string().contains(needle), "{case}: {error}");
+                    assert!(error.to_string().starts_with(needle), "{case}: {error}");
                 }
                 (got, want) => panic!("{case}: got {got:?}, want {want:?}"),
             }
         }
-        // A user that no context names is checked too (a later current-context edit would
-        // turn it on).
-        let spare = format!(
-            "{}users: [{{name: vk, user: {{token: abc}}}}, {{name: spare, user: {{exec: {{command: sh}}}}}}]\n",
-            kubeconfig(ca, "token: abc").replace("users: [{name: vk, user: {token: abc}}]\n", "")
-        );
-        let error = lower_kubeconfig(&spare).unwrap_err().to_string();
-        assert!(error.contains("users[spare].user.exec"), "{error}");
     }
 
     #[test]
@@ -849,29 +682,6 @@ mod tests {
         })
         .unwrap();
         lower_kubeconfig(&written).unwrap();
-    }
-
-    #[test]
-    fn an_unreadable_kubeconfig_is_never_quoted() {
-        let token = "eyJhbGciOiJSUzI1NiJ9.c2VjcmV0LXRva2VuLXRleHQ";
-        for text in [
-            // Malformed YAML right after the token.
-            format!("users:\n- name: vk\n  user:\n    token: {token}\n  : [\n"),
-            // A token where a mapping belongs (a type error names what it found).
-            format!("users: {token}\n"),
-            format!("users:\n- name: vk\n  user: \"{token}\"\n"),
-            // Unterminated quoted token.
-            format!("users:\n- name: vk\n  user:\n    token: \"{token}\n"),
-            format!("clusters: [{{name: {token}, cluster: 7}}]\n"),
-        ] {
-            let error = lower_kubeconfig(&text).unwrap_err().to_string();
-            assert!(error.contains("cannot be read as a kubeconfig"), "{error}");
-            assert!(!error.contains(token), "the token is quoted: {error}");
-            assert!(
-                !error.contains("c2VjcmV0"),
-                "part of the token is quoted: {error}"
-            );
-        }
     }
 
     #[test]

@@ -11,10 +11,12 @@ use k8s_openapi::api::events::v1::Event;
 use kube::Client;
 use kube::api::{Api, ListParams};
 use serde_json::{Value, json};
+use tensile::clusters::Trust;
 use tensile_harness::fixtures::{merge, pod, virtual_node_toleration};
 use tensile_harness::{
     ClusterPair, VirtualNode, VirtualNodeOptions, node_is_schedulable, wait_for,
 };
+use tensile_scheduler_extender::cli::LowerCluster;
 use tensile_scheduler_extender::extender::Extender;
 use tensile_scheduler_extender::metrics::Metrics;
 use tensile_scheduler_extender::server::{self, App};
@@ -104,7 +106,16 @@ impl ServedExtender {
         port: u16,
     ) -> Self {
         let shutdown = CancellationToken::new();
-        let (extender, watches) = watch::connect(clusters, Extender::default(), shutdown.clone())
+        // Read as the chart gives them (mounted from Secrets): the harness writes them inline.
+        let clusters: Vec<LowerCluster> = clusters
+            .iter()
+            .map(|(node, kubeconfig)| LowerCluster {
+                node: node.clone(),
+                kubeconfig: kubeconfig.clone(),
+                trust: Trust::FromSecret,
+            })
+            .collect();
+        let (extender, watches) = watch::connect(&clusters, Extender::default(), shutdown.clone())
             .await
             .unwrap();
         let upper = watch::upper_client(Some(pair.upper_kubeconfig()))
