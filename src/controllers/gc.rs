@@ -398,7 +398,8 @@ mod tests {
             }))
             .unwrap()
         };
-        let cases: Vec<(&str, Arc<StoredPod>, Option<Pod>, Option<&str>)> = vec![
+        type Case<'a> = (&'a str, Arc<StoredPod>, Option<Pod>, Option<&'a str>);
+        let cases: Vec<Case> = vec![
             (
                 "its pod on a group node admitted late",
                 lower("a", "ns", "vk", Some("u-a"), false),

@@ -998,6 +998,11 @@ async fn explain_failure(ctx: &Context, upper: &Pod, error: &Error) {
     }
 }
 
+/// The node `pod` is bound to.
+fn pod_node(pod: &Pod) -> Option<&str> {
+    pod.spec.as_ref().and_then(|s| s.node_name.as_deref())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1452,9 +1457,4 @@ mod tests {
             );
         }
     }
-}
-
-/// The node `pod` is bound to.
-fn pod_node(pod: &Pod) -> Option<&str> {
-    pod.spec.as_ref().and_then(|s| s.node_name.as_deref())
 }

@@ -502,83 +502,112 @@ async fn run_member(
         }
     };
 
+    // The member's virtual nodes, each registered before its pods are looked at: one per
+    // group of lower nodes (node granularity, its fleet), or the one Node `--nodename`.
     let node_config = node_config(&shared, &spec, &lower, kubelet_port);
-    if let Some(nodes) = group_nodes {
-        // Node granularity: one Node and Lease per group, no Node `--nodename`.
-        let fleet = fleet::Fleet {
-            upper: upper.client.clone(),
-            upper_heartbeat: upper.heartbeat.clone(),
-            lower_heartbeat: lower.heartbeat.clone(),
-            base: node_config,
-            granularity: spec.granularity.clone(),
-            use_lease: args.enable_node_lease,
-            bursting: spec.bursting.subscribe(),
-            nodes,
-            drain_timeout: args.leave_timeout,
-            ports: group_ports,
-            left_behind,
-            cordons,
-            replay,
-        };
-        tasks.spawn_fallible("virtual nodes", fleet.run(offers_rx, shutdown.clone()));
-        let watched = PodWatched {
-            stores,
-            pods: triggers.0,
-            status: triggers.1,
-        };
-        spawn_controllers(&mut tasks, &ctx, args, &shared.optional, watched, &shutdown);
-        started.cancel();
-        return tasks.supervise().await.map_err(|f| f.to_string());
-    }
-    let bursting = spec.bursting.borrow().clone();
-    let registered = if shutdown.is_cancelled() {
-        None
-    } else {
-        tokio::select! {
-            biased;
-            () = shutdown.cancelled() => None,
-            registered = register_node(upper, &node_config, capacity_rx.clone(), &bursting) => Some(registered),
+    let registered = match group_nodes {
+        Some(nodes) => {
+            let fleet = fleet::Fleet {
+                upper: upper.client.clone(),
+                upper_heartbeat: upper.heartbeat.clone(),
+                lower_heartbeat: lower.heartbeat.clone(),
+                base: node_config,
+                granularity: spec.granularity.clone(),
+                use_lease: args.enable_node_lease,
+                bursting: spec.bursting.subscribe(),
+                nodes,
+                drain_timeout: args.leave_timeout,
+                ports: group_ports,
+                left_behind,
+                cordons,
+                replay,
+            };
+            tasks.spawn_fallible("virtual nodes", fleet.run(offers_rx, shutdown.clone()));
+            Ok(true)
+        }
+        None => {
+            let node = NodeTask {
+                upper,
+                lower: &lower,
+                config: node_config,
+                capacity: capacity_rx,
+                cordons: &cordons,
+            };
+            node.start(&mut tasks, &spec, args.enable_node_lease, &shutdown)
+                .await
         }
     };
     match registered {
-        None => tasks.supervise().await.map_err(|f| f.to_string()),
-        Some(Ok(node)) => {
-            cordons.set(&spec.node, node::resources::node_cordoned(&node));
-            let watched = PodWatched {
-                stores,
-                pods: triggers.0,
-                status: triggers.1,
-            };
-            spawn_controllers(&mut tasks, &ctx, args, &shared.optional, watched, &shutdown);
-            if let Some(panic) = injected_panic(&spec.node) {
-                tasks.spawn("injected panic", panic);
-            }
-            started.cancel();
-            tasks.spawn(
-                "node keep-alive",
-                node::keep_alive(
-                    upper.heartbeat.clone(),
-                    lower.heartbeat.clone(),
-                    node_config,
-                    args.enable_node_lease,
-                    node::Offer {
-                        capacity: capacity_rx,
-                        bursting: spec.bursting.subscribe(),
-                    },
-                    node,
-                    shutdown.clone(),
-                ),
-            );
-            tasks.supervise().await.map_err(|f| f.to_string())
-        }
-        Some(Err(error)) => {
+        Ok(true) => {}
+        Ok(false) => return tasks.supervise().await.map_err(|f| f.to_string()),
+        Err(error) => {
             shutdown.cancel();
             // A task that failed meanwhile (the capacity watch) is the cause.
-            match tasks.supervise().await {
+            return match tasks.supervise().await {
                 Err(failure) => Err(failure.to_string()),
                 Ok(()) => Err(error),
-            }
+            };
         }
+    }
+    let watched = PodWatched {
+        stores,
+        pods: triggers.0,
+        status: triggers.1,
+    };
+    spawn_controllers(&mut tasks, &ctx, args, &shared.optional, watched, &shutdown);
+    if let Some(panic) = injected_panic(&spec.node) {
+        tasks.spawn("injected panic", panic);
+    }
+    started.cancel();
+    tasks.supervise().await.map_err(|f| f.to_string())
+}
+
+/// The one virtual node of a member of `cluster` granularity, to register.
+struct NodeTask<'a> {
+    upper: &'a Cluster,
+    lower: &'a Cluster,
+    config: NodeConfig,
+    capacity: watch::Receiver<Capacity>,
+    cordons: &'a node::Cordons,
+}
+
+impl NodeTask<'_> {
+    /// Registers the Node once the lower capacity is known (its cordon recorded), then
+    /// keeps it alive among `tasks`; false if `shutdown` came first.
+    async fn start(
+        self,
+        tasks: &mut Tasks,
+        spec: &MemberSpec,
+        use_lease: bool,
+        shutdown: &CancellationToken,
+    ) -> Result<bool, String> {
+        let bursting = spec.bursting.borrow().clone();
+        if shutdown.is_cancelled() {
+            return Ok(false);
+        }
+        let registered = tokio::select! {
+            biased;
+            () = shutdown.cancelled() => return Ok(false),
+            registered = register_node(self.upper, &self.config, self.capacity.clone(), &bursting) => registered?,
+        };
+        self.cordons
+            .set(&spec.node, node::resources::node_cordoned(&registered));
+        tasks.spawn(
+            "node keep-alive",
+            node::keep_alive(
+                self.upper.heartbeat.clone(),
+                self.lower.heartbeat.clone(),
+                self.config,
+                use_lease,
+                node::Offer {
+                    capacity: self.capacity,
+                    bursting: spec.bursting.subscribe(),
+                },
+                registered,
+                shutdown.clone(),
+            ),
+        );
+        Ok(true)
     }
 }
 
