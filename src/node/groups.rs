@@ -17,6 +17,7 @@ use std::sync::{PoisonError, RwLock};
 
 use k8s_openapi::api::core::v1::{Node, NodeSelectorRequirement};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use tracing::warn;
 
 use super::capacity::LowerCapacity;
 
@@ -56,6 +57,33 @@ pub const MEMBER_NODE_LABEL: &str = "tensile.dev/member-node";
 /// requirement its pods' lower copies get, [`group_requirement`]). The scheduler extender
 /// reads it to check a pod against those lower nodes only ([`parse_lower_selector`]).
 pub const LOWER_SELECTOR_ANNOTATION: &str = "tensile.dev/lower-node-selector";
+/// The label keys a kubelet may set on its own Node under the NodeRestriction admission
+/// plugin (Kubernetes' `kubeletLabels`, `k8s.io/kubelet/pkg/apis/well_known_labels.go`);
+/// every other key of [`KUBERNETES_NAMESPACES`] outside [`KUBELET_NAMESPACES`] is refused
+/// from below ([`refused_from_below`]).
+const KUBELET_LABELS: [&str; 11] = [
+    HOSTNAME_LABEL,
+    "topology.kubernetes.io/zone",
+    "topology.kubernetes.io/region",
+    "failure-domain.beta.kubernetes.io/zone",
+    "failure-domain.beta.kubernetes.io/region",
+    "beta.kubernetes.io/instance-type",
+    "node.kubernetes.io/instance-type",
+    "kubernetes.io/os",
+    "kubernetes.io/arch",
+    "beta.kubernetes.io/os",
+    "beta.kubernetes.io/arch",
+];
+/// The label namespaces (each with its subdomains) a kubelet may set any key of on its own
+/// Node (Kubernetes' `kubeletLabelNamespaces`).
+const KUBELET_NAMESPACES: [&str; 2] = ["kubelet.kubernetes.io", "node.kubernetes.io"];
+/// The label namespaces (each with its subdomains) Kubernetes reserves: NodeRestriction
+/// lets a kubelet set only [`KUBELET_LABELS`] and [`KUBELET_NAMESPACES`] of them.
+const KUBERNETES_NAMESPACES: [&str; 2] = ["kubernetes.io", "k8s.io"];
+/// The label namespaces (each with its subdomains) no lower node label of ever reaches a
+/// virtual node: NodeRestriction's own (labels a node cannot set on itself, so that
+/// workloads can trust them) and tensile's.
+const REFUSED_NAMESPACES: [&str; 2] = ["node-restriction.kubernetes.io", "tensile.dev"];
 /// The well-known hostname label.
 const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
 /// The field a node-granularity group's pods are confined by: the lower node's name (its
@@ -174,12 +202,45 @@ impl FromStr for LabelPatterns {
 pub fn parse_label_patterns(text: &str) -> Result<LabelPatterns, String> {
     let mut patterns = Vec::new();
     for pattern in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        if pattern.chars().all(|c| c == '*') {
+            return Err(format!(
+                "{pattern:?} would show every lower node label: name the keys, or a prefix \
+                 such as example.com/*"
+            ));
+        }
         // A pattern is a label key once its `*`s are letters.
         check_label_key(&pattern.replace('*', "x"))
             .map_err(|_| format!("{pattern:?} is not a label key or pattern"))?;
         patterns.push(pattern.to_owned());
     }
     Ok(LabelPatterns(patterns))
+}
+
+/// Whether lower node label `key` is refused on a virtual node whatever
+/// `--lower-node-labels` matches: a key a kubelet may not set on its own Node under the
+/// NodeRestriction admission plugin (`node-restriction.kubernetes.io/`, and any
+/// `kubernetes.io` or `k8s.io` key, the domain or a subdomain, outside the kubelet's own
+/// [`KUBELET_LABELS`] and [`KUBELET_NAMESPACES`]), or one of tensile's (`tensile.dev/`).
+/// A lower admin could otherwise put `node-role.kubernetes.io/control-plane` or a
+/// `node-restriction.kubernetes.io/` label on the upper virtual node and draw the
+/// workloads steered by it.
+pub fn refused_from_below(key: &str) -> bool {
+    // As NodeRestriction reads a key: the namespace is what comes before the first `/`.
+    let Some((namespace, _)) = key.split_once('/') else {
+        return false;
+    };
+    let within = |domains: &[&str]| domains.iter().any(|d| in_domain(namespace, d));
+    if within(&REFUSED_NAMESPACES) {
+        return true;
+    }
+    within(&KUBERNETES_NAMESPACES) && !KUBELET_LABELS.contains(&key) && !within(&KUBELET_NAMESPACES)
+}
+
+/// Whether `namespace` is `domain` or one of its subdomains.
+fn in_domain(namespace: &str, domain: &str) -> bool {
+    namespace
+        .strip_suffix(domain)
+        .is_some_and(|rest| rest.is_empty() || rest.ends_with('.'))
 }
 
 /// Whether `text` matches `pattern`, where `*` matches any run of characters.
@@ -340,6 +401,9 @@ pub struct Groups {
     groups: BTreeMap<String, BTreeSet<String>>,
     /// The nodes a relist under way has listed.
     relisted: Option<BTreeSet<String>>,
+    /// Per lower node, the labels its group would show but [`refused_from_below`] refuses
+    /// (warned of when they change).
+    refused: HashMap<String, BTreeSet<String>>,
 }
 
 impl Groups {
@@ -352,6 +416,7 @@ impl Groups {
             nodes: HashMap::new(),
             groups: BTreeMap::new(),
             relisted: None,
+            refused: HashMap::new(),
         }
     }
 
@@ -385,14 +450,24 @@ impl Groups {
             self.patterns.shows(key)
                 || matches!(&self.granularity, Granularity::Label(k) if k == key)
         };
-        let labels = node
+        let (refused, labels): (BTreeMap<String, String>, _) = node
             .metadata
             .labels
             .iter()
             .flatten()
             .filter(|(k, _)| shows(k) && !OWN_LABELS.contains(&k.as_str()))
             .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
+            .partition(|(k, _)| refused_from_below(k));
+        if let Some(keys) = self.note_refused(&name, refused.into_keys().collect()) {
+            warn!(
+                node = %name,
+                cluster = "lower",
+                member = %self.base,
+                labels = %keys,
+                "lower node labels refused: never shown on a virtual node (keys a kubelet may \
+                 not set on its own Node, or tensile's), whatever --lower-node-labels matches"
+            );
+        }
         let seen = LowerNode {
             group: group_of(&self.granularity, node),
             labels,
@@ -409,7 +484,7 @@ impl Groups {
         if self.nodes.get(&name) == Some(&seen) {
             return BTreeSet::new();
         }
-        let mut changed = self.delete_node(&name);
+        let mut changed = self.leave_group(&name);
         if let Some(group) = &seen.group {
             self.groups
                 .entry(group.clone())
@@ -421,8 +496,35 @@ impl Groups {
         changed
     }
 
+    /// Records `refused`, the labels of lower node `name` its group would show but
+    /// [`refused_from_below`] refuses; returns them, comma-separated, when they changed
+    /// and are not none: what [`Groups::apply_node`] warns of, once per change rather than
+    /// on every event of the node.
+    fn note_refused(&mut self, name: &str, refused: BTreeSet<String>) -> Option<String> {
+        if refused.is_empty() {
+            self.refused.remove(name);
+            return None;
+        }
+        if self.refused.get(name) == Some(&refused) {
+            return None;
+        }
+        let keys = refused
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>()
+            .join(",");
+        self.refused.insert(name.to_owned(), refused);
+        Some(keys)
+    }
+
     /// A lower node was deleted; returns the key of the group it left, if any.
     pub fn delete_node(&mut self, name: &str) -> BTreeSet<String> {
+        self.refused.remove(name);
+        self.leave_group(name)
+    }
+
+    /// Forgets lower node `name` and takes it out of its group; returns that group's key.
+    fn leave_group(&mut self, name: &str) -> BTreeSet<String> {
         let Some(gone) = self.nodes.remove(name) else {
             return BTreeSet::new();
         };
@@ -699,10 +801,144 @@ mod tests {
             assert_eq!(patterns.shows(key), want, "{key}");
         }
         assert!(parse_label_patterns("a b").is_err());
+        for every in ["*", " * ", "example.com/x,*", "**"] {
+            let error = parse_label_patterns(every).unwrap_err();
+            assert!(
+                error.contains("every lower node label"),
+                "{every:?}: {error}"
+            );
+        }
         assert_eq!(
             parse_label_patterns(" , ").unwrap(),
             LabelPatterns::default()
         );
+    }
+
+    /// NodeRestriction's rule for the labels a kubelet may set on its own Node, and
+    /// tensile's own namespace: what never comes up from a lower node.
+    #[test]
+    fn labels_a_kubelet_may_not_set_are_refused_from_below() {
+        let cases = [
+            ("node-role.kubernetes.io/control-plane", true),
+            ("node-role.kubernetes.io/worker", true),
+            ("node-restriction.kubernetes.io/x", true),
+            ("a.node-restriction.kubernetes.io/x", true),
+            ("kubernetes.io/role", true),
+            ("kubernetes.io/hostname", false),
+            ("kubernetes.io/arch", false),
+            ("kubernetes.io/os", false),
+            ("kubernetes.io/instance-type", true),
+            ("k8s.io/x", true),
+            ("foo.k8s.io/x", true),
+            ("example.kubernetes.io/x", true),
+            ("topology.kubernetes.io/zone", false),
+            ("topology.kubernetes.io/region", false),
+            ("topology.kubernetes.io/other", true),
+            ("failure-domain.beta.kubernetes.io/zone", false),
+            ("failure-domain.beta.kubernetes.io/region", false),
+            ("node.kubernetes.io/instance-type", false),
+            ("node.kubernetes.io/anything", false),
+            ("pool.node.kubernetes.io/anything", false),
+            ("kubelet.kubernetes.io/x", false),
+            ("beta.kubernetes.io/instance-type", false),
+            ("beta.kubernetes.io/arch", false),
+            ("beta.kubernetes.io/os", false),
+            ("beta.kubernetes.io/other", true),
+            ("tensile.dev/x", true),
+            ("burst.tensile.dev/x", true),
+            ("example.com/x", false),
+            ("notkubernetes.io/x", false),
+            ("kubernetes.io.example.com/x", false),
+            ("pool", false),
+        ];
+        for (key, want) in cases {
+            assert_eq!(refused_from_below(key), want, "{key}");
+        }
+    }
+
+    /// Patterns that match labels a kubelet may not set show none of them; the grouping
+    /// label is held to the same rule.
+    #[test]
+    fn refused_labels_never_reach_a_group() {
+        let patterns =
+            parse_label_patterns("*.kubernetes.io/*,*.k8s.io/*,*.dev/*,example.com/*").unwrap();
+        let mut groups = Groups::new(
+            "vk",
+            Granularity::Label("node-restriction.kubernetes.io/pool".into()),
+            patterns,
+        );
+        let labels = json!({
+            "node-role.kubernetes.io/control-plane": "",
+            "node-restriction.kubernetes.io/pool": "p",
+            "foo.k8s.io/x": "y",
+            "tensile.dev/burst-priority": "0",
+            "tensile.dev/x": "y",
+            "beta.kubernetes.io/other": "y",
+            "topology.kubernetes.io/zone": "a",
+            "node.kubernetes.io/instance-type": "m5",
+            "example.com/x": "y",
+        });
+        groups.apply_node(&node("w1", labels, true, false));
+        let group = groups
+            .group("p")
+            .expect("grouped by the label all the same");
+        let shown: Vec<&str> = group.labels.keys().map(String::as_str).collect();
+        assert_eq!(
+            shown,
+            [
+                "example.com/x",
+                "node.kubernetes.io/instance-type",
+                MEMBER_NODE_LABEL,
+                "topology.kubernetes.io/zone",
+            ]
+        );
+    }
+
+    /// The refused labels are warned of when they change, not on every event of the node.
+    #[test]
+    fn refused_labels_are_warned_of_once_per_change() {
+        let mut groups = Groups::new("vk", zone(), parse_label_patterns("*.io/*").unwrap());
+        let role = json!({"topology.kubernetes.io/zone": "a",
+                          "node-role.kubernetes.io/control-plane": ""});
+        let role_and_more = json!({"topology.kubernetes.io/zone": "a",
+                                   "node-role.kubernetes.io/control-plane": "",
+                                   "node-restriction.kubernetes.io/x": "y"});
+        let plain = json!({"topology.kubernetes.io/zone": "a"});
+        let role_keys = "node-role.kubernetes.io/control-plane";
+        let more_keys = "node-restriction.kubernetes.io/x,node-role.kubernetes.io/control-plane";
+        // (event, lower node w1's labels, what is warned of)
+        let cases = [
+            ("first seen", role.clone(), Some(role_keys)),
+            ("the same again", role.clone(), None),
+            ("another refused label", role_and_more, Some(more_keys)),
+            ("none any more", plain.clone(), None),
+            ("back", role.clone(), Some(role_keys)),
+        ];
+        for (event, labels, want) in cases {
+            let node = node("w1", labels, true, false);
+            let refused: BTreeSet<String> = node
+                .metadata
+                .labels
+                .iter()
+                .flatten()
+                .map(|(k, _)| k)
+                .filter(|k| groups.patterns.shows(k) && refused_from_below(k))
+                .cloned()
+                .collect();
+            // What this event's apply_node warns of ...
+            let warned = groups.clone().note_refused("w1", refused.clone());
+            assert_eq!(warned.as_deref(), want, "{event}");
+            groups.apply_node(&node);
+            // ... and it recorded it: the next event of the same node warns of nothing.
+            assert_eq!(groups.note_refused("w1", refused), None, "{event}");
+        }
+        // A relist's copy of the node warns of nothing new; its deletion forgets it.
+        groups.relist_start();
+        groups.apply_node(&node("w1", role.clone(), true, false));
+        groups.relist_done();
+        assert!(groups.refused.contains_key("w1"));
+        groups.delete_node("w1");
+        assert!(groups.refused.is_empty());
     }
 
     #[test]
