@@ -159,8 +159,12 @@ impl Share {
 }
 
 /// `room * cap / total` rounded down, and the remainder of that division (which orders
-/// who gets the units the rounding left over). `total` is more than 0.
+/// who gets the units the rounding left over). Nothing when `total` is not a whole unit:
+/// room that sums below one unit over the groups (`500m` pods) has no unit to split.
 fn proportion(room: i128, cap: i128, total: i128) -> (i128, i128) {
+    if total <= 0 {
+        return (0, 0);
+    }
     match room.checked_mul(cap) {
         Some(product) => (product / total, product % total),
         // Beyond any real quantity; approximate rather than fail.
@@ -441,6 +445,24 @@ mod tests {
                 "cpu=0",
                 &[("a", &[("cpu", "4")]), ("b", &[("cpu", "8")])],
                 &[("a", &[("cpu", "0")]), ("b", &[("cpu", "0")])],
+            ),
+            (
+                "room below one unit over the groups, a zero cap: none, no division by zero",
+                "pods=0",
+                &[("a", &[("pods", "500m")]), ("b", &[("pods", "0")])],
+                &[("a", &[("pods", "0")]), ("b", &[("pods", "0")])],
+            ),
+            (
+                "room below one unit in all, a cap below it: none",
+                "pods=300m",
+                &[("a", &[("pods", "400m")]), ("b", &[("pods", "400m")])],
+                &[("a", &[("pods", "0")]), ("b", &[("pods", "0")])],
+            ),
+            (
+                "room summing to a unit, a cap below it: none",
+                "pods=500m",
+                &[("a", &[("pods", "600m")]), ("b", &[("pods", "600m")])],
+                &[("a", &[("pods", "0")]), ("b", &[("pods", "0")])],
             ),
             (
                 "a capped resource one group lacks is not added to it",
