@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, HashMap};
 use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 
-use super::quantity::format_milli;
+use super::quantity::{format_milli, parse_milli};
 pub use super::resources::{Resources, node_usable, pod_requests};
 use super::resources::{add, phase_is_terminal, pod_footprint, subtract, to_resources};
 use crate::translate::meta::{Claim, OWNER_NODE_LABEL, Owner, UPPER_CLUSTER_LABEL};
@@ -177,6 +177,19 @@ impl LowerCapacity {
             room.seen = generation;
             if room.offer.as_ref() == Some(&offer) {
                 return;
+            }
+        }
+        // Once per change of the node's offer, not on every event of it.
+        let listed = node.status.as_ref().and_then(|s| s.allocatable.as_ref());
+        for (resource, quantity) in listed.into_iter().flatten() {
+            if parse_milli(&quantity.0).is_none() {
+                tracing::warn!(
+                    node = name,
+                    cluster = "lower",
+                    resource = %resource,
+                    quantity = %quantity.0,
+                    "lower node allocatable: not a quantity, or past any real one; counted as none"
+                );
             }
         }
         self.set_offer(name, Some(offer));

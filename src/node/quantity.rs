@@ -14,7 +14,16 @@ pub fn parse_nano(text: &str) -> Option<i128> {
     parse_scaled(text, 9)
 }
 
-/// Parses a quantity into units of 10^-`scale`, rounding a fraction of one up.
+/// The largest magnitude a parsed quantity may have, in the units it is parsed into
+/// (milli- or nano-units): far past any real one (Kubernetes counts whole units in an
+/// `int64`, under 2^83 nano-units), and 2^27 of them still add up inside an `i128`, so
+/// sums of capacities cannot overflow. A lower Node's allocatable is whatever its writer
+/// put there.
+pub const MAX_SCALED: i128 = 1 << 100;
+
+/// Parses a quantity into units of 10^-`scale`, rounding a fraction of one up. `None`
+/// when it is not a quantity or its magnitude is past [`MAX_SCALED`] (`9e999999999`,
+/// `99999999999999999999999999999999999999999Ei`): every step is checked.
 fn parse_scaled(text: &str, scale: i32) -> Option<i128> {
     let text = text.trim();
     let (negative, text) = match text.strip_prefix('-') {
@@ -29,11 +38,13 @@ fn parse_scaled(text: &str, scale: i32) -> Option<i128> {
     if int_part.is_empty() && frac_part.is_empty() {
         return None;
     }
+    // Trailing zeros of a fraction say nothing, and would only make the mantissa overflow.
+    let frac_part = frac_part.trim_end_matches('0');
     let digits = format!("{int_part}{frac_part}");
     let mantissa: i128 = digits.parse().ok()?;
     let frac_len = i32::try_from(frac_part.len()).ok()?;
 
-    // value = mantissa * 10^(exp10 - frac_len) * 2^exp2, in milli-units: one more 10^3.
+    // value = mantissa * 10^(exp10 - frac_len) * 2^exp2, in units of 10^-scale.
     let (exp10, exp2): (i32, u32) = match suffix {
         "" => (0, 0),
         "n" => (-9, 0),
@@ -57,14 +68,21 @@ fn parse_scaled(text: &str, scale: i32) -> Option<i128> {
         }
     };
     let scaled = mantissa.checked_mul(1i128.checked_shl(exp2)?)?;
-    let power = exp10 + scale - frac_len;
-    let milli = if power >= 0 {
-        scaled.checked_mul(10i128.checked_pow(u32::try_from(power).ok()?)?)?
+    let power = exp10.checked_add(scale)?.checked_sub(frac_len)?;
+    let value = if power >= 0 {
+        scaled.checked_mul(10i128.checked_pow(power.unsigned_abs())?)?
     } else {
-        let divisor = 10i128.checked_pow(u32::try_from(-power).ok()?)?;
-        (scaled + divisor - 1) / divisor
+        match 10i128.checked_pow(power.unsigned_abs()) {
+            // Rounded up, without the addition that could overflow.
+            Some(divisor) => scaled / divisor + i128::from(scaled % divisor != 0),
+            // A divisor past i128 is past any mantissa: a fraction of one unit.
+            None => i128::from(scaled != 0),
+        }
     };
-    Some(if negative { -milli } else { milli })
+    if value > MAX_SCALED {
+        return None;
+    }
+    Some(if negative { -value } else { value })
 }
 
 /// Parses a [`Quantity`]; an unparsable one counts as zero (and is logged by the caller's
@@ -129,10 +147,32 @@ mod tests {
             ("abc", None),
             ("1Xi", None),
             ("1.2.3", None),
+            // Past what any i128 step holds, or past MAX_SCALED: refused, never a panic.
+            ("9e999999999", None),
+            ("9e2147483647", None),
+            ("9e99999999999", None),
+            ("1.2345e-2147483648", None),
+            ("1.5e-2147483648", Some(1)),
+            ("99999999999999999999999999999999999999999Ei", None),
+            ("9999999999999999999999999999Ei", None),
+            ("99999999999999999999999999999999999999n", None),
+            ("170141183460469231731687303715884105727m", None),
+            ("-170141183460469231731687303715884105727m", None),
+            ("1e30", None),
+            ("1e27", Some(1_000_000_000_000_000_000_000_000_000_000)),
+            ("1267650600228229401496703205376m", Some(MAX_SCALED)),
+            ("1267650600228229401496703205377m", None),
+            // Tiny and long forms are still quantities.
+            ("1e-50", Some(1)),
+            ("0e-50", Some(0)),
+            ("1.0000000000000000000000000000000000000000000", Some(1_000)),
+            ("99999999999999999999999999999999999999999m", None),
         ];
         for (text, want) in cases {
             assert_eq!(parse_milli(text), *want, "{text:?}");
         }
+        assert_eq!(parse_nano("9e2147483647"), None);
+        assert_eq!(parse_nano("1e-2147483648"), Some(1));
     }
 
     #[test]
