@@ -315,7 +315,27 @@ pub fn upper_uid(meta: &ObjectMeta) -> Option<&str> {
         .map(String::as_str)
 }
 
-/// The status to write on the upper pod so it shows what its lower copy is doing.
+/// The pod condition types reflected from the lower pod: those its kubelet owns (and
+/// `PodScheduled`, the lower scheduler's). Every other type on the upper pod is an upper
+/// actor's (a readiness gate's condition, `DisruptionTarget`, tensile's own mark): a
+/// lower actor with `pods/status` writing one below must not make the upper pod Ready
+/// early or never, nor mark it disrupted.
+pub const REFLECTED_CONDITIONS: [&str; 5] = [
+    "PodScheduled",
+    "PodReadyToStartContainers",
+    "Initialized",
+    "ContainersReady",
+    "Ready",
+];
+
+/// Whether a lower pod condition of type `type_` is reflected up ([`REFLECTED_CONDITIONS`]).
+fn is_reflected(type_: &str) -> bool {
+    REFLECTED_CONDITIONS.contains(&type_)
+}
+
+/// The status to write on the upper pod so it shows what its lower copy is doing. Of the
+/// lower conditions only [`REFLECTED_CONDITIONS`]; the upper pod's others stay as they
+/// are (the write merges conditions by type).
 pub fn upper_status(lower: &Pod, upper: &Pod) -> PodStatus {
     let from = lower.status.clone().unwrap_or_default();
     PodStatus {
@@ -325,6 +345,7 @@ pub fn upper_status(lower: &Pod, upper: &Pod) -> PodStatus {
         conditions: from.conditions.map(|conditions| {
             let conditions = conditions
                 .into_iter()
+                .filter(|c| is_reflected(&c.type_))
                 .map(|c| PodCondition {
                     observed_generation: None,
                     ..c
@@ -467,7 +488,7 @@ pub fn status_is_informative(lower: &PodStatus) -> bool {
             .conditions
             .iter()
             .flatten()
-            .any(|c| c.status != "True")
+            .any(|c| is_reflected(&c.type_) && c.status != "True")
 }
 
 /// Whether `current` (the upper pod's status) already shows `desired` (from
@@ -1857,6 +1878,131 @@ mod tests {
         assert_eq!(status, want);
     }
 
+    /// Only the lower kubelet's condition types come up: a lower actor with `pods/status`
+    /// writing a readiness gate's condition, `DisruptionTarget` or tensile's mark below
+    /// changes nothing above, and Ready is still counted from the upper pod's own gates.
+    #[test]
+    fn only_the_lower_kubelets_conditions_are_reflected() {
+        let condition = |type_: &str, status: &str| json!({"type": type_, "status": status});
+        let kubelet = || {
+            vec![
+                condition("PodReadyToStartContainers", "True"),
+                condition("Initialized", "True"),
+                condition("ContainersReady", "True"),
+                condition("Ready", "True"),
+                condition("PodScheduled", "True"),
+            ]
+        };
+        let with = |extra: &[Value]| -> Vec<Value> {
+            let mut all = kubelet();
+            all.extend_from_slice(extra);
+            all
+        };
+        let gate = json!([{"conditionType": "example.com/lb-ready"}]);
+        let upper = |gates: Value, conditions: Value| -> Pod {
+            pod(
+                json!({"metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+                "spec": {"containers": [{"name": "app"}], "readinessGates": gates},
+                "status": {"conditions": conditions}}),
+            )
+        };
+        // (case, lower conditions, upper pod, the types and statuses reflected)
+        type Case = (
+            &'static str,
+            Vec<Value>,
+            Pod,
+            Vec<(&'static str, &'static str)>,
+        );
+        let cases: Vec<Case> = vec![
+            (
+                "the kubelet's: all of them, as below",
+                kubelet(),
+                upper(Value::Null, json!([])),
+                vec![
+                    ("PodReadyToStartContainers", "True"),
+                    ("Initialized", "True"),
+                    ("ContainersReady", "True"),
+                    ("Ready", "True"),
+                    ("PodScheduled", "True"),
+                ],
+            ),
+            (
+                "a gate's condition forged below: not copied, the upper gate still False",
+                with(&[condition("example.com/lb-ready", "True")]),
+                upper(
+                    gate.clone(),
+                    json!([condition("example.com/lb-ready", "False")]),
+                ),
+                vec![
+                    ("PodReadyToStartContainers", "True"),
+                    ("Initialized", "True"),
+                    ("ContainersReady", "True"),
+                    ("Ready", "False"),
+                    ("PodScheduled", "True"),
+                ],
+            ),
+            (
+                "a gate's condition forged False below: the upper gate's True counts",
+                with(&[condition("example.com/lb-ready", "False")]),
+                upper(
+                    gate.clone(),
+                    json!([condition("example.com/lb-ready", "True")]),
+                ),
+                vec![
+                    ("PodReadyToStartContainers", "True"),
+                    ("Initialized", "True"),
+                    ("ContainersReady", "True"),
+                    ("Ready", "True"),
+                    ("PodScheduled", "True"),
+                ],
+            ),
+            (
+                "DisruptionTarget, tensile's mark and others below: not copied",
+                with(&[
+                    condition("DisruptionTarget", "True"),
+                    condition(MIRRORED_CONDITION, "False"),
+                    condition("example.com/other", "True"),
+                ]),
+                upper(
+                    Value::Null,
+                    json!([condition("example.com/other", "False")]),
+                ),
+                vec![
+                    ("PodReadyToStartContainers", "True"),
+                    ("Initialized", "True"),
+                    ("ContainersReady", "True"),
+                    ("Ready", "True"),
+                    ("PodScheduled", "True"),
+                ],
+            ),
+        ];
+        for (name, conditions, upper, want) in cases {
+            let lower = pod(json!({"status": {"phase": "Running", "conditions": conditions}}));
+            let status = upper_status(&lower, &upper);
+            let got: Vec<(&str, &str)> = status
+                .conditions
+                .iter()
+                .flatten()
+                .map(|c| (c.type_.as_str(), c.status.as_str()))
+                .collect();
+            assert_eq!(got, want, "{name}");
+            // Written, the upper pod's own conditions stay as they were.
+            let patch = upper_status_patch("u", &status);
+            let written: Vec<&str> = patch["status"]["conditions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|c| c["type"].as_str())
+                .collect();
+            assert!(
+                written
+                    .iter()
+                    .all(|t| is_reflected(t) || *t == MIRRORED_CONDITION),
+                "{name}: {written:?}"
+            );
+        }
+    }
+
     /// Ready as a kubelet computes it for a pod with readiness gates: the lower pod's
     /// containers ready, and every gate's condition True on the upper pod (the lower pod
     /// never has the gates: nobody sets their conditions below).
@@ -2799,6 +2945,11 @@ mod tests {
             ),
             ("running", json!({"phase": "Running"}), true),
             ("failed", json!({"phase": "Failed"}), true),
+            (
+                "a False condition never reflected up",
+                json!({"phase": "Pending", "conditions": [{"type": "example.com/gate", "status": "False"}]}),
+                false,
+            ),
         ];
         for (name, s, want) in cases {
             assert_eq!(status_is_informative(&status(s)), want, "{name}");
