@@ -197,14 +197,17 @@ pub struct Args {
     /// How the lower cluster is shown upstairs: `cluster` (one virtual node, `--nodename`),
     /// `node` (one per lower node) or `label=<key>` (one per value of that lower node label,
     /// e.g. `label=topology.kubernetes.io/zone`). Member Secrets set theirs with the
-    /// annotation `tensile.dev/node-granularity`. Only `cluster` runs so far.
+    /// annotation `tensile.dev/node-granularity`.
     #[arg(long, value_parser = crate::node::groups::parse_granularity, default_value = "cluster")]
     pub node_granularity: crate::node::groups::Granularity,
 
     /// Lower node labels (keys, `*` matches any run of characters, comma-separated) that a
     /// group's virtual node shows when its lower nodes agree on the value, beside
     /// `topology.kubernetes.io/{zone,region}`, `node.kubernetes.io/instance-type`,
-    /// `kubernetes.io/{arch,os}`. Member Secrets: `tensile.dev/lower-node-labels`.
+    /// `kubernetes.io/{arch,os}`. Member Secrets: `tensile.dev/lower-node-labels`. A bare
+    /// `*` is refused, and so is any label a kubelet may not set on its own Node
+    /// (NodeRestriction: `node-restriction.kubernetes.io/`, `kubernetes.io` and `k8s.io`
+    /// keys beyond the kubelet's own) or tensile's (`tensile.dev/`), whatever matches it.
     #[arg(long, value_parser = crate::node::groups::parse_label_patterns, default_value = "")]
     pub lower_node_labels: crate::node::groups::LabelPatterns,
 
@@ -985,6 +988,48 @@ mod tests {
         ])
         .unwrap();
         assert!(unlimited.client_qps.is_infinite());
+    }
+
+    /// Every granularity runs, and its help says so; `--lower-node-labels` refuses a bare
+    /// `*` at parsing with an error that says why.
+    #[test]
+    fn granularity_flags_parse_and_say_what_runs() {
+        use crate::node::groups::Granularity;
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["virtual-node", "--client-kubeconfig", "k"];
+            argv.extend_from_slice(extra);
+            Args::try_parse_from(argv)
+        };
+        let cases: [(&[&str], Granularity); 3] = [
+            (&[], Granularity::Cluster),
+            (&["--node-granularity", "node"], Granularity::Node),
+            (
+                &["--node-granularity", "label=topology.kubernetes.io/zone"],
+                Granularity::Label("topology.kubernetes.io/zone".into()),
+            ),
+        ];
+        for (extra, want) in cases {
+            assert_eq!(parse(extra).unwrap().node_granularity, want, "{extra:?}");
+        }
+        for every in ["*", "example.com/pool,*"] {
+            let error = parse(&["--lower-node-labels", every]).expect_err(every);
+            let line = one_line(&error);
+            assert!(
+                line.contains("--lower-node-labels") && line.contains("every lower node label"),
+                "{every}: {line}"
+            );
+        }
+        assert!(parse(&["--lower-node-labels", "example.com/*"]).is_ok());
+        let help = <Args as clap::CommandFactory>::command()
+            .render_long_help()
+            .to_string();
+        let granularity = help
+            .split("--node-granularity")
+            .nth(1)
+            .and_then(|rest| rest.split("\n      --").next())
+            .unwrap_or_default();
+        assert!(granularity.contains("label=<key>"), "{granularity}");
+        assert!(!granularity.contains("so far"), "{granularity}");
     }
 
     #[test]
