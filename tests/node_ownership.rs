@@ -18,6 +18,7 @@ use common::{TIMEOUT, kubectl, member_secret, running};
 use k8s_openapi::api::core::v1::{Event, Node, Pod, Secret};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
+use tensile::member::spec::GRANULARITY_ANNOTATION;
 use tensile::node::groups::{Granularity, virtual_node_name};
 use tensile::node::owner::NODE_OWNER_ANNOTATION;
 use tensile_harness::fault_proxy::FaultProxy;
@@ -134,15 +135,17 @@ async fn event_on(
     .unwrap()
 }
 
-/// What must not change of another's Node: its UID, labels, owner and readiness.
-fn fingerprint(
-    node: &Node,
-) -> (
+/// What must not change of a Node: its UID, labels, owner, readiness and cordon.
+type Fingerprint = (
     Option<String>,
     BTreeMap<String, String>,
     Option<String>,
     bool,
-) {
+    Option<bool>,
+);
+
+/// [`Fingerprint`] of `node`.
+fn fingerprint(node: &Node) -> Fingerprint {
     (
         node.metadata.uid.clone(),
         node.metadata.labels.clone().unwrap_or_default(),
@@ -152,6 +155,7 @@ fn fingerprint(
             .and_then(|a| a.get(NODE_OWNER_ANNOTATION))
             .cloned(),
         node_is_ready(node),
+        node.spec.as_ref().and_then(|s| s.unschedulable),
     )
 }
 
@@ -373,9 +377,11 @@ async fn a_member_secret_never_takes_another_processs_node() {
     prod.check_running().unwrap();
 }
 
-/// H2: a member of `label=` granularity restarted while its group's Node cannot be read
-/// (one GET fails) keeps its pods below (none deleted as an orphan meanwhile) and serves
-/// the group once the Node reads again: an upper change reaches the lower pod.
+/// H2: a member Secret of `label=` granularity whose process restarts while its group's
+/// Node cannot be read (its first GETs fail) keeps its pods below (none deleted as an
+/// orphan meanwhile: the pod is bound to a Node labelled as the member's) and serves the
+/// group once the Node reads again (its pods handed to the member by the shared watch):
+/// an upper change reaches the lower pod, still the first one.
 #[tokio::test]
 async fn a_group_admitted_late_keeps_and_serves_its_pods() {
     let pair = ClusterPair::shared().await.unwrap();
@@ -384,27 +390,56 @@ async fn a_group_admitted_late_keeps_and_serves_its_pods() {
     let key = "example.com/own-late";
     let group = virtual_node_name("vk-own-late", &Granularity::Label(key.into()), "x");
     add_lower_nodes(pair, &["own-late"], json!({key: "x"})).await;
+    let members = TestNamespace::create(&upper, "own-late-members")
+        .await
+        .unwrap();
     let proxy = FaultProxy::start(upper.clone()).await.unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let mut options = VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), "vk-own-late");
-    options.args = vec!["--node-granularity".into(), format!("label={key}")];
+    let mut options =
+        VirtualNodeOptions::new(env!("CARGO_BIN_EXE_virtual-node"), "vk-own-late-proc");
+    options.flags_member = false;
+    options.args = vec!["--members-namespace".into(), members.name.clone()];
     options.upper_kubeconfig = Some(
         proxy
             .write_kubeconfig(&dir.path().join("upper.kubeconfig"))
             .unwrap(),
     );
+    let mut secret = member_secret("late", "vk-own-late", &pair.lower.kubeconfig);
+    secret
+        .metadata
+        .annotations
+        .get_or_insert_default()
+        .insert(GRANULARITY_ANNOTATION.into(), format!("label={key}"));
+    let secrets: Api<Secret> = Api::namespaced(upper.clone(), &members.name);
+    secrets
+        .create(&PostParams::default(), &secret)
+        .await
+        .unwrap();
     let mut vn = pair.start_virtual_node(&options).unwrap();
     wait_ready(pair, &mut vn, &group).await;
     let lower_uid = running_below(pair, &ns.name, "late", &group).await;
+    let before = Api::<Node>::all(upper.clone()).get(&group).await.unwrap();
 
+    // Restarted while every read of the group's Node fails, for two rounds of orphan
+    // collection at least; then the Node reads again.
     vn.kill().unwrap();
-    proxy.fail_gets(&format!("/api/v1/nodes/{group}"), 3);
+    let path = format!("/api/v1/nodes/{group}");
+    proxy.fail_gets(&path, u64::MAX);
     let mut vn = pair.start_virtual_node(&options).unwrap();
-    wait_for("the Node's reads failed", TIMEOUT, || async {
-        Ok((proxy.gets_left_to_fail() == 0).then_some(()))
+    wait_for("two orphan collection rounds", TIMEOUT, || async {
+        let Ok(text) = tokio::time::timeout(Duration::from_secs(5), metrics_text(&vn)).await else {
+            return Ok(None);
+        };
+        Ok(text
+            .lines()
+            .find_map(|l| l.strip_prefix("tensile_gc_rounds_total "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .filter(|rounds| *rounds >= 2.0))
     })
     .await
     .unwrap();
+    assert!(proxy.gets_left_to_fail() < u64::MAX, "the Node was read");
+    proxy.fail_gets(&path, 0);
     // Served: an upper label change reaches the lower pod, which is still the first one.
     let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
     upper_pods
@@ -440,6 +475,8 @@ async fn a_group_admitted_late_keeps_and_serves_its_pods() {
         Some(lower_uid.as_str()),
         "the lower pod was never deleted"
     );
+    // Its group is below all along: its Node is not taken for one left behind (drained).
+    untouched(pair, &group, &before, (&ns.name, "late", &lower_uid)).await;
     let log = std::fs::read_to_string(vn.log()).unwrap();
     assert!(
         !log.contains("deleted an orphaned lower pod"),
@@ -447,4 +484,22 @@ async fn a_group_admitted_late_keeps_and_serves_its_pods() {
         tensile_harness::process::tail(vn.log(), 40)
     );
     vn.check_running().unwrap();
+}
+
+/// The metrics endpoint's answer, or `""` while it does not answer.
+async fn metrics_text(vn: &VirtualNode) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(mut stream) = tokio::net::TcpStream::connect(("127.0.0.1", vn.metrics_port)).await
+    else {
+        return String::new();
+    };
+    let mut text = String::new();
+    if stream
+        .write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .await
+        .is_ok()
+    {
+        let _ = stream.read_to_string(&mut text).await;
+    }
+    text
 }

@@ -403,16 +403,18 @@ async fn run_member(
             () = shutdown.cancelled() => {}
             _ = known.wait_for(Option::is_some) => {}
         }
-        let known = offers.borrow_and_update().clone();
+        let below = offers.borrow_and_update().clone();
         tokio::select! {
             biased;
             () = shutdown.cancelled() => {}
-            admitted = admission.admit(known) => {
+            admitted = admission.admit(below.clone()) => {
                 admitted_tx.send_replace(admitted);
             }
         }
         fleet::know(nodes, &spec.granularity, &offers_rx.borrow());
-        let offered = offers_rx.borrow().clone();
+        // Left behind: a Node whose group is not below any more. One offered below but not
+        // admitted yet (its Node unreadable for now) is not gone: it is admitted later.
+        let offered = below;
         left_behind = fleet::find_left_behind(
             &upper.client,
             (
