@@ -5,8 +5,9 @@
 //! it drains nothing; a member Secret naming another process's node is refused
 //! (`MemberNodeNameTaken`) and deleting it drains nothing; a group admitted late (its Node
 //! unreadable at start) keeps its lower pods and is served within a backoff. Also the
-//! per-node duties of a group's virtual node: its own cordon holds its pods back, and its
-//! labels follow what its lower nodes agree on. Its own test binary.
+//! per-node duties of a group's virtual node: its own cordon holds its pods back, its
+//! labels follow what its lower nodes agree on, and none a kubelet may not set on itself
+//! comes from below. Its own test binary.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
 
 mod common;
@@ -223,9 +224,59 @@ async fn a_lower_cluster_never_takes_or_drains_another_installs_node() {
     )
     .await;
     label_lower(pair, &["own-gpu".into()], json!({POOL: "gpu"})).await;
-    label_lower(pair, &["own-cpu".into()], json!({POOL: "cpu"})).await;
+    // M7: labels a kubelet may not set on itself, offered by the lower node and matched
+    // by the patterns, never reach the virtual node; an allowed one does.
+    label_lower(
+        pair,
+        &["own-cpu".into()],
+        json!({
+            POOL: "cpu",
+            "node-role.kubernetes.io/control-plane": "",
+            "node-restriction.kubernetes.io/x": "y",
+            "example.com/team": "a",
+        }),
+    )
+    .await;
     let label = format!("label={POOL}");
-    let mut grouped = start(pair, "vk-own", &["--node-granularity", &label], &cpu).await;
+    let patterns = "node-role.kubernetes.io/*,node-restriction.kubernetes.io/*,example.com/team";
+    let mut grouped = start(
+        pair,
+        "vk-own",
+        &[
+            "--node-granularity",
+            &label,
+            "--lower-node-labels",
+            patterns,
+        ],
+        &cpu,
+    )
+    .await;
+    let shown = nodes
+        .get(&cpu)
+        .await
+        .unwrap()
+        .metadata
+        .labels
+        .unwrap_or_default();
+    assert_eq!(shown.get("example.com/team").map(String::as_str), Some("a"));
+    for refused in [
+        "node-role.kubernetes.io/control-plane",
+        "node-restriction.kubernetes.io/x",
+    ] {
+        assert!(
+            !shown.contains_key(refused),
+            "{refused} on {cpu}: {shown:?}"
+        );
+    }
+    let log = std::fs::read_to_string(grouped.log()).unwrap();
+    assert!(
+        log.lines().any(|l| l.contains("WARN")
+            && l.contains("lower node labels refused")
+            && l.contains("node-role.kubernetes.io/control-plane")
+            && l.contains("node-restriction.kubernetes.io/x")),
+        "a warning names the refused labels:\n{}",
+        tensile_harness::process::tail(grouped.log(), 40)
+    );
     event_on(
         &upper,
         "default",
