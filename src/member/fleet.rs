@@ -88,6 +88,10 @@ struct Running {
     port: Option<u16>,
 }
 
+/// A virtual node to drain: (group key, Node name, its UID if known, its keep-alive if it
+/// runs).
+type Gone = (String, String, Option<String>, Option<Running>);
+
 /// A group whose registration failed: when it is tried again.
 struct Retry {
     at: Instant,
@@ -235,35 +239,8 @@ impl Fleet {
                     }
                 }
                 if let Some(r) = running.get_mut(key) {
-                    r.capacity.send_if_modified(|c| {
-                        let changed = c.as_ref() != Some(part);
-                        if changed {
-                            *c = Some(part.clone());
-                        }
-                        changed
-                    });
-                    let readiness = LowerReadiness::of_group(key, offer.group.ready);
-                    r.readiness.send_if_modified(|r| {
-                        let changed = *r != readiness;
-                        *r = readiness;
-                        changed
-                    });
-                    if r.cordoned_below != offer.group.cordoned {
-                        r.cordoned_below = offer.group.cordoned;
-                        self.cordon_below(&r.name, &r.uid, r.cordoned_below).await;
-                    }
-                    if r.labels != offer.group.labels {
-                        let config = self.group_config(key, offer, r.port);
-                        let priority = bursting.borrow().priority;
-                        // Tried again at the next change of the offers.
-                        match node::relabel(&self.upper, &config, &r.uid, priority).await {
-                            Ok(()) => r.labels = offer.group.labels.clone(),
-                            Err(error) => {
-                                warn!(%error, node = %r.name, group = %key, cluster = "upper",
-                                "updating the virtual node's labels to what its group agrees on")
-                            }
-                        }
-                    }
+                    let priority = bursting.borrow().priority;
+                    self.follow(r, key, offer, part, priority).await;
                     continue;
                 }
                 if retrying.get(key).is_some_and(|r| r.at > Instant::now()) {
@@ -299,43 +276,7 @@ impl Fleet {
                     }
                 }
             }
-            // A group gone before it was registered: its Node, if one is there from an
-            // earlier run, is drained as any other.
-            let unregistered: Vec<String> = retrying
-                .keys()
-                .filter(|k| !now.contains_key(*k))
-                .cloned()
-                .collect();
-            // (group key, Node name, its UID if known, its keep-alive if it runs).
-            let mut gone: Vec<(String, String, Option<String>, Option<Running>)> = Vec::new();
-            for key in unregistered {
-                retrying.remove(&key);
-                let name = crate::node::groups::virtual_node_name(
-                    &self.base.name,
-                    &self.granularity,
-                    &key,
-                );
-                gone.push((key, name, None, None));
-            }
-            // An earlier run's virtual node whose group is gone (once: a group back
-            // meanwhile registers it as its own).
-            for node in left_behind.drain(..) {
-                if !now.contains_key(&node.key) && !running.contains_key(&node.key) {
-                    gone.push((node.key, node.name, Some(node.uid), None));
-                }
-            }
-            let registered: Vec<String> = running
-                .keys()
-                .filter(|k| !now.contains_key(*k))
-                .cloned()
-                .collect();
-            for key in registered {
-                // Kept alive while it drains, as a leaving member's node is: its pods'
-                // readiness (and so their disruption budgets) stay as they are.
-                if let Some(r) = running.remove(&key) {
-                    gone.push((key, r.name.clone(), Some(r.uid.clone()), Some(r)));
-                }
-            }
+            let gone = self.gone(&now, &mut retrying, &mut left_behind, &mut running);
             for (key, name, uid, node) in gone {
                 drain_ids += 1;
                 let (stop, finished) = (shutdown.child_token(), CancellationToken::new());
@@ -401,6 +342,90 @@ impl Fleet {
         while beats.join_next().await.is_some() {}
         while drains.join_next().await.is_some() {}
         Ok(())
+    }
+
+    /// The virtual nodes to drain now that `now` is offered: (group key, Node name, its UID
+    /// if known, its keep-alive if it runs). A group gone before it was registered (taken
+    /// out of `retrying`): its Node of the name, if the member's from an earlier run; an
+    /// earlier run's Node whose group is gone (`left_behind`, looked at once: a group back
+    /// meanwhile registers it as its own); a running one whose group is gone (taken out
+    /// of `running`, kept alive while it drains, as a leaving member's node is: its pods'
+    /// readiness, and so their disruption budgets, stay as they are).
+    fn gone(
+        &self,
+        now: &BTreeMap<String, GroupOffer>,
+        retrying: &mut HashMap<String, Retry>,
+        left_behind: &mut Vec<LeftBehind>,
+        running: &mut HashMap<String, Running>,
+    ) -> Vec<Gone> {
+        let mut gone = Vec::new();
+        let unregistered: Vec<String> = retrying
+            .keys()
+            .filter(|k| !now.contains_key(*k))
+            .cloned()
+            .collect();
+        for key in unregistered {
+            retrying.remove(&key);
+            let name =
+                crate::node::groups::virtual_node_name(&self.base.name, &self.granularity, &key);
+            gone.push((key, name, None, None));
+        }
+        for node in left_behind.drain(..) {
+            if !now.contains_key(&node.key) && !running.contains_key(&node.key) {
+                gone.push((node.key, node.name, Some(node.uid), None));
+            }
+        }
+        let registered: Vec<String> = running
+            .keys()
+            .filter(|k| !now.contains_key(*k))
+            .cloned()
+            .collect();
+        for key in registered {
+            if let Some(r) = running.remove(&key) {
+                gone.push((key, r.name.clone(), Some(r.uid.clone()), Some(r)));
+            }
+        }
+        gone
+    }
+
+    /// Brings the running virtual node `r` of group `key` to what `offer` says: its
+    /// capacity (`part` of the member's share), readiness, cordon below and labels (a
+    /// relabel that fails is tried again at the next change of the offers).
+    async fn follow(
+        &self,
+        r: &mut Running,
+        key: &str,
+        offer: &GroupOffer,
+        part: &BTreeMap<String, Quantity>,
+        priority: u32,
+    ) {
+        r.capacity.send_if_modified(|c| {
+            let changed = c.as_ref() != Some(part);
+            if changed {
+                *c = Some(part.clone());
+            }
+            changed
+        });
+        let readiness = LowerReadiness::of_group(key, offer.group.ready);
+        r.readiness.send_if_modified(|r| {
+            let changed = *r != readiness;
+            *r = readiness;
+            changed
+        });
+        if r.cordoned_below != offer.group.cordoned {
+            r.cordoned_below = offer.group.cordoned;
+            self.cordon_below(&r.name, &r.uid, r.cordoned_below).await;
+        }
+        if r.labels != offer.group.labels {
+            let config = self.group_config(key, offer, r.port);
+            match node::relabel(&self.upper, &config, &r.uid, priority).await {
+                Ok(()) => r.labels = offer.group.labels.clone(),
+                Err(error) => {
+                    warn!(%error, node = %r.name, group = %key, cluster = "upper",
+                        "updating the virtual node's labels to what its group agrees on")
+                }
+            }
+        }
     }
 
     /// The ports of `--kubelet-port-range` for the groups of `now` not yet `running`
