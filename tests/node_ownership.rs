@@ -160,8 +160,8 @@ fn fingerprint(node: &Node) -> Fingerprint {
     )
 }
 
-/// Over [`QUIET`], the Node `name` stays as `before` (its heartbeat aside) and the lower
-/// pod `ns/pod` stays the one of `uid`, running.
+/// Over [`QUIET`], the Node `name` stays as `before` (its heartbeat aside), the lower pod
+/// `ns/pod` stays the one of `uid`, running, and its upper pod Running.
 async fn untouched(
     pair: &ClusterPair,
     name: &str,
@@ -169,6 +169,7 @@ async fn untouched(
     (ns, pod, uid): (&str, &str, &str),
 ) {
     let nodes: Api<Node> = Api::all(pair.upper.client().await.unwrap());
+    let upper: Api<Pod> = Api::namespaced(pair.upper.client().await.unwrap(), ns);
     let lower: Api<Pod> = Api::namespaced(pair.lower.client().await.unwrap(), ns);
     let until = tokio::time::Instant::now() + QUIET;
     while tokio::time::Instant::now() < until {
@@ -185,6 +186,12 @@ async fn untouched(
             "{ns}/{pod} replaced"
         );
         assert!(running(&below), "{ns}/{pod} no longer runs");
+        let above = upper.get(pod).await.unwrap();
+        assert!(
+            above.metadata.deletion_timestamp.is_none()
+                && above.status.and_then(|s| s.phase).as_deref() == Some("Running"),
+            "the upper pod {ns}/{pod} is Running, not being deleted"
+        );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }

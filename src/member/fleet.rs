@@ -319,7 +319,16 @@ impl Fleet {
                 () = shutdown.cancelled() => break,
                 changed = offers.changed() => if changed.is_err() { break },
                 changed = bursting.changed(), if bursting_open => bursting_open = changed.is_ok(),
-                Some(_) = beats.join_next() => {}
+                Some(ended) = beats.join_next() => {
+                    // Its Node deleted or replaced: not the member's any more (registered
+                    // anew, or refused, at the next look).
+                    if let Ok((key, node::Ended::Gone)) = ended
+                        && let Some(r) = running.remove(&key)
+                    {
+                        r.stop.cancel();
+                        self.nodes.remove(&r.name);
+                    }
+                }
                 Some(done) = drains.join_next() => {
                     if let Ok((key, id)) = done
                         && draining.get(&key).is_some_and(|d| d.id == id)
@@ -495,7 +504,13 @@ impl Fleet {
         (port, taken): (Option<u16>, &BTreeSet<u16>),
         (upper_beat, lower_beat): &(SharedBeat, SharedBeat),
         stop: CancellationToken,
-    ) -> Result<(Running, impl Future<Output = ()> + Send + 'static), String> {
+    ) -> Result<
+        (
+            Running,
+            impl Future<Output = (String, node::Ended)> + Send + 'static,
+        ),
+        String,
+    > {
         // A name the member's pod watch did not know when it listed (a group admitted
         // late): pods bound to its Node from an earlier run are handed to it again.
         let known = self.nodes.contains(&offer.group.name);
@@ -513,9 +528,19 @@ impl Fleet {
         let offered = bursting.share.cap(part);
         let readiness = LowerReadiness::of_group(key, offer.group.ready);
         let (registered, created) =
-            node::register_as(&self.upper, &config, &offered, &readiness, &bursting)
-                .await
-                .map_err(|e| format!("node {} (group {key}): {e}", config.name))?;
+            match node::register_as(&self.upper, &config, &offered, &readiness, &bursting).await {
+                Ok(registered) => registered,
+                Err(error) => {
+                    // Another's Node (registered since the name was admitted): its pods are
+                    // not the member's; the name's admission reads it again and refuses it.
+                    if matches!(error, node::NodeError::Taken { .. }) {
+                        self.nodes.remove(&config.name);
+                    }
+                    return Err(format!("node {} (group {key}): {error}", config.name));
+                }
+            };
+        self.cordons
+            .set(&config.name, node::resources::node_cordoned(&registered));
         if !known && !created {
             info!(node = %config.name, group = %key, cluster = "upper",
                 "a virtual node of an earlier run joins the member late: listing its pods again");
@@ -526,8 +551,6 @@ impl Fleet {
             no_port_left(ports, &registered, self.base.kubelet_port).await;
         }
         let uid = registered.metadata.uid.clone().unwrap_or_default();
-        self.cordons
-            .set(&config.name, node::resources::node_cordoned(&registered));
         // The cordon a lower cordon made is followed from now on: made if the group is
         // cordoned, lifted if it no longer is (an earlier run's).
         if offer.group.cordoned || cordoned_by(&registered, CORDONED_BY_LOWER) {
@@ -549,13 +572,21 @@ impl Fleet {
             registered,
             stop.clone(),
         );
+        let (key, beat_stop) = (key.to_owned(), stop.clone());
         let beat = async move {
-            match listening {
-                Some((_, serving)) => {
-                    tokio::join!(beat, serving);
+            let beat = async {
+                let ended = beat.await;
+                // Its Node gone or another's: its port's kubelet API stops too.
+                if ended == node::Ended::Gone {
+                    beat_stop.cancel();
                 }
+                ended
+            };
+            let ended = match listening {
+                Some((_, serving)) => tokio::join!(beat, serving).0,
                 None => beat.await,
-            }
+            };
+            (key, ended)
         };
         Ok((
             Running {

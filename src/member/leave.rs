@@ -204,7 +204,20 @@ pub async fn drain(
     }
     let pods: Api<Pod> = Api::all(upper.clone());
     let on_node = ListParams::default().fields(&format!("spec.nodeName={node}"));
+    let mut first = true;
     loop {
+        // Another Node of that name since (the drained one deleted and another registered):
+        // its pods are not this drain's.
+        if !std::mem::take(&mut first)
+            && nodes
+                .get_opt(node)
+                .await
+                .map_err(upper_error("reading node", node))?
+                .is_some_and(|f| f.metadata.uid.as_deref() != Some(member_node.uid.as_str()))
+        {
+            info!(%node, cluster = "upper", "the Node drained was replaced by another of that name: the drain stops");
+            return Ok(());
+        }
         let left: Vec<Pod> = pods
             .list(&on_node)
             .await

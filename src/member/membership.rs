@@ -334,6 +334,7 @@ impl Membership {
             let spec = match super::member_spec(&member).await {
                 Ok(spec) => MemberSpec {
                     secret: Some(secret.object_ref(&())),
+                    secret_created: secret.metadata.creation_timestamp.clone(),
                     ..spec
                 },
                 Err(why) => {
@@ -424,7 +425,8 @@ impl Membership {
     /// installation or another) is refused: its leave would drain and delete it.
     async fn node_is_ours_to_take(&self, node: &str, secret: &Secret) -> Result<(), String> {
         let nodes: Api<Node> = Api::all(self.shared.upper.client.clone());
-        let owner = NodeOwner::new(node, Some(&secret.object_ref(&())));
+        let owner = NodeOwner::new(node, Some(&secret.object_ref(&())))
+            .made_at(secret.metadata.creation_timestamp.as_ref());
         match nodes.get_opt(node).await {
             Ok(None) => Ok(()),
             Ok(Some(found)) => match owner.holding(&found) {
@@ -586,6 +588,7 @@ async fn leave_member(
             let member = member.map_err(|e| format!("cannot leave: the Secret {e}"))?;
             let spec = MemberSpec {
                 secret: Some(object.clone()),
+                secret_created: secret.metadata.creation_timestamp.clone(),
                 ..super::member_spec(&member).await?
             };
             let stop = shutdown.child_token();
@@ -622,7 +625,8 @@ async fn leave_member(
     // Every virtual node of the member at once (one per group with node or label=
     // granularity), so that each is cordoned before any pod is evicted: only those it
     // registered (another's Node of its name is not drained).
-    let owner_of_nodes = NodeOwner::new(&node, Some(&object));
+    let owner_of_nodes =
+        NodeOwner::new(&node, Some(&object)).made_at(secret.metadata.creation_timestamp.as_ref());
     let nodes = match leave::member_nodes(&shared.upper.client, &node, &owner_of_nodes).await {
         Ok(nodes) => nodes,
         Err(error) => {

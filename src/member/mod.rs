@@ -97,6 +97,9 @@ pub struct MemberSpec {
     /// The member Secret it comes from (`None`: the flags' member): where what concerns
     /// the member alone is said (a virtual node name another member has).
     pub secret: Option<ObjectReference>,
+    /// When that Secret was made: it adopts no unrecorded Node older than itself
+    /// ([`NodeOwner::made_at`]).
+    pub secret_created: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
     /// A kubelet port per virtual node, from this range (`--kubelet-port-range`, the
     /// member annotation `tensile.dev/kubelet-port-range`).
     pub kubelet_port_range: Option<kubelet_api::node_ports::PortRange>,
@@ -142,6 +145,7 @@ impl MemberSpec {
             granularity: args.node_granularity.clone(),
             lower_node_labels: args.lower_node_labels.clone(),
             secret: None,
+            secret_created: None,
             kubelet_port_range: args.kubelet_port_range,
         }
     }
@@ -175,6 +179,7 @@ pub async fn member_spec(member: &spec::MemberSecret) -> Result<MemberSpec, Stri
         lower_node_labels: member.lower_node_labels.clone(),
         // The membership controller names it.
         secret: None,
+        secret_created: None,
         kubelet_port_range: member.kubelet_port_range,
     })
 }
@@ -370,7 +375,7 @@ async fn run_member(
     let mut admission = names::Admission::new(
         shared.node_names.clone(),
         names::Claimant::new(&spec.node, spec.secret.as_ref()),
-        NodeOwner::new(&spec.node, spec.secret.as_ref()),
+        node_owner(&spec),
         upper.client.clone(),
         (ctx.recorder.clone(), spec.secret.clone()),
         group_nodes.clone(),
@@ -417,10 +422,7 @@ async fn run_member(
         let offered = below;
         left_behind = fleet::find_left_behind(
             &upper.client,
-            (
-                &spec.node,
-                &NodeOwner::new(&spec.node, spec.secret.as_ref()),
-            ),
+            (&spec.node, &node_owner(&spec)),
             &spec.granularity,
             &offered,
             nodes,
@@ -521,7 +523,7 @@ async fn run_member(
                 drain_timeout: args.leave_timeout,
                 ports: group_ports,
                 left_behind,
-                cordons,
+                cordons: cordons.clone(),
                 replay,
             };
             tasks.spawn_fallible("virtual nodes", fleet.run(offers_rx, shutdown.clone()));
@@ -550,6 +552,13 @@ async fn run_member(
                 Ok(()) => Err(error),
             };
         }
+    }
+    // Every virtual node's cordon known (a node of an earlier run being drained among
+    // them) before a pod is looked at.
+    tokio::select! {
+        biased;
+        () = shutdown.cancelled() => return tasks.supervise().await.map_err(|f| f.to_string()),
+        () = cordons.listed() => {}
     }
     let watched = PodWatched {
         stores,
@@ -731,6 +740,11 @@ async fn adopt(
     .map_err(|e| e.to_string())
 }
 
+/// Who the member's virtual nodes are ([`crate::node::owner`]).
+fn node_owner(spec: &MemberSpec) -> NodeOwner {
+    NodeOwner::new(&spec.node, spec.secret.as_ref()).made_at(spec.secret_created.as_ref())
+}
+
 /// What the Node says of itself.
 fn node_config(
     shared: &Shared,
@@ -748,7 +762,7 @@ fn node_config(
         lower_version: lower.version.clone(),
         group_labels: BTreeMap::new(),
         lower_selector: None,
-        owner: NodeOwner::new(&spec.node, spec.secret.as_ref()),
+        owner: node_owner(spec),
     }
 }
 

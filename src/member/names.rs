@@ -16,7 +16,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use backon::BackoffBuilder;
 
@@ -177,14 +177,18 @@ pub struct Admission {
     /// The member's virtual nodes: a name admitted is released once its group is gone
     /// and its Node drained (no longer among them).
     nodes: Option<Arc<GroupNodes>>,
-    /// Names admitted: the member's while their group is offered or their Node drains.
-    ours: BTreeSet<String>,
+    /// Names admitted, each with its group's key: the member's while among its virtual
+    /// nodes. Another group of the member whose name comes out the same is refused.
+    ours: BTreeMap<String, String>,
     /// Names refused, each with its holder: not claimed again until one is released (or,
     /// held by a Node, every [`RECHECK`]).
     refused: BTreeMap<String, String>,
-    /// Names whose Node could not be read: read again with backoff.
-    unread: BTreeSet<String>,
+    /// Names whose Node could not be read, each with when it is read again (with
+    /// backoff: a change of the offers meanwhile does not read it sooner).
+    unread: BTreeMap<String, Instant>,
     unread_delays: Option<backon::ExponentialBackoff>,
+    /// Groups refused because another group of the member has their name (said once).
+    collided: BTreeSet<String>,
 }
 
 impl Admission {
@@ -207,10 +211,11 @@ impl Admission {
             recorder,
             secret,
             nodes,
-            ours: BTreeSet::new(),
+            ours: BTreeMap::new(),
             refused: BTreeMap::new(),
-            unread: BTreeSet::new(),
+            unread: BTreeMap::new(),
             unread_delays: None,
+            collided: BTreeSet::new(),
         }
     }
 
@@ -220,16 +225,30 @@ impl Admission {
         &mut self,
         offers: BTreeMap<String, GroupOffer>,
     ) -> BTreeMap<String, GroupOffer> {
-        self.release_gone(&offers);
-        self.unread.clear();
+        self.release_gone();
+        let offered: BTreeSet<String> = offers.values().map(|o| o.group.name.clone()).collect();
+        self.unread.retain(|name, _| offered.contains(name));
+        let now = Instant::now();
         let mut admitted = BTreeMap::new();
         for (key, offer) in offers {
             let name = offer.group.name.clone();
-            if self.ours.contains(&name) {
-                admitted.insert(key, offer);
-                continue;
+            match self.ours.get(&name) {
+                Some(of) if *of == key => {
+                    admitted.insert(key, offer);
+                    continue;
+                }
+                Some(of) => {
+                    if self.collided.insert(key.clone()) {
+                        warn!(node = %name, group = %key, other = %of, cluster = "upper",
+                            "two groups of the member come to one virtual node name: the later is not registered");
+                    }
+                    continue;
+                }
+                None => {}
             }
-            if self.refused.contains_key(&name) {
+            if self.refused.contains_key(&name)
+                || self.unread.get(&name).is_some_and(|at| *at > now)
+            {
                 continue;
             }
             let holder = match self.names.claim(&name, &self.claimant) {
@@ -245,15 +264,18 @@ impl Admission {
                         Ok(holder) => holder,
                         // Read again with backoff.
                         Err(()) => {
-                            self.unread.insert(name);
+                            let delay = self.read_delay();
+                            self.unread.insert(name, Instant::now() + delay);
                             continue;
                         }
                     }
                 }
             };
+            self.unread.remove(&name);
             match holder {
                 None => {
-                    self.ours.insert(name);
+                    self.collided.remove(&key);
+                    self.ours.insert(name, key.clone());
                     admitted.insert(key, offer);
                 }
                 Some((holder, node)) => self.refuse(&name, &key, holder, node.as_ref()).await,
@@ -265,17 +287,18 @@ impl Admission {
         admitted
     }
 
-    /// Releases the names admitted whose group is no longer offered and whose Node is
-    /// drained and deleted (no longer among the member's virtual nodes).
-    fn release_gone(&mut self, offers: &BTreeMap<String, GroupOffer>) {
+    /// Releases the names admitted that are not among the member's virtual nodes (any
+    /// more): a group drained and deleted, or a Node its fleet found another's. One still
+    /// offered is claimed and its Node read again, as a new one: a Node of that name
+    /// registered meanwhile by another is refused.
+    fn release_gone(&mut self) {
         let Some(nodes) = &self.nodes else {
             return;
         };
-        let offered: BTreeSet<&str> = offers.values().map(|o| o.group.name.as_str()).collect();
         let gone: Vec<String> = self
             .ours
-            .iter()
-            .filter(|name| !offered.contains(name.as_str()) && !nodes.contains(name))
+            .keys()
+            .filter(|name| !nodes.contains(name))
             .cloned()
             .collect();
         for name in gone {
@@ -330,10 +353,14 @@ impl Admission {
     }
 
     /// When the names whose Node could not be read are read again.
-    fn next_read(&mut self) -> Option<Duration> {
-        if self.unread.is_empty() {
-            return None;
-        }
+    fn next_read(&self) -> Option<Duration> {
+        let at = self.unread.values().min()?;
+        Some(at.saturating_duration_since(Instant::now()))
+    }
+
+    /// How long until a Node that could not be read is read again: 0.5 s doubling to
+    /// [`RECHECK`], jittered, from the first failure until every name reads.
+    fn read_delay(&mut self) -> Duration {
         let delays = self.unread_delays.get_or_insert_with(|| {
             backon::ExponentialBuilder::default()
                 .with_min_delay(Duration::from_millis(500))
@@ -342,7 +369,7 @@ impl Admission {
                 .without_max_times()
                 .build()
         });
-        Some(delays.next().unwrap_or(RECHECK))
+        delays.next().unwrap_or(RECHECK)
     }
 
     /// Keeps `admitted` to what of `offers` is the member's until `shutdown`: at each

@@ -424,6 +424,8 @@ pub struct Cordons {
     nodes: std::sync::Mutex<HashMap<String, bool>>,
     /// Counts the cordons lifted: each wakes the pods held back.
     lifted: watch::Sender<u64>,
+    /// Whether the watch has listed once.
+    listed: watch::Sender<bool>,
 }
 
 impl Default for Cordons {
@@ -431,6 +433,7 @@ impl Default for Cordons {
         Self {
             nodes: std::sync::Mutex::default(),
             lifted: watch::Sender::new(0),
+            listed: watch::Sender::new(false),
         }
     }
 }
@@ -439,6 +442,13 @@ impl Cordons {
     /// Whether `node` is cordoned as last seen (false for a node not seen).
     pub fn is_cordoned(&self, node: &str) -> bool {
         self.lock().get(node).copied().unwrap_or(false)
+    }
+
+    /// Returns once the watch has listed every virtual node (their cordons are known).
+    pub async fn listed(&self) {
+        let mut listed = self.listed.subscribe();
+        // The sender lives as long as `self`.
+        let _ = listed.wait_for(|l| *l).await;
     }
 
     /// Changes each time a cordon is lifted (or a cordoned node goes).
@@ -517,6 +527,7 @@ impl Cordons {
                         self.forget(&node);
                     }
                     listed = std::collections::HashSet::new();
+                    self.listed.send_replace(true);
                 }
             }
         }
@@ -717,9 +728,20 @@ pub async fn keep_alive(
     .await;
 }
 
+/// How a node's keep-alive ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ended {
+    /// On shutdown.
+    Shutdown,
+    /// Its Node was deleted or replaced.
+    Gone,
+}
+
 /// [`keep_alive`] for a group's virtual node, on the heartbeat clients its member's nodes
 /// share, its status also showing `readiness` (the group's lower nodes), written again as
 /// it changes.
+/// Returns [`Ended::Gone`] when its Node is deleted or replaced (another UID): what is
+/// left of that name is not this node's to keep.
 #[allow(clippy::too_many_arguments)]
 pub async fn keep_group_alive(
     upper: SharedBeat,
@@ -730,7 +752,7 @@ pub async fn keep_group_alive(
     mut readiness: watch::Receiver<LowerReadiness>,
     mut last: Node,
     shutdown: CancellationToken,
-) {
+) -> Ended {
     let Offer {
         mut capacity,
         mut bursting,
@@ -742,6 +764,9 @@ pub async fn keep_group_alive(
     let mut lower = Beat::new(lower, &config.name);
     // Kept for its UID and status; what the API server adds for its writers is not read.
     last.metadata.managed_fields = None;
+    // The node Lease's UID once it is known to be this Node's (owned by its UID): every
+    // renewal is under it.
+    let mut lease_uid = None;
     let mut tick = tokio::time::interval(LEASE_RENEW);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut lower_healthy = true;
@@ -752,7 +777,7 @@ pub async fn keep_group_alive(
     loop {
         let mut write = false;
         tokio::select! {
-            () = shutdown.cancelled() => return,
+            () = shutdown.cancelled() => return Ended::Shutdown,
             changed = bursting.changed(), if bursting_open => {
                 // Closed: the settings never change again (the flags').
                 bursting_open = changed.is_ok();
@@ -806,14 +831,19 @@ pub async fn keep_group_alive(
                 if use_lease {
                     let renewed = upper
                         .call_twice("renewing the lease of", |client| {
-                            let (last, node) = (&last, config.name.as_str());
+                            let (last, node, known) = (&last, config.name.as_str(), lease_uid.clone());
                             async move {
-                                renew_lease(&client, last)
+                                renew_lease(&client, last, known)
                                     .await
                                     .map_err(upper_error("renewing the lease of", node))
                             }
                         })
                         .await;
+                    match &renewed {
+                        Ok(uid) => lease_uid = Some(uid.clone()),
+                        // Read again at the next renewal.
+                        Err(_) => lease_uid = None,
+                    }
                     if let Err(error) = renewed {
                         warn!(%error, node = %config.name, object = %format!("{LEASE_NAMESPACE}/{}", config.name), kind = "Lease", cluster = "upper", "renewing the node lease");
                     }
@@ -826,7 +856,7 @@ pub async fn keep_group_alive(
             }
             changed = capacity.changed() => {
                 if changed.is_err() {
-                    return;
+                    return Ended::Shutdown;
                 }
                 // Coalesce a burst of pod events into one write.
                 tokio::time::sleep(Duration::from_millis(200)).await;
@@ -887,6 +917,13 @@ pub async fn keep_group_alive(
                 written_readiness = ready;
                 last_status_write = tokio::time::Instant::now();
             }
+            Err(NodeError::Upper { source, .. })
+                if crate::api::is_status(&source, 404) || crate::api::is_status(&source, 409) =>
+            {
+                warn!(node = %config.name, object = %config.name, kind = "Node", cluster = "upper", error = %source,
+                    "the virtual node was deleted or replaced (another UID): no longer keeping it");
+                return Ended::Gone;
+            }
             Err(error) => {
                 warn!(%error, node = %config.name, object = %config.name, kind = "Node", cluster = "upper", "node status")
             }
@@ -912,42 +949,66 @@ async fn label_priority(
         .map_err(upper_error("labelling", name))
 }
 
-async fn renew_lease(upper: &Client, node: &Node) -> Result<(), kube::Error> {
+/// Renews the node Lease of `node`, under `known` (the Lease's UID, once read and found
+/// owned by this Node); a Lease of that name another Node owns is not renewed (an error).
+/// Creates it, owned by the Node, if there is none. The Lease's UID.
+async fn renew_lease(
+    upper: &Client,
+    node: &Node,
+    known: Option<String>,
+) -> Result<String, kube::Error> {
     let name = node.metadata.name.clone().unwrap_or_default();
+    let node_uid = node.metadata.uid.clone().unwrap_or_default();
     let leases: Api<Lease> = Api::namespaced(upper.clone(), LEASE_NAMESPACE);
     let now = MicroTime(Timestamp::now());
-    let patch = json!({"spec": {
+    let spec = json!({
         "holderIdentity": name,
         "leaseDurationSeconds": LEASE_DURATION_SECONDS,
         "renewTime": now,
-    }});
-    match leases
+    });
+    let uid = match known {
+        Some(uid) => uid,
+        None => match leases.get_opt(&name).await? {
+            Some(lease) => {
+                let owned = lease
+                    .owner_references()
+                    .iter()
+                    .any(|o| o.kind == "Node" && o.uid == node_uid);
+                if !owned {
+                    return Err(kube::Error::Service(
+                        format!(
+                            "the Lease {LEASE_NAMESPACE}/{name} is another Node's: not renewed"
+                        )
+                        .into(),
+                    ));
+                }
+                lease.uid().unwrap_or_default()
+            }
+            None => {
+                // Owned by the Node, as a kubelet's lease is, so it goes when the node does.
+                let lease: Lease = serde_json::from_value(json!({
+                    "metadata": {
+                        "name": name,
+                        "namespace": LEASE_NAMESPACE,
+                        "ownerReferences": [{
+                            "apiVersion": "v1", "kind": "Node", "name": name, "uid": node_uid,
+                        }],
+                    },
+                    "spec": spec,
+                }))
+                .map_err(kube::Error::SerdeError)?;
+                let created = leases.create(&PostParams::default(), &lease).await?;
+                return Ok(created.uid().unwrap_or_default());
+            }
+        },
+    };
+    let patch = json!({"metadata": {"uid": uid}, "spec": spec});
+    leases
         .patch(
             &name,
             &PatchParams::apply(FIELD_MANAGER),
             &Patch::Merge(&patch),
         )
-        .await
-    {
-        Err(kube::Error::Api(status)) if status.code == 404 => {
-            // Owned by the Node, as a kubelet's lease is, so it goes when the node does.
-            let lease: Lease = serde_json::from_value(json!({
-                "metadata": {
-                    "name": name,
-                    "namespace": LEASE_NAMESPACE,
-                    "ownerReferences": [{
-                        "apiVersion": "v1", "kind": "Node", "name": name,
-                        "uid": node.metadata.uid.clone().unwrap_or_default(),
-                    }],
-                },
-                "spec": patch["spec"],
-            }))
-            .map_err(kube::Error::SerdeError)?;
-            leases
-                .create(&PostParams::default(), &lease)
-                .await
-                .map(|_| ())
-        }
-        other => other.map(|_| ()),
-    }
+        .await?;
+    Ok(uid)
 }

@@ -14,6 +14,8 @@
 //! UID, so a Node deleted and made again by someone else is not written either.
 
 use k8s_openapi::api::core::v1::{Node, ObjectReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use k8s_openapi::jiff::Timestamp;
 
 /// The annotation on a virtual node naming the member that registered it.
 pub const NODE_OWNER_ANNOTATION: &str = "tensile.dev/registered-by";
@@ -29,6 +31,9 @@ pub struct NodeOwner {
     member: String,
     /// [`NODE_OWNER_ANNOTATION`]'s value.
     mark: String,
+    /// A member Secret's creation: an unrecorded Node older than it is not adopted (it is
+    /// another installation's, or predates the Secret that names it).
+    since: Option<Timestamp>,
 }
 
 /// Whose a Node is, to one [`NodeOwner`].
@@ -65,7 +70,15 @@ impl NodeOwner {
         Self {
             member: member.to_owned(),
             mark,
+            since: None,
         }
+    }
+
+    /// The same owner, a member Secret made at `created`: it adopts no unrecorded Node
+    /// older than itself.
+    pub fn made_at(mut self, created: Option<&Time>) -> Self {
+        self.since = created.map(|t| t.0);
+        self
     }
 
     /// [`NODE_OWNER_ANNOTATION`]'s value for this owner.
@@ -92,7 +105,19 @@ impl NodeOwner {
                     .labels
                     .as_ref()
                     .and_then(|l| l.get("clusterID"));
+                let older = |since: Timestamp| {
+                    node.metadata
+                        .creation_timestamp
+                        .as_ref()
+                        .is_some_and(|created| created.0 < since)
+                };
                 match cluster_id {
+                    Some(id) if *id == self.member && self.since.is_some_and(older) => {
+                        Holding::Another(format!(
+                            "an earlier Node of member {id} that records no owner and is older than this member Secret (another installation's?); to hand it over, annotate it {NODE_OWNER_ANNOTATION}={}",
+                            self.mark
+                        ))
+                    }
                     Some(id) if *id == self.member => Holding::Unrecorded,
                     Some(id) => Holding::Another(format!("the member of node name {id}")),
                     None => Holding::Another("a Node tensile did not register".to_owned()),
@@ -169,6 +194,13 @@ mod tests {
         let flags_gpu = NodeOwner::new("vk-gpu", None);
         let secret_gpu = NodeOwner::new("vk-gpu", Some(&secret));
         let tensile = json!({"type": "virtual-kubelet", "clusterID": "vk-gpu"});
+        let at = |second| Time(Timestamp::from_second(second).unwrap());
+        let secret_gpu_at_200 = NodeOwner::new("vk-gpu", Some(&secret)).made_at(Some(&at(200)));
+        let node_at = |labels: serde_json::Value, second| {
+            let mut node = node(labels, None, Some("tensile://0.1.0"));
+            node.metadata.creation_timestamp = Some(at(second));
+            node
+        };
         let runtime = Some("tensile://0.1.0");
         let another = |s: &str| Holding::Another(s.to_owned());
         let cases = [
@@ -220,6 +252,20 @@ mod tests {
                 "older tensile, registered a moment ago",
                 node(tensile.clone(), None, None),
                 &secret_gpu,
+                Holding::Unrecorded,
+            ),
+            (
+                "older tensile, older than the member Secret naming it (M4)",
+                node_at(tensile.clone(), 100),
+                &secret_gpu_at_200,
+                another(&format!(
+                    "an earlier Node of member vk-gpu that records no owner and is older than this member Secret (another installation's?); to hand it over, annotate it {NODE_OWNER_ANNOTATION}=secret/members/lower-a/u-1"
+                )),
+            ),
+            (
+                "older tensile, registered after its member Secret",
+                node_at(tensile.clone(), 300),
+                &secret_gpu_at_200,
                 Holding::Unrecorded,
             ),
             (
