@@ -492,3 +492,107 @@ async fn exec_over_websockets_carries_exit_codes_tty_resize_and_stdin_close_on_a
     }
     ns.delete().await.unwrap();
 }
+
+/// The channel and payload of a message from the server (`protocol`'s framing).
+fn unframe(protocol: &str, message: Message) -> Option<(u8, Vec<u8>)> {
+    match message {
+        Message::Binary(bytes) => {
+            let (channel, payload) = bytes.split_first()?;
+            Some((*channel, payload.to_vec()))
+        }
+        Message::Text(text) if base64_protocol(protocol) => {
+            let (channel, payload) = text.as_str().split_at_checked(1)?;
+            let channel = channel.as_bytes()[0].checked_sub(b'0')?;
+            let payload = base64::engine::general_purpose::STANDARD
+                .decode(payload)
+                .ok()?;
+            Some((channel, payload))
+        }
+        _ => None,
+    }
+}
+
+/// Port-forward over a WebSocket (issue 50: what the Python client and other non-Go
+/// clients speak), through the real upper API server to a pod on the virtual node and
+/// straight to the lower cluster: each port's data and error channels open with the port
+/// (2 bytes, little-endian), what is sent on a data channel comes back from that port
+/// (kwok's forward is `cat`), in both the binary and the base64 framing; a port-forward
+/// without a port is refused.
+#[tokio::test]
+async fn port_forward_over_websockets_reaches_a_pod_on_the_virtual_node_as_it_does_below() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let (_vn, ns) = pod_on_virtual_node(pair, "vk-ws-forward", "kubelet-ws-forward").await;
+    let n = ns.name.as_str();
+    let clients = [
+        ("upper", pair.upper.client().await.unwrap()),
+        ("lower", pair.lower.client().await.unwrap()),
+    ];
+    let ports: [u16; 2] = [8080, 9090];
+    for protocol in ["v4.channel.k8s.io", "v4.base64.channel.k8s.io"] {
+        for (cluster, client) in &clients {
+            let path = format!("/api/v1/namespaces/{n}/pods/ws/portforward?ports=8080,9090");
+            let (mut socket, chosen) = open(client, &path, protocol)
+                .await
+                .unwrap_or_else(|e| panic!("{cluster} {protocol}: refused {e:?}"));
+            assert_eq!(chosen.as_deref(), Some(protocol), "{cluster}");
+            // Each channel opens with its port.
+            let mut opened = std::collections::BTreeMap::new();
+            while opened.len() < 4 {
+                let message = tokio::time::timeout(TIMEOUT, socket.next())
+                    .await
+                    .unwrap_or_else(|_| panic!("{cluster} {protocol}: no port message"))
+                    .unwrap()
+                    .unwrap();
+                if let Some((channel, payload)) = unframe(protocol, message) {
+                    opened.insert(channel, payload);
+                }
+            }
+            for (index, port) in ports.iter().enumerate() {
+                let data = u8::try_from(index * 2).unwrap();
+                for channel in [data, data + 1] {
+                    assert_eq!(
+                        opened.get(&channel).map(Vec::as_slice),
+                        Some(port.to_le_bytes().as_slice()),
+                        "{cluster} {protocol} channel {channel}"
+                    );
+                }
+            }
+            // Each port's bytes come back on its own channel.
+            for (index, port) in ports.iter().enumerate() {
+                let data = u8::try_from(index * 2).unwrap();
+                let sent = format!("to port {port} over {protocol}\n").repeat(50);
+                socket
+                    .send(frame(protocol, data, sent.as_bytes()))
+                    .await
+                    .unwrap();
+                let mut back = Vec::new();
+                while back.len() < sent.len() {
+                    let message = tokio::time::timeout(TIMEOUT, socket.next())
+                        .await
+                        .unwrap_or_else(|_| panic!("{cluster} {protocol}: no echo from {port}"))
+                        .unwrap()
+                        .unwrap();
+                    match unframe(protocol, message) {
+                        Some((channel, payload)) if channel == data => back.extend(payload),
+                        Some((channel, payload)) => panic!(
+                            "{cluster} {protocol}: channel {channel} said {:?}",
+                            String::from_utf8_lossy(&payload)
+                        ),
+                        None => {}
+                    }
+                }
+                assert_eq!(String::from_utf8_lossy(&back), sent, "{cluster} {protocol}");
+            }
+            let _ = socket.close(None).await;
+        }
+    }
+    // No port: refused, as a kubelet refuses it (a 400 from the virtual node).
+    let upper = pair.upper.client().await.unwrap();
+    let refused = open(
+        &upper,
+        &format!("/api/v1/namespaces/{n}/pods/ws/portforward"),
+        "v4.channel.k8s.io",
+    )
+    .await;
+    assert!(refused.is_err(), "a port-forward with no port was accepted");
+}

@@ -379,9 +379,23 @@ async fn handle(
             }
             let (pod, container) = (lower_target(&target).name, target.container.clone());
             if websocket::is_upgrade(req.headers()) {
-                return upgrade_websocket(&api, req, &target, move |socket, protocol, pods| {
-                    websocket::exec(socket, protocol, pods, pod, container, Some(command), flags)
-                })
+                return upgrade_websocket(
+                    &api,
+                    req,
+                    &target,
+                    websocket::EXEC_PROTOCOLS,
+                    move |socket, protocol, pods| {
+                        websocket::exec(
+                            socket,
+                            protocol,
+                            pods,
+                            pod,
+                            container,
+                            Some(command),
+                            flags,
+                        )
+                    },
+                )
                 .await;
             }
             upgrade(
@@ -396,9 +410,15 @@ async fn handle(
         Route::Attach(target, flags) => {
             let (pod, container) = (lower_target(&target).name, target.container.clone());
             if websocket::is_upgrade(req.headers()) {
-                return upgrade_websocket(&api, req, &target, move |socket, protocol, pods| {
-                    websocket::exec(socket, protocol, pods, pod, container, None, flags)
-                })
+                return upgrade_websocket(
+                    &api,
+                    req,
+                    &target,
+                    websocket::EXEC_PROTOCOLS,
+                    move |socket, protocol, pods| {
+                        websocket::exec(socket, protocol, pods, pod, container, None, flags)
+                    },
+                )
                 .await;
             }
             upgrade(
@@ -412,6 +432,22 @@ async fn handle(
         }
         Route::PortForward(target) => {
             let pod = lower_target(&target).name;
+            if websocket::is_upgrade(req.headers()) {
+                let ports = match websocket::forwarded_ports(req.uri().query()) {
+                    Ok(ports) => ports,
+                    Err(message) => return text(StatusCode::BAD_REQUEST, message),
+                };
+                return upgrade_websocket(
+                    &api,
+                    req,
+                    &target,
+                    websocket::PORT_FORWARD_PROTOCOLS,
+                    move |socket, protocol, pods| {
+                        websocket::port_forward(socket, protocol, pods, pod, ports)
+                    },
+                )
+                .await;
+            }
             upgrade(
                 &api,
                 req,
@@ -696,13 +732,14 @@ async fn upgrade_websocket<F, Fut>(
     api: &KubeletApi,
     mut req: Request<Incoming>,
     target: &Target,
+    served: websocket::Served,
     serve: F,
 ) -> Response<Body>
 where
     F: FnOnce(websocket::ClientSocket, websocket::Protocol, Api<Pod>) -> Fut + Send + 'static,
     Fut: Future<Output = ()> + Send + 'static,
 {
-    let handshake = match websocket::handshake(req.headers()) {
+    let handshake = match websocket::handshake(req.headers(), served) {
         Ok(handshake) => handshake,
         Err((status, message)) => return text(status, message),
     };

@@ -386,12 +386,7 @@ async fn forward_one(
     let (from_client, mut to_client) = data.split();
     let result = async {
         let port = port.ok_or("port-forward: missing or invalid port header")?;
-        let timeout = super::tunnel::OPEN_TIMEOUT;
-        let lower = tokio::time::timeout(timeout, lower_port_forward(&pods, &pod, port))
-            .await
-            .unwrap_or_else(|_| Err(format!("no answer within {timeout:?}")))
-            .map_err(|e| format!("lower cluster: port-forward to {pod}:{port}: {e}"))?;
-        relay(lower, from_client, &mut to_client).await
+        forward_port(&pods, &pod, port, from_client, &mut to_client).await
     }
     .await;
     let _ = to_client.shutdown().await;
@@ -474,12 +469,30 @@ async fn lower_port_forward(
     Ok(WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Client, Some(config)).await)
 }
 
+/// Carries one forwarded connection, `from_client` and `to_client`, to `port` of the lower
+/// pod `pod` and back ([`relay`]), opened through the lower API server within
+/// [`super::tunnel::OPEN_TIMEOUT`]; the error to give the client, if any.
+pub async fn forward_port(
+    pods: &Api<Pod>,
+    pod: &str,
+    port: u16,
+    from_client: impl AsyncRead + Unpin,
+    to_client: &mut (impl AsyncWrite + Unpin),
+) -> Result<(), String> {
+    let timeout = super::tunnel::OPEN_TIMEOUT;
+    let lower = tokio::time::timeout(timeout, lower_port_forward(pods, pod, port))
+        .await
+        .unwrap_or_else(|_| Err(format!("no answer within {timeout:?}")))
+        .map_err(|e| format!("lower cluster: port-forward to {pod}:{port}: {e}"))?;
+    relay(lower, from_client, to_client).await
+}
+
 /// Carries one forwarded connection both ways until the pod side ends it (or, once the
 /// client has finished sending, a moment longer); the lower error, if one came.
 async fn relay(
     lower: LowerPortForward,
-    mut from_client: StreamReader,
-    to_client: &mut StreamWriter,
+    mut from_client: impl AsyncRead + Unpin,
+    to_client: &mut (impl AsyncWrite + Unpin),
 ) -> Result<(), String> {
     let (mut to_pod, mut from_pod) = lower.split();
     let send = async {

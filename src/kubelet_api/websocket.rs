@@ -58,6 +58,29 @@ pub enum Protocol {
     V5,
 }
 
+/// The subprotocols of exec and attach, by name; none offered: `channel.k8s.io`.
+pub const EXEC_PROTOCOLS: Served = Served {
+    names: &PROTOCOLS,
+    default: Protocol::V1,
+};
+/// The subprotocols of port-forward, by name (a kubelet's); none offered: binary.
+pub const PORT_FORWARD_PROTOCOLS: Served = Served {
+    names: &[
+        ("v4.channel.k8s.io", Protocol::V4),
+        ("v4.base64.channel.k8s.io", Protocol::V4Base64),
+    ],
+    default: Protocol::V4,
+};
+
+/// The subprotocols one call serves.
+#[derive(Clone, Copy, Debug)]
+pub struct Served {
+    /// By name, in the server's order.
+    names: &'static [(&'static str, Protocol)],
+    /// What a client that offers none gets.
+    default: Protocol,
+}
+
 /// The subprotocols served, by name.
 const PROTOCOLS: [(&str, Protocol); 5] = [
     ("channel.k8s.io", Protocol::V1),
@@ -111,8 +134,8 @@ pub fn is_upgrade(headers: &HeaderMap) -> bool {
 }
 
 /// Checks a WebSocket upgrade request and picks the first protocol the client offers that
-/// is served (none offered: `channel.k8s.io`); else the status and message to refuse with.
-pub fn handshake(headers: &HeaderMap) -> Result<Handshake, (StatusCode, String)> {
+/// is `served` (none offered: its default); else the status and message to refuse with.
+pub fn handshake(headers: &HeaderMap, served: Served) -> Result<Handshake, (StatusCode, String)> {
     let version = headers
         .get(header::SEC_WEBSOCKET_VERSION)
         .and_then(|v| v.to_str().ok());
@@ -137,15 +160,15 @@ pub fn handshake(headers: &HeaderMap) -> Result<Handshake, (StatusCode, String)>
         .filter(|p| !p.is_empty())
         .collect();
     let (protocol, protocol_name) = if offered.is_empty() {
-        (Protocol::V1, None)
+        (served.default, None)
     } else {
         let chosen = offered
             .iter()
-            .find_map(|name| PROTOCOLS.iter().find(|(served, _)| served == name));
+            .find_map(|name| served.names.iter().find(|(served, _)| served == name));
         match chosen {
             Some((name, protocol)) => (*protocol, Some(*name)),
             None => {
-                let served: Vec<&str> = PROTOCOLS.iter().map(|(name, _)| *name).collect();
+                let served: Vec<&str> = served.names.iter().map(|(name, _)| *name).collect();
                 return Err((
                     StatusCode::FORBIDDEN,
                     format!(
@@ -390,6 +413,139 @@ async fn send_output(
     }
 }
 
+/// The ports a WebSocket port-forward asks for: every `port` (what an API server passes
+/// on) or `ports` query parameter, each a comma-separated list of ports above 0, as a
+/// kubelet reads them; else why not.
+pub fn forwarded_ports(query: Option<&str>) -> Result<Vec<u16>, String> {
+    let mut ports = Vec::new();
+    let pairs = super::route::query_pairs(query);
+    let given = ["port", "ports"]
+        .into_iter()
+        .flat_map(|key| pairs.get(key).into_iter().flatten().map(move |v| (key, v)));
+    for (key, value) in given {
+        if value.is_empty() {
+            return Err(format!("query parameter {key:?} cannot be empty"));
+        }
+        for port in value.split(',') {
+            match port.trim().parse::<u16>() {
+                Ok(0) => return Err(format!("port {port:?} must be > 0")),
+                Ok(port) => ports.push(port),
+                Err(_) => return Err(format!("unable to parse {port:?} as a port")),
+            }
+        }
+    }
+    if ports.is_empty() {
+        return Err("query parameter \"port\" is required".to_owned());
+    }
+    Ok(ports)
+}
+
+/// The channels of the `index`th port of a WebSocket port-forward: its data, and its
+/// error (a message, then the end).
+fn port_channels(index: usize) -> Option<(u8, u8)> {
+    let data = u8::try_from(index.checked_mul(2)?).ok()?;
+    Some((data, data.checked_add(1)?))
+}
+
+/// Serves port-forward on `socket` as a kubelet does over a WebSocket: for the `i`th of
+/// `ports`, channel `2i` carries its data both ways and `2i + 1` its error, each opened by
+/// the port (2 bytes, little-endian); each port is one connection to that port of the
+/// lower pod ([`streams::forward_port`]). Ends once every port's connection has.
+pub async fn port_forward(
+    socket: ClientSocket,
+    protocol: Protocol,
+    pods: Api<Pod>,
+    pod: String,
+    ports: Vec<u16>,
+) {
+    let (mut sink, mut source) = socket.split();
+    let (out, mut outgoing) = futures::channel::mpsc::channel::<Message>(8);
+    let writer = async move {
+        while let Some(message) = outgoing.next().await {
+            if sink.send(message).await.is_err() {
+                return;
+            }
+        }
+        let _ = sink.close().await;
+    };
+    let session = async move {
+        let mut to_ports = Vec::new();
+        let mut forwards = futures::stream::FuturesUnordered::new();
+        for (index, port) in ports.into_iter().enumerate() {
+            let Some((data, error)) = port_channels(index) else {
+                break;
+            };
+            let mut out = out.clone();
+            for channel in [data, error] {
+                if out
+                    .send(encode(protocol, channel, &port.to_le_bytes()))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+            }
+            // One end for the lower connection, one for the WebSocket.
+            let (client_end, forward_end) = tokio::io::duplex(PIPE_BUFFER);
+            let (mut from_port, to_port) = tokio::io::split(client_end);
+            to_ports.push(Some(to_port));
+            let (pods, pod) = (pods.clone(), pod.clone());
+            forwards.push(async move {
+                let (from_client, mut to_client) = tokio::io::split(forward_end);
+                let forwarded = async {
+                    let result =
+                        streams::forward_port(&pods, &pod, port, from_client, &mut to_client)
+                            .await;
+                    let _ = to_client.shutdown().await;
+                    result
+                };
+                let copied = async {
+                    let mut buffer = vec![0; MESSAGE_PAYLOAD];
+                    loop {
+                        match from_port.read(&mut buffer).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => {
+                                if out.send(encode(protocol, data, &buffer[..n])).await.is_err() {
+                                    return;
+                                }
+                            }
+                        }
+                    }
+                };
+                let (result, ()) = tokio::join!(forwarded, copied);
+                if let Err(message) = result {
+                    debug!(object = %pod, kind = "Pod", cluster = "lower", port, %message, "port-forward over WebSocket ended in error");
+                    let _ = out.send(encode(protocol, error, message.as_bytes())).await;
+                }
+            });
+        }
+        drop(out);
+        // The client's messages, until it closes the connection or every port is done.
+        let input = async {
+            while let Some(Ok(message)) = source.next().await {
+                match decode(protocol, message) {
+                    Ok(FromClient::Data(channel, data)) if channel % 2 == 0 => {
+                        let port = to_ports.get_mut(usize::from(channel / 2));
+                        if let Some(writer) = port {
+                            write_or_close(writer, &data).await;
+                        }
+                    }
+                    Ok(FromClient::Closed) => return,
+                    Ok(_) => {}
+                    Err(error) => debug!(%error, "port-forward over WebSocket: message ignored"),
+                }
+            }
+        };
+        tokio::pin!(input);
+        let all_done = async { while forwards.next().await.is_some() {} };
+        tokio::select! {
+            () = &mut input => {}
+            () = all_done => {}
+        }
+    };
+    tokio::join!(writer, session);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -460,22 +616,28 @@ mod tests {
             (&["portforward.k8s.io"], Err(StatusCode::FORBIDDEN)),
         ];
         for (offered, want) in cases {
-            let got = handshake(&headers(offered))
+            let got = handshake(&headers(offered), EXEC_PROTOCOLS)
                 .map(|h| (h.protocol, h.protocol_name))
                 .map_err(|(code, _)| code);
             assert_eq!(got, want, "{offered:?}");
         }
         // RFC 6455's example key.
         assert_eq!(
-            handshake(&headers(&[])).unwrap().accept,
+            handshake(&headers(&[]), EXEC_PROTOCOLS).unwrap().accept,
             "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="
         );
         let mut old = headers(&[]);
         old.insert(header::SEC_WEBSOCKET_VERSION, HeaderValue::from_static("8"));
-        assert_eq!(handshake(&old).unwrap_err().0, StatusCode::BAD_REQUEST);
+        assert_eq!(
+            handshake(&old, EXEC_PROTOCOLS).unwrap_err().0,
+            StatusCode::BAD_REQUEST
+        );
         let mut keyless = headers(&[]);
         keyless.remove(header::SEC_WEBSOCKET_KEY);
-        assert_eq!(handshake(&keyless).unwrap_err().0, StatusCode::BAD_REQUEST);
+        assert_eq!(
+            handshake(&keyless, EXEC_PROTOCOLS).unwrap_err().0,
+            StatusCode::BAD_REQUEST
+        );
     }
 
     #[test]
@@ -599,5 +761,58 @@ mod tests {
                 serde_json::from_slice(&status_payload(protocol, &exit).unwrap()).unwrap();
             assert_eq!(json["reason"], "NonZeroExitCode", "{protocol:?}");
         }
+    }
+
+    /// The ports of a WebSocket port-forward, as a kubelet reads them: every `port` (and
+    /// `ports`) parameter, comma-separated lists too; none, an empty one, 0 or a word is
+    /// refused.
+    #[test]
+    fn forwarded_ports_are_read_as_a_kubelet_reads_them() {
+        type Case<'a> = (Option<&'a str>, Result<Vec<u16>, &'a str>);
+        let cases: [Case; 8] = [
+            (Some("port=8080"), Ok(vec![8080])),
+            (Some("port=8080&port=9090"), Ok(vec![8080, 9090])),
+            (Some("ports=80,81"), Ok(vec![80, 81])),
+            (Some("port=80&other=1"), Ok(vec![80])),
+            (None, Err("query parameter \"port\" is required")),
+            (
+                Some("port="),
+                Err("query parameter \"port\" cannot be empty"),
+            ),
+            (Some("port=0"), Err("port \"0\" must be > 0")),
+            (Some("port=http"), Err("unable to parse \"http\" as a port")),
+        ];
+        for (query, want) in cases {
+            assert_eq!(
+                forwarded_ports(query),
+                want.map_err(str::to_owned),
+                "{query:?}"
+            );
+        }
+    }
+
+    /// Port-forward serves the kubelet's WebSocket subprotocols (binary by default), not
+    /// the exec ones; each port has a data and an error channel.
+    #[test]
+    fn port_forward_speaks_the_kubelets_subprotocols() {
+        let chosen = |offered: &[&str]| {
+            handshake(&headers(offered), PORT_FORWARD_PROTOCOLS)
+                .map(|h| (h.protocol, h.protocol_name))
+                .map_err(|(status, _)| status)
+        };
+        assert_eq!(chosen(&[]), Ok((Protocol::V4, None)));
+        assert_eq!(
+            chosen(&["v4.channel.k8s.io"]),
+            Ok((Protocol::V4, Some("v4.channel.k8s.io")))
+        );
+        assert_eq!(
+            chosen(&["v4.base64.channel.k8s.io"]),
+            Ok((Protocol::V4Base64, Some("v4.base64.channel.k8s.io")))
+        );
+        assert_eq!(chosen(&["v5.channel.k8s.io"]), Err(StatusCode::FORBIDDEN));
+        assert_eq!(port_channels(0), Some((0, 1)));
+        assert_eq!(port_channels(3), Some((6, 7)));
+        assert_eq!(port_channels(127), Some((254, 255)));
+        assert_eq!(port_channels(128), None);
     }
 }
