@@ -1110,7 +1110,7 @@ pub fn needed_permissions(side: Side, features: Features) -> Vec<Permission> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use tower::{Service, ServiceExt};
 
     use super::*;
@@ -1291,7 +1291,7 @@ mod tests {
 
     /// A kubeconfig of one cluster and one user, with `cluster` and `user` as the fields
     /// of each (YAML flow mappings).
-    fn kubeconfig(cluster: &str, user: &str) -> String {
+    pub(crate) fn kubeconfig(cluster: &str, user: &str) -> String {
         format!(
             "apiVersion: v1\nkind: Config\n\
              clusters: [{{name: lower, cluster: {{server: 'https://203.0.113.1:6443', {cluster}}}}}]\n\

@@ -281,6 +281,29 @@ pub async fn server_socket(upgraded: hyper::upgrade::Upgraded) -> ClientSocket {
     WebSocketStream::from_raw_socket(TokioIo::new(upgraded), Role::Server, Some(config)).await
 }
 
+/// The messages the client sent, and one writer to it: the messages queued on the sender
+/// go out in order, then the close, once every sender is dropped (run the writer beside
+/// the session).
+fn one_writer(
+    socket: ClientSocket,
+) -> (
+    impl Future<Output = ()> + Send,
+    futures::channel::mpsc::Sender<Message>,
+    futures::stream::SplitStream<ClientSocket>,
+) {
+    let (mut sink, source) = socket.split();
+    let (out, mut outgoing) = futures::channel::mpsc::channel::<Message>(8);
+    let writer = async move {
+        while let Some(message) = outgoing.next().await {
+            if sink.send(message).await.is_err() {
+                return;
+            }
+        }
+        let _ = sink.close().await;
+    };
+    (writer, out, source)
+}
+
 /// Serves one exec (`command` given) or attach on `socket`, against the lower pod.
 pub async fn exec(
     socket: ClientSocket,
@@ -291,17 +314,8 @@ pub async fn exec(
     command: Option<Vec<String>>,
     flags: StreamFlags,
 ) {
-    let (mut sink, mut source) = socket.split();
-    let (out, mut outgoing) = futures::channel::mpsc::channel::<Message>(8);
     // One writer: output, the verdict and the close go out in the order they were queued.
-    let writer = async move {
-        while let Some(message) = outgoing.next().await {
-            if sink.send(message).await.is_err() {
-                return;
-            }
-        }
-        let _ = sink.close().await;
-    };
+    let (writer, out, mut source) = one_writer(socket);
     let session = async move {
         let mut out = out;
         let stderr_wanted = flags.stderr && !flags.tty;
@@ -458,16 +472,7 @@ pub async fn port_forward(
     pod: String,
     ports: Vec<u16>,
 ) {
-    let (mut sink, mut source) = socket.split();
-    let (out, mut outgoing) = futures::channel::mpsc::channel::<Message>(8);
-    let writer = async move {
-        while let Some(message) = outgoing.next().await {
-            if sink.send(message).await.is_err() {
-                return;
-            }
-        }
-        let _ = sink.close().await;
-    };
+    let (writer, out, mut source) = one_writer(socket);
     let session = async move {
         let mut to_ports = Vec::new();
         let mut forwards = futures::stream::FuturesUnordered::new();

@@ -423,24 +423,8 @@ async fn delete_marked_runtime_classes(
     let mut deleted = 0;
     for object in found.items {
         let name = object.name_any();
-        match used.get(&name) {
-            Some(Some(heir)) => {
-                hand_over(&api, &object, heir)
-                    .await
-                    .map_err(lower_error("handing over", &format!("RuntimeClass {name}")))?;
-                info!(object = %name, kind = "RuntimeClass", to = %heir.node, cluster = "lower",
-                    "member leaving: a copy another node's pod uses handed to that node");
-            }
-            Some(None) => {
-                info!(object = %name, kind = "RuntimeClass", cluster = "lower",
-                    "member leaving: a copy a pod of no virtual node uses is kept");
-            }
-            None => {
-                delete_exact(&api, &name, object.uid(), None)
-                    .await
-                    .map_err(lower_error("deleting", &format!("RuntimeClass {name}")))?;
-                deleted += 1;
-            }
+        if settle(&api, &object, &name, used.get(&name)).await? {
+            deleted += 1;
         }
     }
     Ok(deleted)
@@ -503,27 +487,47 @@ where
         let key = format!("{namespace}/{name}");
         let api: Api<K> = Api::namespaced(lower.clone(), &namespace);
         let user = dependency.and_then(|d| used.get(&(d, namespace.clone(), name.clone())));
-        match user {
-            Some(Some(heir)) => {
-                hand_over(&api, &object, heir)
-                    .await
-                    .map_err(lower_error("handing over", &format!("{kind} {key}")))?;
-                info!(object = %key, %kind, to = %heir.node, cluster = "lower",
-                    "member leaving: a copy another node's pod uses handed to that node");
-            }
-            Some(None) => {
-                info!(object = %key, %kind, cluster = "lower",
-                    "member leaving: a copy a pod of no virtual node uses is kept");
-            }
-            None => {
-                delete_exact(&api, &name, object.uid(), None)
-                    .await
-                    .map_err(lower_error("deleting", &format!("{kind} {key}")))?;
-                deleted += 1;
-            }
+        if settle(&api, &object, &key, user).await? {
+            deleted += 1;
         }
     }
     Ok(deleted)
+}
+
+/// What a leave does with `object` (named `key` in messages), a copy the leaving node
+/// made, by `user`, the node whose pod uses it: handed to that node, kept for a pod of no
+/// node (`Some(None)`), else (`None`) deleted; whether it was deleted.
+async fn settle<K>(
+    api: &Api<K>,
+    object: &K,
+    key: &str,
+    user: Option<&Option<Owner>>,
+) -> Result<bool, LeaveError>
+where
+    K: Resource<DynamicType = ()> + Clone + DeserializeOwned + std::fmt::Debug,
+{
+    let kind = K::kind(&());
+    match user {
+        Some(Some(heir)) => {
+            hand_over(api, object, heir)
+                .await
+                .map_err(lower_error("handing over", &format!("{kind} {key}")))?;
+            info!(object = %key, %kind, to = %heir.node, cluster = "lower",
+                "member leaving: a copy another node's pod uses handed to that node");
+            Ok(false)
+        }
+        Some(None) => {
+            info!(object = %key, %kind, cluster = "lower",
+                "member leaving: a copy a pod of no virtual node uses is kept");
+            Ok(false)
+        }
+        None => {
+            delete_exact(api, &object.name_any(), object.uid(), None)
+                .await
+                .map_err(lower_error("deleting", &format!("{kind} {key}")))?;
+            Ok(true)
+        }
+    }
 }
 
 /// Marks `object` as `heir`'s (its UID a precondition).

@@ -619,17 +619,7 @@ mod tests {
         }
     }
 
-    /// A kubeconfig of one cluster and one user, with `cluster` and `user` as the fields
-    /// of each (YAML flow mappings).
-    fn kubeconfig(cluster: &str, user: &str) -> String {
-        format!(
-            "apiVersion: v1\nkind: Config\n\
-             clusters: [{{name: lower, cluster: {{server: 'https://203.0.113.1:6443', {cluster}}}}}]\n\
-             users: [{{name: vk, user: {{{user}}}}}]\n\
-             contexts: [{{name: lower, context: {{cluster: lower, user: vk}}}}]\n\
-             current-context: lower\n"
-        )
-    }
+    use crate::clusters::tests::kubeconfig;
 
     /// The table of what a kubeconfig from a Secret may hold is `clusters`'
     /// (`a_kubeconfig_from_a_secret_may_only_hold_inline_credentials`); here, that a member
