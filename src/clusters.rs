@@ -865,7 +865,15 @@ pub const UPPER_PERMISSIONS: &[Permission] = &[
     grouped("patch", "events.k8s.io", "events"),
 ];
 
-/// What the node lease (`--enable-node-lease`) needs in the upper cluster.
+/// Reading a node Lease: the node lease's first renewal (is it the node's own, its owner
+/// the Node's UID?) and a member's leave (is it the leaving Node's?).
+pub const UPPER_LEASE_READ_PERMISSIONS: &[Permission] = &[Permission {
+    namespace: Some("kube-node-lease"),
+    ..grouped("get", "coordination.k8s.io", "leases")
+}];
+
+/// What the node lease (`--enable-node-lease`) needs in the upper cluster beside reading it
+/// ([`UPPER_LEASE_READ_PERMISSIONS`]): made once, then renewed under its UID.
 pub const UPPER_LEASE_PERMISSIONS: &[Permission] = &[
     Permission {
         namespace: Some("kube-node-lease"),
@@ -1009,15 +1017,12 @@ pub const LOWER_PV_PERMISSIONS: &[Permission] = &[
 ];
 
 /// What the membership controller (`--members-namespace`) needs in the upper cluster
-/// beyond the member Secrets of its namespace ([`MEMBER_SECRET_VERBS`]): a leaving member's
-/// node cordoned, its pods evicted, then the Node and its node Lease deleted.
+/// beyond the member Secrets of its namespace ([`MEMBER_SECRET_VERBS`]) and reading node
+/// Leases ([`UPPER_LEASE_READ_PERMISSIONS`]): a leaving member's node cordoned, its pods
+/// evicted, then the Node and its node Lease deleted.
 pub const UPPER_MEMBER_PERMISSIONS: &[Permission] = &[
     sub("create", "pods", "eviction"),
     perm("delete", "nodes"),
-    Permission {
-        namespace: Some("kube-node-lease"),
-        ..grouped("get", "coordination.k8s.io", "leases")
-    },
     Permission {
         namespace: Some("kube-node-lease"),
         ..grouped("delete", "coordination.k8s.io", "leases")
@@ -1073,6 +1078,10 @@ pub fn needed_permissions(side: Side, features: Features) -> Vec<Permission> {
     let tables: Vec<(bool, &[Permission])> = match side {
         Side::Upper => vec![
             (true, UPPER_PERMISSIONS),
+            (
+                features.node_lease || features.members.is_some(),
+                UPPER_LEASE_READ_PERMISSIONS,
+            ),
             (features.node_lease, UPPER_LEASE_PERMISSIONS),
             (features.access_reviews, UPPER_ACCESS_REVIEW_PERMISSIONS),
             (features.token_reviews, UPPER_TOKEN_REVIEW_PERMISSIONS),
