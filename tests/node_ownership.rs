@@ -15,7 +15,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::{TIMEOUT, kubectl, member_secret, running};
+use common::{TIMEOUT, kubectl, member_secret, or_log, running};
 use k8s_openapi::api::core::v1::{Event, Node, Pod, Secret};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
@@ -50,16 +50,7 @@ async fn wait_ready(pair: &ClusterPair, vn: &mut VirtualNode, name: &str) -> Nod
         Ok(nodes.get_opt(name).await?.filter(node_is_ready))
     })
     .await;
-    match ready {
-        Ok(node) => node,
-        Err(error) => {
-            let _ = vn.check_running();
-            panic!(
-                "{error:#}\n{}",
-                tensile_harness::process::tail(vn.log(), 60)
-            );
-        }
-    }
+    or_log(ready, vn)
 }
 
 /// Adds kwok nodes `names` to the pair's lower cluster, each labelled `labels`.
@@ -518,16 +509,7 @@ async fn a_group_admitted_late_keeps_and_serves_its_pods() {
         }))
     })
     .await;
-    let below = match below {
-        Ok(below) => below,
-        Err(error) => {
-            let _ = vn.check_running();
-            panic!(
-                "{error:#}\n{}",
-                tensile_harness::process::tail(vn.log(), 60)
-            );
-        }
-    };
+    let below = or_log(below, &mut vn);
     assert_eq!(
         below.metadata.uid.as_deref(),
         Some(lower_uid.as_str()),

@@ -84,14 +84,5 @@ pub async fn ready_virtual_nodes(
         Ok(done(&ready).then_some(ready))
     })
     .await;
-    match listed {
-        Ok(listed) => listed,
-        Err(error) => {
-            let _ = vn.check_running();
-            panic!(
-                "{error:#}\n{}",
-                tensile_harness::process::tail(vn.log(), 60)
-            );
-        }
-    }
+    super::or_log(listed, vn)
 }

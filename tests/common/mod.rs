@@ -109,6 +109,21 @@ pub async fn pods(api: &Api<Pod>, labels: &str) -> Vec<Pod> {
         .items
 }
 
+/// What a wait gave, or a panic with the wait's error and the tail of `vn`'s log (after
+/// noting whether it still runs): the failure says what virtual-node was doing.
+pub fn or_log<T>(waited: anyhow::Result<T>, vn: &mut VirtualNode) -> T {
+    match waited {
+        Ok(value) => value,
+        Err(error) => {
+            let _ = vn.check_running();
+            panic!(
+                "{error:#}\n{}",
+                tensile_harness::process::tail(vn.log(), 60)
+            );
+        }
+    }
+}
+
 /// Whether a pod is Running with a pod IP.
 pub fn running(pod: &Pod) -> bool {
     let status = pod.status.as_ref();
