@@ -36,6 +36,68 @@ pub const DEFAULT_FOCUS: &str = r"\[NodeConformance\]";
 /// The default skip: what needs a dedicated cluster, is slow or flaky, or needs a feature
 /// (gate) this pair does not have. (It does not catch `[FeatureGate:…]`.)
 pub const DEFAULT_SKIP: &str = r"\[Serial\]|\[Disruptive\]|\[Slow\]|\[Flaky\]|\[Feature:";
+/// The focus of [`Preset::Generation`]: `metadata.generation` and `status.observedGeneration`
+/// of a pod (`test/e2e/node/pods.go`, 4 tests in v1.36.3).
+pub const GENERATION_FOCUS: &str = r"\[sig-node\] Pods Extended \(pod generation\)";
+/// The focus of [`Preset::Resize`] (223 tests in v1.36.3): in-place resize of containers
+/// (`test/e2e/common/node/pod_resize.go`, tagged `[Feature:InPlacePodVerticalScaling]`, and
+/// `test/e2e/node/pod_resize.go`: resource quota, limit ranger, and the `[Serial]` scheduler
+/// and deferred-resize tests, whose `[Serial]` comes before `Pod InPlace`), of a non-sidecar
+/// init container (`InPlacePodVerticalScalingInitContainers`, beta and on by default in
+/// 1.36), of pod-level resources (`PLR`, `test/e2e/common/node/pod_level_resources_resize.go`:
+/// `InPlacePodLevelResourcesVerticalScaling`, beta and on by default in 1.36), and the pod
+/// generation tests, which a resize bumps.
+pub const RESIZE_FOCUS: &str = concat!(
+    r"\[sig-node\] (\[Serial\] )?Pod InPlace Resize (Init )?Container",
+    r"|\[sig-node\] PLR Pod InPlace Resize",
+    r"|\[sig-node\] Pods Extended \(pod generation\)",
+);
+/// The skip of [`Preset::Resize`] and [`Preset::Generation`]: only what disrupts the
+/// cluster or is known flaky. `[Feature:InPlacePodVerticalScaling]` is what the resize tests
+/// are tagged with, and the `[Serial]` ones (ginkgo runs them last, alone) need only one
+/// schedulable node whose CPU they may fill.
+pub const RESIZE_SKIP: &str = r"\[Disruptive\]|\[Flaky\]";
+
+/// A named focus and skip (`--preset`); an explicit `--focus` or `--skip` replaces its part.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Preset {
+    /// The node conformance tests: `[NodeConformance]`, without `[Serial]`, `[Disruptive]`,
+    /// `[Slow]`, `[Flaky]`, `[Feature:…]`.
+    #[default]
+    Node,
+    /// In-place resize (containers, init containers, pod-level resources) and pod
+    /// generation, `[Serial]` included.
+    Resize,
+    /// Pod generation and observedGeneration only.
+    Generation,
+}
+
+impl Preset {
+    /// ginkgo's `--focus` for it.
+    pub fn focus(self) -> &'static str {
+        match self {
+            Preset::Node => DEFAULT_FOCUS,
+            Preset::Resize => RESIZE_FOCUS,
+            Preset::Generation => GENERATION_FOCUS,
+        }
+    }
+
+    /// ginkgo's `--skip` for it.
+    pub fn skip(self) -> &'static str {
+        match self {
+            Preset::Node => DEFAULT_SKIP,
+            Preset::Resize | Preset::Generation => RESIZE_SKIP,
+        }
+    }
+
+    /// The focus and skip to run: the preset's, each replaced by an explicit one.
+    pub fn select(self, focus: Option<String>, skip: Option<String>) -> (String, String) {
+        (
+            focus.unwrap_or_else(|| self.focus().to_owned()),
+            skip.unwrap_or_else(|| self.skip().to_owned()),
+        )
+    }
+}
 /// The virtual node's name in the upper cluster.
 pub const VK_NODE: &str = "vk-node";
 /// How long the virtual node may take to turn Ready and schedulable.
@@ -664,6 +726,70 @@ mod tests {
     const DOWNWARD: &str = "[sig-node] Downward API should provide pod name, namespace and IP address as env vars [NodeConformance] [Conformance]";
     const WEBSOCKETS: &str = "[sig-node] Pods should support remote command execution over websockets [NodeConformance] [Conformance]";
     const TWO_NODES: &str = "[sig-node] Pods should run on two nodes [NodeConformance]";
+
+    #[test]
+    fn a_preset_sets_focus_and_skip_and_an_explicit_one_replaces_its_part() {
+        let given = |s: &str| Some(s.to_owned());
+        let cases = [
+            (Preset::Node, None, None, DEFAULT_FOCUS, DEFAULT_SKIP),
+            (Preset::Resize, None, None, RESIZE_FOCUS, RESIZE_SKIP),
+            (
+                Preset::Generation,
+                None,
+                None,
+                GENERATION_FOCUS,
+                RESIZE_SKIP,
+            ),
+            (Preset::Resize, given("PLR"), None, "PLR", RESIZE_SKIP),
+            (Preset::Resize, None, given("x"), RESIZE_FOCUS, "x"),
+            (Preset::Node, given("a"), given("b"), "a", "b"),
+        ];
+        for (preset, focus, skip, want_focus, want_skip) in cases {
+            let what = format!("{preset:?} {focus:?} {skip:?}");
+            assert_eq!(
+                preset.select(focus, skip),
+                (want_focus.to_owned(), want_skip.to_owned()),
+                "{what}"
+            );
+        }
+    }
+
+    /// Real full names of v1.36.3 (`e2e.test --list-tests`), and whether each preset runs
+    /// them as ginkgo decides: the focus matches and the skip does not.
+    #[test]
+    fn the_presets_select_the_real_tests() {
+        const RESIZE: &str = "[sig-node] Pod InPlace Resize Container guaranteed qos - 1 container with resize policy [Feature:InPlacePodVerticalScaling] no restart resizing cpu & mem in the same direction";
+        const RESIZE_CONFORMANCE: &str = "[sig-node] Pod InPlace Resize Container resize pod via the replace endpoint [MinimumKubeletVersion:1.34] [Conformance]";
+        const DEFERRED: &str = "[sig-node] [Serial] Pod InPlace Resize Container (deferred-resizes) [FeatureGate:InPlacePodVerticalScaling] pod-resize-retry-deferred-test-1";
+        const LIMIT_RANGER: &str = "[sig-node] Pod InPlace Resize Container (limit-ranger) [FeatureGate:InPlacePodVerticalScaling] pod-resize-limit-ranger-test valid increase of CPU";
+        const INIT: &str = "[sig-node] Pod InPlace Resize Init Container [FeatureGate:InPlacePodVerticalScalingInitContainers] [Beta] should support resizing a non-sidecar init container";
+        const PLR: &str = "[sig-node] PLR Pod InPlace Resize [FeatureGate:InPlacePodLevelResourcesVerticalScaling] [Beta] decrease pod-level memory limit below usage";
+        const GENERATION: &str = "[sig-node] Pods Extended (pod generation) Pod Generation pod observedGeneration field set in pod conditions";
+        const OTHER_EXTENDED: &str = "[sig-node] Pods Extended Pod Container Status should never report success for a pending container";
+        const NODE_RESIZE: &str =
+            "[sig-cloud-provider-gcp] Nodes [Disruptive] Resize [Slow] should be able to add nodes";
+        let runs = |preset: Preset, name: &str| {
+            let focus = regex::Regex::new(preset.focus()).unwrap();
+            let skip = regex::Regex::new(preset.skip()).unwrap();
+            focus.is_match(name) && !skip.is_match(name)
+        };
+        let cases = [
+            (RESIZE, [false, true, false]),
+            (RESIZE_CONFORMANCE, [false, true, false]),
+            (DEFERRED, [false, true, false]),
+            (LIMIT_RANGER, [false, true, false]),
+            (INIT, [false, true, false]),
+            (PLR, [false, true, false]),
+            (GENERATION, [false, true, true]),
+            (OTHER_EXTENDED, [false, false, false]),
+            (NODE_RESIZE, [false, false, false]),
+            (DOWNWARD, [true, false, false]),
+        ];
+        for (name, want) in cases {
+            let got = [Preset::Node, Preset::Resize, Preset::Generation].map(|p| runs(p, name));
+            assert_eq!(got, want, "node, resize, generation: {name}");
+        }
+    }
 
     #[test]
     fn junit_is_read_into_outcomes() {

@@ -20,7 +20,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::Api;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use tensile_harness::conformance::{self, ConformanceOptions, Way};
+use tensile_harness::conformance::{self, ConformanceOptions, Preset, Way};
 use tensile_harness::metrics_server::USAGE_CPU_ANNOTATION;
 use tensile_harness::real_node::BUSYBOX_IMAGE;
 use tensile_harness::{
@@ -72,12 +72,19 @@ enum Command {
     /// images by tests/k8s/e2e/build.sh on first use) through the virtual node and straight
     /// against the lower cluster, and print both side by side (docs/conformance.md).
     Conformance {
-        /// ginkgo's focus (a regular expression over the tests' full names).
-        #[arg(long, default_value = conformance::DEFAULT_FOCUS)]
-        focus: String,
-        /// ginkgo's skip.
-        #[arg(long, default_value = conformance::DEFAULT_SKIP)]
-        skip: String,
+        /// Which tests: a focus and a skip together (`resize`: in-place resize and pod
+        /// generation; `generation`: pod generation only). --focus and --skip replace its
+        /// parts.
+        #[arg(long, value_enum, default_value_t = Preset::Node)]
+        preset: Preset,
+        /// ginkgo's focus (a regular expression over the tests' full names); default the
+        /// preset's (`node`: `\[NodeConformance\]`).
+        #[arg(long)]
+        focus: Option<String>,
+        /// ginkgo's skip; default the preset's (`node`:
+        /// `\[Serial\]|\[Disruptive\]|\[Slow\]|\[Flaky\]|\[Feature:`).
+        #[arg(long)]
+        skip: Option<String>,
         /// Where each way's JUnit report goes: DIR/vk-node/junit.xml, DIR/straight/junit.xml
         /// (with ginkgo's output beside it, e2e.log).
         #[arg(long, default_value = "conformance-results")]
@@ -148,6 +155,7 @@ async fn main() -> ExitCode {
         }
         Command::Down { dir } => down(&dir),
         Command::Conformance {
+            preset,
             focus,
             skip,
             junit_dir,
@@ -164,6 +172,7 @@ async fn main() -> ExitCode {
                 (_, true) => vec![Way::VirtualNode],
                 _ => vec![Way::VirtualNode, Way::Straight],
             };
+            let (focus, skip) = preset.select(focus, skip);
             let options = ConformanceOptions {
                 focus,
                 skip,
