@@ -16,6 +16,7 @@ pub mod pod_watch;
 pub mod presence;
 pub mod queue;
 pub mod references;
+pub mod resize;
 pub mod service;
 pub mod shrink;
 pub mod status;

@@ -20,6 +20,7 @@ use tokio::sync::watch;
 
 use super::pod_store::{PodStore, WholePods};
 use super::pod_watch::{PodQueue, PodStores, Triggers, run_controller};
+use super::resize::{DEFERRED_RETRY, Resized, Stores, carry_resize};
 use super::stores::Ready;
 use super::{Context, Error, api_error, dependencies};
 use crate::api::{Deleted, delete_exact, is_status};
@@ -327,10 +328,10 @@ pub async fn run(
         |upper| {
             let pc = pod_ctx.clone();
             async move {
-                reconcile(&upper, &pc)
-                    .await
-                    .err()
-                    .map(|_| pc.ctx.backoff(&upper.meta.key()))
+                match reconcile(&upper, &pc).await {
+                    Ok(again) => again,
+                    Err(_) => Some(pc.ctx.backoff(&upper.meta.key())),
+                }
             }
         },
     )
@@ -432,7 +433,9 @@ async fn hold_while_cordoned(upper: &Pod, ctx: &Context, key: &str, node: &str) 
 
 /// Reconciles one upper pod; a failure is reported (Event, metric) and retried with backoff.
 /// A pod last found in step with its lower copy, neither changed since, is passed over.
-async fn reconcile(stored: &StoredPod, pc: &PodContext) -> Result<(), Error> {
+/// One pod's reconcile; `Ok(Some(wait))`: look at it again after `wait` (a deferred
+/// resize).
+async fn reconcile(stored: &StoredPod, pc: &PodContext) -> Result<Option<Duration>, Error> {
     let key = stored.meta.key();
     let span = info_span!("pod", pod = %key);
     async {
@@ -446,15 +449,15 @@ async fn reconcile(stored: &StoredPod, pc: &PodContext) -> Result<(), Error> {
             .as_deref()
             .is_some_and(|lower| stored.in_step_with(lower))
         {
-            Ok(())
+            Ok(None)
         } else {
             let upper = stored.to_pod();
             let started = Instant::now();
             let result = reconcile_pod(&upper, lower.as_deref(), pc, &key).await;
             ctx.metrics.reconciled("pod", started.elapsed());
             match &result {
-                Ok(in_step) => {
-                    if let Some(lower) = lower.as_deref().filter(|_| *in_step) {
+                Ok(outcome) => {
+                    if let Some(lower) = lower.as_deref().filter(|_| outcome.in_step) {
                         stored.mark_in_step_with(lower);
                     }
                     ctx.succeeded(&key);
@@ -464,7 +467,7 @@ async fn reconcile(stored: &StoredPod, pc: &PodContext) -> Result<(), Error> {
                     explain_failure(ctx, &upper, error).await;
                 }
             }
-            result.map(drop)
+            result.map(|outcome| outcome.again)
         };
         // The scale-in order upstairs, after the pod's own step (its lower copy is never
         // made later for it), and never holding it back: a pod that cannot take the
@@ -488,14 +491,22 @@ async fn reconcile(stored: &StoredPod, pc: &PodContext) -> Result<(), Error> {
     .await
 }
 
-/// Takes the step [`decide`] names for `upper` and its lower copy as stored; whether the
-/// two were in step (a copy to sync, and nothing to write).
+/// What a reconcile of a pod found.
+#[derive(Clone, Copy, Debug, Default)]
+struct Outcome {
+    /// The pod and its copy were in step (a copy to sync, and nothing to write).
+    in_step: bool,
+    /// Look at the pod again after this long.
+    again: Option<Duration>,
+}
+
+/// Takes the step [`decide`] names for `upper` and its lower copy as stored.
 async fn reconcile_pod(
     upper: &Pod,
     stored_lower: Option<&StoredPod>,
     pc: &PodContext,
     key: &str,
-) -> Result<bool, Error> {
+) -> Result<Outcome, Error> {
     let ctx = &pc.ctx;
     let name = upper.name_any();
     let namespace = upper.namespace().unwrap_or_default();
@@ -550,13 +561,25 @@ async fn reconcile_pod(
                 tokens.wake(ObjectRef::new(&name).within(&namespace));
             }
             if let Some(lower) = lower.as_ref() {
-                let updated = propagate_update(upper, lower, pc, &lower_api, key).await?;
+                // The resize and the ephemeral containers (each a subresource, each
+                // bumping the lower generation) before the update that records the upper
+                // generation: a lower status observing that generation observed them.
+                let stores = Stores {
+                    upper: &pc.upper_pods,
+                    lower: &pc.lower_pods,
+                };
+                let resized = carry_resize(upper, lower, ctx, stores, &lower_api, key).await?;
                 let added = add_ephemeral_containers(upper, lower, ctx, &lower_api, key).await?;
-                return Ok(!updated && !added);
+                let updated = propagate_update(upper, lower, pc, &lower_api, key).await?;
+                return Ok(Outcome {
+                    in_step: !updated && !added && resized == Resized::Nothing,
+                    again: matches!(resized, Resized::Pending { retry: true })
+                        .then_some(DEFERRED_RETRY),
+                });
             }
         }
     }
-    Ok(false)
+    Ok(Outcome::default())
 }
 
 /// `planned` if the pods as the API servers have them now call for it too (read as

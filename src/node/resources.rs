@@ -97,6 +97,47 @@ pub fn pod_footprint(spec: &PodSpec) -> Resources {
     requests
 }
 
+/// The first resource a pod asking `requested` lacks on a node of `allocatable` where the
+/// other pods take `used`, worded as a kubelet's admission words it ("Node didn't have
+/// enough resource: cpu, requested: 5000, used: 2000, capacity: 4000": CPU in millicores,
+/// the rest in units); `None` when it fits. CPU, memory and ephemeral storage first, then
+/// the rest by name; [`PODS`] and what it does not ask for are not checked.
+pub fn shortfall(
+    allocatable: &Resources,
+    used: &Resources,
+    requested: &Resources,
+) -> Option<String> {
+    const FIRST: [&str; 3] = ["cpu", "memory", "ephemeral-storage"];
+    let rest = requested
+        .keys()
+        .map(String::as_str)
+        .filter(|name| !FIRST.contains(name) && *name != PODS);
+    FIRST.into_iter().chain(rest).find_map(|name| {
+        let asked = requested.get(name).copied().unwrap_or_default();
+        if asked <= 0 {
+            return None;
+        }
+        let capacity = allocatable.get(name).copied().unwrap_or_default();
+        let taken = used.get(name).copied().unwrap_or_default();
+        if asked + taken <= capacity {
+            return None;
+        }
+        let unit = |milli: i128| {
+            if name == "cpu" {
+                milli
+            } else {
+                milli.div_euclid(1000)
+            }
+        };
+        Some(format!(
+            "Node didn't have enough resource: {name}, requested: {}, used: {}, capacity: {}",
+            unit(asked),
+            unit(taken),
+            unit(capacity)
+        ))
+    })
+}
+
 /// Whether a pod in this phase no longer takes room on its node.
 pub fn phase_is_terminal(phase: Option<&str>) -> bool {
     matches!(phase, Some("Succeeded" | "Failed"))
@@ -138,6 +179,60 @@ pub fn node_usable(node: &Node) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_shortfall_is_the_first_resource_that_does_not_fit_in_kubelet_units() {
+        let r = |pairs: &[(&str, i128)]| -> Resources {
+            pairs.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect()
+        };
+        let node = r(&[
+            ("cpu", 4000),
+            ("memory", 4_294_967_296_000),
+            ("pods", 110_000),
+        ]);
+        // (case, used, requested, expected)
+        let cases = [
+            ("fits", r(&[("cpu", 2000)]), r(&[("cpu", 2000)]), None),
+            (
+                "cpu, in millicores",
+                r(&[("cpu", 2000)]),
+                r(&[("cpu", 5000)]),
+                Some(
+                    "Node didn't have enough resource: cpu, requested: 5000, used: 2000, capacity: 4000",
+                ),
+            ),
+            (
+                "memory, in bytes, after cpu fits",
+                r(&[("memory", 2_147_483_648_000)]),
+                r(&[("cpu", 100), ("memory", 4_718_592_000_000)]),
+                Some(
+                    "Node didn't have enough resource: memory, requested: 4718592000, used: 2147483648, capacity: 4294967296",
+                ),
+            ),
+            (
+                "an extended resource the node lacks",
+                r(&[]),
+                r(&[("example.com/gpu", 1000)]),
+                Some(
+                    "Node didn't have enough resource: example.com/gpu, requested: 1, used: 0, capacity: 0",
+                ),
+            ),
+            (
+                "pods are not checked",
+                r(&[("pods", 110_000)]),
+                r(&[("pods", 1000)]),
+                None,
+            ),
+            ("nothing asked", r(&[("cpu", 9000)]), r(&[]), None),
+        ];
+        for (case, used, requested, expected) in cases {
+            assert_eq!(
+                shortfall(&node, &used, &requested).as_deref(),
+                expected,
+                "{case}"
+            );
+        }
+    }
 
     #[test]
     fn subtract_undoes_add() {

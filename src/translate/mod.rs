@@ -11,6 +11,7 @@ pub mod meta;
 pub mod namespace;
 pub mod packed_status;
 pub mod pod;
+pub mod resize;
 pub mod scheduling;
 pub mod service;
 pub mod stored;

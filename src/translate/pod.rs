@@ -19,8 +19,16 @@ use super::meta::{
     DELETION_COST_ANNOTATION, DELETION_COST_MARK, MIRRORED_KEYS_ANNOTATION, Owner,
     TRIPPED_LABELS_ANNOTATION, UPPER_UID_ANNOTATION, VIRTUAL_POD_LABEL,
 };
+use super::resize::{
+    RESIZE_CONDITIONS, RESIZE_PENDING, RESIZE_PENDING_ANNOTATION, UPPER_GENERATION_ANNOTATION,
+    pending_resize, recorded_upper_generation, resize_outstanding, upper_observed,
+};
 use super::scheduling::{Confinement, parse_cluster_selector, restore_constraints};
 use super::{TranslateError, lower_meta, object_ref};
+
+/// tensile's own records on a lower pod, never copied from the upper pod nor named in its
+/// [`MirroredKeys`]: the upper generation it carries and a resize left pending.
+const OWN_POD_RECORDS: [&str; 2] = [UPPER_GENERATION_ANNOTATION, RESIZE_PENDING_ANNOTATION];
 
 /// Where the kubelet mounts a pod's service-account credentials.
 const SERVICE_ACCOUNT_MOUNT_PATH: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
@@ -122,6 +130,10 @@ fn lower_pod_and_record(
     for key in [DELETION_COST_ANNOTATION, DELETION_COST_MARK] {
         annotations.remove(key);
     }
+    // tensile's own records on the lower pod, never the upper pod's.
+    for key in OWN_POD_RECORDS {
+        annotations.remove(key);
+    }
     if !tripped.is_empty() {
         let encoded = serde_json::to_string(&tripped).map_err(|source| TranslateError::Encode {
             object: object.clone(),
@@ -180,6 +192,13 @@ fn lower_pod_and_record(
             annotations.insert(key.to_owned(), value);
             record.downward.insert(key.to_owned());
         }
+    }
+    // Not in the record: written by tensile alone, compared apart ([`lower_pod_update`]).
+    if let Some(generation) = upper.metadata.generation {
+        annotations.insert(
+            UPPER_GENERATION_ANNOTATION.to_owned(),
+            generation.to_string(),
+        );
     }
 
     let pod = Pod {
@@ -320,12 +339,14 @@ pub fn upper_uid(meta: &ObjectMeta) -> Option<&str> {
 /// actor's (a readiness gate's condition, `DisruptionTarget`, tensile's own mark): a
 /// lower actor with `pods/status` writing one below must not make the upper pod Ready
 /// early or never, nor mark it disrupted.
-pub const REFLECTED_CONDITIONS: [&str; 5] = [
+pub const REFLECTED_CONDITIONS: [&str; 7] = [
     "PodScheduled",
     "PodReadyToStartContainers",
     "Initialized",
     "ContainersReady",
     "Ready",
+    RESIZE_CONDITIONS[0],
+    RESIZE_CONDITIONS[1],
 ];
 
 /// Whether a lower pod condition of type `type_` is reflected up ([`REFLECTED_CONDITIONS`]).
@@ -338,21 +359,34 @@ fn is_reflected(type_: &str) -> bool {
 /// are (the write merges conditions by type).
 pub fn upper_status(lower: &Pod, upper: &Pod) -> PodStatus {
     let from = lower.status.clone().unwrap_or_default();
+    // Generations count differently in the two clusters: a lower one is shown as the upper
+    // one it answers ([`upper_observed`]), or not at all (the upper value stays).
+    let mut conditions: Option<Vec<PodCondition>> = from.conditions.map(|conditions| {
+        conditions
+            .into_iter()
+            .filter(|c| is_reflected(&c.type_))
+            .map(|c| PodCondition {
+                observed_generation: upper_observed(lower, c.observed_generation),
+                ..c
+            })
+            .collect()
+    });
+    // A resize virtual-node left pending itself, while the lower kubelet says nothing of
+    // one and it is still not carried.
+    let kubelet_pending = conditions
+        .iter()
+        .flatten()
+        .any(|c| c.type_ == RESIZE_PENDING);
+    if !kubelet_pending
+        && let Some(pending) = pending_resize(lower)
+        && resize_outstanding(upper, lower)
+    {
+        conditions.get_or_insert_default().push(pending.condition());
+    }
     PodStatus {
         phase: from.phase,
-        // Generations count differently in the two clusters, so a lower one means
-        // nothing above.
-        conditions: from.conditions.map(|conditions| {
-            let conditions = conditions
-                .into_iter()
-                .filter(|c| is_reflected(&c.type_))
-                .map(|c| PodCondition {
-                    observed_generation: None,
-                    ..c
-                })
-                .collect();
-            with_readiness_gates(conditions, upper)
-        }),
+        observed_generation: upper_observed(lower, from.observed_generation),
+        conditions: conditions.map(|conditions| with_readiness_gates(conditions, upper)),
         container_statuses: from.container_statuses,
         init_container_statuses: from.init_container_statuses,
         ephemeral_container_statuses: from.ephemeral_container_statuses,
@@ -597,7 +631,14 @@ pub fn digest_in_sync(current: &StatusDigest, desired: &PodStatus) -> bool {
     // gates) or tensile's own mark: a status write merges conditions by type and leaves
     // them be, so they are no difference. Order does not matter either: a merge by type
     // keeps the upper order.
-    let reflected_types: BTreeSet<u64> = desired.conditions.iter().map(|(t, _)| *t).collect();
+    // The resize conditions are compared even when the lower pod has none: one left
+    // upstairs is removed ([`upper_status_patch`]).
+    let reflected_types: BTreeSet<u64> = desired
+        .conditions
+        .iter()
+        .map(|(t, _)| *t)
+        .chain(RESIZE_CONDITIONS.iter().map(|t| hash_of(*t)))
+        .collect();
     let mut current: Vec<(u64, u64)> = current
         .conditions
         .iter()
@@ -658,6 +699,7 @@ fn copied_fields(status: PodStatus) -> PodStatus {
     }
     PodStatus {
         phase: status.phase,
+        observed_generation: status.observed_generation,
         conditions: non_empty(status.conditions).map(|conditions| {
             let mut conditions: Vec<PodCondition> = conditions
                 .into_iter()
@@ -701,14 +743,10 @@ const CLEARED_WHEN_ABSENT: &[&str] = &[
     "nominatedNodeName",
 ];
 
-/// The optional fields of a pod condition.
-const CONDITION_FIELDS: &[&str] = &[
-    "lastProbeTime",
-    "lastTransitionTime",
-    "message",
-    "observedGeneration",
-    "reason",
-];
+/// The optional fields of a pod condition that a written condition clears when it lacks
+/// them. Not `observedGeneration`: one not known yet (the lower kubelet lags) leaves the
+/// upper value as it was.
+const CONDITION_FIELDS: &[&str] = &["lastProbeTime", "lastTransitionTime", "message", "reason"];
 
 /// The strategic merge patch that writes `status` on the upper pod whose UID is `uid`:
 /// the fields it lacks are cleared, its conditions merged by type with the pod's others,
@@ -729,6 +767,12 @@ pub fn upper_status_patch(uid: &str, status: &PodStatus) -> Value {
             for condition in conditions.iter_mut().filter_map(Value::as_object_mut) {
                 for field in CONDITION_FIELDS {
                     condition.entry(*field).or_insert(Value::Null);
+                }
+            }
+            // A kubelet removes its resize conditions once the resize is done: so do we.
+            for type_ in RESIZE_CONDITIONS {
+                if !conditions.iter().any(|c| c["type"] == type_) {
+                    conditions.push(json!({"type": type_, "$patch": "delete"}));
                 }
             }
         }
@@ -794,9 +838,9 @@ pub fn lower_pod_update(
     want_record
         .downward
         .extend(recorded.downward.iter().cloned());
-    for key in DOWNWARD_ANNOTATIONS {
-        want_annotations.remove(key);
-        have_annotations.remove(key);
+    for key in DOWNWARD_ANNOTATIONS.iter().chain(&OWN_POD_RECORDS) {
+        want_annotations.remove(*key);
+        have_annotations.remove(*key);
     }
     let downward: Vec<(String, String)> = want_record
         .downward
@@ -820,6 +864,21 @@ pub fn lower_pod_update(
         if lower_annotations.and_then(|a| a.get(&key)) != Some(&value) {
             annotations.insert(key, Value::String(value));
         }
+    }
+    // The upper generation this write brings down, and a pending resize no longer pending
+    // (carried, or undone upstairs) forgotten.
+    if let Some(generation) = upper.metadata.generation
+        && recorded_upper_generation(lower) != Some(generation)
+    {
+        annotations.insert(
+            UPPER_GENERATION_ANNOTATION.to_owned(),
+            Value::String(generation.to_string()),
+        );
+    }
+    if lower_annotations.is_some_and(|a| a.contains_key(RESIZE_PENDING_ANNOTATION))
+        && !resize_outstanding(upper, lower)
+    {
+        annotations.insert(RESIZE_PENDING_ANNOTATION.to_owned(), Value::Null);
     }
 
     let mut spec = Map::new();
@@ -1371,6 +1430,7 @@ mod tests {
     fn without_record(mut pod: Pod) -> Pod {
         if let Some(a) = pod.metadata.annotations.as_mut() {
             a.remove(MIRRORED_KEYS_ANNOTATION);
+            a.remove(UPPER_GENERATION_ANNOTATION);
         }
         pod
     }
@@ -1854,6 +1914,168 @@ mod tests {
         }))
     }
 
+    /// [`running_lower`] at lower generation `generation`, recording upper generation 7,
+    /// with `resources` for its container and `annotations` besides.
+    fn lower_at(generation: i64, cpu: &str, extra: Value) -> Pod {
+        let mut lower = serde_json::to_value(running_lower()).unwrap();
+        lower["metadata"]["generation"] = json!(generation);
+        lower["metadata"]["uid"] = json!("lower-uid");
+        let mut annotations = json!({UPPER_GENERATION_ANNOTATION: "7"});
+        if let (Some(a), Some(extra)) = (annotations.as_object_mut(), extra.as_object()) {
+            a.extend(extra.clone());
+        }
+        lower["metadata"]["annotations"] = annotations;
+        lower["spec"] = json!({"containers": [{"name": "app", "image": "nginx:1",
+            "resources": {"requests": {"cpu": cpu}, "limits": {"cpu": cpu}}}]});
+        pod(lower)
+    }
+
+    #[test]
+    fn the_observed_generation_is_the_upper_one_the_lower_status_answers() {
+        let upper = pod(upper_json());
+        // running_lower's status and conditions observed lower generation 3.
+        // (case, lower generation, status observedGeneration, conditions' observedGeneration)
+        let cases = [
+            (
+                "caught up: the recorded upper generation",
+                3,
+                Some(7),
+                Some(7),
+            ),
+            ("lagging: none (the upper value stays)", 4, None, None),
+        ];
+        for (case, generation, status, conditions) in cases {
+            let desired = upper_status(&lower_at(generation, "10", json!({})), &upper);
+            assert_eq!(desired.observed_generation, status, "{case}");
+            for condition in desired.conditions.iter().flatten() {
+                assert_eq!(
+                    condition.observed_generation, conditions,
+                    "{case}: {}",
+                    condition.type_
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn resize_conditions_follow_the_kubelet_below_or_our_own_decision() {
+        // The upper pod asks for 10 CPUs; lower copies hold `cpu`.
+        let upper = pod(upper_json());
+        let pending = serde_json::to_string(&crate::translate::resize::PendingResize {
+            reason: "Deferred".into(),
+            message: "Node didn't have enough resource: cpu".into(),
+            generation: Some(7),
+            since: None,
+        })
+        .unwrap();
+        let with_conditions = |mut lower: Pod, conditions: Value| {
+            let status = lower.status.as_mut().unwrap();
+            let extra: Vec<PodCondition> = serde_json::from_value(conditions).unwrap();
+            status.conditions.get_or_insert_default().extend(extra);
+            lower
+        };
+        let types = |status: &PodStatus| -> Vec<(String, Option<String>)> {
+            status
+                .conditions
+                .iter()
+                .flatten()
+                .filter(|c| c.type_.starts_with("PodResize"))
+                .map(|c| (c.type_.clone(), c.reason.clone()))
+                .collect()
+        };
+        let pending_deferred = vec![("PodResizePending".to_owned(), Some("Deferred".to_owned()))];
+        // (case, lower, the resize conditions upstairs)
+        let cases = [
+            ("none", lower_at(3, "10", json!({})), vec![]),
+            (
+                "ours, while not carried",
+                lower_at(3, "5", json!({RESIZE_PENDING_ANNOTATION: pending})),
+                pending_deferred.clone(),
+            ),
+            (
+                "ours, once carried: gone",
+                lower_at(3, "10", json!({RESIZE_PENDING_ANNOTATION: pending})),
+                vec![],
+            ),
+            (
+                "the lower kubelet's in progress",
+                with_conditions(
+                    lower_at(3, "10", json!({})),
+                    json!([{"type": "PodResizeInProgress", "status": "True", "observedGeneration": 3}]),
+                ),
+                vec![("PodResizeInProgress".to_owned(), None)],
+            ),
+            (
+                "the lower kubelet's pending wins over ours",
+                with_conditions(
+                    lower_at(3, "5", json!({RESIZE_PENDING_ANNOTATION: pending})),
+                    json!([{"type": "PodResizePending", "status": "True", "reason": "Infeasible"}]),
+                ),
+                vec![("PodResizePending".to_owned(), Some("Infeasible".to_owned()))],
+            ),
+        ];
+        for (case, lower, want) in cases {
+            let desired = upper_status(&lower, &upper);
+            assert_eq!(types(&desired), want, "{case}");
+        }
+
+        // A resize condition left upstairs once the lower pod has none is a difference.
+        let done = upper_status(&lower_at(3, "10", json!({})), &upper);
+        let mut left = done.clone();
+        left.conditions.get_or_insert_default().push(
+            serde_json::from_value(json!({"type": "PodResizeInProgress", "status": "True"}))
+                .unwrap(),
+        );
+        assert!(status_in_sync(Some(&done), &done));
+        assert!(
+            !status_in_sync(Some(&left), &done),
+            "a finished resize's condition is removed"
+        );
+    }
+
+    #[test]
+    fn an_update_brings_the_upper_generation_down_and_forgets_a_carried_resize() {
+        let mut upper = pod(upper_json());
+        upper.metadata.generation = Some(8);
+        let ignore = [];
+        let t = translation(&ignore);
+        let annotations =
+            |patch: Option<Value>| patch.map(|p| p["metadata"]["annotations"].clone());
+        // Generation 7 recorded, resize carried (10 CPUs below), a pending record left.
+        let carried = lower_at(3, "10", json!({RESIZE_PENDING_ANNOTATION: "{}"}));
+        let mut created = lower_pod(&upper, &t).unwrap();
+        created.metadata.uid = Some("lower-uid".into());
+        assert_eq!(
+            created.metadata.annotations.as_ref().unwrap()[UPPER_GENERATION_ANNOTATION],
+            "8",
+            "a new copy records the generation it was made from"
+        );
+        let patch = lower_pod_update(&upper, &carried, &t).unwrap();
+        let got = annotations(patch).unwrap();
+        assert_eq!(got[UPPER_GENERATION_ANNOTATION], "8");
+        assert_eq!(got[RESIZE_PENDING_ANNOTATION], Value::Null);
+        // Still not carried: the record stays.
+        let pending = lower_at(3, "5", json!({RESIZE_PENDING_ANNOTATION: "{}"}));
+        let got = annotations(lower_pod_update(&upper, &pending, &t).unwrap()).unwrap();
+        assert!(got.get(RESIZE_PENDING_ANNOTATION).is_none());
+        // An upper pod cannot set tensile's own records below.
+        let mut forged = pod(upper_json());
+        forged.metadata.annotations = Some(
+            [
+                (RESIZE_PENDING_ANNOTATION.to_owned(), "{}".to_owned()),
+                (UPPER_GENERATION_ANNOTATION.to_owned(), "99".to_owned()),
+            ]
+            .into(),
+        );
+        let copy = lower_pod(&forged, &t).unwrap();
+        let kept = copy.metadata.annotations.unwrap();
+        assert_eq!(
+            kept.get(UPPER_GENERATION_ANNOTATION).map(String::as_str),
+            Some("1")
+        );
+        assert!(!kept.contains_key(RESIZE_PENDING_ANNOTATION));
+    }
+
     #[test]
     fn upper_status_comes_from_the_lower_pod() {
         let upper = pod(upper_json());
@@ -2267,9 +2489,14 @@ mod tests {
             (
                 "upstream extras are not compared",
                 Some(with(
-                    json!({"nominatedNodeName": "vk-node", "observedGeneration": 1, "resize": "Proposed"}),
+                    json!({"nominatedNodeName": "vk-node", "resize": "Proposed"}),
                 )),
                 true,
+            ),
+            (
+                "the observed generation differs",
+                Some(with(json!({"observedGeneration": 7}))),
+                false,
             ),
             (
                 "observedGeneration on conditions is not compared",
@@ -2455,12 +2682,16 @@ mod tests {
                 // Replaced whole: merged by IP, an old address would stay.
                 "podIPs": [{"ip": "10.1.1.1"}, {"$patch": "replace"}],
                 // Merged by type: no null, no list that drops another actor's condition;
-                // the mark once; within a condition, what it lacks cleared.
+                // the mark once; within a condition, what it lacks cleared (an observed
+                // generation not known yet left as it was); the kubelet's resize
+                // conditions the status lacks removed.
                 "conditions": [
                     {"type": "Ready", "status": "True", "reason": null, "message": null,
-                     "lastProbeTime": null, "lastTransitionTime": null, "observedGeneration": null},
+                     "lastProbeTime": null, "lastTransitionTime": null},
                     {"type": MIRRORED_CONDITION, "status": "True", "reason": null, "message": null,
-                     "lastProbeTime": null, "lastTransitionTime": null, "observedGeneration": null},
+                     "lastProbeTime": null, "lastTransitionTime": null},
+                    {"type": "PodResizePending", "$patch": "delete"},
+                    {"type": "PodResizeInProgress", "$patch": "delete"},
                 ],
                 "containerStatuses": null,
                 "initContainerStatuses": null,
@@ -3019,6 +3250,7 @@ mod tests {
                     .unwrap();
             annotations.remove(UPPER_UID_ANNOTATION);
             annotations.remove(TRIPPED_LABELS_ANNOTATION);
+            annotations.remove(UPPER_GENERATION_ANNOTATION);
             let extra: BTreeMap<String, String> = serde_json::from_value(extra).unwrap();
             assert_eq!(annotations, extra, "{name}");
             assert_eq!(

@@ -108,16 +108,16 @@ pub struct StoredMeta {
     /// `metadata.namespace`, shared with the other pods of the namespace.
     pub namespace: Arc<str>,
     /// `metadata.name`, `metadata.uid`, a lower pod's [`UPPER_UID_ANNOTATION`],
-    /// `metadata.deletionTimestamp` and `deletionGracePeriodSeconds` ([`StoredMeta::name`],
+    /// `metadata.deletionTimestamp`, `deletionGracePeriodSeconds` and `generation` ([`StoredMeta::name`],
     /// [`StoredMeta::uid`], [`StoredPod::upper_uid`], …).
     identity: Identity,
 }
 
-/// A pod's name, UID, upper UID (a lower pod's [`UPPER_UID_ANNOTATION`]) and deletion
-/// fields in one allocation: a byte of [`IdentityFlags`], then each UID present (16 bytes
+/// A pod's name, UID, upper UID (a lower pod's [`UPPER_UID_ANNOTATION`]) deletion
+/// fields and generation in one allocation: a byte of [`IdentityFlags`], then each UID present (16 bytes
 /// for a canonical UUID, the form API servers give, where its text takes 36; else its
 /// length as 4 bytes and its text), the deletion time (nanoseconds, 16 bytes) and grace
-/// period (8 bytes) if set, and the name to the end. Empty: no name, nothing else set.
+/// period (8 bytes) and generation (8 bytes) if set, and the name to the end. Empty: no name, nothing else set.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 struct Identity(Box<[u8]>);
 
@@ -131,6 +131,7 @@ impl IdentityFlags {
     const UPPER_UID_TEXT: u8 = 8;
     const DELETION_TIMESTAMP: u8 = 16;
     const GRACE_PERIOD: u8 = 32;
+    const GENERATION: u8 = 64;
 }
 
 /// An [`Identity`] read.
@@ -141,6 +142,7 @@ struct IdentityParts<'a> {
     /// Nanoseconds since the epoch.
     deletion_timestamp: Option<i128>,
     grace_period_seconds: Option<i64>,
+    generation: Option<i64>,
     name: &'a str,
 }
 
@@ -177,6 +179,10 @@ impl Identity {
         if let Some(grace) = parts.grace_period_seconds {
             flags |= IdentityFlags::GRACE_PERIOD;
             bytes.extend_from_slice(&grace.to_le_bytes());
+        }
+        if let Some(generation) = parts.generation {
+            flags |= IdentityFlags::GENERATION;
+            bytes.extend_from_slice(&generation.to_le_bytes());
         }
         bytes.extend_from_slice(name.as_bytes());
         if flags == 0 && name.is_empty() {
@@ -219,6 +225,9 @@ impl Identity {
         }
         if has(IdentityFlags::GRACE_PERIOD) {
             parts.grace_period_seconds = take::<8>(&mut rest).map(|b| i64::from_le_bytes(*b));
+        }
+        if has(IdentityFlags::GENERATION) {
+            parts.generation = take::<8>(&mut rest).map(|b| i64::from_le_bytes(*b));
         }
         parts.name = std::str::from_utf8(rest).unwrap_or_default();
         parts
@@ -366,6 +375,7 @@ impl StoredMeta {
                 .as_ref()
                 .map(|t| t.0.as_nanosecond()),
             grace_period_seconds: metadata.deletion_grace_period_seconds,
+            generation: metadata.generation,
             name: metadata.name.as_deref().unwrap_or_default(),
         };
         Self {
@@ -400,6 +410,11 @@ impl StoredMeta {
         self.identity.parts().grace_period_seconds
     }
 
+    /// `metadata.generation`.
+    pub fn generation(&self) -> Option<i64> {
+        self.identity.parts().generation
+    }
+
     /// `namespace/name`.
     pub fn key(&self) -> String {
         format!("{}/{}", self.namespace, self.name())
@@ -424,8 +439,9 @@ pub struct StoredPod {
     /// `metadata.annotations`, but [`UPPER_UID_ANNOTATION`] (a lower pod's own, kept in
     /// `upper_uid`): the rest are equal for a workload's pods, and shared.
     annotations: Pairs,
-    /// The spec fields a reconcile compares (nodeName, container names and images,
-    /// ephemeral container names, tolerations, activeDeadlineSeconds), as the JSON of a
+    /// The spec fields a reconcile compares (nodeName, container names, images, resources
+    /// and restart policies, pod-level resources and overhead, ephemeral container names,
+    /// tolerations, activeDeadlineSeconds), as the JSON of a
     /// `PodSpec` with only those set. The pods of one workload on one node have equal
     /// ones, which a [`SharedSpecs`] keeps once: three tolerations alone are 300 bytes a
     /// pod.
@@ -528,12 +544,16 @@ impl PartialEq for Version {
 
 /// `spec` reduced to what [`StoredPod`] keeps.
 fn compared_spec(spec: PodSpec) -> PodSpec {
+    // Resources: what an in-place resize changes, and what a resize is admitted against
+    // (the other pods' requests on the node); the restart policy tells a sidecar.
     let names_and_images = |containers: Vec<Container>| -> Vec<Container> {
         containers
             .into_iter()
             .map(|c| Container {
                 name: c.name,
                 image: c.image,
+                resources: c.resources,
+                restart_policy: c.restart_policy,
                 ..Container::default()
             })
             .collect()
@@ -562,6 +582,8 @@ fn compared_spec(spec: PodSpec) -> PodSpec {
         active_deadline_seconds: spec.active_deadline_seconds,
         // The upper Ready counts them (and their conditions, kept in the summary).
         readiness_gates: spec.readiness_gates.filter(|g| !g.is_empty()),
+        resources: spec.resources,
+        overhead: spec.overhead,
         ..PodSpec::default()
     }
 }
@@ -913,6 +935,7 @@ impl StoredPod {
                 uid: meta.uid().map(|uid| uid.to_string()),
                 deletion_timestamp: meta.deletion_timestamp(),
                 deletion_grace_period_seconds: meta.deletion_grace_period_seconds(),
+                generation: meta.generation(),
                 labels: self.label_map(),
                 annotations: self.annotation_map(),
                 ..ObjectMeta::default()
@@ -1566,6 +1589,8 @@ mod tests {
                 upper_uid: upper_uid.map(|u| Uid(UidText::Kept(u))),
                 deletion_timestamp: deleted_at,
                 grace_period_seconds: grace,
+                // A generation beside each grace period in the table.
+                generation: grace.map(|g| g + 100),
                 name,
             });
             let parts = identity.parts();
@@ -1578,7 +1603,9 @@ mod tests {
             );
             assert_eq!(parts.deletion_timestamp, deleted_at, "{case}");
             assert_eq!(parts.grace_period_seconds, grace, "{case}");
-            assert_eq!(identity.heap_bytes(), kept, "{case}");
+            assert_eq!(parts.generation, grace.map(|g| g + 100), "{case}");
+            let generation_bytes = if grace.is_some() { 8 } else { 0 };
+            assert_eq!(identity.heap_bytes(), kept + generation_bytes, "{case}");
         }
     }
 
