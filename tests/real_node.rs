@@ -809,3 +809,212 @@ async fn a_terminating_pod_shows_not_ready_then_its_terminated_container() {
     .unwrap();
     ns.delete().await.unwrap();
 }
+
+/// The resources a container status reports (`status.containerStatuses[0].resources`), as
+/// JSON, and the pod's resize conditions (type, reason).
+fn reported(pod: &Pod) -> (Value, Vec<(String, Option<String>)>) {
+    let status = pod.status.clone().unwrap_or_default();
+    let resources = status
+        .container_statuses
+        .as_ref()
+        .and_then(|c| c.first())
+        .and_then(|c| c.resources.clone());
+    let conditions = status
+        .conditions
+        .iter()
+        .flatten()
+        .filter(|c| c.type_.starts_with("PodResize"))
+        .map(|c| (c.type_.clone(), c.reason.clone()))
+        .collect();
+    (serde_json::to_value(resources).unwrap(), conditions)
+}
+
+/// `kubectl patch pod <name> --subresource resize` upstairs, as a user resizes a pod.
+async fn kubectl_resize(setup: &Setup, ns: &str, name: &str, resources: &Value) {
+    let patch = json!({"spec": {"containers": [{"name": "app", "resources": resources}]}});
+    let out = kubectl(
+        &setup.pair,
+        setup.pair.upper_kubeconfig(),
+        &[
+            "-n",
+            ns,
+            "patch",
+            "pod",
+            name,
+            "--subresource",
+            "resize",
+            "-p",
+            &patch.to_string(),
+        ],
+        b"",
+    )
+    .await;
+    assert!(
+        out.status.success(),
+        "kubectl patch --subresource resize: {}",
+        text(&out.stderr)
+    );
+}
+
+#[tokio::test]
+async fn a_resize_on_the_virtual_node_is_actuated_in_place_below_or_deferred_as_a_kubelet_does() {
+    let setup = setup().await;
+    let small = json!({"requests": {"cpu": "100m", "memory": "32Mi"},
+                       "limits": {"cpu": "200m", "memory": "64Mi"}});
+    let pod = real_pod(
+        "resized",
+        "while true; do sleep 1; done",
+        json!({"containers": [{"name": "app", "image": BUSYBOX_IMAGE,
+                               "command": ["sh", "-c", "while true; do sleep 1; done"],
+                               "resources": small}]}),
+    );
+    let ns = run_on_real_node(setup, "real-resize", vec![pod]).await;
+    let upper_pods: Api<Pod> = Api::namespaced(setup.pair.upper.client().await.unwrap(), &ns.name);
+    let lower_pods: Api<Pod> = Api::namespaced(setup.pair.lower.client().await.unwrap(), &ns.name);
+    let before_upper = upper_pods.get("resized").await.unwrap();
+    let before_lower = lower_pods.get("resized").await.unwrap();
+
+    // Within the node: actuated below in place, reported upstairs, the generation observed.
+    let bigger = json!({"requests": {"cpu": "150m", "memory": "48Mi"},
+                        "limits": {"cpu": "300m", "memory": "96Mi"}});
+    kubectl_resize(setup, &ns.name, "resized", &bigger).await;
+    let resized = wait_for(
+        "the resize reported upstairs, done, its generation observed",
+        TIMEOUT,
+        || async {
+            let pod = upper_pods.get("resized").await?;
+            let (resources, conditions) = reported(&pod);
+            let observed = pod.status.as_ref().and_then(|s| s.observed_generation);
+            Ok((resources == bigger
+                && conditions.is_empty()
+                && observed.is_some()
+                && observed == pod.metadata.generation)
+                .then_some(pod))
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e:#}\n{}", setup.real.logs_tail(20)));
+    let after_lower = lower_pods.get("resized").await.unwrap();
+    assert_eq!(
+        resized.metadata.uid, before_upper.metadata.uid,
+        "the same upper pod"
+    );
+    assert_eq!(
+        after_lower.metadata.uid, before_lower.metadata.uid,
+        "the same lower pod: resized, not recreated"
+    );
+    let restarts = |pod: &Pod| {
+        pod.status
+            .as_ref()
+            .unwrap()
+            .container_statuses
+            .as_ref()
+            .unwrap()[0]
+            .restart_count
+    };
+    assert_eq!(
+        (restarts(&resized), restarts(&after_lower)),
+        (0, 0),
+        "resized without a restart"
+    );
+    let lower_spec =
+        serde_json::to_value(&after_lower.spec.as_ref().unwrap().containers[0].resources).unwrap();
+    assert_eq!(
+        lower_spec, bigger,
+        "the lower copy's spec carries the resize"
+    );
+
+    // More than the virtual node has left beside another pod's requests (within its
+    // allocatable: the upper API server refuses a resize beyond that itself): deferred by
+    // the virtual node, as a kubelet defers it, and nothing written below. The other pod
+    // runs on a kwok node below.
+    let mut filler = bound_pod("filler", NODE);
+    filler.spec.as_mut().unwrap().containers[0].resources = Some(
+        serde_json::from_value(json!({"requests": {"cpu": "2"}, "limits": {"cpu": "2"}})).unwrap(),
+    );
+    upper_pods
+        .create(&PostParams::default(), &filler)
+        .await
+        .unwrap();
+    wait_for("the filler pod copied below", TIMEOUT, || async {
+        Ok(lower_pods.get_opt("filler").await?.map(|_| ()))
+    })
+    .await
+    .unwrap();
+    let nodes: Api<k8s_openapi::api::core::v1::Node> =
+        Api::all(setup.pair.upper.client().await.unwrap());
+    let allocatable = nodes
+        .get(NODE)
+        .await
+        .unwrap()
+        .status
+        .unwrap()
+        .allocatable
+        .unwrap();
+    let millis = |q: &str| -> i64 {
+        q.strip_suffix('m')
+            .map_or_else(|| q.parse::<i64>().unwrap() * 1000, |m| m.parse().unwrap())
+    };
+    let cpu = format!("{}m", millis(&allocatable["cpu"].0) - 1000);
+    let huge = json!({"requests": {"cpu": cpu, "memory": "48Mi"},
+                      "limits": {"cpu": cpu, "memory": "96Mi"}});
+    kubectl_resize(setup, &ns.name, "resized", &huge).await;
+    let deferred = wait_for("PodResizePending Deferred upstairs", TIMEOUT, || async {
+        let pod = upper_pods.get("resized").await?;
+        let (_, conditions) = reported(&pod);
+        Ok(
+            (conditions == [("PodResizePending".to_owned(), Some("Deferred".to_owned()))])
+                .then_some(pod),
+        )
+    })
+    .await
+    .unwrap();
+    let condition = deferred
+        .status
+        .as_ref()
+        .unwrap()
+        .conditions
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|c| c.type_ == "PodResizePending")
+        .unwrap()
+        .clone();
+    assert!(
+        condition
+            .message
+            .as_deref()
+            .unwrap_or_default()
+            .starts_with("Node didn't have enough resource: cpu, requested: "),
+        "the kubelet's words: {:?}",
+        condition.message
+    );
+    assert_eq!(
+        condition.observed_generation, deferred.metadata.generation,
+        "decided on this generation"
+    );
+    let below = lower_pods.get("resized").await.unwrap();
+    assert_eq!(
+        serde_json::to_value(&below.spec.as_ref().unwrap().containers[0].resources).unwrap(),
+        bigger,
+        "a deferred resize is not carried"
+    );
+
+    // Undone upstairs: the condition goes, the pod keeps running as it was.
+    kubectl_resize(setup, &ns.name, "resized", &bigger).await;
+    wait_for(
+        "PodResizePending gone once the resize is undone",
+        TIMEOUT,
+        || async {
+            let pod = upper_pods.get("resized").await?;
+            let (resources, conditions) = reported(&pod);
+            let observed = pod.status.as_ref().and_then(|s| s.observed_generation);
+            Ok((conditions.is_empty()
+                && resources == bigger
+                && observed == pod.metadata.generation)
+                .then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+}
