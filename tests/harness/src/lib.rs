@@ -30,6 +30,7 @@ pub mod rbac;
 pub mod real_node;
 pub mod scheduler_extender;
 pub mod virtual_node;
+pub mod vpa;
 pub mod wait;
 
 pub use binaries::Binaries;
