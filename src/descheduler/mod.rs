@@ -5,6 +5,7 @@
 
 pub mod cli;
 pub mod metrics;
+pub mod home;
 pub mod select;
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};

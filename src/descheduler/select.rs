@@ -259,7 +259,7 @@ pub fn placed_below(pod: &Pod) -> bool {
 }
 
 /// A mirror pod, or a static one by its config source (as the upstream descheduler tells).
-fn is_static(pod: &Pod) -> bool {
+pub(crate) fn is_static(pod: &Pod) -> bool {
     pod.metadata.annotations.as_ref().is_some_and(|a| {
         a.contains_key(MIRROR_ANNOTATION)
             || a.get(CONFIG_SOURCE_ANNOTATION)
