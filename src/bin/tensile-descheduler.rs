@@ -9,6 +9,7 @@ use kube::runtime::events::{Recorder, Reporter};
 use tensile::cli::{CompatCommand, USAGE_ERROR, compat_command, parse_args, usage_exit};
 use tensile::clusters::{self, RateLimit};
 use tensile::descheduler::cli::{Args, strip_klog_flags};
+use tensile::descheduler::home::ReturnHome;
 use tensile::descheduler::metrics::{self, Metrics};
 use tensile::descheduler::select::{Policy, parse_policy};
 use tensile::descheduler::{Config, Descheduler};
@@ -40,14 +41,14 @@ async fn main() -> ExitCode {
     }
     logging::init(&args.log_level, args.log_format);
     logging::log_ignored_flags(&ignored);
-    let policy = match policy(&args) {
+    let (policy, return_home) = match policy(&args) {
         Ok(policy) => policy,
         Err(message) => {
             eprintln!("{PROGRAM}: {message}");
             return ExitCode::from(USAGE_ERROR);
         }
     };
-    match run(args, policy).await {
+    match run(args, policy, return_home).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(message) => {
             eprintln!("{PROGRAM}: {message}");
@@ -56,7 +57,15 @@ async fn main() -> ExitCode {
     }
 }
 
-fn policy(args: &Args) -> Result<Policy, String> {
+/// What a round does: the flags, and over them what the policy file sets.
+fn policy(args: &Args) -> Result<(Policy, Option<ReturnHome>), String> {
+    let mut return_home = ReturnHome {
+        after: args.return_home_after,
+        max_per_round: (args.return_home_max_per_round > 0)
+            .then_some(args.return_home_max_per_round),
+        max_per_owner: usize::try_from(args.return_home_max_per_owner).unwrap_or(usize::MAX),
+    };
+    let mut return_home_enabled = args.return_home;
     let mut policy = Policy {
         max_pod_lifetime: args.max_pod_lifetime,
         max_pods_per_node: (args.max_pods_to_evict_per_node > 0)
@@ -74,11 +83,23 @@ fn policy(args: &Args) -> Result<Policy, String> {
         if let Some(lifetime) = file.max_pod_lifetime {
             policy.max_pod_lifetime = lifetime;
         }
+        if let Some(file) = file.return_home {
+            return_home_enabled = file.enabled;
+            if let Some(after) = file.after {
+                return_home.after = after;
+            }
+            if let Some(max) = file.max_per_round {
+                return_home.max_per_round = (max > 0).then_some(max);
+            }
+            if let Some(max) = file.max_per_owner {
+                return_home.max_per_owner = usize::try_from(max).unwrap_or(usize::MAX);
+            }
+        }
     }
-    Ok(policy)
+    Ok((policy, return_home_enabled.then_some(return_home)))
 }
 
-async fn run(args: Args, policy: Policy) -> Result<(), String> {
+async fn run(args: Args, policy: Policy, return_home: Option<ReturnHome>) -> Result<(), String> {
     let config = clusters::load_config(Side::Upper, args.kubeconfig.as_deref())
         .await
         .map_err(|e| e.to_string())?;
@@ -104,7 +125,7 @@ async fn run(args: Args, policy: Policy) -> Result<(), String> {
         .unwrap_or_else(|| format!("tensile-descheduler-{}", std::process::id()));
     info!(
         upper = %upper.server, %identity, interval = ?args.descheduling_interval,
-        lifetime = ?policy.max_pod_lifetime, dry_run = args.dry_run, "starting"
+        lifetime = ?policy.max_pod_lifetime, dry_run = args.dry_run, ?return_home, "starting"
     );
 
     let shutdown = CancellationToken::new();
@@ -163,6 +184,7 @@ async fn run(args: Args, policy: Policy) -> Result<(), String> {
             policy,
             dry_run: args.dry_run,
             interval: args.descheduling_interval,
+            return_home,
         },
         metrics.clone(),
     );

@@ -39,11 +39,12 @@ pub struct Args {
     pub descheduling_interval: Duration,
 
     /// A `DeschedulerPolicy` file; its PodLifeTime `maxPodLifeTimeSeconds` sets the
-    /// lifetime (other strategies are reported as ignored).
+    /// lifetime, its ReturnHome (`enabled`, `returnHomeAfterSeconds`, `maxMovesPerRound`,
+    /// `maxMovesPerOwner`) the return home (other strategies are reported as ignored).
     #[arg(long)]
     pub policy_config_file: Option<PathBuf>,
 
-    /// Log and emit `WouldReschedule` events; change nothing else.
+    /// Log and emit `WouldReschedule` (and `WouldReturnHome`) events; change nothing else.
     #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true")]
     pub dry_run: bool,
 
@@ -64,6 +65,26 @@ pub struct Args {
     /// by the lower cluster, is moved (the policy file wins; 1s to a year).
     #[arg(long, value_parser = parse_period, default_value = "180s")]
     pub max_pod_lifetime: Duration,
+
+    /// Move burst pods back to regular nodes once these have had room for them for
+    /// --return-home-after: evicted (PodDisruptionBudgets honoured) when the replacement
+    /// would land on a regular node (the policy file's ReturnHome strategy wins).
+    #[arg(long, action = ArgAction::Set, num_args = 0..=1, default_value_t = false, default_missing_value = "true")]
+    pub return_home: bool,
+
+    /// How long the room on the regular nodes must have held, round after round, before a
+    /// burst pod moves home (1s to a year).
+    #[arg(long, value_parser = parse_period, default_value = "1m")]
+    pub return_home_after: Duration,
+
+    /// At most this many pods moved home per round (0: no limit).
+    #[arg(long, default_value_t = 10)]
+    pub return_home_max_per_round: usize,
+
+    /// At most this many pods of one owner moved home per round; for an owner that no
+    /// PodDisruptionBudget covers, also at most this many replacements not yet Ready.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), default_value_t = 1)]
+    pub return_home_max_per_owner: u32,
 
     /// Address of `/healthz` and `/metrics`.
     #[arg(long, value_parser = parse_addr, default_value = ":10258")]
@@ -191,12 +212,30 @@ mod tests {
         let args = Args::try_parse_from(argv(&[])).unwrap();
         assert_eq!(args.descheduling_interval, Duration::from_secs(10));
         assert!(!args.dry_run);
+        assert!(!args.return_home);
+        assert_eq!(args.return_home_after, Duration::from_secs(60));
+        assert_eq!(args.return_home_max_per_round, 10);
+        assert_eq!(args.return_home_max_per_owner, 1);
         args.check().unwrap();
+        let args = Args::try_parse_from(argv(&[
+            "--return-home",
+            "--return-home-after=5s",
+            "--return-home-max-per-round=0",
+            "--return-home-max-per-owner=3",
+        ]))
+        .unwrap();
+        assert!(args.return_home);
+        assert_eq!(args.return_home_after, Duration::from_secs(5));
+        assert_eq!(args.return_home_max_per_round, 0);
+        assert_eq!(args.return_home_max_per_owner, 3);
         for bad in [
             &["--descheduling-interval=soon"][..],
             &["--max-pods-to-evict-per-node=-1"],
             &["--no-such-flag"],
             &["--max-pod-lifetime=3d"],
+            &["--return-home-after=0"],
+            &["--return-home-max-per-owner=0"],
+            &["--return-home=maybe"],
         ] {
             let (kept, _) = strip_klog_flags(argv(bad));
             assert!(Args::try_parse_from(kept).is_err(), "{bad:?}");

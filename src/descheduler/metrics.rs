@@ -13,9 +13,11 @@ use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
+use super::home::HomeSkip;
 use super::select::Skip;
 
 /// Label of the skipped counter.
@@ -41,6 +43,18 @@ pub struct Metrics {
     pub errors: Counter,
     /// 1 while this replica is the leader.
     pub leader: Gauge,
+    /// Burst pods evicted to come home.
+    pub home_moves: Counter,
+    /// Burst pods a dry run would have moved home.
+    pub home_would_move: Counter,
+    /// Evictions to come home refused (a PodDisruptionBudget): retried next round.
+    pub home_refusals: Counter,
+    /// Replacements of pods moved home that were placed on a virtual node again.
+    pub home_rebursts: Counter,
+    /// Burst pods left on their virtual node this round, by reason.
+    pub home_skipped: Family<SkipLabels, Counter>,
+    /// How long each pod moved home had been on its virtual node.
+    pub home_time_on_virtual_node: Histogram,
     /// Set once the first connection to the API server succeeded.
     pub healthy: AtomicBool,
 }
@@ -54,6 +68,13 @@ impl Default for Metrics {
         let skipped = Family::<SkipLabels, Counter>::default();
         let errors = Counter::default();
         let leader = Gauge::default();
+        let home_moves = Counter::default();
+        let home_would_move = Counter::default();
+        let home_refusals = Counter::default();
+        let home_rebursts = Counter::default();
+        let home_skipped = Family::<SkipLabels, Counter>::default();
+        // 10 s to about 45 h.
+        let home_time_on_virtual_node = Histogram::new(exponential_buckets(10.0, 2.0, 15));
         registry.register(
             "pods_considered",
             "Pods on virtual nodes looked at",
@@ -72,6 +93,48 @@ impl Default for Metrics {
         );
         registry.register("errors", "Failed rounds and moves", errors.clone());
         registry.register("leader", "1 while this replica leads", leader.clone());
+        registry.register(
+            "return_home_moves",
+            "Burst pods evicted to come home",
+            home_moves.clone(),
+        );
+        registry.register(
+            "return_home_would_move",
+            "Burst pods a dry run would have moved home",
+            home_would_move.clone(),
+        );
+        registry.register(
+            "return_home_refusals",
+            "Evictions to come home refused by a PodDisruptionBudget",
+            home_refusals.clone(),
+        );
+        registry.register(
+            "return_home_rebursts",
+            "Replacements of pods moved home placed on a virtual node again",
+            home_rebursts.clone(),
+        );
+        registry.register(
+            "return_home_skipped",
+            "Burst pods left on their virtual node, by reason",
+            home_skipped.clone(),
+        );
+        registry.register_with_unit(
+            "return_home_time_on_virtual_node",
+            "How long each pod moved home had been on its virtual node",
+            prometheus_client::registry::Unit::Seconds,
+            home_time_on_virtual_node.clone(),
+        );
+        for reason in HomeSkip::ALL
+            .iter()
+            .map(|s| s.label())
+            .chain([super::Acted::SKIP_LABELS[0]])
+        {
+            home_skipped
+                .get_or_create(&SkipLabels {
+                    reason: reason.into(),
+                })
+                .get();
+        }
         // Every reason shows from the start, at zero.
         for reason in Skip::ALL
             .iter()
@@ -92,6 +155,12 @@ impl Default for Metrics {
             skipped,
             errors,
             leader,
+            home_moves,
+            home_would_move,
+            home_refusals,
+            home_rebursts,
+            home_skipped,
+            home_time_on_virtual_node,
             healthy: AtomicBool::new(true),
         }
     }
@@ -101,6 +170,15 @@ impl Metrics {
     /// Counts one pod skipped for `reason`.
     pub fn skip(&self, reason: &str) {
         self.skipped
+            .get_or_create(&SkipLabels {
+                reason: reason.into(),
+            })
+            .inc();
+    }
+
+    /// Counts one burst pod left on its virtual node for `reason`.
+    pub fn home_skip(&self, reason: &str) {
+        self.home_skipped
             .get_or_create(&SkipLabels {
                 reason: reason.into(),
             })
@@ -172,6 +250,11 @@ mod tests {
             "tensile_descheduler_pods_skipped_total{reason=\"placed_below\"} 0",
             "tensile_descheduler_pods_skipped_total{reason=\"pinned_by_claim\"} 0",
             "tensile_descheduler_errors_total 0",
+            "tensile_descheduler_return_home_moves_total 0",
+            "tensile_descheduler_return_home_refusals_total 0",
+            "tensile_descheduler_return_home_rebursts_total 0",
+            "tensile_descheduler_return_home_skipped_total{reason=\"room_not_held\"} 0",
+            "tensile_descheduler_return_home_time_on_virtual_node_seconds_count 0",
         ] {
             assert!(text.contains(line), "{line} missing in\n{text}");
         }

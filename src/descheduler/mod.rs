@@ -1,11 +1,14 @@
 //! tensile-descheduler: gives upper pods that a lower cluster cannot place another chance.
 //!
 //! [`select`] decides (pure); this module reads the upper cluster, acts on the verdicts
-//! (evict a controlled pod, re-create a bare one), and counts what it did.
+//! (evict a controlled pod, re-create a bare one), and counts what it did. With
+//! `--return-home`, [`home`] decides (pure) which burst pods come back to regular nodes,
+//! and `return_home` evicts them.
 
 pub mod cli;
-pub mod metrics;
 pub mod home;
+pub mod metrics;
+mod return_home;
 pub mod select;
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
@@ -38,6 +41,8 @@ pub struct Config {
     pub dry_run: bool,
     /// Time between rounds.
     pub interval: Duration,
+    /// Move burst pods home, within these limits (`None`: off).
+    pub return_home: Option<home::ReturnHome>,
 }
 
 /// Why a round or one pod's move failed (retried next round).
@@ -117,6 +122,10 @@ pub struct Descheduler {
     /// (pod UID, reason) of the Warnings already published: a pod left alone round after
     /// round gets one, not one a round. Forgotten once the pod is no longer a candidate.
     warned: Mutex<HashSet<(String, &'static str)>>,
+    /// What the return home's rounds remember (room held, moves followed up).
+    home: Mutex<home::Memory>,
+    /// Set once the PodDisruptionBudgets could not be read (warned once).
+    budgets_unreadable: std::sync::atomic::AtomicBool,
 }
 
 impl Descheduler {
@@ -128,6 +137,8 @@ impl Descheduler {
             config,
             metrics,
             warned: Mutex::default(),
+            home: Mutex::default(),
+            budgets_unreadable: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -255,6 +266,10 @@ impl Descheduler {
                 }
             }
         }
+        if let Some(limits) = &self.config.return_home {
+            self.return_home(limits, &virtual_nodes, leader, shutdown)
+                .await?;
+        }
         Ok(())
     }
 
@@ -343,6 +358,14 @@ impl Descheduler {
                 });
             }
         }
+        self.evict_only(pods, pod).await
+    }
+
+    /// Evicts the pod (its UID as a precondition): Moved, Disruption (a
+    /// PodDisruptionBudget refused it) or Changed (gone, or another pod by now).
+    async fn evict_only(&self, pods: &Api<Pod>, pod: &Pod) -> Result<Acted, Error> {
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        let key = pod_key(pod);
         let params = EvictParams {
             delete_options: Some(DeleteParams {
                 preconditions: Some(kube::api::Preconditions {
@@ -467,14 +490,26 @@ impl Descheduler {
     }
 
     async fn publish(&self, pod: &Pod, type_: EventType, reason: &str, note: String) {
+        self.publish_on(&pod.object_ref(&()), type_, "Reschedule", reason, note)
+            .await;
+    }
+
+    async fn publish_on(
+        &self,
+        object: &k8s_openapi::api::core::v1::ObjectReference,
+        type_: EventType,
+        action: &str,
+        reason: &str,
+        note: String,
+    ) {
         let event = Event {
             type_,
             reason: reason.into(),
             note: Some(note),
-            action: "Reschedule".into(),
+            action: action.into(),
             secondary: None,
         };
-        if let Err(error) = self.recorder.publish(&event, &pod.object_ref(&())).await {
+        if let Err(error) = self.recorder.publish(&event, object).await {
             debug!(%error, cluster = "upper", "publishing the event");
         }
     }

@@ -554,6 +554,21 @@ pub struct PolicyFile {
     pub max_pod_lifetime: Option<Duration>,
     /// Strategies named in the file that tensile does not run (reported as ignored).
     pub ignored_strategies: Vec<String>,
+    /// `strategies.ReturnHome`, when named.
+    pub return_home: Option<ReturnHomeFile>,
+}
+
+/// The `ReturnHome` strategy of a policy file: what it sets wins over the flags.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ReturnHomeFile {
+    /// `enabled` (default true, as for any strategy).
+    pub enabled: bool,
+    /// `params.returnHomeAfterSeconds`.
+    pub after: Option<Duration>,
+    /// `params.maxMovesPerRound` (0: no limit).
+    pub max_per_round: Option<usize>,
+    /// `params.maxMovesPerOwner` (at least 1).
+    pub max_per_owner: Option<u32>,
 }
 
 /// Why a policy file cannot be used.
@@ -602,6 +617,12 @@ fn enabled_default() -> bool {
 struct RawParams {
     #[serde(default)]
     max_pod_life_time_seconds: Option<u64>,
+    #[serde(default)]
+    return_home_after_seconds: Option<u64>,
+    #[serde(default)]
+    max_moves_per_round: Option<usize>,
+    #[serde(default)]
+    max_moves_per_owner: Option<u32>,
 }
 
 /// Parses a `DeschedulerPolicy` (YAML or JSON). `path` only names the file in errors.
@@ -625,6 +646,26 @@ pub fn parse_policy(path: &str, text: &str) -> Result<PolicyFile, PolicyError> {
                     .and_then(|p| p.max_pod_life_time_seconds)
                     .map(Duration::from_secs);
             }
+        } else if name == "ReturnHome" {
+            let params = strategy.params;
+            let bad = |message: &str| PolicyError::Parse {
+                path: path.to_owned(),
+                message: format!("strategies.ReturnHome.params.{message}"),
+            };
+            let after = params.as_ref().and_then(|p| p.return_home_after_seconds);
+            if after == Some(0) {
+                return Err(bad("returnHomeAfterSeconds must be at least 1"));
+            }
+            let max_per_owner = params.as_ref().and_then(|p| p.max_moves_per_owner);
+            if max_per_owner == Some(0) {
+                return Err(bad("maxMovesPerOwner must be at least 1"));
+            }
+            file.return_home = Some(ReturnHomeFile {
+                enabled: strategy.enabled,
+                after: after.map(Duration::from_secs),
+                max_per_round: params.as_ref().and_then(|p| p.max_moves_per_round),
+                max_per_owner,
+            });
         } else {
             file.ignored_strategies.push(name);
         }
@@ -1407,6 +1448,7 @@ strategies:
                 Ok(PolicyFile {
                     max_pod_lifetime: Some(Duration::from_secs(120)),
                     ignored_strategies: vec!["RemoveDuplicates".into()],
+                    return_home: None,
                 }),
             ),
             (
@@ -1414,7 +1456,35 @@ strategies:
                 Ok(PolicyFile {
                     max_pod_lifetime: Some(Duration::from_secs(30)),
                     ignored_strategies: vec![],
+                    return_home: None,
                 }),
+            ),
+            (
+                "kind: DeschedulerPolicy\nstrategies:\n  ReturnHome:\n    params:\n      returnHomeAfterSeconds: 30\n      maxMovesPerRound: 0\n      maxMovesPerOwner: 2\n",
+                Ok(PolicyFile {
+                    return_home: Some(ReturnHomeFile {
+                        enabled: true,
+                        after: Some(Duration::from_secs(30)),
+                        max_per_round: Some(0),
+                        max_per_owner: Some(2),
+                    }),
+                    ..PolicyFile::default()
+                }),
+            ),
+            (
+                "strategies:\n  ReturnHome:\n    enabled: false\n",
+                Ok(PolicyFile {
+                    return_home: Some(ReturnHomeFile::default()),
+                    ..PolicyFile::default()
+                }),
+            ),
+            (
+                "strategies:\n  ReturnHome:\n    params:\n      maxMovesPerOwner: 0\n",
+                Err("maxMovesPerOwner must be at least 1"),
+            ),
+            (
+                "strategies:\n  ReturnHome:\n    params:\n      returnHomeAfterSeconds: 0\n",
+                Err("returnHomeAfterSeconds must be at least 1"),
             ),
             (
                 "kind: DeschedulerPolicy\nstrategies:\n  PodLifeTime:\n    enabled: false\n    params:\n      maxPodLifeTimeSeconds: 5\n",
