@@ -1,0 +1,311 @@
+//! tensile-descheduler `--return-home`, end to end (issue 51): two regular upper nodes of
+//! 4 CPU held by a filler, the upper kube-scheduler with the shipped extender (local
+//! first), one virtual node. A Deployment bursts; the filler scales in; every burst pod
+//! comes home within the window plus a few rounds, one eviction per pod, Ready never
+//! under `replicas − maxUnavailable`, and nothing moves after. Then room that appears is
+//! taken by another pod before the replacement is scheduled: the replacement bursts
+//! again, is counted, and nothing ping-pongs.
+#![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::descheduler::{Child, INTERVAL_SECS, shipped_rbac_kubeconfig, start_descheduler};
+use common::{TIMEOUT, start_node};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use nix::sys::signal::Signal;
+use serde_json::json;
+use tensile_harness::fixtures::{deployment, virtual_node_toleration};
+use tensile_harness::ports::free_port;
+use tensile_harness::scheduler_extender::{shipped_scheduler_config, start_extender};
+use tensile_harness::{
+    ClusterPair, Component, NodeShape, PairOptions, TestNamespace, invariant, wait_for,
+};
+
+const VK: &str = "vk-home";
+const APP: &str = "web";
+const FILLER: &str = "filler";
+/// `--return-home-after`.
+const WINDOW_SECS: u64 = 5;
+/// The window plus a few rounds, with room for a busy machine.
+const HOME_WITHIN: Duration = Duration::from_secs(60);
+
+fn node_of(pod: &Pod) -> Option<&str> {
+    pod.spec.as_ref().and_then(|s| s.node_name.as_deref())
+}
+
+fn ready(pod: &Pod) -> bool {
+    pod.metadata.deletion_timestamp.is_none()
+        && pod.status.as_ref().is_some_and(|s| {
+            s.phase.as_deref() == Some("Running")
+                && s.conditions
+                    .iter()
+                    .flatten()
+                    .any(|c| c.type_ == "Ready" && c.status == "True")
+        })
+}
+
+/// The value of one series in the descheduler's OpenMetrics text (0 when absent).
+async fn metric(descheduler: &Child, series: &str) -> u64 {
+    let (_, text) = descheduler.get("/metrics").await;
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .unwrap_or(0)
+}
+
+const MOVES: &str = "tensile_descheduler_return_home_moves_total";
+const REBURSTS: &str = "tensile_descheduler_return_home_rebursts_total";
+const NO_ROOM: &str = "tensile_descheduler_return_home_skipped_total{reason=\"no_room\"}";
+
+/// `n` pods of `app`, every one Running and Ready and none terminating, `on_virtual` of
+/// them on the virtual node and the rest on regular nodes.
+async fn placed(pods: &Api<Pod>, app: &str, n: usize, on_virtual: usize, why: &str) {
+    let last = std::sync::Mutex::new(String::new());
+    let result = wait_for(why, HOME_WITHIN, || async {
+        let list = pods
+            .list(&ListParams::default().labels(&format!("app={app}")))
+            .await?
+            .items;
+        let virtual_ = list.iter().filter(|p| node_of(p) == Some(VK)).count();
+        let all_ready = list.iter().filter(|p| ready(p)).count();
+        *last.lock().unwrap() =
+            format!("{} pods, {all_ready} Ready, {virtual_} on {VK}", list.len());
+        Ok((list.len() == n && all_ready == n && virtual_ == on_virtual).then_some(()))
+    })
+    .await;
+    if let Err(error) = result {
+        panic!("{error:#}; last: {}", last.lock().unwrap());
+    }
+}
+
+async fn scale(deployments: &Api<Deployment>, name: &str, replicas: i32) {
+    deployments
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": replicas}})),
+        )
+        .await
+        .unwrap();
+}
+
+/// Polls for `period` that `check` holds throughout (a steady state, not a sleep).
+async fn steady<F, Fut>(period: Duration, why: &str, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    let end = Instant::now() + period;
+    while Instant::now() < end {
+        if let Err(broken) = check().await {
+            panic!("{why}: {broken}");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+#[tokio::test]
+async fn burst_pods_come_home_without_thrash() {
+    let port = free_port().unwrap();
+    let mut options = PairOptions::default();
+    options.upper.nodes = 2;
+    options.upper.node_shape = NodeShape {
+        cpu: "4".into(),
+        ..NodeShape::default()
+    };
+    options
+        .upper
+        .scheduler_config
+        .extend(shipped_scheduler_config(&format!("http://127.0.0.1:{port}")).unwrap());
+    let pair = ClusterPair::start(options).await.unwrap();
+    let _extender = start_extender(
+        &pair,
+        &common::workspace_binary("tensile-scheduler-extender"),
+        "home-extender",
+        port,
+        &[(VK.to_owned(), pair.lower_kubeconfig())],
+    )
+    .await
+    .unwrap();
+    let upper = pair.upper.client().await.unwrap();
+    let lower = pair.lower.client().await.unwrap();
+    let _vk = start_node(&pair, VK, &[]).await;
+    let ns = TestNamespace::create(&upper, "home").await.unwrap();
+    let deployments: Api<Deployment> = Api::namespaced(upper.clone(), &ns.name);
+    let pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    let one_cpu = |burst: bool| {
+        let mut spec = json!({"containers": [{"name": "app", "image": "nginx",
+            "resources": {"requests": {"cpu": "1", "memory": "64Mi"}}}]});
+        if burst {
+            spec["tolerations"] = json!([virtual_node_toleration()]);
+        }
+        spec
+    };
+
+    // The filler holds every regular CPU; the app bursts whole.
+    deployments
+        .create(
+            &PostParams::default(),
+            &deployment(FILLER, 8, one_cpu(false)),
+        )
+        .await
+        .unwrap();
+    placed(&pods, FILLER, 8, 0, "the filler on the regular nodes").await;
+    deployments
+        .create(&PostParams::default(), &deployment(APP, 4, one_cpu(true)))
+        .await
+        .unwrap();
+    placed(&pods, APP, 4, 4, "the app burst to the virtual node").await;
+
+    let kubeconfig = shipped_rbac_kubeconfig(&pair).await;
+    let window = format!("--return-home-after={WINDOW_SECS}s");
+    let descheduler = start_descheduler(
+        &pair,
+        &kubeconfig,
+        "home",
+        &["--leader-elect=false", "--return-home", &window],
+    );
+    // It binds its metrics address before it logs that it starts.
+    wait_for("the descheduler started", TIMEOUT, || async {
+        Ok(descheduler.log_text().contains("starting").then_some(()))
+    })
+    .await
+    .unwrap();
+    // No room: rounds go by (every burst pod judged twice), nothing moves.
+    wait_for("two rounds without room", TIMEOUT, || async {
+        Ok((metric(&descheduler, NO_ROOM).await >= 8).then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(metric(&descheduler, MOVES).await, 0);
+
+    // Ready is watched throughout: never under replicas − maxUnavailable (4 − 1).
+    let min_ready = Arc::new(AtomicUsize::new(usize::MAX));
+    let watching = Arc::new(AtomicBool::new(true));
+    let watcher = {
+        let (pods, min_ready, watching) = (pods.clone(), min_ready.clone(), watching.clone());
+        tokio::spawn(async move {
+            while watching.load(Ordering::Relaxed) {
+                if let Ok(list) = pods
+                    .list(&ListParams::default().labels(&format!("app={APP}")))
+                    .await
+                {
+                    let n = list.items.iter().filter(|p| ready(p)).count();
+                    min_ready.fetch_min(n, Ordering::Relaxed);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+
+    // Room returns: every burst pod comes home, one eviction each.
+    let started = Instant::now();
+    scale(&deployments, FILLER, 4).await;
+    placed(&pods, APP, 4, 0, "every burst pod home").await;
+    let took = started.elapsed();
+    println!("room returned -> last burst pod home: {took:?}");
+    assert!(
+        took >= Duration::from_secs(WINDOW_SECS),
+        "moved before the window: {took:?}"
+    );
+    watching.store(false, Ordering::Relaxed);
+    watcher.await.unwrap();
+    let lowest = min_ready.load(Ordering::Relaxed);
+    assert!(lowest >= 3, "Ready dropped to {lowest}");
+    assert_eq!(metric(&descheduler, MOVES).await, 4, "one eviction per pod");
+    // Steady: nothing moves any more.
+    steady(
+        Duration::from_secs(3 * INTERVAL_SECS),
+        "steady after coming home",
+        || async {
+            let moves = metric(&descheduler, MOVES).await;
+            (moves == 4).then_some(()).ok_or(format!("{moves} moves"))
+        },
+    )
+    .await;
+
+    // Room appears and is taken before the replacement is scheduled: with the
+    // controller-manager paused, the replacement is made only once another pod holds it.
+    scale(&deployments, APP, 6).await;
+    placed(&pods, APP, 6, 2, "two more burst").await;
+    scale(&deployments, FILLER, 3).await;
+    placed(&pods, FILLER, 3, 0, "the filler scaled in").await;
+    pair.upper
+        .signal(Component::ControllerManager, Signal::SIGSTOP)
+        .unwrap();
+    let resumed = wait_for("one move once the room held", HOME_WITHIN, || async {
+        Ok((metric(&descheduler, MOVES).await == 5).then_some(()))
+    })
+    .await;
+    let taker: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "taker", "labels": {"app": "taker"}},
+        "spec": {"containers": [{"name": "app", "image": "nginx",
+            "resources": {"requests": {"cpu": "1", "memory": "64Mi"}}}]},
+    }))
+    .unwrap();
+    let created = match resumed {
+        Ok(()) => Some(pods.create(&PostParams::default(), &taker).await),
+        Err(_) => None,
+    };
+    let taken = wait_for("the taker on a regular node", TIMEOUT, || async {
+        Ok(pods.get("taker").await?).map(|p| ready(&p).then_some(()))
+    });
+    let taken = match created {
+        Some(Ok(_)) => taken.await.map_err(|e| e.to_string()),
+        Some(Err(e)) => Err(e.to_string()),
+        None => Err("no move".to_owned()),
+    };
+    pair.upper
+        .signal(Component::ControllerManager, Signal::SIGCONT)
+        .unwrap();
+    taken.unwrap();
+    placed(&pods, APP, 6, 2, "the replacement burst again").await;
+    wait_for("the re-burst counted", TIMEOUT, || async {
+        Ok((metric(&descheduler, REBURSTS).await == 1).then_some(()))
+    })
+    .await
+    .unwrap();
+    // Nothing ping-pongs: no room, and the owner backs off.
+    steady(
+        Duration::from_secs(4 * INTERVAL_SECS),
+        "no ping-pong",
+        || async {
+            let moves = metric(&descheduler, MOVES).await;
+            let list = pods
+                .list(&ListParams::default().labels(&format!("app={APP}")))
+                .await
+                .map_err(|e| e.to_string())?
+                .items;
+            let terminating = list
+                .iter()
+                .filter(|p| p.metadata.deletion_timestamp.is_some())
+                .count();
+            (moves == 5 && terminating == 0)
+                .then_some(())
+                .ok_or(format!("{moves} moves, {terminating} terminating"))
+        },
+    )
+    .await;
+
+    let (report, _) = invariant::converge(&upper, &lower, VK, Some(&ns.name), TIMEOUT)
+        .await
+        .unwrap();
+    assert!(report.holds(), "{report}");
+    let log = descheduler.log_text();
+    assert!(
+        log.contains("cannot list PodDisruptionBudgets"),
+        "the shipped RBAC cannot list PodDisruptionBudgets: warned once"
+    );
+    ns.delete().await.unwrap();
+}
