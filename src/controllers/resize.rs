@@ -248,3 +248,41 @@ async fn record_pending(
     .await;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_404_names_the_pod_when_it_is_gone_and_nothing_when_the_path_is_unknown() {
+        let status = |details: serde_json::Value| -> kube::core::Status {
+            serde_json::from_value(serde_json::json!({
+                "status": "Failure", "code": 404, "reason": "NotFound",
+                "message": "m", "details": details,
+            }))
+            .unwrap()
+        };
+        // (case, details, the pod's name, names the pod)
+        let cases = [
+            (
+                "the pod gone",
+                serde_json::json!({"name": "web", "kind": "pods"}),
+                true,
+            ),
+            (
+                "another pod",
+                serde_json::json!({"name": "db", "kind": "pods"}),
+                false,
+            ),
+            (
+                "an unknown subresource (an older API server)",
+                serde_json::json!({}),
+                false,
+            ),
+            ("no details at all", serde_json::Value::Null, false),
+        ];
+        for (case, details, want) in cases {
+            assert_eq!(names_the_pod(&status(details), "web"), want, "{case}");
+        }
+    }
+}

@@ -390,6 +390,9 @@ pub fn upper_status(lower: &Pod, upper: &Pod) -> PodStatus {
         container_statuses: from.container_statuses,
         init_container_statuses: from.init_container_statuses,
         ephemeral_container_statuses: from.ephemeral_container_statuses,
+        // Pod-level resources: what the lower kubelet allocated and actuated.
+        allocated_resources: from.allocated_resources,
+        resources: from.resources,
         pod_ip: from.pod_ip,
         pod_ips: from.pod_ips,
         host_ip: from.host_ip,
@@ -714,6 +717,8 @@ fn copied_fields(status: PodStatus) -> PodStatus {
         container_statuses: non_empty(status.container_statuses),
         init_container_statuses: non_empty(status.init_container_statuses),
         ephemeral_container_statuses: non_empty(status.ephemeral_container_statuses),
+        allocated_resources: status.allocated_resources.filter(|r| !r.is_empty()),
+        resources: status.resources,
         pod_ip: status.pod_ip,
         pod_ips: non_empty(status.pod_ips),
         host_ip: status.host_ip,
@@ -733,6 +738,8 @@ const CLEARED_WHEN_ABSENT: &[&str] = &[
     "containerStatuses",
     "initContainerStatuses",
     "ephemeralContainerStatuses",
+    "allocatedResources",
+    "resources",
     "podIP",
     "podIPs",
     "hostIP",
@@ -2034,6 +2041,28 @@ mod tests {
     }
 
     #[test]
+    fn pod_level_resources_the_lower_kubelet_reports_are_reflected() {
+        let upper = pod(upper_json());
+        let mut lower = lower_at(3, "10", json!({}));
+        let status = lower.status.as_mut().unwrap();
+        status.allocated_resources =
+            Some(serde_json::from_value(json!({"cpu": "200m", "memory": "64Mi"})).unwrap());
+        status.resources = Some(
+            serde_json::from_value(json!({"requests": {"cpu": "200m"}, "limits": {"cpu": "400m"}}))
+                .unwrap(),
+        );
+        let (allocated, resources) = (status.allocated_resources.clone(), status.resources.clone());
+        let desired = upper_status(&lower, &upper);
+        assert_eq!(desired.allocated_resources, allocated);
+        assert_eq!(desired.resources, resources);
+        let before = upper_status(&lower_at(3, "10", json!({})), &upper);
+        assert!(
+            !status_in_sync(Some(&before), &desired),
+            "a change of them is written"
+        );
+    }
+
+    #[test]
     fn an_update_brings_the_upper_generation_down_and_forgets_a_carried_resize() {
         let mut upper = pod(upper_json());
         upper.metadata.generation = Some(8);
@@ -2696,6 +2725,8 @@ mod tests {
                 "containerStatuses": null,
                 "initContainerStatuses": null,
                 "ephemeralContainerStatuses": null,
+                "allocatedResources": null,
+                "resources": null,
                 "hostIP": null,
                 "hostIPs": null,
                 "startTime": null,
