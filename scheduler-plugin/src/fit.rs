@@ -10,9 +10,9 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Affinity, Node, NodeAffinity, NodeSelector, NodeSelectorRequirement, NodeSelectorTerm, Pod,
-    PodSpec, Taint, Toleration,
+    Affinity, Node, NodeAffinity, NodeSelector, Pod, PodSpec, Taint, Toleration,
 };
+pub use tensile::node::placement::{requirement_matches, selector_matches, tolerates};
 use tensile::node::quantity::format_readable;
 use tensile::node::resources::{
     Resources, effect_repels, node_cordoned, node_ready, pod_footprint, to_resources,
@@ -258,77 +258,6 @@ fn score(node: &LowerNode, used: Option<&Resources>, demand: &Demand) -> i64 {
     }
     let mean = fractions.iter().sum::<f64>() / fractions.len() as f64;
     ((mean * MAX_SCORE as f64).round() as i64).clamp(0, MAX_SCORE)
-}
-
-/// Whether `toleration` tolerates `taint` (kube's `Toleration.ToleratesTaint`).
-pub fn tolerates(toleration: &Toleration, taint: &Taint) -> bool {
-    let effect = toleration.effect.as_deref().unwrap_or_default();
-    if !effect.is_empty() && effect != taint.effect {
-        return false;
-    }
-    let key = toleration.key.as_deref().unwrap_or_default();
-    if !key.is_empty() && key != taint.key {
-        return false;
-    }
-    match toleration.operator.as_deref().unwrap_or_default() {
-        "" | "Equal" => {
-            toleration.value.as_deref().unwrap_or_default()
-                == taint.value.as_deref().unwrap_or_default()
-        }
-        "Exists" => true,
-        _ => false,
-    }
-}
-
-/// Whether required node affinity matches a node: any term, each term all of its
-/// requirements; a term with no requirement matches nothing (as in kube).
-pub fn selector_matches(
-    selector: &NodeSelector,
-    name: &str,
-    labels: &BTreeMap<String, String>,
-) -> bool {
-    selector
-        .node_selector_terms
-        .iter()
-        .any(|term| term_matches(term, name, labels))
-}
-
-fn term_matches(term: &NodeSelectorTerm, name: &str, labels: &BTreeMap<String, String>) -> bool {
-    let expressions = term.match_expressions.as_deref().unwrap_or_default();
-    let fields = term.match_fields.as_deref().unwrap_or_default();
-    if expressions.is_empty() && fields.is_empty() {
-        return false;
-    }
-    expressions
-        .iter()
-        .all(|r| requirement_matches(r, labels.get(&r.key).map(String::as_str)))
-        && fields.iter().all(|r| {
-            // metadata.name is the only node field selectors support, with In / NotIn.
-            r.key == "metadata.name"
-                && matches!(r.operator.as_str(), "In" | "NotIn")
-                && requirement_matches(r, Some(name))
-        })
-}
-
-/// One requirement against the value of its key (`None`: the key is absent).
-pub fn requirement_matches(requirement: &NodeSelectorRequirement, value: Option<&str>) -> bool {
-    let values = requirement.values.as_deref().unwrap_or_default();
-    let number = |v: &str| v.parse::<i64>().ok();
-    match requirement.operator.as_str() {
-        "In" => value.is_some_and(|v| values.iter().any(|x| x == v)),
-        "NotIn" => value.is_none_or(|v| !values.iter().any(|x| x == v)),
-        "Exists" => value.is_some(),
-        "DoesNotExist" => value.is_none(),
-        op @ ("Gt" | "Lt") => {
-            let [bound] = values else { return false };
-            match (value.and_then(number), number(bound)) {
-                (Some(v), Some(bound)) if op == "Gt" => v > bound,
-                (Some(v), Some(bound)) => v < bound,
-                _ => false,
-            }
-        }
-        _ => false,
-    }
 }
 
 /// Whether lower node `name` is one of the group `confinement` names: the node by name

@@ -13,15 +13,14 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{
-    Node, NodeSelector, NodeSelectorRequirement, Pod, PodSpec, Taint,
-};
+use k8s_openapi::api::core::v1::{Node, Pod, PodSpec, Taint};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, OwnerReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::jiff::Timestamp;
 
 use super::select::{VIRTUAL_NODE_LABEL, bound_at, is_static, is_system_critical};
 use crate::node::burst::{BURST_ANNOTATION, BURST_EAGER, BURST_PRIORITY_LABEL};
+use crate::node::placement::{label_selector_matches, selector_matches, tolerates};
 use crate::node::resources::{
     ONE_POD, PODS, Resources, add, effect_repels, node_cordoned, node_ready, phase_is_terminal,
     pod_footprint, shortfall, to_resources,
@@ -392,22 +391,10 @@ impl<'a> World<'a> {
             return false;
         }
         let tolerations = spec.tolerations.as_deref().unwrap_or_default();
-        let tolerated = node.taints.iter().all(|taint| {
-            tolerations.iter().any(|t| {
-                let effect = t.effect.as_deref().unwrap_or_default();
-                let key = t.key.as_deref().unwrap_or_default();
-                (effect.is_empty() || effect == taint.effect)
-                    && (key.is_empty() || key == taint.key)
-                    && match t.operator.as_deref().unwrap_or_default() {
-                        "Exists" => true,
-                        "" | "Equal" => {
-                            t.value.as_deref().unwrap_or_default()
-                                == taint.value.as_deref().unwrap_or_default()
-                        }
-                        _ => false,
-                    }
-            })
-        });
+        let tolerated = node
+            .taints
+            .iter()
+            .all(|taint| tolerations.iter().any(|t| tolerates(t, taint)));
         if !tolerated || !node_affinity_matches(spec, node.name, &node.labels) {
             return false;
         }
@@ -521,72 +508,7 @@ fn node_affinity_matches(spec: &PodSpec, name: &str, labels: &BTreeMap<String, S
             n.required_during_scheduling_ignored_during_execution
                 .as_ref()
         });
-    selector_ok && required.is_none_or(|r| node_selector_matches(r, name, labels))
-}
-
-/// Required node affinity: any term, each term all of its requirements; a term with no
-/// requirement matches nothing (as in kube).
-fn node_selector_matches(
-    selector: &NodeSelector,
-    name: &str,
-    labels: &BTreeMap<String, String>,
-) -> bool {
-    selector.node_selector_terms.iter().any(|term| {
-        let expressions = term.match_expressions.as_deref().unwrap_or_default();
-        let fields = term.match_fields.as_deref().unwrap_or_default();
-        (!expressions.is_empty() || !fields.is_empty())
-            && expressions
-                .iter()
-                .all(|r| requirement_matches(r, labels.get(&r.key).map(String::as_str)))
-            && fields.iter().all(|r| {
-                r.key == "metadata.name"
-                    && matches!(r.operator.as_str(), "In" | "NotIn")
-                    && requirement_matches(r, Some(name))
-            })
-    })
-}
-
-fn requirement_matches(requirement: &NodeSelectorRequirement, value: Option<&str>) -> bool {
-    let values = requirement.values.as_deref().unwrap_or_default();
-    let number = |v: &str| v.parse::<i64>().ok();
-    match requirement.operator.as_str() {
-        "In" => value.is_some_and(|v| values.iter().any(|x| x == v)),
-        "NotIn" => value.is_none_or(|v| !values.iter().any(|x| x == v)),
-        "Exists" => value.is_some(),
-        "DoesNotExist" => value.is_none(),
-        op @ ("Gt" | "Lt") => {
-            let [bound] = values else { return false };
-            match (value.and_then(number), number(bound)) {
-                (Some(v), Some(bound)) if op == "Gt" => v > bound,
-                (Some(v), Some(bound)) => v < bound,
-                _ => false,
-            }
-        }
-        _ => false,
-    }
-}
-
-/// A metav1 label selector against labels (an empty selector matches everything).
-pub fn label_selector_matches(
-    selector: &LabelSelector,
-    labels: Option<&BTreeMap<String, String>>,
-) -> bool {
-    let get = |k: &str| labels.and_then(|l| l.get(k));
-    selector
-        .match_labels
-        .iter()
-        .flatten()
-        .all(|(k, v)| get(k) == Some(v))
-        && selector.match_expressions.iter().flatten().all(|r| {
-            let values = r.values.as_deref().unwrap_or_default();
-            match r.operator.as_str() {
-                "In" => get(&r.key).is_some_and(|v| values.contains(v)),
-                "NotIn" => get(&r.key).is_none_or(|v| !values.contains(v)),
-                "Exists" => get(&r.key).is_some(),
-                "DoesNotExist" => get(&r.key).is_none(),
-                _ => false,
-            }
-        })
+    selector_ok && required.is_none_or(|r| selector_matches(r, name, labels))
 }
 
 /// Whether a PodDisruptionBudget in the pod's namespace selects it.
@@ -834,6 +756,7 @@ impl Memory {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
     use serde_json::{Value, json};
 
     const T0: i64 = 1_000_000;

@@ -5,6 +5,7 @@ pub mod burst;
 pub mod capacity;
 pub mod groups;
 pub mod owner;
+pub mod placement;
 pub mod quantity;
 pub mod resources;
 pub mod spec;
