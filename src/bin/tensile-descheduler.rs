@@ -100,9 +100,13 @@ fn policy(args: &Args) -> Result<(Policy, Option<ReturnHome>), String> {
 }
 
 async fn run(args: Args, policy: Policy, return_home: Option<ReturnHome>) -> Result<(), String> {
-    let config = clusters::load_config(Side::Upper, args.kubeconfig.as_deref())
+    let mut config = clusters::load_config(Side::Upper, args.kubeconfig.as_deref())
         .await
         .map_err(|e| e.to_string())?;
+    // A PodDisruptionBudget refuses an eviction with 429, which the client would retry 15
+    // times, backing off for minutes, while the round waits: a refusal is retried next
+    // round instead, as is every other failed call of a round.
+    config.default_retry = false;
     let limit = RateLimit {
         qps: 50.0,
         burst: 100,
