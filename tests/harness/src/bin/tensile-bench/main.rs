@@ -38,6 +38,7 @@ mod burst_hpa;
 mod federation;
 mod granularity;
 mod member_footprint;
+mod return_home;
 mod scrape;
 
 #[derive(Parser)]
@@ -117,6 +118,28 @@ struct Args {
     /// rest, and a burst of `--pods` pods over them (issue #36).
     #[arg(long, value_parser = clap::value_parser!(u32).range(2..))]
     lower_nodes: Option<u32>,
+    /// Instead of the other scenarios: this many burst pods of one Deployment on the
+    /// virtual node (a filler holds the two regular upper nodes) come home once the filler
+    /// scales in, moved by `tensile-descheduler --return-home` (issue #51): the time from
+    /// the room returned to the last burst pod home, evictions per pod moved, the CPU
+    /// seconds by component, then `--return-home-steady` of steady state.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    return_home: Option<u32>,
+    /// With `--return-home`: the descheduler's `--return-home-after`, in seconds (its
+    /// default).
+    #[arg(long, default_value_t = 60)]
+    return_home_after: u64,
+    /// With `--return-home`: the descheduler's `--descheduling-interval`, in seconds (its
+    /// default).
+    #[arg(long, default_value_t = 10)]
+    return_home_interval: u64,
+    /// With `--return-home`: the descheduler's moves per round and per owner, and the
+    /// PodDisruptionBudget's `maxUnavailable`.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    return_home_batch: u32,
+    /// With `--return-home`: seconds of steady state watched after the last pod came home.
+    #[arg(long, default_value_t = 300)]
+    return_home_steady: u64,
     /// A further flag for the single-cluster scenarios' virtual-node (repeatable), e.g.
     /// `--node-arg=--lower-namespace=prefixed` to measure a mode's cost.
     #[arg(long, allow_hyphen_values = true)]
@@ -965,6 +988,9 @@ async fn run(args: Args) -> Result<()> {
     }
     if args.burst_hpa {
         return burst_hpa::run(&binary, &args).await;
+    }
+    if let Some(pods) = args.return_home {
+        return return_home::run(&binary, usize::try_from(pods)?, &args).await;
     }
     if let Some(nodes) = args.lower_nodes {
         return granularity::run(&binary, usize::try_from(nodes)?, &args).await;
