@@ -20,6 +20,7 @@ use std::sync::atomic::Ordering;
 
 use k8s_openapi::api::core::v1::{Node, ObjectReference, Taint};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::api::{Api, ListParams};
 use kube::runtime::events::{Recorder, Reporter};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -508,7 +509,8 @@ async fn run_member(
 
     // The member's virtual nodes, each registered before its pods are looked at: one per
     // group of lower nodes (node granularity, its fleet), or the one Node `--nodename`.
-    let node_config = node_config(&shared, &spec, &lower, kubelet_port);
+    let features = lower_declared_features(&lower, &spec.node).await;
+    let node_config = node_config(&shared, &spec, &lower, kubelet_port, features);
     let registered = match group_nodes {
         Some(nodes) => {
             let fleet = fleet::Fleet {
@@ -751,6 +753,7 @@ fn node_config(
     spec: &MemberSpec,
     lower: &Cluster,
     kubelet_port: u16,
+    declared_features: Vec<String>,
 ) -> NodeConfig {
     NodeConfig {
         name: spec.node.clone(),
@@ -760,9 +763,25 @@ fn node_config(
         address: node_address(&shared.args),
         kubelet_port: i32::from(kubelet_port),
         lower_version: lower.version.clone(),
+        declared_features,
         group_labels: BTreeMap::new(),
         lower_selector: None,
         owner: node_owner(spec),
+    }
+}
+
+/// The node features every usable lower node declares, read once as the member starts
+/// (a lower node upgraded later shows its new features after a restart); none when the
+/// lower nodes cannot be read (a warning: pods that need a feature are then refused the
+/// virtual node, never placed on one that lacks it).
+async fn lower_declared_features(lower: &Cluster, node: &str) -> Vec<String> {
+    let nodes: Api<Node> = Api::all(lower.client.clone());
+    match nodes.list(&ListParams::default()).await {
+        Ok(list) => crate::node::resources::common_declared_features(&list.items),
+        Err(error) => {
+            warn!(%error, node, cluster = "lower", "could not read the lower nodes' declared features; declaring none");
+            Vec::new()
+        }
     }
 }
 

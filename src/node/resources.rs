@@ -176,6 +176,36 @@ pub fn node_usable(node: &Node) -> bool {
     node_ready(node) && !node_cordoned(node) && !tainted
 }
 
+/// The features (`status.declaredFeatures`) every usable lower node declares ([`node_usable`];
+/// all of them when none is usable), sorted: what a virtual node standing for any of them
+/// may declare. None without nodes.
+pub fn common_declared_features(nodes: &[Node]) -> Vec<String> {
+    let usable: Vec<&Node> = nodes.iter().filter(|n| node_usable(n)).collect();
+    let counted: Vec<&Node> = if usable.is_empty() {
+        nodes.iter().collect()
+    } else {
+        usable
+    };
+    let declared = |node: &Node| -> std::collections::BTreeSet<String> {
+        node.status
+            .as_ref()
+            .and_then(|s| s.declared_features.clone())
+            .unwrap_or_default()
+            .into_iter()
+            .collect()
+    };
+    let mut nodes = counted.into_iter();
+    let Some(first) = nodes.next() else {
+        return Vec::new();
+    };
+    nodes
+        .fold(declared(first), |common, node| {
+            common.intersection(&declared(node)).cloned().collect()
+        })
+        .into_iter()
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -231,6 +261,45 @@ mod tests {
                 expected,
                 "{case}"
             );
+        }
+    }
+
+    #[test]
+    fn a_virtual_node_declares_what_every_usable_lower_node_declares() {
+        let node = |ready: &str, features: &[&str]| -> Node {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "n"},
+                "status": {"conditions": [{"type": "Ready", "status": ready}],
+                           "declaredFeatures": features},
+            }))
+            .unwrap()
+        };
+        let a = [
+            "InPlacePodVerticalScalingInitContainers",
+            "PodLevelResources",
+        ];
+        // (case, nodes, declared)
+        let cases: Vec<(&str, Vec<Node>, Vec<&str>)> = vec![
+            ("no nodes", vec![], vec![]),
+            ("one node", vec![node("True", &a)], a.to_vec()),
+            (
+                "only what all declare",
+                vec![node("True", &a), node("True", &["PodLevelResources"])],
+                vec!["PodLevelResources"],
+            ),
+            (
+                "a NotReady node does not narrow it",
+                vec![node("True", &a), node("False", &[])],
+                a.to_vec(),
+            ),
+            (
+                "none usable: all of them",
+                vec![node("False", &a), node("False", &a)],
+                a.to_vec(),
+            ),
+        ];
+        for (case, nodes, want) in cases {
+            assert_eq!(common_declared_features(&nodes), want, "{case}");
         }
     }
 

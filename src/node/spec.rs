@@ -26,6 +26,11 @@ pub struct NodeConfig {
     pub kubelet_port: i32,
     /// Lower API server version, reported as kubelet version.
     pub lower_version: String,
+    /// The node features every usable lower node declares (`status.declaredFeatures`,
+    /// [`crate::node::resources::common_declared_features`]), declared as the virtual
+    /// node's own: the API server admits a pod update (an init container's resize) and the
+    /// scheduler places a pod that needs one only on a node declaring it.
+    pub declared_features: Vec<String>,
     /// For one group of a member of `node` or `label=<key>` granularity, the labels its
     /// lower nodes agree on ([`super::groups::Group::labels`]), shown over tensile's own;
     /// empty for a member that is one virtual node.
@@ -270,6 +275,8 @@ pub fn node_status(
     NodeStatus {
         capacity: Some(capacity.clone()),
         allocatable: Some(capacity.clone()),
+        declared_features: (!config.declared_features.is_empty())
+            .then(|| config.declared_features.clone()),
         conditions: Some(conditions),
         addresses: Some(vec![
             NodeAddress {
@@ -332,6 +339,7 @@ mod tests {
             address: "10.0.0.5".into(),
             kubelet_port: 10250,
             lower_version: "v1.36.3".into(),
+            declared_features: vec!["InPlacePodVerticalScalingInitContainers".into()],
             group_labels: BTreeMap::new(),
             lower_selector: None,
             owner: crate::node::owner::NodeOwner::new("vk-node", None),
@@ -561,6 +569,11 @@ mod tests {
         );
         assert_eq!(status.capacity, Some(capacity.clone()));
         assert_eq!(status.allocatable, Some(capacity.clone()));
+        assert_eq!(
+            status.declared_features,
+            Some(vec!["InPlacePodVerticalScalingInitContainers".to_owned()]),
+            "the lower nodes' features, declared as its own"
+        );
         assert_eq!(
             status.node_info.as_ref().unwrap().kubelet_version,
             "v1.36.3"
