@@ -162,6 +162,34 @@ impl ReadyFloor {
 }
 
 /// Polls for `period` that `check` holds throughout (a steady state, not a sleep).
+/// Starts the descheduler with `--return-home` (the test's window) and `extra` flags, and
+/// waits until it has judged burst pods `no_room` times without room, moving none.
+async fn start_without_room(
+    pair: &ClusterPair,
+    kubeconfig: &std::path::Path,
+    name: &str,
+    extra: &[&str],
+    no_room: u64,
+) -> Child {
+    let window = format!("--return-home-after={WINDOW_SECS}s");
+    let mut args = vec!["--leader-elect=false", "--return-home", &window];
+    args.extend_from_slice(extra);
+    let descheduler = start_descheduler(pair, kubeconfig, name, &args);
+    // It binds its metrics address before it logs that it starts.
+    wait_for("the descheduler started", TIMEOUT, || async {
+        Ok(descheduler.log_text().contains("starting").then_some(()))
+    })
+    .await
+    .unwrap();
+    wait_for("rounds without room", TIMEOUT, || async {
+        Ok((metric(&descheduler, NO_ROOM).await >= no_room).then_some(()))
+    })
+    .await
+    .unwrap();
+    assert_eq!(metric(&descheduler, MOVES).await, 0);
+    descheduler
+}
+
 async fn steady<F, Fut>(period: Duration, why: &str, mut check: F)
 where
     F: FnMut() -> Fut,
@@ -222,26 +250,8 @@ async fn burst_pods_come_home_without_thrash() {
     placed(&pods, APP, 4, 4, "the app burst to the virtual node").await;
 
     let kubeconfig = shipped_rbac_kubeconfig(&pair).await;
-    let window = format!("--return-home-after={WINDOW_SECS}s");
-    let descheduler = start_descheduler(
-        &pair,
-        &kubeconfig,
-        "home",
-        &["--leader-elect=false", "--return-home", &window],
-    );
-    // It binds its metrics address before it logs that it starts.
-    wait_for("the descheduler started", TIMEOUT, || async {
-        Ok(descheduler.log_text().contains("starting").then_some(()))
-    })
-    .await
-    .unwrap();
     // No room: rounds go by (every burst pod judged twice), nothing moves.
-    wait_for("two rounds without room", TIMEOUT, || async {
-        Ok((metric(&descheduler, NO_ROOM).await >= 8).then_some(()))
-    })
-    .await
-    .unwrap();
-    assert_eq!(metric(&descheduler, MOVES).await, 0);
+    let descheduler = start_without_room(&pair, &kubeconfig, "home", &[], 8).await;
 
     // Ready is watched throughout: never under replicas − maxUnavailable (4 − 1).
     let floor = ReadyFloor::watch(&pods, APP);
@@ -469,29 +479,14 @@ async fn an_hpa_burst_comes_home_as_its_budget_allows() {
     .unwrap();
 
     let kubeconfig = shipped_rbac_kubeconfig(&pair).await;
-    let window = format!("--return-home-after={WINDOW_SECS}s");
-    let descheduler = start_descheduler(
+    let descheduler = start_without_room(
         &pair,
         &kubeconfig,
         "hpa-home",
-        &[
-            "--leader-elect=false",
-            "--return-home",
-            &window,
-            "--return-home-max-per-owner=3",
-        ],
-    );
-    wait_for("the descheduler started", TIMEOUT, || async {
-        Ok(descheduler.log_text().contains("starting").then_some(()))
-    })
-    .await
-    .unwrap();
-    wait_for("a round without room", TIMEOUT, || async {
-        Ok((metric(&descheduler, NO_ROOM).await >= 6).then_some(()))
-    })
-    .await
-    .unwrap();
-    assert_eq!(metric(&descheduler, MOVES).await, 0);
+        &["--return-home-max-per-owner=3"],
+        6,
+    )
+    .await;
 
     // The batch scales in. The replacements are slow to come, as after an image pull (the
     // controller-manager paused: no replacement, and the budget's status is what the
