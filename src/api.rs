@@ -12,6 +12,21 @@ pub fn is_status(error: &kube::Error, code: u16) -> bool {
     matches!(error, kube::Error::Api(status) if status.code == code)
 }
 
+/// Whether a write that carried the object's UID as a precondition found the name taken
+/// by another object, or no object at all: the object it was meant for is gone, and the
+/// watch brings whatever replaced it. The API server refuses a patch whose
+/// `metadata.uid` differs as an invalid change of an immutable field (422); a 409 is what
+/// other preconditions (and other API server versions) answer.
+pub fn is_replaced(error: &kube::Error) -> bool {
+    let uid_refused = matches!(error, kube::Error::Api(status)
+        if status.code == 422
+            && status
+                .details
+                .as_ref()
+                .is_some_and(|d| d.causes.iter().any(|c| c.field == "metadata.uid")));
+    uid_refused || is_status(error, 404) || is_status(error, 409)
+}
+
 /// What a [`delete_exact`] did.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Deleted {

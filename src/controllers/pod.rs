@@ -23,7 +23,7 @@ use super::pod_watch::{PodQueue, PodStores, Triggers, run_controller};
 use super::resize::{DEFERRED_RETRY, Resized, Stores, carry_resize};
 use super::stores::Ready;
 use super::{Context, Error, api_error, dependencies};
-use crate::api::{Deleted, delete_exact, is_status};
+use crate::api::{Deleted, delete_exact, is_replaced, is_status};
 use crate::node::burst::{
     Burst, DELETION_COST_ANNOTATION, DELETION_COST_MARK, deletion_cost_to_write, with_deletion_cost,
 };
@@ -37,9 +37,9 @@ use crate::translate::pod::{
     PodTranslation, ephemeral_containers_patch, is_copy_of, is_owned_by, lower_gone_status,
     lower_pod, lower_pod_update, missing_ephemeral_containers, pending_reason_patch,
     terminated_status, upper_status, upper_status_patch, upper_uid, was_mirrored,
-    with_uid_precondition,
 };
 use crate::translate::stored::StoredPod;
+use crate::translate::with_uid_precondition;
 use crate::translate::{TranslateError, object_ref};
 
 /// Reason of the Event on an upper pod held back because its node is cordoned.
@@ -188,21 +188,6 @@ fn is_terminal(pod: &Pod) -> bool {
         pod.status.as_ref().and_then(|s| s.phase.as_deref()),
         Some("Succeeded" | "Failed")
     )
-}
-
-/// Whether a write that carried the object's UID as a precondition found the name taken
-/// by another object, or no object at all: the object it was meant for is gone, and the
-/// watch brings whatever replaced it. The API server refuses a patch whose
-/// `metadata.uid` differs as an invalid change of an immutable field (422); a 409 is what
-/// other preconditions (and other API server versions) answer.
-pub(crate) fn is_replaced(error: &kube::Error) -> bool {
-    let uid_refused = matches!(error, kube::Error::Api(status)
-        if status.code == 422
-            && status
-                .details
-                .as_ref()
-                .is_some_and(|d| d.causes.iter().any(|c| c.field == "metadata.uid")));
-    uid_refused || is_status(error, 404) || is_status(error, 409)
 }
 
 /// The upper pod of `name` as the API server has it now, not as the store holds it (the

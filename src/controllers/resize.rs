@@ -14,9 +14,9 @@ use kube::ResourceExt;
 use kube::api::{Api, Patch, PatchParams};
 use tracing::{debug, info, warn};
 
-use super::pod::is_replaced;
 use super::pod_store::PodStore;
 use super::{Context, Error, api_error};
+use crate::api::is_replaced;
 use crate::node::resources::{
     Resources, add, phase_is_terminal, pod_requests, shortfall, to_resources,
 };

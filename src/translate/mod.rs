@@ -18,6 +18,7 @@ pub mod stored;
 pub mod volume;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde_json::{Value, json};
 
 use self::meta::Owner;
 
@@ -137,4 +138,17 @@ pub fn lower_meta(
         annotations: Some(annotations),
         ..ObjectMeta::default()
     })
+}
+
+/// `patch` (a merge or strategic merge patch) restricted to the object whose UID is `uid`:
+/// the API server refuses it (422, `metadata.uid` is immutable) once the name belongs to
+/// an object re-created under it.
+pub fn with_uid_precondition(mut patch: Value, uid: &str) -> Value {
+    if let Some(fields) = patch.as_object_mut() {
+        let metadata = fields.entry("metadata").or_insert_with(|| json!({}));
+        if let Some(metadata) = metadata.as_object_mut() {
+            metadata.insert("uid".to_owned(), Value::String(uid.to_owned()));
+        }
+    }
+    patch
 }

@@ -24,7 +24,7 @@ use super::resize::{
     pending_resize, recorded_upper_generation, resize_outstanding, upper_observed,
 };
 use super::scheduling::{Confinement, parse_cluster_selector, restore_constraints};
-use super::{TranslateError, lower_meta, object_ref};
+use super::{TranslateError, lower_meta, object_ref, with_uid_precondition};
 
 /// tensile's own records on a lower pod, never copied from the upper pod nor named in its
 /// [`MirroredKeys`]: the upper generation it carries and a resize left pending.
@@ -800,19 +800,6 @@ pub fn pending_reason_patch(uid: &str, reason: &str, message: &str) -> Value {
         json!({"status": {"phase": "Pending", "reason": reason, "message": message}}),
         uid,
     )
-}
-
-/// `patch` (a merge or strategic merge patch) restricted to the object whose UID is `uid`:
-/// the API server refuses it (422, `metadata.uid` is immutable) once the name belongs to
-/// an object re-created under it.
-pub fn with_uid_precondition(mut patch: Value, uid: &str) -> Value {
-    if let Some(fields) = patch.as_object_mut() {
-        let metadata = fields.entry("metadata").or_insert_with(|| json!({}));
-        if let Some(metadata) = metadata.as_object_mut() {
-            metadata.insert("uid".to_owned(), Value::String(uid.to_owned()));
-        }
-    }
-    patch
 }
 
 /// The strategic merge patch that brings the lower pod in line with the upper pod, within

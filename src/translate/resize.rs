@@ -8,7 +8,7 @@ use k8s_openapi::api::core::v1::{Pod, PodCondition, ResourceRequirements};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
-use super::pod::with_uid_precondition;
+use super::with_uid_precondition;
 
 /// Annotation on a lower pod: the upper pod's `metadata.generation` that the lower pod (as
 /// it is now) carries. Written with every write that brings an upper change down (a
