@@ -170,20 +170,11 @@ pub(crate) async fn run(binary: &Path, args: &Args) -> Result<()> {
     let _vk1 = start_node(&pair, binary, VK_1, "1", share_1).await?;
     let _vk2 = start_node(&pair, binary, VK_2, "2", share_2).await?;
     println!(
-        "\ntensile-bench --burst-hpa: {} cores, Kubernetes {}, virtual-node {} ({}); \
+        "\ntensile-bench --burst-hpa: {}; \
          {LOCAL} local pods (2 regular nodes of 4 CPU), {burst} burst pods: {VK_1} \
          (priority 1, share cpu={share_1}), {VK_2} (priority 2, share cpu={share_2}); \
          HPA sync 5 s, metrics-servers at 10 s resolution\n",
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(0),
-        pair.binaries.kubernetes_version(),
-        env!("CARGO_PKG_VERSION"),
-        if cfg!(debug_assertions) {
-            "debug build"
-        } else {
-            "release build"
-        },
+        super::machine(&pair),
     );
 
     let ns = TestNamespace::create(&upper, "bench-hpa").await?;

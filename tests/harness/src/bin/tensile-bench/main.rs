@@ -1017,20 +1017,7 @@ async fn run(args: Args) -> Result<()> {
     let (upper, lower) = (pair.upper.client().await?, pair.lower.client().await?);
     let mut vn = start_node(&pair, &binary, &args, NODE).await?;
 
-    println!(
-        "\ntensile-bench: {} cores, Kubernetes {}, virtual-node {} ({}), {} pods",
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(0),
-        pair.binaries.kubernetes_version(),
-        env!("CARGO_PKG_VERSION"),
-        if cfg!(debug_assertions) {
-            "debug build"
-        } else {
-            "release build"
-        },
-        args.pods,
-    );
+    println!("\ntensile-bench: {}, {} pods", machine(&pair), args.pods,);
     println!(
         "limits: virtual-node --client-qps/--kube-api-qps {} (burst {}), 32 pod workers, tokio workers: {}; bench creates {} pods at a time; \
          apiservers --max-requests-inflight=1000 --max-mutating-requests-inflight=500; \
@@ -1401,4 +1388,20 @@ async fn quiet(pair: &ClusterPair, vn: &VirtualNode) -> String {
             );
         }
     }
+}
+
+/// The machine and builds a run's figures come from: cores, the Kubernetes release,
+/// tensile's version and the build profile (for each scenario's first line).
+fn machine(pair: &ClusterPair) -> String {
+    format!(
+        "{} cores, Kubernetes {}, virtual-node {} ({})",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        pair.binaries.kubernetes_version(),
+        env!("CARGO_PKG_VERSION"),
+        if cfg!(debug_assertions) {
+            "debug build"
+        } else {
+            "release build"
+        },
+    )
 }

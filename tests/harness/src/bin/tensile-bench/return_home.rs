@@ -265,21 +265,12 @@ pub(crate) async fn run(binary: &Path, n: usize, args: &Args) -> Result<()> {
     let (upper, lower) = (pair.upper.client().await?, pair.lower.client().await?);
     let mut vn = start_node(&pair, binary, args, NODE).await?;
     println!(
-        "\ntensile-bench --return-home {n}: {} cores, Kubernetes {}, tensile {} ({}); 2 regular \
+        "\ntensile-bench --return-home {n}: {}; 2 regular \
          nodes of {half} CPU held by a filler, {n} burst pods of 1 CPU on {NODE}; \
          tensile-descheduler --return-home --descheduling-interval={interval}s \
          --return-home-after={after}s --return-home-max-per-round={batch} \
          --return-home-max-per-owner={batch}; PodDisruptionBudget maxUnavailable {batch}\n",
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(0),
-        pair.binaries.kubernetes_version(),
-        env!("CARGO_PKG_VERSION"),
-        if cfg!(debug_assertions) {
-            "debug build"
-        } else {
-            "release build"
-        },
+        super::machine(&pair),
     );
     let mut report = Report { rows: Vec::new() };
     let label = format!("return home ({n} pods)");
