@@ -70,6 +70,16 @@ pub struct ClusterOptions {
     /// node's `/metrics/resource` (usage set by annotations, see [`crate::metrics_server`]),
     /// and metrics-server serves `metrics.k8s.io` (`kubectl top`, the HPA).
     pub metrics: bool,
+    /// Controllers run as pods on the cluster's real nodes (tensile installed by its chart,
+    /// `tests/install.rs`): the API server listens on every address and its certificate
+    /// names the machine's ([`crate::ports::host_ip`]), where pods on a real node reach it
+    /// ([`Cluster::server_for_pods`]); it routes webhooks and aggregated APIs to a
+    /// Service's endpoints (`--enable-aggregator-routing`: no kube-proxy here, so a
+    /// ClusterIP leads nowhere, while a pod's IP is reachable from the machine); and it
+    /// does not verify kubelets' serving certificates (no `--kubelet-certificate-authority`,
+    /// as kubeadm sets it up), since an in-cluster virtual-node serves a self-signed one for
+    /// its pod IP.
+    pub in_cluster: bool,
 }
 
 impl ClusterOptions {
@@ -86,6 +96,7 @@ impl ClusterOptions {
             controller_manager_args: Vec::new(),
             scheduler_config: serde_json::Map::new(),
             metrics: false,
+            in_cluster: false,
         }
     }
 }
@@ -130,6 +141,8 @@ pub struct Cluster {
     pub kubeconfig: PathBuf,
     /// `https://127.0.0.1:<port>`.
     pub server: String,
+    /// `https://<the machine's address>:<port>` with [`ClusterOptions::in_cluster`].
+    server_for_pods: Option<String>,
     /// Every certificate and key.
     pub pki: Pki,
     options: ClusterOptions,
@@ -150,9 +163,15 @@ impl Cluster {
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         let (service_net, service_bits) = options.service_cidr;
         let service_ip = Ipv4Addr::from(u32::from(service_net) + 1);
-        let pki = Pki::generate(&dir.join("pki"), &name, service_ip)?;
+        let host_ip = if options.in_cluster {
+            Some(crate::ports::host_ip()?)
+        } else {
+            None
+        };
+        let pki = Pki::generate(&dir.join("pki"), &name, service_ip, host_ip.as_slice())?;
         let api_port = free_port()?;
         let server = format!("https://127.0.0.1:{api_port}");
+        let server_for_pods = host_ip.map(|ip| format!("https://{ip}:{api_port}"));
         let kubeconfig = root.join(format!("{name}.kubeconfig"));
         write_kubeconfig(&kubeconfig, &name, &server, &pki.ca_cert, &pki.admin)?;
         let kcm_kubeconfig = dir.join("controller-manager.kubeconfig");
@@ -177,6 +196,7 @@ impl Cluster {
             dir: dir.clone(),
             kubeconfig,
             server,
+            server_for_pods,
             pki,
             options,
             processes: Mutex::new(Vec::new()),
@@ -245,10 +265,20 @@ impl Cluster {
                 "--kubelet-client-key={}",
                 p(&pki.apiserver_kubelet_client.key)
             ),
-            format!("--kubelet-certificate-authority={}", p(&pki.ca_cert)),
             "--kubelet-preferred-address-types=InternalIP,Hostname".into(),
             "--profiling=false".into(),
         ];
+        if cluster.options.in_cluster {
+            args.extend([
+                "--bind-address=0.0.0.0".into(),
+                "--enable-aggregator-routing=true".into(),
+            ]);
+        } else {
+            args.push(format!(
+                "--kubelet-certificate-authority={}",
+                p(&pki.ca_cert)
+            ));
+        }
         if cluster.options.metrics {
             args.extend(crate::metrics_server::aggregation_args(pki)?);
         }
@@ -463,6 +493,47 @@ impl Cluster {
             bail!("{}: {} is not running", self.name, component.binary());
         };
         process.restart(reaper)
+    }
+
+    /// Where pods on this cluster's real nodes reach its API server (with
+    /// [`ClusterOptions::in_cluster`]).
+    pub fn server_for_pods(&self) -> Result<&str> {
+        self.server_for_pods.as_deref().with_context(|| {
+            format!(
+                "{}: its API server is not reachable from pods (ClusterOptions::in_cluster)",
+                self.name
+            )
+        })
+    }
+
+    /// The API server's proxy to a Service's port (`services/proxy`): the way a process of
+    /// the harness reaches a Service whose pods run on a real node (no kube-proxy here).
+    pub fn service_proxy_url(&self, namespace: &str, service: &str, port: &str) -> String {
+        format!(
+            "{}/api/v1/namespaces/{namespace}/services/{service}:{port}/proxy",
+            self.server
+        )
+    }
+
+    /// Merges `fields` into the kube-scheduler's configuration and restarts it with them (a
+    /// platform team adding the extender once it runs). Does not wait for it to serve.
+    pub fn reconfigure_scheduler(
+        &self,
+        fields: serde_json::Map<String, serde_json::Value>,
+        reaper: &Reaper,
+    ) -> Result<()> {
+        let path = self.dir.join("scheduler-config.json");
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let mut config: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+        let Some(object) = config.as_object_mut() else {
+            bail!("{} is not a JSON object", path.display());
+        };
+        object.extend(fields);
+        std::fs::write(&path, serde_json::to_string_pretty(&config)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        self.restart(Component::Scheduler, reaper)
     }
 
     /// A kubeconfig for `user` in `groups` (for RBAC tests), written beside the admin one.

@@ -149,8 +149,14 @@ fn write_pair(dir: &Path, name: &str, (cert, key): (String, String)) -> Result<C
 
 impl Pki {
     /// Generates a fresh PKI for the cluster `name` under `dir`; `service_ip` is the first
-    /// address of the cluster's service range (the `kubernetes` Service).
-    pub fn generate(dir: &Path, name: &str, service_ip: Ipv4Addr) -> Result<Self> {
+    /// address of the cluster's service range (the `kubernetes` Service); `host_ips` are
+    /// more addresses the API server's certificate names (where pods reach it).
+    pub fn generate(
+        dir: &Path,
+        name: &str,
+        service_ip: Ipv4Addr,
+        host_ips: &[Ipv4Addr],
+    ) -> Result<Self> {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         let (ca, ca_cert_pem, ca_key_pem) = Ca::new(name)?;
         let ca_cert = dir.join("ca.crt");
@@ -159,25 +165,23 @@ impl Pki {
         write(&ca_key, &ca_key_pem)?;
 
         let service_ip = service_ip.to_string();
+        let host_ips: Vec<String> = host_ips.iter().map(ToString::to_string).collect();
+        let mut apiserver_names = vec![
+            "127.0.0.1",
+            "localhost",
+            &service_ip,
+            "kubernetes",
+            "kubernetes.default",
+            "kubernetes.default.svc",
+            "kubernetes.default.svc.cluster.local",
+        ];
+        apiserver_names.extend(host_ips.iter().map(String::as_str));
         let server = ExtendedKeyUsagePurpose::ServerAuth;
         let client = || ExtendedKeyUsagePurpose::ClientAuth;
         let apiserver = write_pair(
             dir,
             "apiserver",
-            ca.issue(
-                "kube-apiserver",
-                &[],
-                &[
-                    "127.0.0.1",
-                    "localhost",
-                    &service_ip,
-                    "kubernetes",
-                    "kubernetes.default",
-                    "kubernetes.default.svc",
-                    "kubernetes.default.svc.cluster.local",
-                ],
-                server.clone(),
-            )?,
+            ca.issue("kube-apiserver", &[], &apiserver_names, server.clone())?,
         )?;
         let admin = write_pair(
             dir,

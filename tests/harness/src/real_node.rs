@@ -35,7 +35,7 @@
 //! proxy to one.
 
 use std::fs::File;
-use std::net::{Ipv4Addr, UdpSocket};
+use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
@@ -305,26 +305,6 @@ fn claim_slot() -> Result<(u8, File, PathBuf)> {
     )
 }
 
-/// The machine's address on its default route: a kubelet needs a node IP that is not
-/// loopback. (Connecting a UDP socket sends nothing; it only picks the source address.)
-fn node_ip() -> Result<Ipv4Addr> {
-    let socket = UdpSocket::bind(("0.0.0.0", 0)).context("binding a UDP socket")?;
-    socket
-        .connect(("192.0.2.255", 9))
-        .or_else(|_| socket.connect(("10.255.255.255", 9)))
-        .context(
-            "finding this machine's non-loopback address (no route out): a real kubelet \
-             needs a node IP that is not loopback",
-        )?;
-    match socket.local_addr()?.ip() {
-        std::net::IpAddr::V4(ip) if !ip.is_loopback() && !ip.is_unspecified() => Ok(ip),
-        other => bail!(
-            "this machine's address on its default route is {other}: a real kubelet needs an \
-             IPv4 node IP that is not loopback"
-        ),
-    }
-}
-
 fn write(path: &Path, contents: &str) -> Result<()> {
     std::fs::write(path, contents).with_context(|| format!("writing {}", path.display()))
 }
@@ -372,7 +352,7 @@ impl Cluster {
             lock = quote(&lock_path.display().to_string()),
             cleanup = quote(&cleanup_script(slot)),
         ))?;
-        let node_ip = node_ip()?;
+        let node_ip = crate::ports::host_ip()?;
         let kubelet_port = free_port()?;
         let dir = self.dir.join(format!("real-node-{name}"));
         if dir.exists() {

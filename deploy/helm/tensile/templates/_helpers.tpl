@@ -42,6 +42,25 @@ tolerations:
 {{- end }}
 {{- end }}
 
+{{/*
+The API server's address for a container that talks to it, where apiServer is set (pods
+that cannot reach the `kubernetes` Service): the variables in-cluster configuration reads,
+which the kubelet otherwise sets from that Service. Entries of an `env:` list.
+*/}}
+{{- define "tensile.apiServerEnv" -}}
+{{- with .Values.apiServer }}
+{{- if or .host .port }}
+{{- if not (and .host .port) }}
+{{- fail "apiServer: set both host and port, or neither" }}
+{{- end }}
+- name: KUBERNETES_SERVICE_HOST
+  value: {{ .host | quote }}
+- name: KUBERNETES_SERVICE_PORT
+  value: {{ .port | toString | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* The security context of every tensile container (deploy/README.md). */}}
 {{- define "tensile.securityContext" -}}
 securityContext:
