@@ -36,10 +36,19 @@ apt_fetch_unpack() { # work-dir, root, versions, packages...
 
 # A docker-archive image (one layer) of a directory, which `ctr images import` reads.
 # <config> is the JSON object of the image's `config` (Entrypoint, Cmd, Env, User, ...).
-make_image_config() { # rootfs, name, config (JSON object), out
-  local rootfs=$1 name=$2 image_config=$3 out=$4 w diff config
+# Every file is root's, but for the paths given as `uid:gid:path` (path relative to the root,
+# e.g. 65532:65532:home/nonroot): those and what they hold are that owner's, appended to the
+# layer after the rest (no chown on disk, so it works unprivileged).
+make_image_config() { # rootfs, name, config (JSON object), out, [uid:gid:path...]
+  local rootfs=$1 name=$2 image_config=$3 out=$4 w diff config owned uid gid path excluded=()
+  shift 4
+  for owned in "$@"; do excluded+=(--anchored "--exclude=./${owned#*:*:}"); done
   w=$(mktemp -d "$(dirname "$out")/.image.XXXXXX")
-  tar -C "$rootfs" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf "$w/layer.tar" .
+  tar -C "$rootfs" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner "${excluded[@]}" -cf "$w/layer.tar" .
+  for owned in "$@"; do
+    IFS=: read -r uid gid path <<<"$owned"
+    tar -C "$rootfs" --sort=name --mtime=@0 --owner="$uid" --group="$gid" --numeric-owner -rf "$w/layer.tar" "./$path"
+  done
   diff=$(sha256sum "$w/layer.tar" | cut -d' ' -f1)
   mkdir "$w/$diff"
   mv "$w/layer.tar" "$w/$diff/layer.tar"

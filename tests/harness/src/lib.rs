@@ -19,6 +19,7 @@ pub mod dashboard;
 pub mod fault_proxy;
 pub mod fixtures;
 pub mod http;
+pub mod images;
 pub mod invariant;
 pub mod measure;
 pub mod metrics_server;
