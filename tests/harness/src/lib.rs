@@ -21,6 +21,7 @@ pub mod fixtures;
 pub mod http;
 pub mod images;
 pub mod invariant;
+pub mod kueue;
 pub mod measure;
 pub mod metrics_server;
 pub mod pair;
