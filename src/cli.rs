@@ -23,7 +23,7 @@ use crate::translate::meta::{
     about,
     long_about = None,
     args_override_self = true,
-    after_help = "Commands: `virtual-node version` prints the version, `virtual-node providers` the provider (k8s), `virtual-node check <flags>` verifies both clusters, permissions and ports without changing anything (exit 1 if something is missing).\n\
+    after_help = "Commands: `virtual-node version` prints the version, `virtual-node providers` the provider (k8s), `virtual-node check <flags>` verifies both clusters, permissions and ports without changing anything (exit 1 if something is missing), `virtual-node uninstall <flags> [--deployment [NAMESPACE/]NAME]` removes the node of the flags as a member leaves (drained, virtual-node stopped, what it made below deleted, then its Node and Lease).\n\
                   klog's flags (`--klog.v=5`, `-v=5`, `--logtostderr`, ...) are accepted and ignored: use --log-level."
 )]
 pub struct Args {
@@ -65,6 +65,14 @@ pub struct Args {
     /// an Event. Long enough for pods' grace periods and PodDisruptionBudgets.
     #[arg(long, value_parser = parse_period, default_value = "10m")]
     pub leave_timeout: Duration,
+
+    /// Only read by `virtual-node uninstall`: the Deployment that runs this virtual-node,
+    /// `NAME` (in the upper kubeconfig's namespace; in a pod, its own) or `NAMESPACE/NAME`,
+    /// scaled to 0 once the node is drained, so that nothing re-creates what uninstall
+    /// deletes next. Without it, virtual-node must be stopped before `uninstall` is run:
+    /// the pods it evicts then end only when --leave-timeout has passed.
+    #[arg(long, value_name = "[NAMESPACE/]NAME")]
+    pub deployment: Option<String>,
 
     /// Requests per second to the lower cluster, as client-go reads it: 0 is client-go's
     /// default (5), a negative number no limit, a positive one at least 0.01.

@@ -90,11 +90,12 @@ async fn start(argv: Vec<std::ffi::OsString>) -> ExitCode {
         };
     }
     // `virtual-node check <flags>`: verify, change nothing. `join` / `leave`: make the
-    // lower cluster of `--client-kubeconfig` a member, or unmake it.
+    // lower cluster of `--client-kubeconfig` a member, or unmake it. `uninstall`: remove
+    // the node of the flags as a member leaves (helm uninstall's pre-delete hook).
     let command = argv
         .get(1)
         .and_then(|a| a.to_str())
-        .filter(|a| ["check", "join", "leave"].contains(a))
+        .filter(|a| ["check", "join", "leave", "uninstall"].contains(a))
         .map(str::to_owned);
     let argv = if command.is_some() {
         argv.into_iter()
@@ -121,6 +122,26 @@ async fn start(argv: Vec<std::ffi::OsString>) -> ExitCode {
                 ExitCode::SUCCESS
             } else {
                 ExitCode::FAILURE
+            };
+        }
+        Some("uninstall") => {
+            // Its steps on stdout, one line each as done; what the drain meets meanwhile
+            // (evictions failing, pods forced) logged on stderr.
+            tracing_subscriber::fmt()
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_new(&args.log_level)
+                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                )
+                .init();
+            let mut say = |line: String| println!("{line}");
+            return match member::uninstall::uninstall(&args, &mut say).await {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(message) => {
+                    eprintln!("virtual-node uninstall: {message}");
+                    ExitCode::FAILURE
+                }
             };
         }
         Some(verb) => {

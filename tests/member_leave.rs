@@ -7,7 +7,10 @@
 //!   other member's pods carry on;
 //! - two upper clusters that join one lower cluster under one node name each have their
 //!   own identity below: a `leave` from one leaves the other's working; an identity of
-//!   the naming before is deleted only by the upper cluster whose member Secret holds it.
+//!   the naming before is deleted only by the upper cluster whose member Secret holds it;
+//! - `virtual-node uninstall` removes the node of the flags as a member leaves: drained
+//!   while virtual-node runs, virtual-node's Deployment scaled to 0, then its lower
+//!   objects, Node and Lease deleted; again, it finds nothing to do.
 #![allow(clippy::unwrap_used, clippy::expect_used)] // test code: a failed unwrap is a failed test
 
 mod common;
@@ -17,6 +20,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::{TIMEOUT, member_secret, wait_running};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{
     ConfigMap, EnvFromSource, Event, Namespace, Node, Pod, Secret, ServiceAccount,
 };
@@ -704,4 +709,201 @@ async fn two_upper_clusters_join_one_lower_cluster_and_leave_alone() {
             .is_none()
     );
     members.delete().await.unwrap();
+}
+
+/// The finalizer that holds the pod of the test's stand-in for virtual-node's Deployment
+/// until the test has stopped the virtual-node process (a real one's pod ends only once
+/// virtual-node has).
+const HOLD: &str = "tensile.dev/test-hold";
+
+/// A Deployment standing in for the chart's `virtual-node`: one pod, never scheduled
+/// (no such scheduler), held by [`HOLD`] once deleted.
+fn stand_in(name: &str) -> Deployment {
+    serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {
+                "metadata": {"labels": {"app": name}, "finalizers": [HOLD]},
+                "spec": {"schedulerName": "tensile-test-nobody",
+                         "containers": [{"name": "virtual-node", "image": "virtual-node"}]},
+            },
+        },
+    }))
+    .unwrap()
+}
+
+/// `virtual-node uninstall --deployment`, as the chart's pre-delete hook runs it: the node
+/// of the flags is drained while virtual-node runs (its pods evicted, their lower copies
+/// deleted by virtual-node), the Deployment that runs virtual-node scaled to 0 and waited
+/// on until its pod is gone, and only then what is left below for the node deleted, then
+/// the Node and its Lease. Run again, it finds nothing left to do and succeeds.
+#[tokio::test]
+async fn uninstall_drains_stops_virtual_node_then_deletes_what_it_made() {
+    let pair = ClusterPair::shared().await.unwrap();
+    let node = "vk-uninstall";
+    let upper = pair.upper.client().await.unwrap();
+    let lower = pair.lower.client().await.unwrap();
+    let owner = Owner::new(node, cluster_id(&upper).await);
+    let mut vn = common::start_node(pair, node, &[]).await;
+    let ns = TestNamespace::create(&upper, "uninstall").await.unwrap();
+    let upper_pods: Api<Pod> = Api::namespaced(upper.clone(), &ns.name);
+    Api::<ConfigMap>::namespaced(upper.clone(), &ns.name)
+        .create(
+            &PostParams::default(),
+            &config_map("settings", json!({"GREETING": "hello"})),
+        )
+        .await
+        .unwrap();
+    for name in ["one", "two"] {
+        upper_pods
+            .create(&PostParams::default(), &pod_using(name, node, "settings"))
+            .await
+            .unwrap();
+    }
+    until_running(&upper_pods, "one", &mut vn).await;
+    until_running(&upper_pods, "two", &mut vn).await;
+    let deployments: Api<Deployment> = Api::namespaced(upper.clone(), &ns.name);
+    deployments
+        .create(&PostParams::default(), &stand_in("vn-stand-in"))
+        .await
+        .unwrap();
+    let held = wait_for("the stand-in Deployment's pod", TIMEOUT, || async {
+        Ok(upper_pods
+            .list(&ListParams::default().labels("app=vn-stand-in"))
+            .await?
+            .items
+            .into_iter()
+            .next())
+    })
+    .await
+    .unwrap()
+    .name_any();
+
+    let uninstall = |deployment: String| {
+        tokio::process::Command::new(binary())
+            .arg("uninstall")
+            .args(["--nodename", node, "--leave-timeout", "60s"])
+            .arg("--kubeconfig")
+            .arg(pair.upper_kubeconfig())
+            .arg("--client-kubeconfig")
+            .arg(pair.lower_kubeconfig())
+            .args(["--deployment", &deployment])
+            .output()
+    };
+    let first = tokio::spawn(uninstall(format!("{}/vn-stand-in", ns.name)));
+
+    // Scaled to 0: its pod terminating. By then the node was drained, virtual-node running.
+    wait_for("the stand-in's pod terminating", TIMEOUT, || async {
+        let pod = upper_pods.get_opt(&held).await?;
+        Ok(pod.and_then(|p| p.metadata.deletion_timestamp).map(drop))
+    })
+    .await
+    .unwrap();
+    for name in ["one", "two"] {
+        assert!(
+            upper_pods.get_opt(name).await.unwrap().is_none(),
+            "pod {name} evicted and ended before virtual-node is stopped"
+        );
+    }
+    let owned = ListParams::default().labels(&owner.selector());
+    assert!(
+        Api::<Pod>::all(lower.clone())
+            .list(&owned)
+            .await
+            .unwrap()
+            .items
+            .is_empty(),
+        "the lower copies deleted by virtual-node as it ran"
+    );
+    let nodes: Api<Node> = Api::all(upper.clone());
+    let cordoned = nodes.get(node).await.unwrap();
+    assert!(!node_is_schedulable(&cordoned), "the node is cordoned");
+
+    // virtual-node stops; what it leaves below must go, and only now.
+    vn.stop().unwrap();
+    let left_behind: Api<ConfigMap> = Api::namespaced(lower.clone(), &ns.name);
+    let mut marks = std::collections::BTreeMap::new();
+    owner.mark(&mut marks);
+    let mut planted = config_map("left-behind", json!({}));
+    planted.metadata.labels = Some(marks);
+    left_behind
+        .create(&PostParams::default(), &planted)
+        .await
+        .unwrap();
+    assert!(
+        !first.is_finished() && nodes.get_opt(node).await.unwrap().is_some(),
+        "nothing is deleted while virtual-node's pod is still there"
+    );
+    upper_pods
+        .patch(
+            &held,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"finalizers": null}})),
+        )
+        .await
+        .unwrap();
+    let output = tokio::time::timeout(TIMEOUT, first)
+        .await
+        .expect("uninstall ends")
+        .unwrap()
+        .unwrap();
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    println!("{said}");
+    assert!(output.status.success(), "{said}");
+    for line in [
+        format!("node {node} cordoned and drained"),
+        format!("Deployment {}/vn-stand-in scaled to 0 replicas", ns.name),
+        format!("objects tensile made for node {node} deleted"),
+        format!("node {node} and its Lease deleted"),
+    ] {
+        assert!(said.contains(&line), "{line:?} not said:\n{said}");
+    }
+    assert!(nodes.get_opt(node).await.unwrap().is_none(), "Node deleted");
+    assert!(
+        Api::<Lease>::namespaced(upper.clone(), "kube-node-lease")
+            .get_opt(node)
+            .await
+            .unwrap()
+            .is_none(),
+        "node Lease deleted"
+    );
+    assert!(
+        Api::<ConfigMap>::all(lower.clone())
+            .list(&owned)
+            .await
+            .unwrap()
+            .items
+            .is_empty(),
+        "nothing of the node's left below"
+    );
+    assert_eq!(
+        deployments
+            .get("vn-stand-in")
+            .await
+            .unwrap()
+            .spec
+            .and_then(|s| s.replicas),
+        Some(0)
+    );
+
+    // Again: nothing left to do, done all the same.
+    let output = uninstall(format!("{}/vn-stand-in", ns.name)).await.unwrap();
+    let said = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        said.contains(&format!("no virtual node of --nodename {node} to drain"))
+            && said.contains(&format!("0 objects tensile made for node {node} deleted")),
+        "{said}"
+    );
+    ns.delete().await.unwrap();
 }

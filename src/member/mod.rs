@@ -13,6 +13,7 @@ pub mod leave;
 pub mod membership;
 pub mod names;
 pub mod spec;
+pub mod uninstall;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
