@@ -17,7 +17,7 @@ COPY . .
 # of the cached target because it is not part of the image layer.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --profile dist --locked \
+    cargo build --profile dist --locked --workspace \
       --bin virtual-node --bin tensile-descheduler \
       --bin tensile-webhook --bin tensile-scheduler-extender \
  && mkdir /out \

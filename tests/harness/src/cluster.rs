@@ -145,7 +145,7 @@ pub struct Cluster {
     server_for_pods: Option<String>,
     /// Every certificate and key.
     pub pki: Pki,
-    options: ClusterOptions,
+    pub(crate) options: ClusterOptions,
     processes: Mutex<Vec<(Component, Process)>>,
 }
 
@@ -547,6 +547,16 @@ impl Cluster {
                 .unwrap_or("user")
         ));
         write_kubeconfig(&path, &self.name, &self.server, &self.pki.ca_cert, &cert)?;
+        Ok(path)
+    }
+
+    /// A kubeconfig for `user` in `groups` at [`Cluster::server_for_pods`], credentials
+    /// inline: what a pod on a real node (a Secret's contents) uses to reach this cluster.
+    pub fn kubeconfig_for_pods(&self, user: &str, groups: &[&str]) -> Result<PathBuf> {
+        let server = self.server_for_pods()?.to_owned();
+        let cert = self.pki.issue_client(user, groups)?;
+        let path = self.dir.join(format!("{user}-for-pods.kubeconfig"));
+        write_kubeconfig(&path, &self.name, &server, &self.pki.ca_cert, &cert)?;
         Ok(path)
     }
 

@@ -20,6 +20,7 @@ pub mod fault_proxy;
 pub mod fixtures;
 pub mod http;
 pub mod images;
+pub mod install;
 pub mod invariant;
 pub mod kueue;
 pub mod measure;

@@ -5,7 +5,9 @@
 //! [`RESOURCE_METRICS_PATH_ANNOTATION`] tells metrics-server), and metrics-server (built by
 //! `tests/k8s/build.sh`) runs beside the cluster, registered as `v1beta1.metrics.k8s.io`
 //! through an ExternalName Service at 127.0.0.1 (the aggregator resolves ExternalName
-//! Services by name and needs no kube-proxy; Endpoints may not hold loopback addresses).
+//! Services by name and needs no kube-proxy; Endpoints may not hold loopback addresses),
+//! or, where the API server routes to endpoints ([`ClusterOptions::in_cluster`]), a
+//! Service whose Endpoints are the machine's address.
 //!
 //! A simulated container's usage is set by annotations, on its pod, else on its node:
 //! [`USAGE_CPU_ANNOTATION`] (cores, e.g. `250m`) and [`USAGE_MEMORY_ANNOTATION`] (bytes,
@@ -13,6 +15,7 @@
 //! zero). kwok integrates the CPU usage into the cumulative counter a kubelet reports.
 //!
 //! [`ClusterOptions::metrics`]: crate::cluster::ClusterOptions::metrics
+//! [`ClusterOptions::in_cluster`]: crate::cluster::ClusterOptions::in_cluster
 
 use std::time::Duration;
 
@@ -154,7 +157,13 @@ impl Cluster {
                 format!("--kubeconfig={kubeconfig}"),
                 format!("--authentication-kubeconfig={kubeconfig}"),
                 format!("--authorization-kubeconfig={kubeconfig}"),
-                "--bind-address=127.0.0.1".into(),
+                // In-cluster (ClusterOptions::in_cluster), the aggregator goes to the
+                // Service's endpoints: the machine's address.
+                if self.options.in_cluster {
+                    "--bind-address=0.0.0.0".into()
+                } else {
+                    "--bind-address=127.0.0.1".into()
+                },
                 format!("--secure-port={port}"),
                 format!(
                     "--cert-dir={}",
@@ -173,15 +182,40 @@ impl Cluster {
         let client = self.client().await?;
         let apply = PatchParams::apply("tensile-harness").force();
         let services: Api<Service> = Api::namespaced(client.clone(), "kube-system");
-        let service = serde_json::json!({
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": "metrics-server", "namespace": "kube-system"},
-            "spec": {"type": "ExternalName", "externalName": "127.0.0.1"},
-        });
+        // An API server that routes to endpoints (ClusterOptions::in_cluster) refuses an
+        // ExternalName Service: a Service without a selector, its Endpoints at the
+        // machine's address (not loopback, which validation refuses).
+        let service = if self.options.in_cluster {
+            serde_json::json!({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": "metrics-server", "namespace": "kube-system"},
+                "spec": {"ports": [{"name": "https", "port": port, "targetPort": port}]},
+            })
+        } else {
+            serde_json::json!({
+                "apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": "metrics-server", "namespace": "kube-system"},
+                "spec": {"type": "ExternalName", "externalName": "127.0.0.1"},
+            })
+        };
         services
             .patch("metrics-server", &apply, &Patch::Apply(&service))
             .await
             .with_context(|| format!("{}: the metrics-server Service", self.name))?;
+        if self.options.in_cluster {
+            let endpoints = serde_json::json!({
+                "apiVersion": "v1", "kind": "Endpoints",
+                "metadata": {"name": "metrics-server", "namespace": "kube-system"},
+                "subsets": [{
+                    "addresses": [{"ip": crate::ports::host_ip()?.to_string()}],
+                    "ports": [{"name": "https", "port": port}],
+                }],
+            });
+            Api::<k8s_openapi::api::core::v1::Endpoints>::namespaced(client.clone(), "kube-system")
+                .patch("metrics-server", &apply, &Patch::Apply(&endpoints))
+                .await
+                .with_context(|| format!("{}: the metrics-server Endpoints", self.name))?;
+        }
         let api_services: Api<APIService> = Api::all(client);
         let name = "v1beta1.metrics.k8s.io";
         let api_service = serde_json::json!({
