@@ -18,10 +18,17 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use common::{Streaming, TIMEOUT};
+use k8s_openapi::api::admissionregistration::v1::MutatingWebhookConfiguration;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Namespace, Node, Pod, Secret, Service, ServiceAccount,
+};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
+use tensile::translate::meta::OWNER_NODE_LABEL;
 use tensile_harness::install::{self, LOWER_REAL_NODE, NAMESPACE, UPPER_REAL_NODE, VIRTUAL_NODE};
 use tensile_harness::real_node::BUSYBOX_IMAGE;
 use tensile_harness::{ClusterPair, TestNamespace, real_node_placement, wait_for};
@@ -369,7 +376,7 @@ async fn helm_install_bursts_through_the_in_cluster_virtual_node_and_upgrade_tou
                     Err(error) => refused.push(format!("probe-{created}: {error}")),
                 }
                 created += 1;
-                tokio::time::sleep(Duration::from_millis(500)).await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
             }
             (created, refused)
         })
@@ -446,5 +453,123 @@ async fn helm_install_bursts_through_the_in_cluster_virtual_node_and_upgrade_tou
     );
     running_workload(&upper_pods, 5).await;
 
+    // helm uninstall: the pre-delete hook removes the virtual node as a member leaves (its
+    // pods evicted, their lower copies deleted, virtual-node stopped, what tensile made
+    // below deleted, the Node and its Lease), then helm deletes the release.
+    let started = std::time::Instant::now();
+    install::helm(
+        &installed.helm_home,
+        pair.upper_kubeconfig(),
+        &[
+            "uninstall",
+            install::RELEASE,
+            "--namespace",
+            NAMESPACE,
+            "--wait",
+            "--timeout",
+            "5m",
+        ],
+    )
+    .unwrap();
+    println!(
+        "helm uninstall (drain, virtual-node stopped, lower cleaned, node deleted): {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    let nodes: Api<Node> = Api::all(upper.clone());
+    assert!(
+        nodes.get_opt(VIRTUAL_NODE).await.unwrap().is_none(),
+        "{VIRTUAL_NODE} deleted"
+    );
+    let leases: Api<Lease> = Api::namespaced(upper.clone(), "kube-node-lease");
+    assert!(
+        leases.get_opt(VIRTUAL_NODE).await.unwrap().is_none(),
+        "its Lease deleted"
+    );
+    // The workload: the three local pods untouched; the two evicted ones re-created by
+    // their ReplicaSet, with no room left anywhere.
+    let workload_pods = upper_pods
+        .list(&ListParams::default().labels("app=web"))
+        .await
+        .unwrap()
+        .items;
+    for (name, pod) in &local {
+        assert!(
+            workload_pods
+                .iter()
+                .any(|p| p.metadata.uid == pod.metadata.uid),
+            "local pod {name} untouched"
+        );
+    }
+    assert!(
+        workload_pods
+            .iter()
+            .all(|p| node_of(p) != Some(VIRTUAL_NODE)),
+        "no workload pod left on {VIRTUAL_NODE}"
+    );
+    // Nothing of the release upstairs but the user's Secret; nothing of tensile's below.
+    wait_for("the release's pods gone", TIMEOUT, || async {
+        let left = tensile_pods.list(&ListParams::default()).await?.items;
+        Ok(left.is_empty().then_some(()))
+    })
+    .await
+    .unwrap();
+    let release = ListParams::default().labels("app.kubernetes.io/part-of=tensile");
+    let mut left = Vec::new();
+    left.extend(names::<Deployment>(&upper, Some(NAMESPACE), &release).await);
+    left.extend(names::<Service>(&upper, Some(NAMESPACE), &release).await);
+    left.extend(names::<Secret>(&upper, Some(NAMESPACE), &ListParams::default()).await);
+    left.extend(names::<ServiceAccount>(&upper, Some(NAMESPACE), &release).await);
+    left.extend(names::<ClusterRole>(&upper, None, &release).await);
+    left.extend(names::<ClusterRoleBinding>(&upper, None, &release).await);
+    left.extend(names::<MutatingWebhookConfiguration>(&upper, None, &release).await);
+    assert_eq!(
+        left,
+        [format!("Secret {NAMESPACE}/{}", install::LOWER_SECRET)],
+        "upstairs after helm uninstall"
+    );
+    let marked = ListParams::default().labels(&format!("{OWNER_NODE_LABEL}={VIRTUAL_NODE}"));
+    let mut below = Vec::new();
+    below.extend(names::<Pod>(&lower, None, &marked).await);
+    below.extend(names::<ConfigMap>(&lower, None, &marked).await);
+    below.extend(names::<Secret>(&lower, None, &marked).await);
+    below.extend(names::<ServiceAccount>(&lower, None, &marked).await);
+    below.extend(names::<Service>(&lower, None, &marked).await);
+    below.extend(names::<EndpointSlice>(&lower, None, &marked).await);
+    assert_eq!(below, Vec::<String>::new(), "below after helm uninstall");
+    let namespaces = names::<Namespace>(&lower, None, &marked).await;
+    println!("left below, as the README says: {namespaces:?}");
+
     ns.delete().await.unwrap();
+}
+
+/// `Kind namespace/name` of each object listed.
+async fn names<K>(
+    client: &kube::Client,
+    namespace: Option<&str>,
+    params: &ListParams,
+) -> Vec<String>
+where
+    K: kube::Resource<DynamicType = ()> + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    Api::<K>::all(client.clone())
+        .list(params)
+        .await
+        .unwrap()
+        .items
+        .iter()
+        .filter(|o| namespace.is_none() || o.meta().namespace.as_deref() == namespace)
+        .map(|o| {
+            let meta = o.meta();
+            let ns = meta
+                .namespace
+                .as_deref()
+                .map(|ns| format!("{ns}/"))
+                .unwrap_or_default();
+            format!(
+                "{} {ns}{}",
+                K::kind(&()),
+                meta.name.as_deref().unwrap_or_default()
+            )
+        })
+        .collect()
 }
