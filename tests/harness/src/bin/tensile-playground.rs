@@ -21,6 +21,7 @@ use kube::api::Api;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use tensile_harness::conformance::{self, ConformanceOptions, Preset, Way};
+use tensile_harness::install::{self, LOWER_REAL_NODE, UPPER_REAL_NODE};
 use tensile_harness::metrics_server::USAGE_CPU_ANNOTATION;
 use tensile_harness::real_node::BUSYBOX_IMAGE;
 use tensile_harness::{
@@ -67,6 +68,13 @@ enum Command {
         /// example workload on it (busybox made locally). With one lower cluster.
         #[arg(long, conflicts_with = "lower_clusters")]
         real_node: bool,
+        /// tensile installed as users install it: its images (tests/k8s/images/build.sh,
+        /// from the binaries beside this one) on a real node of the upper cluster, the chart
+        /// deploy/helm/tensile installed with helm (virtual-node registers vk-node from a
+        /// pod), a real node below, and vk-demo running on it through the in-cluster
+        /// virtual-node (README, "Installing with Helm").
+        #[arg(long, conflicts_with_all = ["lower_clusters", "real_node", "clusters_only", "node_name"])]
+        install: bool,
     },
     /// Run Kubernetes' node conformance tests (e2e.test of the pinned release, built with its
     /// images by tests/k8s/e2e/build.sh on first use) through the virtual node and straight
@@ -143,6 +151,7 @@ async fn main() -> ExitCode {
             clusters_only,
             lower_clusters,
             real_node,
+            install,
         } => {
             let node = (!clusters_only).then_some(node_name);
             let shape = Shape {
@@ -150,6 +159,7 @@ async fn main() -> ExitCode {
                 upper_nodes,
                 lower_clusters: usize::from(lower_clusters),
                 real_node,
+                install,
             };
             up(&dir, shape, node.as_deref()).await
         }
@@ -204,6 +214,7 @@ struct Shape {
     upper_nodes: usize,
     lower_clusters: usize,
     real_node: bool,
+    install: bool,
 }
 
 /// The namespace of the member Secrets with more than one lower cluster.
@@ -244,8 +255,14 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
         dir: Some(dir.clone()),
         ..PairOptions::default()
     };
+    if shape.install {
+        // Both API servers reachable from pods, metrics in both; one regular node at least.
+        let installing = install::pair_options(&options.upper.node_shape.cpu);
+        options.upper = installing.upper;
+        options.lower = installing.lower;
+    }
     options.lower.nodes = shape.lower_nodes;
-    options.upper.nodes = shape.upper_nodes;
+    options.upper.nodes = shape.upper_nodes.max(usize::from(shape.install));
     // With virtual nodes, the upper kube-scheduler calls the scheduler extender as the
     // README tells users to configure it (deploy/scheduler-extender/kube-scheduler-config.yaml):
     // local first. `--clusters-only` leaves the scheduler as it comes and starts no
@@ -253,6 +270,9 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
     // keep every pod Pending, and running, it would fail the virtual node a user then
     // starts by hand (one it was not given with `--cluster`).
     let extender_port = match node {
+        // Installed, the extender runs from the chart and install() gives it to the
+        // kube-scheduler once it runs.
+        Some(_) if shape.install => None,
         Some(_) => {
             let port = tensile_harness::ports::free_port()?;
             options.upper.scheduler_config.extend(
@@ -296,6 +316,19 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
         _ = sigterm.recv() => bail!("interrupted while starting"),
         _ = sigint.recv() => bail!("interrupted while starting"),
     };
+    let installed = if shape.install {
+        eprintln!(
+            "installing tensile with its chart (images from tests/k8s/images/build.sh, real \
+             nodes {UPPER_REAL_NODE} upstairs and {LOWER_REAL_NODE} below) ..."
+        );
+        Some(tokio::select! {
+            installed = install_and_demo(&pair) => installed?,
+            _ = sigterm.recv() => bail!("interrupted while starting"),
+            _ = sigint.recv() => bail!("interrupted while starting"),
+        })
+    } else {
+        None
+    };
     let real_node = if shape.real_node {
         eprintln!(
             "starting a real node ({REAL_NODE}: kubelet, containerd, runc) in the lower cluster ..."
@@ -309,6 +342,7 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
         None
     };
     let members: Vec<(String, &Cluster)> = node
+        .filter(|_| !shape.install)
         .map(|node| {
             let names = std::iter::once(node.to_owned())
                 .chain((2..=shape.lower_clusters).map(|i| format!("{node}-{i}")));
@@ -345,16 +379,24 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
         })
     };
     std::fs::write(dir.join(READY_FILE), "")?;
-    let nodes: Vec<&str> = members.iter().map(|(n, _)| n.as_str()).collect();
+    let mut nodes: Vec<&str> = members.iter().map(|(n, _)| n.as_str()).collect();
+    if installed.is_some() {
+        nodes.push(install::VIRTUAL_NODE);
+    }
     print_summary(
         &pair,
         &extra_clusters,
         started.elapsed(),
         &nodes,
         virtual_node.as_ref(),
-        real_node.as_ref(),
+        real_node
+            .as_ref()
+            .or(installed.as_ref().map(|i| &i.lower_node)),
     );
-    if virtual_node.is_some() {
+    if let Some(installed) = &installed {
+        print_installed(&pair, installed);
+    }
+    if virtual_node.is_some() || installed.is_some() {
         print_status(&pair, nodes.len() > 1).await;
     }
 
@@ -365,6 +407,7 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
     eprintln!("stopping ...");
     let _ = std::fs::remove_file(dir.join(READY_FILE));
     drop(real_node);
+    drop(installed);
     drop(extender);
     for cluster in &extra_clusters {
         cluster.stop();
@@ -454,6 +497,70 @@ async fn join_and_demo(
         .await?;
     }
 
+    apply_demo(pair, real_node).await?;
+    Ok(virtual_node)
+}
+
+/// `--install`: tensile installed by its chart ([`install::install`]), then the example
+/// workload on the lower real node through the in-cluster virtual-node.
+async fn install_and_demo(pair: &ClusterPair) -> Result<install::Installed> {
+    let images =
+        tokio::task::spawn_blocking(|| tensile_harness::images::Images::build(None)).await??;
+    let tarballs: Vec<PathBuf> = images.all().iter().map(|i| i.tarball.clone()).collect();
+    let installed = install::install(pair, &tarballs, &images.tag, 1).await?;
+    eprintln!(
+        "tensile installed: every pod available {:.1}s and {} Ready {:.1}s after helm install",
+        installed.install_to_running.as_secs_f64(),
+        install::VIRTUAL_NODE,
+        installed.install_to_node_ready.as_secs_f64()
+    );
+    apply_demo(pair, true).await?;
+    Ok(installed)
+}
+
+/// `--install`: what was installed, and helm's commands for it.
+fn print_installed(pair: &ClusterPair, installed: &install::Installed) {
+    let home = installed.helm_home.display();
+    let helm = format!(
+        "HELM_CONFIG_HOME={home}/config HELM_CACHE_HOME={home}/cache HELM_DATA_HOME={home}/data \
+         KUBECONFIG={} {}",
+        pair.upper.kubeconfig.display(),
+        tensile_harness::binaries::helm()
+            .map(|h| h.display().to_string())
+            .unwrap_or_else(|_| "helm".into())
+    );
+    println!(
+        "\ninstalled with helm (release {} in {}, from {}):",
+        install::RELEASE,
+        install::NAMESPACE,
+        install::CHART
+    );
+    println!(
+        "  {} --kubeconfig {} get pods -n {} -o wide   # tensile's pods on {}",
+        pair.bin("kubectl").display(),
+        pair.upper.kubeconfig.display(),
+        install::NAMESPACE,
+        install::UPPER_REAL_NODE
+    );
+    println!("  {helm} list -n {}", install::NAMESPACE);
+    println!(
+        "  {helm} uninstall {} -n {} --wait   # drains vk-node first (README, \"Uninstalling\")",
+        install::RELEASE,
+        install::NAMESPACE
+    );
+    println!(
+        "real node {} ({}:{}): {}",
+        installed.upper_node.name,
+        installed.upper_node.node_ip,
+        installed.upper_node.kubelet_port,
+        installed.upper_node.kubelet_log().display()
+    );
+}
+
+/// Applies the example workload (on the lower real node with `real_node`) and waits until
+/// it runs and its log reads through the virtual node.
+async fn apply_demo(pair: &ClusterPair, real_node: bool) -> Result<()> {
+    let upper = pair.upper.client().await?;
     let demo = if real_node {
         eprintln!(
             "applying the example workload (deploy/examples/vk-demo.yaml), on the real node ..."
@@ -496,7 +603,7 @@ async fn join_and_demo(
         },
     )
     .await?;
-    Ok(virtual_node)
+    Ok(())
 }
 
 fn print_summary(
