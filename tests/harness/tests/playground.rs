@@ -202,3 +202,53 @@ async fn clusters_only_schedules_pods_in_the_upper_cluster() -> Result<()> {
 
     playground.down().await
 }
+
+/// `up --install` is tensile installed by its chart: every pod of the release Running on the
+/// upper real node, and `vk-demo` on `vk-node` through the in-cluster virtual-node, its log
+/// and a command in it read with kubectl as a user does.
+#[tokio::test(flavor = "multi_thread")]
+async fn install_runs_tensile_from_its_chart_and_vk_demo_through_it() -> Result<()> {
+    let binaries = tokio::task::spawn_blocking(Binaries::locate).await??;
+    let kubectl_bin = binaries.bin("kubectl");
+    let mut playground = Playground::up(&["--install", "--lower-nodes", "1"])?;
+    playground.ready(Duration::from_secs(300)).await?;
+    let upper = playground.kubeconfig("upper");
+
+    let placed = kubectl(
+        &kubectl_bin,
+        &upper,
+        &[
+            "get",
+            "pods",
+            "-n",
+            "tensile-system",
+            "-o",
+            "jsonpath={range .items[*]}{.spec.nodeName} {.status.phase}{\"\\n\"}{end}",
+        ],
+    )
+    .await?;
+    let lines: Vec<&str> = placed.lines().collect();
+    assert_eq!(lines.len(), 7, "tensile's pods: {placed}");
+    assert!(
+        lines.iter().all(|l| *l == "upper-real-0 Running"),
+        "tensile's pods on the upper real node: {placed}"
+    );
+    let node = kubectl(
+        &kubectl_bin,
+        &upper,
+        &["get", "pod", "vk-demo", "-o", "jsonpath={.spec.nodeName}"],
+    )
+    .await?;
+    assert_eq!(node, "vk-node");
+    let logs = kubectl(&kubectl_bin, &upper, &["logs", "vk-demo"]).await?;
+    assert!(logs.contains("hello from vk-demo"), "{logs}");
+    let said = kubectl(
+        &kubectl_bin,
+        &upper,
+        &["exec", "vk-demo", "--", "echo", "hi"],
+    )
+    .await?;
+    assert_eq!(said.trim(), "hi");
+
+    playground.down().await
+}
