@@ -38,6 +38,9 @@ struct Session {
     stderr: String,
     /// The error channel: a JSON Status (v4+) or a message (before).
     error: String,
+    /// The close frame's code (`None`: a close without one, which Go's clients report as
+    /// `close 1005 (no status)`; or no close frame at all).
+    close: Option<u16>,
 }
 
 impl Session {
@@ -128,7 +131,11 @@ async fn run(client: &kube::Client, path: &str, protocol: &str, input: &[(u8, &[
             let bytes: Vec<u8> = match message {
                 Ok(Message::Binary(bytes)) => bytes.to_vec(),
                 Ok(Message::Text(text)) => text.as_bytes().to_vec(),
-                Ok(Message::Close(_)) | Err(_) => break,
+                Ok(Message::Close(frame)) => {
+                    session.close = frame.map(|f| u16::from(f.code));
+                    break;
+                }
+                Err(_) => break,
                 Ok(_) => continue,
             };
             let Some((&channel, payload)) = bytes.split_first() else {
@@ -280,6 +287,10 @@ async fn exec_over_websockets_reaches_a_pod_on_the_virtual_node_as_it_does_below
             );
             let ok = run(client, &echo, protocol, &[]).await;
             assert_eq!(ok.stdout, "remote execution test\n", "{cluster} {protocol}");
+            // A normal close, as the kubelet's: a close without a code is an error to
+            // kubectl ("close 1005 (no status)") when the API server passes its WebSocket
+            // through (ExtendWebSocketsToKubelet).
+            assert_eq!(ok.close, Some(1000), "{cluster} {protocol}: the close frame");
             assert_eq!(ok.stderr, "", "{cluster} {protocol}");
             if v4 {
                 assert_eq!(ok.status()["status"], "Success", "{cluster} {protocol}");

@@ -19,7 +19,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio_tungstenite::WebSocketStream;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
-use tokio_tungstenite::tungstenite::protocol::{Role, WebSocketConfig};
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig};
 use tracing::debug;
 
 use super::route::StreamFlags;
@@ -299,6 +300,14 @@ fn one_writer(
                 return;
             }
         }
+        // A normal close, as the kubelet's: a close frame without a code reaches a Go
+        // client as `close 1005 (no status)`, an error to kubectl when the API server
+        // passes its WebSocket through.
+        let normal = CloseFrame {
+            code: CloseCode::Normal,
+            reason: "".into(),
+        };
+        let _ = sink.send(Message::Close(Some(normal))).await;
         let _ = sink.close().await;
     };
     (writer, out, source)
