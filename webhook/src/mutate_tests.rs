@@ -291,6 +291,121 @@ fn stashes_constraints_like_tensile_kube_inject() {
     }
 }
 
+/// What selects the virtual node itself (`type: virtual-kubelet`, Kueue's flavor for
+/// virtual nodes puts it in the nodeSelector) stays upstairs, where it keeps the pod on a
+/// virtual node, and is not stashed: below, it would match no node. Anything else on
+/// `type` moves as before; the lower copy ends with the rest only.
+#[test]
+fn keeps_what_selects_the_virtual_node_upstairs() {
+    let required = |terms: Value| {
+        json!({"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": terms}}})
+    };
+    let req = |key: &str, operator: &str, values: &[&str]| json!({"key": key, "operator": operator, "values": values});
+    let vk = req("type", "In", &["virtual-kubelet"]);
+    let zone = req("zone", "In", &["a"]);
+    // (case, spec, keys kept, expected stash less tolerations, upper nodeSelector, affinity)
+    type Case = (
+        &'static str,
+        Value,
+        &'static [&'static str],
+        Value,
+        Value,
+        Value,
+    );
+    let cases: Vec<Case> = vec![
+        (
+            "Kueue's flavor: the nodeSelector entry stays, the rest moves",
+            json!({"nodeSelector": {"type": "virtual-kubelet", "disktype": "ssd"}}),
+            &[],
+            json!({"nodeSelector": {"disktype": "ssd"}}),
+            json!({"type": "virtual-kubelet"}),
+            Value::Null,
+        ),
+        (
+            "alone, nothing is stashed but the tolerations",
+            json!({"nodeSelector": {"type": "virtual-kubelet"}}),
+            &[],
+            json!({}),
+            json!({"type": "virtual-kubelet"}),
+            Value::Null,
+        ),
+        (
+            "beside a kept key",
+            json!({"nodeSelector": {"type": "virtual-kubelet", "clusterID": "1", "disktype": "ssd"}}),
+            &["clusterID"],
+            json!({"nodeSelector": {"disktype": "ssd"}}),
+            json!({"type": "virtual-kubelet", "clusterID": "1"}),
+            Value::Null,
+        ),
+        (
+            "another value of type is the lower nodes'",
+            json!({"nodeSelector": {"type": "gpu"}}),
+            &[],
+            json!({"nodeSelector": {"type": "gpu"}}),
+            Value::Null,
+            Value::Null,
+        ),
+        (
+            "required affinity: type In [virtual-kubelet] stays, the term's rest moves",
+            json!({"affinity": required(json!([{"matchExpressions": [vk, zone]}]))}),
+            &[],
+            json!({"affinity": required(json!([{"matchExpressions": [zone]}]))}),
+            Value::Null,
+            required(json!([{"matchExpressions": [vk]}])),
+        ),
+        (
+            "required affinity: more values than the virtual node's move",
+            json!({"affinity": required(json!([{"matchExpressions": [
+                req("type", "In", &["virtual-kubelet", "kwok"])]}]))}),
+            &[],
+            json!({"affinity": required(json!([{"matchExpressions": [
+                req("type", "In", &["virtual-kubelet", "kwok"])]}]))}),
+            Value::Null,
+            Value::Null,
+        ),
+        (
+            "required affinity: NotIn moves",
+            json!({"affinity": required(json!([{"matchExpressions": [
+                req("type", "NotIn", &["virtual-kubelet"])]}]))}),
+            &[],
+            json!({"affinity": required(json!([{"matchExpressions": [
+                req("type", "NotIn", &["virtual-kubelet"])]}]))}),
+            Value::Null,
+            Value::Null,
+        ),
+    ];
+    for (name, spec, keep, mut want_stash, want_selector, want_affinity) in cases {
+        let mut env = Env::new();
+        env.config.ignore_selector_keys = keep.iter().map(|k| (*k).to_owned()).collect();
+        let (outcome, pod) = env.create(&labelled(with_spec(spec)));
+        assert_eq!(outcome.decision, Decision::Mutated, "{name}");
+        want_stash["tolerations"] = defaults();
+        assert_eq!(stash_of(&pod), Some(want_stash.clone()), "{name}: stash");
+        assert_eq!(
+            pod["spec"]["nodeSelector"], want_selector,
+            "{name}: nodeSelector"
+        );
+        assert_eq!(pod["spec"]["affinity"], want_affinity, "{name}: affinity");
+
+        // Below: what the stash held, and no more.
+        let pod: Pod = serde_json::from_value(pod).unwrap();
+        let mut lower = pod.spec.clone().unwrap();
+        let stash = parse_cluster_selector(pod.metadata.annotations.as_ref()).unwrap();
+        tensile::translate::scheduling::restore_constraints(&mut lower, stash.as_ref());
+        assert_eq!(
+            serde_json::to_value(&lower.node_selector).unwrap(),
+            want_stash["nodeSelector"],
+            "{name}: the lower copy's nodeSelector"
+        );
+        assert_eq!(
+            serde_json::to_value(&lower.affinity).unwrap(),
+            want_stash["affinity"],
+            "{name}: the lower copy's affinity"
+        );
+    }
+}
+
 /// Pods the webhook must leave alone, including the unlabelled pod tensile-kube mutated.
 #[test]
 fn leaves_other_pods_and_requests_alone() {
