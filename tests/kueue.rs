@@ -88,25 +88,12 @@ async fn setup() -> &'static Setup {
         .await
 }
 
-/// Kueue's API of `kind` (v1beta2). The harness's [`kueue::api`] makes a plural by adding
-/// `s`, which WorkloadPriorityClass does not take.
-fn kueue_api(client: &Client, kind: &str, namespace: Option<&str>) -> Api<DynamicObject> {
-    if kind != "WorkloadPriorityClass" {
-        return kueue::api(client, kind, namespace);
-    }
-    let resource = ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk(kueue::GROUP, kueue::VERSION, kind),
-        "workloadpriorityclasses",
-    );
-    Api::all_with(client.clone(), &resource)
-}
-
 /// Applies Kueue's `kind` `object` (server-side), in `namespace` when namespaced.
 async fn apply(client: &Client, kind: &str, namespace: Option<&str>, mut object: Value) {
     object["apiVersion"] = API_VERSION.into();
     object["kind"] = kind.into();
     let name = object["metadata"]["name"].as_str().unwrap().to_owned();
-    kueue_api(client, kind, namespace)
+    kueue::api(client, kind, namespace)
         .patch(
             &name,
             &PatchParams::apply("kueue-test").force(),

@@ -121,7 +121,13 @@ pub fn build_script() -> PathBuf {
 /// The API of Kueue's `kind` (v1beta2), cluster-wide (ResourceFlavor, ClusterQueue) or in
 /// `namespace` (LocalQueue, Workload).
 pub fn api(client: &Client, kind: &str, namespace: Option<&str>) -> Api<DynamicObject> {
-    let plural = format!("{}s", kind.to_ascii_lowercase());
+    let lower = kind.to_ascii_lowercase();
+    // English plurals as the CRDs spell them: workloadpriorityclass -> ...classes.
+    let plural = if lower.ends_with('s') || lower.ends_with('x') || lower.ends_with("ch") {
+        format!("{lower}es")
+    } else {
+        format!("{lower}s")
+    };
     let resource =
         ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(GROUP, VERSION, kind), &plural);
     match namespace {
@@ -477,6 +483,47 @@ async fn install_crds(
         .await?;
     }
     Ok(())
+}
+
+/// Installs the release's CRDs in the cluster of `client` without the manager, for tests of
+/// what other controllers read and write in Kueue's objects (virtual-node's
+/// `--kueue-quota`): without their conversion webhooks (no manager answers them), so only
+/// v1beta2, the storage version, is for use; no webhook checks the objects. Returns once
+/// every CRD is Established.
+pub async fn install_crds_only(client: &Client) -> Result<()> {
+    let bins = tokio::task::spawn_blocking(KueueBinaries::locate).await??;
+    let api: Api<CustomResourceDefinition> = Api::all(client.clone());
+    let apply = PatchParams::apply("tensile-harness").force();
+    let mut names = Vec::new();
+    for crd in documents(&read(&bins.crds())?, "Kueue's CRDs")? {
+        let name = crd["metadata"]["name"]
+            .as_str()
+            .context("a CRD without a name")?
+            .to_owned();
+        api.patch(&name, &apply, &Patch::Apply(&crd))
+            .await
+            .with_context(|| format!("applying the CRD {name}"))?;
+        names.push(name);
+    }
+    wait_for(
+        "Kueue's CRDs Established",
+        Duration::from_secs(30),
+        || async {
+            for name in &names {
+                let established = api.get(name).await?.status.is_some_and(|s| {
+                    s.conditions
+                        .unwrap_or_default()
+                        .iter()
+                        .any(|c| c.type_ == "Established" && c.status == "True")
+                });
+                if !established {
+                    return Ok(None);
+                }
+            }
+            Ok(Some(()))
+        },
+    )
+    .await
 }
 
 /// Waits until the API server calls Kueue's Job webhook: a Job with a queue, created in
