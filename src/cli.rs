@@ -202,6 +202,15 @@ pub struct Args {
     #[arg(long, value_parser = crate::node::burst::parse_share, default_value = "")]
     pub share: crate::node::burst::Share,
 
+    /// Keep the `nominalQuota`s of FLAVOR in the Kueue ClusterQueue CLUSTERQUEUE
+    /// (`kueue.x-k8s.io/v1beta2`) equal to the allocatable of the node `--nodename`, one per
+    /// resource the flavor lists (a resource the node lacks is left alone), so that Kueue
+    /// admits to that flavor only what the lower cluster can run. For the node of the
+    /// single-cluster flags (`--client-kubeconfig`, `cluster` granularity) only, not for
+    /// member Secrets' nodes. Its RBAC is deploy/virtual-node/kueue-rbac.yaml.
+    #[arg(long, value_name = "CLUSTERQUEUE/FLAVOR", value_parser = crate::translate::kueue_quota::parse_target)]
+    pub kueue_quota: Option<crate::translate::kueue_quota::QuotaTarget>,
+
     /// How the lower cluster is shown upstairs: `cluster` (one virtual node, `--nodename`),
     /// `node` (one per lower node) or `label=<key>` (one per value of that lower node label,
     /// e.g. `label=topology.kubernetes.io/zone`). Member Secrets set theirs with the
@@ -412,7 +421,32 @@ impl Args {
                 .map(|ns| &*ns.clone().leak()),
             upper_identity: self.upper_identity,
             namespaces: self.lower_namespace != crate::translate::namespace::Mode::Same,
+            kueue_quota: self.kueue_quota.is_some(),
         }
+    }
+
+    /// `--kueue-quota`, if given; `Err` when there is no node it could follow: it keeps the
+    /// quota of the single-cluster flags' one node (`--client-kubeconfig`, `cluster`
+    /// granularity).
+    pub fn kueue_quota_target(
+        &self,
+    ) -> Result<Option<&crate::translate::kueue_quota::QuotaTarget>, String> {
+        let Some(target) = &self.kueue_quota else {
+            return Ok(None);
+        };
+        if self.client_kubeconfig.is_none() {
+            return Err(format!(
+                "--kueue-quota={target} follows the node of --nodename and \
+                 --client-kubeconfig (not member Secrets' nodes): give --client-kubeconfig"
+            ));
+        }
+        if self.node_granularity != crate::node::groups::Granularity::Cluster {
+            return Err(format!(
+                "--kueue-quota={target} follows the one node of --node-granularity=cluster, \
+                 not a node per lower node or label"
+            ));
+        }
+        Ok(Some(target))
     }
 
     /// `--upper-identity` with its address and renewal bound; `Err` when the mode is on
@@ -1038,6 +1072,54 @@ mod tests {
             .unwrap_or_default();
         assert!(granularity.contains("label=<key>"), "{granularity}");
         assert!(!granularity.contains("so far"), "{granularity}");
+    }
+
+    #[test]
+    fn kueue_quota_follows_the_flags_node_only() {
+        // (flags, Ok(Some("CLUSTERQUEUE/FLAVOR")) or Err(part of the message))
+        type Want = Result<Option<&'static str>, &'static str>;
+        let cases: [(&[&str], Want); 6] = [
+            (&["--client-kubeconfig=k"], Ok(None)),
+            (
+                &["--client-kubeconfig=k", "--kueue-quota=cluster-queue/burst"],
+                Ok(Some("cluster-queue/burst")),
+            ),
+            (
+                &["--members-namespace=m", "--kueue-quota=cq/burst"],
+                Err("give --client-kubeconfig"),
+            ),
+            (
+                &[
+                    "--client-kubeconfig=k",
+                    "--node-granularity=node",
+                    "--kueue-quota=cq/burst",
+                ],
+                Err("--node-granularity=cluster"),
+            ),
+            (
+                &["--client-kubeconfig=k", "--kueue-quota=cq"],
+                Err("must be CLUSTERQUEUE/FLAVOR"),
+            ),
+            (
+                &["--client-kubeconfig=k", "--kueue-quota=cq/Burst"],
+                Err("not a DNS subdomain name"),
+            ),
+        ];
+        for (flags, want) in cases {
+            let argv = std::iter::once("virtual-node").chain(flags.iter().copied());
+            let got = Args::try_parse_from(argv)
+                .map_err(|e| one_line(&e))
+                .and_then(|args| {
+                    let target = args.kueue_quota_target()?.map(ToString::to_string);
+                    assert_eq!(args.features().kueue_quota, target.is_some(), "{flags:?}");
+                    Ok(target)
+                });
+            match (got, want) {
+                (Ok(got), Ok(want)) => assert_eq!(got.as_deref(), want, "{flags:?}"),
+                (Err(got), Err(want)) => assert!(got.contains(want), "{flags:?}: {got}"),
+                (got, want) => panic!("{flags:?}: got {got:?}, want {want:?}"),
+            }
+        }
     }
 
     #[test]

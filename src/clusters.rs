@@ -1039,6 +1039,15 @@ pub const UPPER_IDENTITY_PERMISSIONS: &[Permission] = &[sub("create", "serviceac
 pub const UPPER_NAMESPACE_PERMISSIONS: &[Permission] =
     &[perm("list", "namespaces"), perm("watch", "namespaces")];
 
+/// What `--kueue-quota` adds in the upper cluster: the ClusterQueue watched, read again
+/// after a conflict, and its `spec.resourceGroups` patched.
+pub const UPPER_KUEUE_QUOTA_PERMISSIONS: &[Permission] = &[
+    grouped("get", "kueue.x-k8s.io", "clusterqueues"),
+    grouped("list", "kueue.x-k8s.io", "clusterqueues"),
+    grouped("watch", "kueue.x-k8s.io", "clusterqueues"),
+    grouped("patch", "kueue.x-k8s.io", "clusterqueues"),
+];
+
 /// What `--lower-namespace` other than `same` adds in the lower cluster: the Namespaces
 /// listed at start, to know which a mapping may choose (whose marks they carry).
 pub const LOWER_NAMESPACE_PERMISSIONS: &[Permission] = &[perm("list", "namespaces")];
@@ -1067,6 +1076,8 @@ pub struct Features {
     pub upper_identity: bool,
     /// `--lower-namespace` other than `same`: the upper Namespaces are watched.
     pub namespaces: bool,
+    /// `--kueue-quota`: a Kueue ClusterQueue's flavor quota kept.
+    pub kueue_quota: bool,
 }
 
 /// Leader election's calls (`crate::leader`): the Lease read, created once, then updated.
@@ -1090,6 +1101,7 @@ pub fn needed_permissions(side: Side, features: Features) -> Vec<Permission> {
             (features.members.is_some(), UPPER_MEMBER_PERMISSIONS),
             (features.upper_identity, UPPER_IDENTITY_PERMISSIONS),
             (features.namespaces, UPPER_NAMESPACE_PERMISSIONS),
+            (features.kueue_quota, UPPER_KUEUE_QUOTA_PERMISSIONS),
         ],
         Side::Lower => vec![
             (true, LOWER_PERMISSIONS),
@@ -1180,6 +1192,7 @@ pub(crate) mod tests {
             members: Some("tensile-members"),
             upper_identity: true,
             namespaces: true,
+            kueue_quota: true,
         };
         let none = Features::default();
         let cases = [
@@ -1242,6 +1255,15 @@ pub(crate) mod tests {
                 "get leases.coordination.k8s.io in tensile-system",
                 false,
             ),
+            (
+                Side::Upper,
+                none,
+                "patch clusterqueues.kueue.x-k8s.io",
+                false,
+            ),
+            (Side::Upper, all, "patch clusterqueues.kueue.x-k8s.io", true),
+            (Side::Upper, all, "watch clusterqueues.kueue.x-k8s.io", true),
+            (Side::Lower, all, "get clusterqueues.kueue.x-k8s.io", false),
             (Side::Lower, none, "get namespaces", true),
             (Side::Lower, none, "create pods/exec", true),
             (Side::Lower, none, "patch pods/ephemeralcontainers", true),
@@ -1288,6 +1310,7 @@ pub(crate) mod tests {
                 members: Some("tensile-members"),
                 upper_identity: true,
                 namespaces: true,
+                kueue_quota: true,
             };
             let listed: Vec<String> = needed_permissions(side, all)
                 .iter()

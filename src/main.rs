@@ -110,7 +110,11 @@ async fn start(argv: Vec<std::ffi::OsString>) -> ExitCode {
         Ok(args) => args,
         Err(status) => return status,
     };
-    if let Err(message) = args.lease_config().and(args.upper_identity().map(drop)) {
+    let checked = args
+        .lease_config()
+        .and(args.upper_identity().map(drop))
+        .and(args.kueue_quota_target().map(drop));
+    if let Err(message) = checked {
         let error = Args::command().error(clap::error::ErrorKind::ValueValidation, message);
         return cli::usage_exit("virtual-node", &error);
     }
@@ -284,6 +288,19 @@ async fn run(args: Args, started: CancellationToken) -> Result<(), String> {
                 namespace,
                 static_node,
                 listed,
+                shutdown.clone(),
+            ),
+        );
+    }
+    // --kueue-quota: the flags' node's allocatable as a Kueue flavor's quota.
+    if let (Some(target), Some(_)) = (args.kueue_quota.clone(), &lower_config) {
+        tasks.spawn(
+            "kueue quota",
+            tensile::controllers::kueue_quota::run(
+                shared.upper.client.clone(),
+                args.nodename.clone(),
+                target,
+                shared.leading.clone(),
                 shutdown.clone(),
             ),
         );

@@ -376,8 +376,8 @@ fn the_chart_lints() {
 }
 
 /// The value sets every check runs with: the defaults, then members only (no single
-/// cluster; the extender reads a member Secret), cert-manager with monitoring, and a
-/// Secret made by hand with everything but virtual-node off.
+/// cluster; the extender reads a member Secret), cert-manager with monitoring and a Kueue
+/// quota, and a Secret made by hand with everything but virtual-node off.
 fn value_sets() -> Vec<Vec<&'static str>> {
     vec![
         vec![],
@@ -395,6 +395,7 @@ fn value_sets() -> Vec<Vec<&'static str>> {
         vec![
             "webhook.certificate=certManager",
             "monitoring.enabled=true",
+            "virtualNode.kueueQuota=cluster-queue/burst",
             "image.tag=0.2.0",
             "image.pullPolicy=Always",
             "imagePullSecrets[0]=registry",
@@ -463,6 +464,8 @@ fn the_chart_reads_its_rbac_from_deploy() {
         "descheduler-rbac.yaml",
         "scheduler-extender-rbac.yaml",
         "virtual-node-rbac.yaml",
+        "virtual-node-upper-identity-rbac.yaml",
+        "virtual-node-kueue-rbac.yaml",
         "webhook-mutatingwebhookconfiguration.yaml",
         "webhook-rbac.yaml",
     ] {
@@ -582,14 +585,19 @@ async fn live_rbac(client: &Client) -> Vec<Value> {
     objects
 }
 
-/// The permissions deploy/ grants (`kubectl kustomize deploy/all`, and with `upper_identity`
-/// deploy/virtual-node/upper-identity-rbac.yaml), in deploy/'s namespace.
-fn shipped_permissions(kubectl: &Path, upper_identity: bool) -> BTreeSet<String> {
+/// The RBAC virtual-node's opt-in flags need beside deploy/all's: `--upper-identity`'s and
+/// `--kueue-quota`'s, each applied on its own where the flag is on.
+const OPT_IN_RBAC: [&str; 2] = [
+    "deploy/virtual-node/upper-identity-rbac.yaml",
+    "deploy/virtual-node/kueue-rbac.yaml",
+];
+
+/// The permissions deploy/ grants (`kubectl kustomize deploy/all`, and with `opt_in`
+/// [`OPT_IN_RBAC`]), in deploy/'s namespace.
+fn shipped_permissions(kubectl: &Path, opt_in: bool) -> BTreeSet<String> {
     let mut objects = kustomize(kubectl, "deploy/all");
-    if upper_identity {
-        let text =
-            std::fs::read_to_string(repo().join("deploy/virtual-node/upper-identity-rbac.yaml"))
-                .unwrap();
+    for file in OPT_IN_RBAC.into_iter().filter(|_| opt_in) {
+        let text = std::fs::read_to_string(repo().join(file)).unwrap();
         objects.extend(
             serde_saphyr::from_multiple::<Value>(&text)
                 .unwrap()
@@ -601,15 +609,11 @@ fn shipped_permissions(kubectl: &Path, upper_identity: bool) -> BTreeSet<String>
 }
 
 /// Fails unless each identity of the release holds exactly the permissions deploy/ grants
-/// (`upper_identity`: with --upper-identity's), and may do what its binary calls.
-async fn assert_exact_permissions(
-    upper: &Client,
-    kubectl: &Path,
-    upper_identity: bool,
-    when: &str,
-) {
+/// (`opt_in`: with --upper-identity's and --kueue-quota's), and may do what its binary
+/// calls.
+async fn assert_exact_permissions(upper: &Client, kubectl: &Path, opt_in: bool, when: &str) {
     let live = permissions(&live_rbac(upper).await, RELEASE_NAMESPACE);
-    let shipped = shipped_permissions(kubectl, upper_identity);
+    let shipped = shipped_permissions(kubectl, opt_in);
     let extra: Vec<&String> = live.difference(&shipped).collect();
     let missing: Vec<&String> = shipped.difference(&live).collect();
     assert!(
@@ -622,7 +626,8 @@ async fn assert_exact_permissions(
     let groups: Vec<&str> = groups.iter().map(String::as_str).collect();
     let sa = |name| service_account(RELEASE_NAMESPACE, name);
     let mut features = all_features(RELEASE_NAMESPACE);
-    features.upper_identity = upper_identity;
+    features.upper_identity = opt_in;
+    features.kueue_quota = opt_in;
     let checks: [(&str, Vec<Access>); 3] = [
         ("virtual-node", virtual_node_accesses(Side::Upper, features)),
         ("tensile-webhook", webhook_accesses()),
@@ -644,8 +649,15 @@ async fn assert_exact_permissions(
     let minted = denied(upper, &sa("virtual-node"), &groups, &[token]).await;
     assert_eq!(
         minted.is_empty(),
-        upper_identity,
+        opt_in,
         "{when}: virtual-node may mint tokens only with virtualNode.upperIdentity"
+    );
+    let quota = access("patch", "kueue.x-k8s.io/clusterqueues");
+    let patched = denied(upper, &sa("virtual-node"), &groups, &[quota]).await;
+    assert_eq!(
+        patched.is_empty(),
+        opt_in,
+        "{when}: virtual-node may patch ClusterQueues only with virtualNode.kueueQuota"
     );
     let extender = denied(
         upper,
@@ -723,10 +735,11 @@ async fn virtual_node_deployment(upper: &Client) -> (Vec<String>, i32) {
 }
 
 /// Every value set passes a server-side dry run; `helm install` (default values) and `helm
-/// upgrade` (members, --upper-identity, three replicas; then the defaults again) into the
-/// upper cluster, in a namespace of its own, leave each identity exactly the permissions
-/// deploy/ grants and what its binary calls; the generated webhook certificate survives the
-/// upgrades; `helm uninstall` takes every ClusterRole and binding with it.
+/// upgrade` (members, --upper-identity, --kueue-quota, three replicas; then the defaults
+/// again) into the upper cluster, in a namespace of its own, leave each identity exactly
+/// the permissions deploy/ grants and what its binary calls; the generated webhook
+/// certificate survives the upgrades; `helm uninstall` takes every ClusterRole and binding
+/// with it.
 #[tokio::test]
 async fn install_and_upgrade_keep_exactly_the_shipped_permissions() {
     let pair = ClusterPair::shared().await.unwrap();
@@ -771,6 +784,7 @@ async fn install_and_upgrade_keep_exactly_the_shipped_permissions() {
         &[
             "virtualNode.members=true",
             "virtualNode.upperIdentity=true",
+            "virtualNode.kueueQuota=cluster-queue/burst",
             "virtualNode.replicas=3",
         ],
     );
@@ -778,7 +792,7 @@ async fn install_and_upgrade_keep_exactly_the_shipped_permissions() {
         &upper,
         &kubectl,
         true,
-        "after helm upgrade (upper identity)",
+        "after helm upgrade (upper identity, Kueue quota)",
     )
     .await;
     let (args, replicas) = virtual_node_deployment(&upper).await;
@@ -786,6 +800,7 @@ async fn install_and_upgrade_keep_exactly_the_shipped_permissions() {
     for wanted in [
         format!("--members-namespace={RELEASE_NAMESPACE}"),
         "--upper-identity".to_owned(),
+        "--kueue-quota=cluster-queue/burst".to_owned(),
     ] {
         assert!(args.contains(&wanted), "{wanted} in {args:?}");
     }
@@ -795,7 +810,7 @@ async fn install_and_upgrade_keep_exactly_the_shipped_permissions() {
         "an upgrade keeps the certificate"
     );
 
-    // Back to the chart's values: the upper-identity RBAC goes.
+    // Back to the chart's values: the upper-identity and Kueue RBAC go.
     helm(
         home,
         &[&["upgrade", "--reset-values"][..], &release[..]].concat(),

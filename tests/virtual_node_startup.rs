@@ -339,6 +339,7 @@ const DEFAULT_FEATURES: Features = Features {
     members: None,
     upper_identity: false,
     namespaces: false,
+    kueue_quota: false,
 };
 
 /// Lines of a virtual-node log that tell of a refusal by RBAC.

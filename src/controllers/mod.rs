@@ -9,6 +9,7 @@ pub mod dependencies;
 pub mod events;
 pub mod failure_backoff;
 pub mod gc;
+pub mod kueue_quota;
 pub mod namespace;
 pub mod pod;
 pub mod pod_store;

@@ -7,6 +7,7 @@ pub mod downward;
 pub mod events;
 pub(crate) mod hash;
 pub mod identity;
+pub mod kueue_quota;
 pub mod meta;
 pub mod namespace;
 pub mod packed_status;

@@ -125,8 +125,9 @@ pub fn webhook_accesses() -> Vec<Access> {
 }
 
 /// Every feature on, installed in `namespace` (Lease and members there): the shipped RBAC
-/// must allow whatever flags the user turns on. `--upper-identity`'s RBAC is opt-in
-/// (deploy/virtual-node/upper-identity-rbac.yaml), so it is off.
+/// must allow whatever flags the user turns on. `--upper-identity`'s and `--kueue-quota`'s
+/// RBAC are opt-in (deploy/virtual-node/upper-identity-rbac.yaml, kueue-rbac.yaml), so
+/// they are off.
 pub fn all_features(namespace: &'static str) -> Features {
     Features {
         services: true,
@@ -138,6 +139,7 @@ pub fn all_features(namespace: &'static str) -> Features {
         members: Some(namespace),
         upper_identity: false,
         namespaces: true,
+        kueue_quota: false,
     }
 }
 
