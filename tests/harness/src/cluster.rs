@@ -358,11 +358,18 @@ impl Cluster {
             .iter()
             .map(|stage| {
                 let path = bins.stage(stage);
-                std::fs::read_to_string(&path)
-                    .with_context(|| format!("reading kwok stage {}", path.display()))
+                let yaml = std::fs::read_to_string(&path)
+                    .with_context(|| format!("reading kwok stage {}", path.display()))?;
+                if *stage == "pod-complete.yaml" {
+                    pod_complete_unless_delayed(&yaml)
+                        .with_context(|| format!("kwok stage {}", path.display()))
+                } else {
+                    Ok(yaml)
+                }
             })
             .collect::<Result<Vec<_>>>()?;
             let mut documents = stages;
+            documents.push(job_pod_complete_stage());
             documents.push(kwok_debugging_config(&dir.join("kwok"))?);
             if cluster.options.metrics {
                 documents.extend(crate::metrics_server::kwok_metrics_config(bins)?);
@@ -679,6 +686,89 @@ pub const KWOK_PREVIOUS_LOG_LINE: &str = "previous instance";
 /// The container name whose log is [`Cluster::kwok_follow_log`], which a test may append
 /// to (`kubectl logs -f`); every other container's log never changes.
 pub const KWOK_FOLLOW_CONTAINER: &str = "follow";
+
+/// The annotation (kwok's own, read by its general `pod-complete` stage) that sets how long
+/// a Job's pod runs on a kwok node before it succeeds: a duration (`10s`) or a time.
+pub const KWOK_POD_COMPLETE_DELAY_ANNOTATION: &str = "pod-complete.stage.kwok.x-k8s.io/delay";
+
+/// How long [`job_pod_complete_stage`] runs a pod without
+/// [`KWOK_POD_COMPLETE_DELAY_ANNOTATION`].
+pub const KWOK_JOB_POD_SECONDS: u64 = 5;
+
+/// A kwok Stage that completes a Job's pod (labelled `batch.kubernetes.io/job-name`) that
+/// kwok's `pod-complete` leaves running: one without owner references (the lower copy of
+/// an upper Job's pod: the translation drops owners, so nothing below finishes it), or one
+/// annotated [`KWOK_POD_COMPLETE_DELAY_ANNOTATION`], after that long, else
+/// [`KWOK_JOB_POD_SECONDS`]. kwok's `pod-complete` (owned by a Job) is given the
+/// annotation's absence as a condition ([`pod_complete_unless_delayed`]), so at most one
+/// of the two matches a pod.
+pub fn job_pod_complete_stage() -> String {
+    let delay = KWOK_POD_COMPLETE_DELAY_ANNOTATION;
+    let milliseconds = KWOK_JOB_POD_SECONDS * 1000;
+    format!(
+        r#"apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: tensile-job-pod-complete
+spec:
+  resourceRef:
+    apiGroup: v1
+    kind: Pod
+  selector:
+    matchExpressions:
+    - key: '.metadata.deletionTimestamp'
+      operator: 'DoesNotExist'
+    - key: '.status.phase'
+      operator: 'In'
+      values:
+      - 'Running'
+    - key: '.metadata.labels["batch.kubernetes.io/job-name"]'
+      operator: 'Exists'
+    - key: '((.metadata.ownerReferences // []) | length == 0) or (.metadata.annotations["{delay}"] != null)'
+      operator: 'In'
+      values:
+      - 'true'
+  delay:
+    durationMilliseconds: {milliseconds}
+    durationFrom:
+      expressionFrom: '.metadata.annotations["{delay}"]'
+  next:
+    statusTemplate: |
+      {{{{ $now := Now }}}}
+      containerStatuses:
+      {{{{ range .spec.containers }}}}
+      - image: {{{{ .image | Quote }}}}
+        name: {{{{ .name | Quote }}}}
+        ready: false
+        restartCount: 0
+        started: false
+        state:
+          terminated:
+            exitCode: 0
+            finishedAt: {{{{ $now | Quote }}}}
+            reason: Completed
+            startedAt: {{{{ $now | Quote }}}}
+      {{{{ end }}}}
+      phase: Succeeded
+"#
+    )
+}
+
+/// kwok's `pod-complete` Stage (`yaml`) with one more condition: no
+/// [`KWOK_POD_COMPLETE_DELAY_ANNOTATION`] (such a pod is [`job_pod_complete_stage`]'s).
+fn pod_complete_unless_delayed(yaml: &str) -> Result<String> {
+    let mut stage: serde_json::Value =
+        serde_saphyr::from_str(yaml).context("parsing the pod-complete Stage")?;
+    let expressions = stage["spec"]["selector"]["matchExpressions"]
+        .as_array_mut()
+        .context("the pod-complete Stage has no spec.selector.matchExpressions")?;
+    expressions.push(serde_json::json!({
+        "key": format!(".metadata.annotations[\"{KWOK_POD_COMPLETE_DELAY_ANNOTATION}\"]"),
+        "operator": "DoesNotExist",
+    }));
+    // JSON is YAML.
+    Ok(stage.to_string())
+}
 
 /// A line in the CRI log format the kubelet (and kwok) reads.
 pub fn cri_log_line(time: &str, text: &str) -> String {

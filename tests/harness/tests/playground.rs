@@ -252,3 +252,119 @@ async fn install_runs_tensile_from_its_chart_and_vk_demo_through_it() -> Result<
 
     playground.down().await
 }
+
+/// `up --kueue` is batch bursting as a user tries it: more one-CPU Jobs from
+/// `deploy/examples/kueue/job.yaml` than flavor `local` (the regular node) has quota for,
+/// created with `kubectl create -f`; Kueue admits the first to `local`, whose pods run on
+/// the regular node, and the rest to `burst`, whose pods run on vk-node (their lower copies
+/// completed by the harness's kwok Stage), and every Job completes.
+#[tokio::test(flavor = "multi_thread")]
+async fn kueue_fills_the_regular_node_then_bursts_and_every_job_completes() -> Result<()> {
+    let binaries = tokio::task::spawn_blocking(Binaries::locate).await??;
+    let kubectl_bin = binaries.bin("kubectl");
+    let mut playground = Playground::up(&["--kueue", "--lower-nodes", "1"])?;
+    playground.ready(Duration::from_secs(240)).await?;
+    let upper = playground.kubeconfig("upper");
+
+    let quota = kubectl(
+        &kubectl_bin,
+        &upper,
+        &[
+            "get",
+            "clusterqueue",
+            "cluster-queue",
+            "-o",
+            "jsonpath={.spec.resourceGroups[0].flavors[0].name} \
+             {.spec.resourceGroups[0].flavors[0].resources[0].name} \
+             {.spec.resourceGroups[0].flavors[0].resources[0].nominalQuota}",
+        ],
+    )
+    .await?;
+    // The regular node's allocatable: the harness's default shape.
+    assert_eq!(quota, "local cpu 8", "flavor local's CPU quota");
+    let jobs = 8 + 2;
+    let job = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/examples/kueue/job.yaml");
+    let job = job.to_str().context("the job's path")?;
+    for _ in 0..jobs {
+        kubectl(&kubectl_bin, &upper, &["create", "-f", job]).await?;
+    }
+
+    // Job, workload flavor and node of every Job once all are complete.
+    let get_jobs = [
+        "get",
+        "jobs",
+        "-o",
+        "jsonpath={range .items[*]}{.metadata.name} \
+         {.status.conditions[?(@.type==\"Complete\")].status}{\"\\n\"}{end}",
+    ];
+    let complete = wait_for(
+        &format!("{jobs} Jobs complete"),
+        Duration::from_secs(120),
+        || async {
+            let listed = kubectl(&kubectl_bin, &upper, &get_jobs).await?;
+            let lines: Vec<&str> = listed.lines().collect();
+            let done = lines.len() == jobs && lines.iter().all(|l| l.ends_with(" True"));
+            Ok(done.then_some(listed))
+        },
+    )
+    .await;
+    if let Err(error) = complete {
+        let state = kubectl(
+            &kubectl_bin,
+            &upper,
+            &["get", "workloads,jobs,pods", "-o", "wide"],
+        )
+        .await
+        .unwrap_or_else(|e| format!("{e:#}"));
+        return Err(error.context(state));
+    }
+    let flavors = kubectl(
+        &kubectl_bin,
+        &upper,
+        &[
+            "get",
+            "workloads",
+            "-o",
+            "jsonpath={range .items[*]}{.metadata.ownerReferences[0].name} \
+             {.status.admission.podSetAssignments[0].flavors.cpu}{\"\\n\"}{end}",
+        ],
+    )
+    .await?;
+    let nodes = kubectl(
+        &kubectl_bin,
+        &upper,
+        &[
+            "get",
+            "pods",
+            "-l",
+            "batch.kubernetes.io/job-name",
+            "-o",
+            "jsonpath={range .items[*]}{.metadata.labels.batch\\.kubernetes\\.io/job-name} \
+             {.spec.nodeName} {.status.phase}{\"\\n\"}{end}",
+        ],
+    )
+    .await?;
+    let flavor_of: std::collections::BTreeMap<&str, &str> =
+        flavors.lines().filter_map(|l| l.split_once(' ')).collect();
+    let mut placed = std::collections::BTreeMap::<(&str, &str), usize>::new();
+    for line in nodes.lines() {
+        let [job, node, phase] = line.split(' ').collect::<Vec<_>>()[..] else {
+            bail!("unexpected pod line {line:?} in\n{nodes}");
+        };
+        assert_eq!(phase, "Succeeded", "{line}");
+        let flavor = flavor_of.get(job).copied().unwrap_or("none");
+        *placed.entry((flavor, node)).or_default() += 1;
+    }
+    // Kueue admits in creation order, and nothing finishes within the first 10 s: the
+    // first 8 take local's quota, the other 2 burst.
+    let want = std::collections::BTreeMap::from([
+        (("burst", "vk-node"), 2),
+        (("local", "upper-node-0"), 8),
+    ]);
+    assert_eq!(
+        placed, want,
+        "(flavor, node) of each Job's pod:\n{nodes}\n{flavors}"
+    );
+
+    playground.down().await
+}

@@ -6,6 +6,8 @@
 //! `virtual-node join`, as a member of one virtual-node process. `--real-node` adds a real
 //! node (kubelet, containerd, runc) to the lower cluster and runs the example workload on
 //! it, so `kubectl exec -it vk-demo -- sh` through the virtual node is a real shell.
+//! `--kueue` adds Kueue upstairs with the flavors and queues of `deploy/examples/kueue`,
+//! their quotas the nodes' own, for batch bursting.
 //! `conformance` runs Kubernetes' node conformance tests through the virtual node and
 //! straight against the lower cluster, and prints both side by side (docs/conformance.md).
 
@@ -17,11 +19,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::Api;
+use kube::api::{Api, Patch, PatchParams};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
+use serde_json::Value;
 use tensile_harness::conformance::{self, ConformanceOptions, Preset, Way};
 use tensile_harness::install::{self, LOWER_REAL_NODE, UPPER_REAL_NODE};
+use tensile_harness::kueue::{self, Kueue};
 use tensile_harness::metrics_server::USAGE_CPU_ANNOTATION;
 use tensile_harness::real_node::BUSYBOX_IMAGE;
 use tensile_harness::{
@@ -48,9 +52,10 @@ enum Command {
         /// Simulated nodes in the lower cluster.
         #[arg(long, default_value_t = 3)]
         lower_nodes: usize,
-        /// Simulated regular nodes in the upper cluster.
-        #[arg(long, default_value_t = 0)]
-        upper_nodes: usize,
+        /// Simulated regular nodes in the upper cluster (default 0; 1 with --kueue or
+        /// --install).
+        #[arg(long)]
+        upper_nodes: Option<usize>,
         /// Name of the virtual node joining the lower cluster to the upper one.
         #[arg(long, default_value = "vk-node")]
         node_name: String,
@@ -75,6 +80,14 @@ enum Command {
         /// virtual-node (README, "Installing with Helm").
         #[arg(long, conflicts_with_all = ["lower_clusters", "real_node", "clusters_only", "node_name"])]
         install: bool,
+        /// Batch bursting: Kueue (tests/k8s/kueue/build.sh, built on first use) in the upper
+        /// cluster with deploy/examples/kueue applied, the quota of flavor `local` the
+        /// regular upper nodes' allocatable and that of `burst` the virtual nodes' (kept so
+        /// by virtual-node's --kueue-quota with one lower cluster); Jobs submitted to
+        /// `user-queue` fill the regular nodes, then burst (README, "Batch bursting with
+        /// Kueue").
+        #[arg(long, conflicts_with_all = ["install", "real_node", "clusters_only"])]
+        kueue: bool,
     },
     /// Run Kubernetes' node conformance tests (e2e.test of the pinned release, built with its
     /// images by tests/k8s/e2e/build.sh on first use) through the virtual node and straight
@@ -152,6 +165,7 @@ async fn main() -> ExitCode {
             lower_clusters,
             real_node,
             install,
+            kueue,
         } => {
             let node = (!clusters_only).then_some(node_name);
             let shape = Shape {
@@ -160,6 +174,7 @@ async fn main() -> ExitCode {
                 lower_clusters: usize::from(lower_clusters),
                 real_node,
                 install,
+                kueue,
             };
             up(&dir, shape, node.as_deref()).await
         }
@@ -211,10 +226,11 @@ async fn main() -> ExitCode {
 /// How many clusters and nodes.
 struct Shape {
     lower_nodes: usize,
-    upper_nodes: usize,
+    upper_nodes: Option<usize>,
     lower_clusters: usize,
     real_node: bool,
     install: bool,
+    kueue: bool,
 }
 
 /// The namespace of the member Secrets with more than one lower cluster.
@@ -262,7 +278,11 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
         options.lower = installing.lower;
     }
     options.lower.nodes = shape.lower_nodes;
-    options.upper.nodes = shape.upper_nodes.max(usize::from(shape.install));
+    // Installed, tensile's pods need a regular node; Kueue's flavor `local` is regular nodes.
+    options.upper.nodes = match shape.upper_nodes {
+        Some(nodes) => nodes.max(usize::from(shape.install)),
+        None => usize::from(shape.install || shape.kueue),
+    };
     // With virtual nodes, the upper kube-scheduler calls the scheduler extender as the
     // README tells users to configure it (deploy/scheduler-extender/kube-scheduler-config.yaml):
     // local first. `--clusters-only` leaves the scheduler as it comes and starts no
@@ -373,10 +393,20 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
         None
     } else {
         Some(tokio::select! {
-            started = join_and_demo(&pair, &members, real_node.is_some()) => started?,
+            started = join_and_demo(&pair, &members, real_node.is_some(), shape.kueue) => started?,
             _ = sigterm.recv() => bail!("interrupted while starting"),
             _ = sigint.recv() => bail!("interrupted while starting"),
         })
+    };
+    let batch = if shape.kueue {
+        eprintln!("starting Kueue in the upper cluster (tests/k8s/kueue/build.sh) ...");
+        Some(tokio::select! {
+            started = start_kueue(&pair) => started?,
+            _ = sigterm.recv() => bail!("interrupted while starting"),
+            _ = sigint.recv() => bail!("interrupted while starting"),
+        })
+    } else {
+        None
     };
     std::fs::write(dir.join(READY_FILE), "")?;
     let mut nodes: Vec<&str> = members.iter().map(|(n, _)| n.as_str()).collect();
@@ -396,6 +426,9 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
     if let Some(installed) = &installed {
         print_installed(&pair, installed);
     }
+    if let Some((kueue, quotas)) = &batch {
+        print_kueue(&pair, kueue, quotas, nodes.len());
+    }
     if virtual_node.is_some() || installed.is_some() {
         print_status(&pair, nodes.len() > 1).await;
     }
@@ -406,6 +439,7 @@ async fn up(dir: &Path, shape: Shape, node: Option<&str>) -> Result<()> {
     }
     eprintln!("stopping ...");
     let _ = std::fs::remove_file(dir.join(READY_FILE));
+    drop(batch);
     drop(real_node);
     drop(installed);
     drop(extender);
@@ -454,11 +488,13 @@ fn demo_on_real_node() -> Result<String> {
 /// Starts virtual-node (built next to this binary) for `members` (node name, lower
 /// cluster), waits for every Node to be Ready, applies the example workload and waits for
 /// its pod to run. One member is the single-cluster flags, as tensile-kube runs; more are
-/// joined by `virtual-node join` and served by one process.
+/// joined by `virtual-node join` and served by one process. With `kueue`, one member keeps
+/// the quota of flavor `burst` equal to its node's allocatable (`--kueue-quota`).
 async fn join_and_demo(
     pair: &ClusterPair,
     members: &[(String, &Cluster)],
     real_node: bool,
+    kueue: bool,
 ) -> Result<VirtualNode> {
     let binary = std::env::current_exe()?.with_file_name("virtual-node");
     if !binary.exists() {
@@ -470,7 +506,11 @@ async fn join_and_demo(
     let virtual_node = match members {
         [(node, _)] => {
             eprintln!("joining the lower cluster as {node} ...");
-            pair.start_virtual_node(&VirtualNodeOptions::new(&binary, node))?
+            let mut options = VirtualNodeOptions::new(&binary, node);
+            if kueue {
+                options.args.push(kueue_quota_flag());
+            }
+            pair.start_virtual_node(&options)?
         }
         _ => {
             for (node, cluster) in members {
@@ -604,6 +644,259 @@ async fn apply_demo(pair: &ClusterPair, real_node: bool) -> Result<()> {
     )
     .await?;
     Ok(())
+}
+
+/// `deploy/examples/kueue`, as its kustomization lists it (the sample Job apart).
+const KUEUE_EXAMPLES: [(&str, &str); 4] = [
+    (
+        "flavors.yaml",
+        include_str!("../../../../deploy/examples/kueue/flavors.yaml"),
+    ),
+    (
+        "cluster-queue.yaml",
+        include_str!("../../../../deploy/examples/kueue/cluster-queue.yaml"),
+    ),
+    (
+        "local-queue.yaml",
+        include_str!("../../../../deploy/examples/kueue/local-queue.yaml"),
+    ),
+    (
+        "priority-classes.yaml",
+        include_str!("../../../../deploy/examples/kueue/priority-classes.yaml"),
+    ),
+];
+/// The ClusterQueue of `deploy/examples/kueue`, its flavors in order, and its LocalQueue.
+const CLUSTER_QUEUE: &str = "cluster-queue";
+const LOCAL_FLAVOR: &str = "local";
+const BURST_FLAVOR: &str = "burst";
+const LOCAL_QUEUE: &str = "user-queue";
+/// The resources the ClusterQueue covers.
+const QUEUED_RESOURCES: [&str; 3] = ["cpu", "memory", "pods"];
+
+/// virtual-node's flag that keeps flavor `burst`'s quota equal to its node's allocatable.
+fn kueue_quota_flag() -> String {
+    format!("--kueue-quota={CLUSTER_QUEUE}/{BURST_FLAVOR}")
+}
+
+/// Each flavor's quota: resource → quantity.
+type Quotas = Vec<(&'static str, Vec<(String, String)>)>;
+
+/// `--kueue`: Kueue in the upper cluster, then `deploy/examples/kueue` with each flavor's
+/// quota what its nodes offer ([`flavor_quotas`]); returns when the LocalQueue is Active.
+async fn start_kueue(pair: &ClusterPair) -> Result<(Kueue, Quotas)> {
+    let kueue = Kueue::start(pair, &pair.upper).await?;
+    let client = pair.upper.client().await?;
+    let nodes = Api::<Node>::all(client.clone())
+        .list(&Default::default())
+        .await?
+        .items;
+    let quotas = flavor_quotas(&nodes)?;
+    let apply = PatchParams::apply("tensile-playground").force();
+    for (file, yaml) in KUEUE_EXAMPLES {
+        let documents = serde_saphyr::from_multiple::<Value>(yaml)
+            .with_context(|| format!("parsing deploy/examples/kueue/{file}"))?;
+        for mut object in documents.into_iter().filter(|d| !d.is_null()) {
+            if object["kind"] == "ClusterQueue" {
+                set_quotas(&mut object, &quotas)
+                    .with_context(|| format!("deploy/examples/kueue/{file}"))?;
+            }
+            let kind = object["kind"].as_str().unwrap_or_default().to_owned();
+            let name = object["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned();
+            let namespace = object["metadata"]["namespace"].as_str().map(str::to_owned);
+            kueue::api(&client, &kind, namespace.as_deref())
+                .patch(&name, &apply, &Patch::Apply(&object))
+                .await
+                .with_context(|| format!("applying the {kind} {name} of {file}"))?;
+        }
+    }
+    let queues = kueue::api(&client, "LocalQueue", Some("default"));
+    wait_for(
+        &format!(
+            "LocalQueue {LOCAL_QUEUE} Active (Kueue's log: {})",
+            kueue.log().display()
+        ),
+        WAIT,
+        || async {
+            let queue = serde_json::to_value(queues.get(LOCAL_QUEUE).await?)?;
+            let active = queue["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| c["type"] == "Active" && c["status"] == "True");
+            Ok(active.then_some(()))
+        },
+    )
+    .await?;
+    Ok((kueue, quotas))
+}
+
+/// What each flavor's nodes offer: `local` the regular nodes' allocatable, `burst` the
+/// virtual nodes' (labelled `type: virtual-kubelet`), summed per resource.
+fn flavor_quotas(nodes: &[Node]) -> Result<Quotas> {
+    let is_virtual = |node: &Node| {
+        node.metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get("type"))
+            .is_some_and(|t| t == "virtual-kubelet")
+    };
+    let mut quotas = Vec::new();
+    for (flavor, virtual_nodes) in [(LOCAL_FLAVOR, false), (BURST_FLAVOR, true)] {
+        let mut resources = Vec::new();
+        for resource in QUEUED_RESOURCES {
+            let mut milli: u128 = 0;
+            for node in nodes.iter().filter(|n| is_virtual(n) == virtual_nodes) {
+                let name = node.metadata.name.as_deref().unwrap_or_default();
+                let quantity = node
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.allocatable.as_ref())
+                    .and_then(|a| a.get(resource));
+                if let Some(quantity) = quantity {
+                    milli += parse_milli(&quantity.0).with_context(|| {
+                        format!("node {name}: allocatable {resource} {:?}", quantity.0)
+                    })?;
+                }
+            }
+            resources.push((resource.to_owned(), format_milli(resource, milli)));
+        }
+        quotas.push((flavor, resources));
+    }
+    Ok(quotas)
+}
+
+/// Sets each flavor's `nominalQuota`s in the ClusterQueue `object` to `quotas`.
+fn set_quotas(object: &mut Value, quotas: &Quotas) -> Result<()> {
+    for (flavor, resources) in quotas {
+        let entry = object["spec"]["resourceGroups"]
+            .as_array_mut()
+            .into_iter()
+            .flatten()
+            .flat_map(|g| g["flavors"].as_array_mut().into_iter().flatten())
+            .find(|f| f["name"] == *flavor)
+            .with_context(|| format!("the ClusterQueue has no flavor {flavor}"))?;
+        for (resource, quota) in resources {
+            let slot = entry["resources"]
+                .as_array_mut()
+                .into_iter()
+                .flatten()
+                .find(|r| r["name"] == resource.as_str())
+                .with_context(|| format!("flavor {flavor} has no {resource} quota"))?;
+            slot["nominalQuota"] = Value::String(quota.clone());
+        }
+    }
+    Ok(())
+}
+
+/// A non-negative quantity (`8`, `7500m`, `32Gi`, `1.5k`) in milli-units; `None` if it is
+/// not one.
+fn parse_milli(text: &str) -> Option<u128> {
+    let end = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, suffix) = text.split_at(end);
+    let (int, frac) = number.split_once('.').unwrap_or((number, ""));
+    if int.is_empty() && frac.is_empty() {
+        return None;
+    }
+    let mantissa: u128 = format!("{int}{frac}").parse().ok()?;
+    let scale = 10u128.checked_pow(u32::try_from(frac.len()).ok()?)?;
+    // The suffix's value in milli-units, as a fraction.
+    let (num, den): (u128, u128) = match suffix {
+        "" => (1000, 1),
+        "n" => (1, 1_000_000),
+        "u" => (1, 1000),
+        "m" => (1, 1),
+        "k" => (1000 * 1000, 1),
+        "M" => (1000 * 1_000_000, 1),
+        "G" => (1000 * 1_000_000_000, 1),
+        "T" => (1000 * 1_000_000_000_000, 1),
+        "P" => (1000 * 1_000_000_000_000_000, 1),
+        "E" => (1000 * 1_000_000_000_000_000_000, 1),
+        "Ki" => (1000 << 10, 1),
+        "Mi" => (1000 << 20, 1),
+        "Gi" => (1000 << 30, 1),
+        "Ti" => (1000 << 40, 1),
+        "Pi" => (1000 << 50, 1),
+        "Ei" => (1000 << 60, 1),
+        _ => return None,
+    };
+    Some(mantissa.checked_mul(num)?.div_ceil(scale.checked_mul(den)?))
+}
+
+/// `milli` milli-units of `resource` as a quantity: whole units where it is whole (pods
+/// always), else milli (`7500m`); memory in `Mi` or `Gi` where exact.
+fn format_milli(resource: &str, milli: u128) -> String {
+    let units = milli / 1000;
+    if resource == "pods" || milli.is_multiple_of(1000) {
+        if resource == "memory" {
+            for (suffix, bytes) in [("Gi", 1u128 << 30), ("Mi", 1 << 20)] {
+                if units > 0 && units.is_multiple_of(bytes) {
+                    return format!("{}{suffix}", units / bytes);
+                }
+            }
+        }
+        return units.to_string();
+    }
+    format!("{milli}m")
+}
+
+/// `--kueue`: the quotas, and the commands that submit Jobs and watch them burst.
+fn print_kueue(pair: &ClusterPair, kueue: &Kueue, quotas: &Quotas, members: usize) {
+    let upper = format!(
+        "{} --kubeconfig {}",
+        pair.bin("kubectl").display(),
+        pair.upper.kubeconfig.display()
+    );
+    let shown = |flavor: &str| {
+        quotas
+            .iter()
+            .find(|(f, _)| *f == flavor)
+            .map(|(_, resources)| {
+                resources
+                    .iter()
+                    .map(|(r, q)| format!("{r} {q}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })
+            .unwrap_or_default()
+    };
+    // One CPU a Job: what fills the regular nodes, and a few more.
+    let local_cpus = quotas
+        .iter()
+        .find(|(f, _)| *f == LOCAL_FLAVOR)
+        .and_then(|(_, r)| r.iter().find(|(r, _)| r == "cpu"))
+        .and_then(|(_, q)| parse_milli(q))
+        .map_or(0, |milli| milli / 1000);
+    let jobs = local_cpus + 4;
+    println!(
+        "
+batch bursting with Kueue (deploy/examples/kueue; README, \"Batch bursting with Kueue\"):"
+    );
+    println!(
+        "  ClusterQueue {CLUSTER_QUEUE}: flavor {LOCAL_FLAVOR} (regular nodes) {}, then {BURST_FLAVOR} (virtual nodes) {}",
+        shown(LOCAL_FLAVOR),
+        shown(BURST_FLAVOR)
+    );
+    if members == 1 {
+        println!(
+            "  (virtual-node {} keeps {BURST_FLAVOR}'s quota equal to the node's allocatable)",
+            kueue_quota_flag()
+        );
+    }
+    println!(
+        "  for i in $(seq {jobs}); do {upper} create -f deploy/examples/kueue/job.yaml; done   # {jobs} one-CPU Jobs in {LOCAL_QUEUE}"
+    );
+    println!(
+        "  {upper} get workloads,jobs,pods -o wide   # {local_cpus} on the regular nodes (flavor {LOCAL_FLAVOR}), the rest on the virtual nodes ({BURST_FLAVOR}), each done in 10s"
+    );
+    println!(
+        "  {upper} get clusterqueue {CLUSTER_QUEUE} -o jsonpath='{{.status.flavorsUsage}}'   # what each flavor uses"
+    );
+    println!("Kueue's log: {}", kueue.log().display());
 }
 
 fn print_summary(
@@ -833,6 +1126,86 @@ mod tests {
     #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
 
     use super::*;
+
+    /// The quotas come from the nodes: regular ones summed for `local`, virtual ones for
+    /// `burst`, and land in the ClusterQueue of `deploy/examples/kueue`, which its
+    /// kustomization applies with the other files the playground applies.
+    #[test]
+    fn kueue_quotas_are_the_nodes_allocatable() {
+        let node = |name: &str, virtual_node: bool, cpu: &str, memory: &str| -> Node {
+            let labels = if virtual_node {
+                serde_json::json!({"type": "virtual-kubelet"})
+            } else {
+                serde_json::json!({"type": "kwok"})
+            };
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name, "labels": labels},
+                "status": {"allocatable": {"cpu": cpu, "memory": memory, "pods": "110"}},
+            }))
+            .unwrap()
+        };
+        let nodes = [
+            node("upper-node-0", false, "8", "32Gi"),
+            node("upper-node-1", false, "7500m", "1Gi"),
+            node("vk-node", true, "23900m", "100663296Ki"),
+        ];
+        let quotas = flavor_quotas(&nodes).unwrap();
+        let want = |pairs: [(&str, &str); 3]| {
+            pairs
+                .iter()
+                .map(|(r, q)| ((*r).to_owned(), (*q).to_owned()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            quotas,
+            vec![
+                (
+                    LOCAL_FLAVOR,
+                    want([("cpu", "15500m"), ("memory", "33Gi"), ("pods", "220")])
+                ),
+                (
+                    BURST_FLAVOR,
+                    want([("cpu", "23900m"), ("memory", "96Gi"), ("pods", "110")])
+                ),
+            ]
+        );
+        let (_, yaml) = KUEUE_EXAMPLES[1];
+        let mut queue: Value = serde_saphyr::from_str(yaml).unwrap();
+        set_quotas(&mut queue, &quotas).unwrap();
+        let flavors = &queue["spec"]["resourceGroups"][0]["flavors"];
+        assert_eq!(flavors[0]["name"], LOCAL_FLAVOR);
+        assert_eq!(flavors[0]["resources"][0]["nominalQuota"], "15500m");
+        assert_eq!(flavors[1]["name"], BURST_FLAVOR);
+        assert_eq!(flavors[1]["resources"][1]["nominalQuota"], "96Gi");
+        assert_eq!(queue["metadata"]["name"], CLUSTER_QUEUE);
+
+        let kustomization: Value = serde_saphyr::from_str(include_str!(
+            "../../../../deploy/examples/kueue/kustomization.yaml"
+        ))
+        .unwrap();
+        let files: Vec<&str> = KUEUE_EXAMPLES.iter().map(|(f, _)| *f).collect();
+        assert_eq!(kustomization["resources"], serde_json::json!(files));
+    }
+
+    #[test]
+    fn quantities_in_milli_units() {
+        for (text, milli) in [
+            ("8", Some(8000)),
+            ("7500m", Some(7500)),
+            ("1.5", Some(1500)),
+            ("32Gi", Some(32_000 << 30)),
+            ("1k", Some(1_000_000)),
+            ("100n", Some(1)),
+            ("", None),
+            ("1e3", None),
+            ("x", None),
+        ] {
+            assert_eq!(parse_milli(text), milli, "{text:?}");
+        }
+        assert_eq!(format_milli("memory", 1000 << 20), "1Mi");
+        assert_eq!(format_milli("memory", 1500), "1500m");
+        assert_eq!(format_milli("cpu", 24_000), "24");
+    }
 
     /// `up --real-node` edits the example workload: every edit still applies, and the
     /// result is a pod placed on the real node with the local busybox image.
