@@ -11,6 +11,10 @@ pub const DELETION_COST_ANNOTATION: &str = "controller.kubernetes.io/pod-deletio
 /// copied below.
 pub const DELETION_COST_MARK: &str = "tensile.dev/deletion-cost";
 pub const VIRTUAL_POD_LABEL: &str = "virtual-pod";
+/// The label every virtual node carries (`type: virtual-kubelet`, tensile-kube's). A
+/// nodeSelector entry on it, or a required `type In [virtual-kubelet]`, selects the virtual
+/// node itself (Kueue's flavor for virtual nodes injects the first).
+pub const VIRTUAL_NODE_LABEL: (&str, &str) = ("type", "virtual-kubelet");
 /// Pod annotation: JSON `{"nodeSelector","affinity","tolerations"}` stashed by the webhook.
 pub const CLUSTER_SELECTOR_ANNOTATION: &str = "clusterSelector";
 /// Pod annotation: JSON map of the labels removed before mirroring (`--ignore-labels`).

@@ -10,7 +10,7 @@ use k8s_openapi::api::core::v1::{
 use serde::{Deserialize, Serialize};
 
 use super::TranslateError;
-use super::meta::CLUSTER_SELECTOR_ANNOTATION;
+use super::meta::{CLUSTER_SELECTOR_ANNOTATION, VIRTUAL_NODE_LABEL};
 use super::volume::HOSTNAME_LABEL;
 
 /// A pod's original constraints, as JSON `{"nodeSelector":…,"affinity":…,"tolerations":…}`
@@ -59,7 +59,11 @@ pub fn parse_cluster_selector(
 ///
 /// - `nodeSelector`: entries whose key is in `keep` stay in `spec`; the others move.
 /// - required node affinity: in each term, requirements (`matchExpressions` and
-///   `matchFields`) on a key in `keep` stay, the others move. Terms are alternatives, so a
+///   `matchFields`) on a key in `keep` stay, the others move.
+/// - what selects the virtual node itself ([`VIRTUAL_NODE_LABEL`]: a nodeSelector entry
+///   `type: virtual-kubelet`, a required `type In [virtual-kubelet]`) stays, whatever
+///   `keep` holds: it is for the upper scheduler, and no lower node carries it. Another
+///   value of `type`, `NotIn`, or more values move as any other. Terms are alternatives, so a
 ///   term left with nothing on one side leaves that side unconstrained (no required
 ///   affinity at all), rather than narrowing it to the other terms.
 /// - tolerations are copied, not moved: the upper pod still needs them (what it should
@@ -71,8 +75,9 @@ pub fn stash_constraints(spec: &mut PodSpec, keep: &BTreeSet<String>) -> Cluster
     let mut stash = ClusterSelector::default();
 
     if let Some(selector) = spec.node_selector.take() {
-        let (kept, moved): (BTreeMap<_, _>, BTreeMap<_, _>) =
-            selector.into_iter().partition(|(k, _)| keep.contains(k));
+        let (kept, moved): (BTreeMap<_, _>, BTreeMap<_, _>) = selector
+            .into_iter()
+            .partition(|(k, v)| keep.contains(k) || (k.as_str(), v.as_str()) == VIRTUAL_NODE_LABEL);
         spec.node_selector = (!kept.is_empty()).then_some(kept);
         stash.node_selector = (!moved.is_empty()).then_some(moved);
     }
@@ -125,7 +130,7 @@ fn split_required(
             let picked: Vec<_> = reqs
                 .iter()
                 .flatten()
-                .filter(|r| keep.contains(&r.key) == kept)
+                .filter(|r| (keep.contains(&r.key) || selects_virtual_node(r)) == kept)
                 .cloned()
                 .collect();
             (!picked.is_empty()).then_some(picked)
@@ -143,6 +148,17 @@ fn split_required(
         })
     };
     (side(true), side(false))
+}
+
+/// A required `type In [virtual-kubelet]`: the virtual node itself ([`VIRTUAL_NODE_LABEL`]).
+fn selects_virtual_node(requirement: &NodeSelectorRequirement) -> bool {
+    let (key, value) = VIRTUAL_NODE_LABEL;
+    requirement.key == key
+        && requirement.operator == "In"
+        && requirement
+            .values
+            .as_deref()
+            .is_some_and(|values| values.len() == 1 && values[0] == value)
 }
 
 fn term_is_empty(term: &NodeSelectorTerm) -> bool {
@@ -651,6 +667,20 @@ mod tests {
                     json!({"nodeSelector": {"testbase": "testbase"}}),
                     required_terms(vec![term(&["testbase"])]),
                 ),
+                json!({"containers": []}),
+            ),
+            (
+                "what selects the virtual node itself stays (Kueue's flavor), another type moves",
+                json!({"containers": [], "nodeSelector": {"type": "virtual-kubelet", "disk": "ssd"}}),
+                &[],
+                json!({"nodeSelector": {"disk": "ssd"}}),
+                json!({"containers": [], "nodeSelector": {"type": "virtual-kubelet"}}),
+            ),
+            (
+                "a selector on another type moves",
+                json!({"containers": [], "nodeSelector": {"type": "kwok"}}),
+                &[],
+                json!({"nodeSelector": {"type": "kwok"}}),
                 json!({"containers": []}),
             ),
         ];

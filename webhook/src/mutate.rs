@@ -15,9 +15,7 @@ use serde_json::Value;
 use tensile::translate::meta::{
     CLUSTER_SELECTOR_ANNOTATION, VIRTUAL_NODE_TAINT_EFFECT, VIRTUAL_POD_LABEL,
 };
-use tensile::translate::scheduling::{
-    ClusterSelector, avoid_nodes, parse_cluster_selector, stash_constraints,
-};
+use tensile::translate::scheduling::{avoid_nodes, parse_cluster_selector, stash_constraints};
 
 use crate::memory::DeschedulerMemory;
 use crate::review::AdmissionRequest;
@@ -37,14 +35,9 @@ pub use tensile::translate::volume::HOSTNAME_LABEL;
 /// Weight of the preference for regular nodes that the webhook adds to pods it lets burst
 /// (the most a preferred term may weigh).
 pub const LOCAL_FIRST_WEIGHT: i32 = 100;
-/// The label every virtual node carries (`type: virtual-kubelet`, tensile-kube's). A
-/// nodeSelector entry on it, or a required `type In [virtual-kubelet]`, selects the
-/// virtual node itself (Kueue's flavor for virtual nodes injects the first): it stays in
-/// the upper spec and is never stashed, since no lower node carries it.
-pub const VIRTUAL_NODE_LABEL: (&str, &str) = ("type", "virtual-kubelet");
-/// Stands for [`VIRTUAL_NODE_LABEL`]'s key while the rest is stashed: no label key has a
-/// space, so it is no user's key.
-const VIRTUAL_NODE_STAND_IN: &str = "type virtual-kubelet";
+/// The label every virtual node carries: what selects it stays in the upper spec, never
+/// stashed ([`stash_constraints`]).
+pub use tensile::translate::meta::VIRTUAL_NODE_LABEL;
 const NOT_READY: &str = "node.kubernetes.io/not-ready";
 const UNREACHABLE: &str = "node.kubernetes.io/unreachable";
 
@@ -297,8 +290,8 @@ pub fn admit(
     // would replace the original constraints with the upper ones. So the annotation is
     // written even when there is nothing to stash (`{}`, which virtual-node reads like
     // no annotation): it marks the pod as done.
-    let stash = (!already_stashed)
-        .then(|| stash_keeping_the_virtual_node(&mut new, &config.ignore_selector_keys));
+    let stash =
+        (!already_stashed).then(|| stash_constraints(&mut new, &config.ignore_selector_keys));
     new.tolerations = Some(upper_tolerations(
         new.tolerations.as_deref(),
         config.virtual_node_toleration.as_ref(),
@@ -360,56 +353,6 @@ pub fn admit(
         patch: ops,
         warnings: Vec::new(),
     }
-}
-
-/// [`stash_constraints`], except that what selects the virtual node itself
-/// ([`VIRTUAL_NODE_LABEL`]) stays in `spec` as the keys of `keep` do, by the same rules (a
-/// requirement on other values, or `NotIn`, moves as before).
-fn stash_keeping_the_virtual_node(spec: &mut PodSpec, keep: &BTreeSet<String>) -> ClusterSelector {
-    let (key, value) = VIRTUAL_NODE_LABEL;
-    let selects_virtual_node = |r: &NodeSelectorRequirement| {
-        r.key == key && r.operator == "In" && r.values.as_deref() == Some(&[value.to_owned()])
-    };
-    if let Some(selector) = spec.node_selector.as_mut()
-        && selector.get(key).is_some_and(|v| v == value)
-    {
-        selector.remove(key);
-        selector.insert(VIRTUAL_NODE_STAND_IN.to_owned(), value.to_owned());
-    }
-    for requirement in required_expressions(spec) {
-        if selects_virtual_node(requirement) {
-            VIRTUAL_NODE_STAND_IN.clone_into(&mut requirement.key);
-        }
-    }
-    let mut keep = keep.clone();
-    keep.insert(VIRTUAL_NODE_STAND_IN.to_owned());
-    // Kept entries stay in `spec`: the stash never holds the stand-in.
-    let stash = stash_constraints(spec, &keep);
-    if let Some(selector) = spec.node_selector.as_mut()
-        && let Some(value) = selector.remove(VIRTUAL_NODE_STAND_IN)
-    {
-        selector.insert(key.to_owned(), value);
-    }
-    for requirement in required_expressions(spec) {
-        if requirement.key == VIRTUAL_NODE_STAND_IN {
-            key.clone_into(&mut requirement.key);
-        }
-    }
-    stash
-}
-
-/// The `matchExpressions` of every term of the pod's required node affinity.
-fn required_expressions(spec: &mut PodSpec) -> impl Iterator<Item = &mut NodeSelectorRequirement> {
-    spec.affinity
-        .as_mut()
-        .and_then(|a| a.node_affinity.as_mut())
-        .and_then(|n| {
-            n.required_during_scheduling_ignored_during_execution
-                .as_mut()
-        })
-        .into_iter()
-        .flat_map(|r| r.node_selector_terms.iter_mut())
-        .flat_map(|t| t.match_expressions.iter_mut().flatten())
 }
 
 fn unreadable(request: &AdmissionRequest, what: &str, error: &dyn std::fmt::Display) -> Outcome {
