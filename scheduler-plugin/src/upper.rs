@@ -7,13 +7,13 @@ use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use kube::api::ObjectMeta;
 
-/// Node label every virtual node carries (tensile-kube's), `type=virtual-kubelet`.
-pub const VIRTUAL_NODE_TYPE_LABEL: (&str, &str) = ("type", "virtual-kubelet");
 /// Node label virtual-node writes on each virtual node: a non-negative integer, the
 /// member's place in the burst order (lowest fills first; absent means 0); and the pod
 /// annotation whose `eager` scores virtual nodes like regular ones (no local first).
 pub use tensile::node::burst::{BURST_ANNOTATION, BURST_EAGER, BURST_PRIORITY_LABEL};
 use tensile::node::groups::{LOWER_SELECTOR_ANNOTATION, MEMBER_NODE_LABEL, parse_lower_selector};
+/// Node label every virtual node carries (tensile-kube's), `type=virtual-kubelet`.
+pub use tensile::translate::meta::VIRTUAL_NODE_LABEL as VIRTUAL_NODE_TYPE_LABEL;
 use tensile::translate::scheduling::Confinement;
 
 /// An upper node, as filter and prioritize see it.

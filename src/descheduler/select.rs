@@ -12,7 +12,7 @@ use crate::translate::pod::MIRRORED_CONDITION;
 use crate::translate::scheduling::avoid_nodes;
 
 /// Label of virtual nodes (tensile-kube's).
-pub const VIRTUAL_NODE_LABEL: (&str, &str) = ("type", "virtual-kubelet");
+pub use crate::translate::meta::VIRTUAL_NODE_LABEL;
 /// Annotation naming the virtual node(s) a pod was moved off, comma-separated.
 pub const UNSCHEDULABLE_NODE_ANNOTATION: &str = "unschedulable-node";
 /// Annotation counting how often a pod (or its predecessors) was moved.

@@ -493,7 +493,8 @@ impl Cordons {
 
     /// Keeps every virtual node's cordon current until `shutdown`.
     pub async fn watch(self: std::sync::Arc<Self>, upper: Client, shutdown: CancellationToken) {
-        let config = watcher::Config::default().labels("type=virtual-kubelet");
+        let (key, value) = crate::translate::meta::VIRTUAL_NODE_LABEL;
+        let config = watcher::Config::default().labels(&format!("{key}={value}"));
         let mut events = watcher(Api::<Node>::all(upper), config).boxed();
         let mut listed = std::collections::HashSet::new();
         loop {

@@ -153,8 +153,8 @@ pub fn registered_by_tensile(node: &Node) -> bool {
     match runtime {
         Some(runtime) => runtime.starts_with(TENSILE_RUNTIME),
         None => node.metadata.labels.as_ref().is_some_and(|labels| {
-            labels.get("type").is_some_and(|t| t == "virtual-kubelet")
-                && labels.contains_key("clusterID")
+            let (key, value) = crate::translate::meta::VIRTUAL_NODE_LABEL;
+            labels.get(key).is_some_and(|t| t == value) && labels.contains_key("clusterID")
         }),
     }
 }

@@ -91,7 +91,7 @@ pub fn node_labels(config: &NodeConfig) -> BTreeMap<String, String> {
     let os = config.os.to_lowercase();
     let group = config.lower_selector.is_some();
     let own = [
-        ("type", "virtual-kubelet"),
+        crate::translate::meta::VIRTUAL_NODE_LABEL,
         ("kubernetes.io/role", "agent"),
         ("kubernetes.io/hostname", config.name.as_str()),
         ("kubernetes.io/os", os.as_str()),
