@@ -177,16 +177,17 @@ pub fn node_usable(node: &Node) -> bool {
 }
 
 /// Node features that describe the kubelet's own API server rather than how pods run:
-/// virtual-node serves that API itself, so a lower kubelet's say does not hold for it.
-/// `ExtendWebSocketsToKubelet` makes the upper API server hand a WebSocket exec, attach or
-/// port-forward to the node as it came (instead of as SPDY); virtual-node's WebSocket exec
-/// closed such a kubectl session without its status ("close 1005 (no status)", found by
-/// Kubernetes' resize e2e through vk-node), so it is not declared until that path is served.
+/// virtual-node serves that API itself, so it declares them for what it serves, whatever the
+/// lower kubelets say. `ExtendWebSocketsToKubelet`: the upper API server hands a WebSocket
+/// exec, attach or port-forward to the node as it came (instead of translating it to SPDY),
+/// and virtual-node serves those (`kubelet_api::websocket`, and SPDY tunnelled in a
+/// WebSocket), closing each with a normal close frame as the kubelet does.
 pub const KUBELET_API_FEATURES: [&str; 1] = ["ExtendWebSocketsToKubelet"];
 
-/// The features (`status.declaredFeatures`) every usable lower node declares ([`node_usable`];
-/// all of them when none is usable), sorted, but [`KUBELET_API_FEATURES`]: what a virtual
-/// node standing for any of them may declare. None without nodes.
+/// The features (`status.declaredFeatures`) a virtual node declares, sorted: those every
+/// usable lower node declares ([`node_usable`]; all of them when none is usable), which a
+/// node standing for any of them may declare, and [`KUBELET_API_FEATURES`], which are its
+/// own kubelet API's.
 pub fn common_declared_features(nodes: &[Node]) -> Vec<String> {
     let usable: Vec<&Node> = nodes.iter().filter(|n| node_usable(n)).collect();
     let counted: Vec<&Node> = if usable.is_empty() {
@@ -203,15 +204,18 @@ pub fn common_declared_features(nodes: &[Node]) -> Vec<String> {
             .collect()
     };
     let mut nodes = counted.into_iter();
-    let Some(first) = nodes.next() else {
-        return Vec::new();
-    };
-    nodes
-        .fold(declared(first), |common, node| {
+    let lower = match nodes.next() {
+        Some(first) => nodes.fold(declared(first), |common, node| {
             common.intersection(&declared(node)).cloned().collect()
-        })
+        }),
+        None => std::collections::BTreeSet::new(),
+    };
+    lower
         .into_iter()
         .filter(|feature| !KUBELET_API_FEATURES.contains(&feature.as_str()))
+        .chain(KUBELET_API_FEATURES.iter().map(|f| (*f).to_owned()))
+        .collect::<std::collections::BTreeSet<String>>()
+        .into_iter()
         .collect()
 }
 
@@ -287,24 +291,36 @@ mod tests {
             "InPlacePodVerticalScalingInitContainers",
             "PodLevelResources",
         ];
+        let own = "ExtendWebSocketsToKubelet";
+        let with_own = |features: &[&'static str]| -> Vec<&'static str> {
+            let mut all = features.to_vec();
+            all.push(own);
+            all.sort_unstable();
+            all
+        };
         // (case, nodes, declared)
         let cases: Vec<(&str, Vec<Node>, Vec<&str>)> = vec![
-            ("no nodes", vec![], vec![]),
-            ("one node", vec![node("True", &a)], a.to_vec()),
+            ("no nodes: its own kubelet API's", vec![], vec![own]),
+            ("one node", vec![node("True", &a)], with_own(&a)),
             (
                 "only what all declare",
                 vec![node("True", &a), node("True", &["PodLevelResources"])],
-                vec!["PodLevelResources"],
+                with_own(&["PodLevelResources"]),
             ),
             (
                 "a NotReady node does not narrow it",
                 vec![node("True", &a), node("False", &[])],
-                a.to_vec(),
+                with_own(&a),
             ),
             (
                 "none usable: all of them",
                 vec![node("False", &a), node("False", &a)],
-                a.to_vec(),
+                with_own(&a),
+            ),
+            (
+                "the kubelet API's own, declared once whatever the lower kubelets say",
+                vec![node("True", &[own, "PodLevelResources"]), node("True", &[])],
+                vec![own],
             ),
         ];
         for (case, nodes, want) in cases {
