@@ -53,6 +53,9 @@ trap 'rm -rf "$tmp"' EXIT
 # -trimpath: the Go build cache of ../build.sh (which builds with it) is reused.
 export GOFLAGS="${GOFLAGS:-} -mod=mod -trimpath"
 export CGO_ENABLED=0
+# The module's source first: on a machine whose module cache is empty, `go list -m` names
+# no directory until it is downloaded.
+env -C "$here" go mod download "$module"
 module_dir=$(env -C "$here" go list -m -f '{{.Dir}}' "$module")
 main_go="$module_dir/cmd/kueue/main.go"
 fixed='metricsCertPath := "/etc/kueue/metrics/certs"'
