@@ -29,6 +29,7 @@ use k8s_openapi::api::admissionregistration::v1::{
     MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
 };
 use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use kube::Client;
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
@@ -56,6 +57,8 @@ pub const NAMESPACE: &str = "kueue-system";
 pub const FRAMEWORKS: [&str; 2] = ["batch/job", "pod"];
 /// How long the manager may take to serve (its caches sync, its webhook server starts).
 const READY_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long Kueue may take to make a LocalQueue Active once applied.
+const QUEUE_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The directory `tests/k8s/kueue/build.sh` printed (`bin/kueue`, `crds.yaml`,
 /// `webhooks.yaml`, `webhook-kustomization.yaml`, `conversion.yaml`).
@@ -134,6 +137,215 @@ pub fn api(client: &Client, kind: &str, namespace: Option<&str>) -> Api<DynamicO
         Some(namespace) => Api::namespaced_with(client.clone(), namespace, &resource),
         None => Api::all_with(client.clone(), &resource),
     }
+}
+
+/// `deploy/examples/kueue`, as its kustomization lists it (the sample Job apart): file name
+/// and contents.
+pub const EXAMPLES: [(&str, &str); 4] = [
+    (
+        "flavors.yaml",
+        include_str!("../../../deploy/examples/kueue/flavors.yaml"),
+    ),
+    (
+        "cluster-queue.yaml",
+        include_str!("../../../deploy/examples/kueue/cluster-queue.yaml"),
+    ),
+    (
+        "local-queue.yaml",
+        include_str!("../../../deploy/examples/kueue/local-queue.yaml"),
+    ),
+    (
+        "priority-classes.yaml",
+        include_str!("../../../deploy/examples/kueue/priority-classes.yaml"),
+    ),
+];
+/// The ClusterQueue of [`EXAMPLES`].
+pub const CLUSTER_QUEUE: &str = "cluster-queue";
+/// Its first flavor: the regular nodes.
+pub const LOCAL_FLAVOR: &str = "local";
+/// Its second flavor: the virtual nodes.
+pub const BURST_FLAVOR: &str = "burst";
+/// The LocalQueue of [`EXAMPLES`] (in `default`).
+pub const LOCAL_QUEUE: &str = "user-queue";
+/// The resources the ClusterQueue covers.
+pub const QUEUED_RESOURCES: [&str; 3] = ["cpu", "memory", "pods"];
+
+/// Each flavor's quota: resource → quantity.
+pub type Quotas = Vec<(&'static str, Vec<(String, String)>)>;
+
+/// What each flavor's nodes offer: [`LOCAL_FLAVOR`] the regular nodes' allocatable,
+/// [`BURST_FLAVOR`] the virtual nodes' (labelled `type: virtual-kubelet`), summed per
+/// resource.
+pub fn flavor_quotas(nodes: &[Node]) -> Result<Quotas> {
+    let is_virtual = |node: &Node| {
+        node.metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get("type"))
+            .is_some_and(|t| t == "virtual-kubelet")
+    };
+    let mut quotas = Vec::new();
+    for (flavor, virtual_nodes) in [(LOCAL_FLAVOR, false), (BURST_FLAVOR, true)] {
+        let mut resources = Vec::new();
+        for resource in QUEUED_RESOURCES {
+            let mut milli: u128 = 0;
+            for node in nodes.iter().filter(|n| is_virtual(n) == virtual_nodes) {
+                let name = node.metadata.name.as_deref().unwrap_or_default();
+                let quantity = node
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.allocatable.as_ref())
+                    .and_then(|a| a.get(resource));
+                if let Some(quantity) = quantity {
+                    milli += parse_milli(&quantity.0).with_context(|| {
+                        format!("node {name}: allocatable {resource} {:?}", quantity.0)
+                    })?;
+                }
+            }
+            resources.push((resource.to_owned(), format_milli(resource, milli)));
+        }
+        quotas.push((flavor, resources));
+    }
+    Ok(quotas)
+}
+
+/// Sets each flavor's `nominalQuota`s in the ClusterQueue `object` to `quotas`.
+pub fn set_quotas(object: &mut Value, quotas: &Quotas) -> Result<()> {
+    for (flavor, resources) in quotas {
+        let entry = object["spec"]["resourceGroups"]
+            .as_array_mut()
+            .into_iter()
+            .flatten()
+            .flat_map(|g| g["flavors"].as_array_mut().into_iter().flatten())
+            .find(|f| f["name"] == *flavor)
+            .with_context(|| format!("the ClusterQueue has no flavor {flavor}"))?;
+        for (resource, quota) in resources {
+            let slot = entry["resources"]
+                .as_array_mut()
+                .into_iter()
+                .flatten()
+                .find(|r| r["name"] == resource.as_str())
+                .with_context(|| format!("flavor {flavor} has no {resource} quota"))?;
+            slot["nominalQuota"] = Value::String(quota.clone());
+        }
+    }
+    Ok(())
+}
+
+/// The objects of [`EXAMPLES`], in order, the ClusterQueue's quotas set to `quotas`.
+pub fn example_objects(quotas: &Quotas) -> Result<Vec<Value>> {
+    let mut objects = Vec::new();
+    for (file, yaml) in EXAMPLES {
+        for mut object in documents(yaml, &format!("deploy/examples/kueue/{file}"))? {
+            if object["kind"] == "ClusterQueue" {
+                set_quotas(&mut object, quotas)
+                    .with_context(|| format!("deploy/examples/kueue/{file}"))?;
+            }
+            objects.push(object);
+        }
+    }
+    Ok(objects)
+}
+
+/// Applies Kueue's `object` (server-side, as `manager`) in the cluster of `client`.
+pub async fn apply(client: &Client, object: &Value, manager: &str) -> Result<()> {
+    let kind = object["kind"].as_str().unwrap_or_default();
+    let name = object["metadata"]["name"]
+        .as_str()
+        .context("a Kueue object without a name")?;
+    let namespace = object["metadata"]["namespace"].as_str();
+    api(client, kind, namespace)
+        .patch(
+            name,
+            &PatchParams::apply(manager).force(),
+            &Patch::Apply(object),
+        )
+        .await
+        .with_context(|| format!("applying the {kind} {name}"))?;
+    Ok(())
+}
+
+/// Applies [`EXAMPLES`] with the ClusterQueue's quotas `quotas` (typically
+/// [`flavor_quotas`] of the cluster's nodes; a virtual node's `--kueue-quota` keeps its
+/// flavor's afterwards) in the cluster of `client`; returns when the LocalQueue is Active.
+pub async fn apply_examples(client: &Client, quotas: &Quotas) -> Result<()> {
+    for object in example_objects(quotas)? {
+        apply(client, &object, "tensile-harness").await?;
+    }
+    wait_for_local_queue(client, "default", LOCAL_QUEUE).await
+}
+
+/// Waits until the LocalQueue `namespace/name` is Active (its ClusterQueue and flavors
+/// exist and Kueue took them in).
+pub async fn wait_for_local_queue(client: &Client, namespace: &str, name: &str) -> Result<()> {
+    let queues = api(client, "LocalQueue", Some(namespace));
+    wait_for(
+        &format!("LocalQueue {namespace}/{name} Active"),
+        QUEUE_TIMEOUT,
+        || async {
+            let queue = serde_json::to_value(queues.get(name).await?)?;
+            let active = queue["status"]["conditions"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|c| c["type"] == "Active" && c["status"] == "True");
+            Ok(active.then_some(()))
+        },
+    )
+    .await
+}
+
+/// A non-negative quantity (`8`, `7500m`, `32Gi`, `1.5k`) in milli-units; `None` if it is
+/// not one.
+pub fn parse_milli(text: &str) -> Option<u128> {
+    let end = text
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(text.len());
+    let (number, suffix) = text.split_at(end);
+    let (int, frac) = number.split_once('.').unwrap_or((number, ""));
+    if int.is_empty() && frac.is_empty() {
+        return None;
+    }
+    let mantissa: u128 = format!("{int}{frac}").parse().ok()?;
+    let scale = 10u128.checked_pow(u32::try_from(frac.len()).ok()?)?;
+    // The suffix's value in milli-units, as a fraction.
+    let (num, den): (u128, u128) = match suffix {
+        "" => (1000, 1),
+        "n" => (1, 1_000_000),
+        "u" => (1, 1000),
+        "m" => (1, 1),
+        "k" => (1000 * 1000, 1),
+        "M" => (1000 * 1_000_000, 1),
+        "G" => (1000 * 1_000_000_000, 1),
+        "T" => (1000 * 1_000_000_000_000, 1),
+        "P" => (1000 * 1_000_000_000_000_000, 1),
+        "E" => (1000 * 1_000_000_000_000_000_000, 1),
+        "Ki" => (1000 << 10, 1),
+        "Mi" => (1000 << 20, 1),
+        "Gi" => (1000 << 30, 1),
+        "Ti" => (1000 << 40, 1),
+        "Pi" => (1000 << 50, 1),
+        "Ei" => (1000 << 60, 1),
+        _ => return None,
+    };
+    Some(mantissa.checked_mul(num)?.div_ceil(scale.checked_mul(den)?))
+}
+
+/// `milli` milli-units of `resource` as a quantity: whole units where it is whole (pods
+/// always), else milli (`7500m`); memory in `Mi` or `Gi` where exact.
+fn format_milli(resource: &str, milli: u128) -> String {
+    let units = milli / 1000;
+    if resource == "pods" || milli.is_multiple_of(1000) {
+        if resource == "memory" {
+            for (suffix, bytes) in [("Gi", 1u128 << 30), ("Mi", 1 << 20)] {
+                if units > 0 && units.is_multiple_of(bytes) {
+                    return format!("{}{suffix}", units / bytes);
+                }
+            }
+        }
+        return units.to_string();
+    }
+    format!("{milli}m")
 }
 
 /// A running Kueue manager and its installation in one cluster. Dropping it kills the
@@ -270,6 +482,11 @@ impl Kueue {
     /// The manager's log.
     pub fn log(&self) -> &Path {
         self.process.log()
+    }
+
+    /// The manager's process id (its CPU time, `/proc/<pid>/stat`).
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
     }
 
     /// Fails (with the end of its log) unless the manager still runs.
@@ -679,6 +896,91 @@ patches:
                     .to_owned(),
             ]
         );
+    }
+
+    /// The quotas come from the nodes: regular ones summed for `local`, virtual ones for
+    /// `burst`, and land in the ClusterQueue of `deploy/examples/kueue`, which its
+    /// kustomization applies with the other files [`apply_examples`] applies.
+    #[test]
+    fn example_quotas_are_the_nodes_allocatable() {
+        let node = |name: &str, virtual_node: bool, cpu: &str, memory: &str| -> Node {
+            let labels = if virtual_node {
+                json!({"type": "virtual-kubelet"})
+            } else {
+                json!({"type": "kwok"})
+            };
+            serde_json::from_value(json!({
+                "metadata": {"name": name, "labels": labels},
+                "status": {"allocatable": {"cpu": cpu, "memory": memory, "pods": "110"}},
+            }))
+            .unwrap()
+        };
+        let nodes = [
+            node("upper-node-0", false, "8", "32Gi"),
+            node("upper-node-1", false, "7500m", "1Gi"),
+            node("vk-node", true, "23900m", "100663296Ki"),
+        ];
+        let quotas = flavor_quotas(&nodes).unwrap();
+        let want = |pairs: [(&str, &str); 3]| {
+            pairs
+                .iter()
+                .map(|(r, q)| ((*r).to_owned(), (*q).to_owned()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            quotas,
+            vec![
+                (
+                    LOCAL_FLAVOR,
+                    want([("cpu", "15500m"), ("memory", "33Gi"), ("pods", "220")])
+                ),
+                (
+                    BURST_FLAVOR,
+                    want([("cpu", "23900m"), ("memory", "96Gi"), ("pods", "110")])
+                ),
+            ]
+        );
+        let objects = example_objects(&quotas).unwrap();
+        let queue = objects
+            .iter()
+            .find(|o| o["kind"] == "ClusterQueue")
+            .unwrap();
+        let flavors = &queue["spec"]["resourceGroups"][0]["flavors"];
+        assert_eq!(flavors[0]["name"], LOCAL_FLAVOR);
+        assert_eq!(flavors[0]["resources"][0]["nominalQuota"], "15500m");
+        assert_eq!(flavors[1]["name"], BURST_FLAVOR);
+        assert_eq!(flavors[1]["resources"][1]["nominalQuota"], "96Gi");
+        assert_eq!(queue["metadata"]["name"], CLUSTER_QUEUE);
+        let local_queue = objects.iter().find(|o| o["kind"] == "LocalQueue").unwrap();
+        assert_eq!(local_queue["metadata"]["name"], LOCAL_QUEUE);
+        assert_eq!(local_queue["metadata"]["namespace"], "default");
+
+        let kustomization: Value = serde_saphyr::from_str(include_str!(
+            "../../../deploy/examples/kueue/kustomization.yaml"
+        ))
+        .unwrap();
+        let files: Vec<&str> = EXAMPLES.iter().map(|(f, _)| *f).collect();
+        assert_eq!(kustomization["resources"], json!(files));
+    }
+
+    #[test]
+    fn quantities_in_milli_units() {
+        for (text, milli) in [
+            ("8", Some(8000)),
+            ("7500m", Some(7500)),
+            ("1.5", Some(1500)),
+            ("32Gi", Some(32_000 << 30)),
+            ("1k", Some(1_000_000)),
+            ("100n", Some(1)),
+            ("", None),
+            ("1e3", None),
+            ("x", None),
+        ] {
+            assert_eq!(parse_milli(text), milli, "{text:?}");
+        }
+        assert_eq!(format_milli("memory", 1000 << 20), "1Mi");
+        assert_eq!(format_milli("memory", 1500), "1500m");
+        assert_eq!(format_milli("cpu", 24_000), "24");
     }
 
     /// A patch naming a webhook the manifests lack is an error, not silently dropped.

@@ -19,13 +19,14 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 use k8s_openapi::api::core::v1::{Node, Pod};
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::Api;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
-use serde_json::Value;
 use tensile_harness::conformance::{self, ConformanceOptions, Preset, Way};
 use tensile_harness::install::{self, LOWER_REAL_NODE, UPPER_REAL_NODE};
-use tensile_harness::kueue::{self, Kueue};
+use tensile_harness::kueue::{
+    self, BURST_FLAVOR, CLUSTER_QUEUE, Kueue, LOCAL_FLAVOR, LOCAL_QUEUE, Quotas, parse_milli,
+};
 use tensile_harness::metrics_server::USAGE_CPU_ANNOTATION;
 use tensile_harness::real_node::BUSYBOX_IMAGE;
 use tensile_harness::{
@@ -646,43 +647,14 @@ async fn apply_demo(pair: &ClusterPair, real_node: bool) -> Result<()> {
     Ok(())
 }
 
-/// `deploy/examples/kueue`, as its kustomization lists it (the sample Job apart).
-const KUEUE_EXAMPLES: [(&str, &str); 4] = [
-    (
-        "flavors.yaml",
-        include_str!("../../../../deploy/examples/kueue/flavors.yaml"),
-    ),
-    (
-        "cluster-queue.yaml",
-        include_str!("../../../../deploy/examples/kueue/cluster-queue.yaml"),
-    ),
-    (
-        "local-queue.yaml",
-        include_str!("../../../../deploy/examples/kueue/local-queue.yaml"),
-    ),
-    (
-        "priority-classes.yaml",
-        include_str!("../../../../deploy/examples/kueue/priority-classes.yaml"),
-    ),
-];
-/// The ClusterQueue of `deploy/examples/kueue`, its flavors in order, and its LocalQueue.
-const CLUSTER_QUEUE: &str = "cluster-queue";
-const LOCAL_FLAVOR: &str = "local";
-const BURST_FLAVOR: &str = "burst";
-const LOCAL_QUEUE: &str = "user-queue";
-/// The resources the ClusterQueue covers.
-const QUEUED_RESOURCES: [&str; 3] = ["cpu", "memory", "pods"];
-
 /// virtual-node's flag that keeps flavor `burst`'s quota equal to its node's allocatable.
 fn kueue_quota_flag() -> String {
     format!("--kueue-quota={CLUSTER_QUEUE}/{BURST_FLAVOR}")
 }
 
-/// Each flavor's quota: resource → quantity.
-type Quotas = Vec<(&'static str, Vec<(String, String)>)>;
-
 /// `--kueue`: Kueue in the upper cluster, then `deploy/examples/kueue` with each flavor's
-/// quota what its nodes offer ([`flavor_quotas`]); returns when the LocalQueue is Active.
+/// quota what its nodes offer ([`kueue::flavor_quotas`]); returns when the LocalQueue is
+/// Active.
 async fn start_kueue(pair: &ClusterPair) -> Result<(Kueue, Quotas)> {
     let kueue = Kueue::start(pair, &pair.upper).await?;
     let client = pair.upper.client().await?;
@@ -690,158 +662,16 @@ async fn start_kueue(pair: &ClusterPair) -> Result<(Kueue, Quotas)> {
         .list(&Default::default())
         .await?
         .items;
-    let quotas = flavor_quotas(&nodes)?;
-    let apply = PatchParams::apply("tensile-playground").force();
-    for (file, yaml) in KUEUE_EXAMPLES {
-        let documents = serde_saphyr::from_multiple::<Value>(yaml)
-            .with_context(|| format!("parsing deploy/examples/kueue/{file}"))?;
-        for mut object in documents.into_iter().filter(|d| !d.is_null()) {
-            if object["kind"] == "ClusterQueue" {
-                set_quotas(&mut object, &quotas)
-                    .with_context(|| format!("deploy/examples/kueue/{file}"))?;
-            }
-            let kind = object["kind"].as_str().unwrap_or_default().to_owned();
-            let name = object["metadata"]["name"]
-                .as_str()
-                .unwrap_or_default()
-                .to_owned();
-            let namespace = object["metadata"]["namespace"].as_str().map(str::to_owned);
-            kueue::api(&client, &kind, namespace.as_deref())
-                .patch(&name, &apply, &Patch::Apply(&object))
-                .await
-                .with_context(|| format!("applying the {kind} {name} of {file}"))?;
-        }
-    }
-    let queues = kueue::api(&client, "LocalQueue", Some("default"));
-    wait_for(
-        &format!(
-            "LocalQueue {LOCAL_QUEUE} Active (Kueue's log: {})",
-            kueue.log().display()
-        ),
-        WAIT,
-        || async {
-            let queue = serde_json::to_value(queues.get(LOCAL_QUEUE).await?)?;
-            let active = queue["status"]["conditions"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .any(|c| c["type"] == "Active" && c["status"] == "True");
-            Ok(active.then_some(()))
-        },
-    )
-    .await?;
+    let quotas = kueue::flavor_quotas(&nodes)?;
+    kueue::apply_examples(&client, &quotas)
+        .await
+        .with_context(|| {
+            format!(
+                "deploy/examples/kueue (Kueue's log: {})",
+                kueue.log().display()
+            )
+        })?;
     Ok((kueue, quotas))
-}
-
-/// What each flavor's nodes offer: `local` the regular nodes' allocatable, `burst` the
-/// virtual nodes' (labelled `type: virtual-kubelet`), summed per resource.
-fn flavor_quotas(nodes: &[Node]) -> Result<Quotas> {
-    let is_virtual = |node: &Node| {
-        node.metadata
-            .labels
-            .as_ref()
-            .and_then(|l| l.get("type"))
-            .is_some_and(|t| t == "virtual-kubelet")
-    };
-    let mut quotas = Vec::new();
-    for (flavor, virtual_nodes) in [(LOCAL_FLAVOR, false), (BURST_FLAVOR, true)] {
-        let mut resources = Vec::new();
-        for resource in QUEUED_RESOURCES {
-            let mut milli: u128 = 0;
-            for node in nodes.iter().filter(|n| is_virtual(n) == virtual_nodes) {
-                let name = node.metadata.name.as_deref().unwrap_or_default();
-                let quantity = node
-                    .status
-                    .as_ref()
-                    .and_then(|s| s.allocatable.as_ref())
-                    .and_then(|a| a.get(resource));
-                if let Some(quantity) = quantity {
-                    milli += parse_milli(&quantity.0).with_context(|| {
-                        format!("node {name}: allocatable {resource} {:?}", quantity.0)
-                    })?;
-                }
-            }
-            resources.push((resource.to_owned(), format_milli(resource, milli)));
-        }
-        quotas.push((flavor, resources));
-    }
-    Ok(quotas)
-}
-
-/// Sets each flavor's `nominalQuota`s in the ClusterQueue `object` to `quotas`.
-fn set_quotas(object: &mut Value, quotas: &Quotas) -> Result<()> {
-    for (flavor, resources) in quotas {
-        let entry = object["spec"]["resourceGroups"]
-            .as_array_mut()
-            .into_iter()
-            .flatten()
-            .flat_map(|g| g["flavors"].as_array_mut().into_iter().flatten())
-            .find(|f| f["name"] == *flavor)
-            .with_context(|| format!("the ClusterQueue has no flavor {flavor}"))?;
-        for (resource, quota) in resources {
-            let slot = entry["resources"]
-                .as_array_mut()
-                .into_iter()
-                .flatten()
-                .find(|r| r["name"] == resource.as_str())
-                .with_context(|| format!("flavor {flavor} has no {resource} quota"))?;
-            slot["nominalQuota"] = Value::String(quota.clone());
-        }
-    }
-    Ok(())
-}
-
-/// A non-negative quantity (`8`, `7500m`, `32Gi`, `1.5k`) in milli-units; `None` if it is
-/// not one.
-fn parse_milli(text: &str) -> Option<u128> {
-    let end = text
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(text.len());
-    let (number, suffix) = text.split_at(end);
-    let (int, frac) = number.split_once('.').unwrap_or((number, ""));
-    if int.is_empty() && frac.is_empty() {
-        return None;
-    }
-    let mantissa: u128 = format!("{int}{frac}").parse().ok()?;
-    let scale = 10u128.checked_pow(u32::try_from(frac.len()).ok()?)?;
-    // The suffix's value in milli-units, as a fraction.
-    let (num, den): (u128, u128) = match suffix {
-        "" => (1000, 1),
-        "n" => (1, 1_000_000),
-        "u" => (1, 1000),
-        "m" => (1, 1),
-        "k" => (1000 * 1000, 1),
-        "M" => (1000 * 1_000_000, 1),
-        "G" => (1000 * 1_000_000_000, 1),
-        "T" => (1000 * 1_000_000_000_000, 1),
-        "P" => (1000 * 1_000_000_000_000_000, 1),
-        "E" => (1000 * 1_000_000_000_000_000_000, 1),
-        "Ki" => (1000 << 10, 1),
-        "Mi" => (1000 << 20, 1),
-        "Gi" => (1000 << 30, 1),
-        "Ti" => (1000 << 40, 1),
-        "Pi" => (1000 << 50, 1),
-        "Ei" => (1000 << 60, 1),
-        _ => return None,
-    };
-    Some(mantissa.checked_mul(num)?.div_ceil(scale.checked_mul(den)?))
-}
-
-/// `milli` milli-units of `resource` as a quantity: whole units where it is whole (pods
-/// always), else milli (`7500m`); memory in `Mi` or `Gi` where exact.
-fn format_milli(resource: &str, milli: u128) -> String {
-    let units = milli / 1000;
-    if resource == "pods" || milli.is_multiple_of(1000) {
-        if resource == "memory" {
-            for (suffix, bytes) in [("Gi", 1u128 << 30), ("Mi", 1 << 20)] {
-                if units > 0 && units.is_multiple_of(bytes) {
-                    return format!("{}{suffix}", units / bytes);
-                }
-            }
-        }
-        return units.to_string();
-    }
-    format!("{milli}m")
 }
 
 /// `--kueue`: the quotas, and the commands that submit Jobs and watch them burst.
@@ -1126,86 +956,6 @@ mod tests {
     #![allow(clippy::unwrap_used)] // test code: a failed unwrap is a failed test
 
     use super::*;
-
-    /// The quotas come from the nodes: regular ones summed for `local`, virtual ones for
-    /// `burst`, and land in the ClusterQueue of `deploy/examples/kueue`, which its
-    /// kustomization applies with the other files the playground applies.
-    #[test]
-    fn kueue_quotas_are_the_nodes_allocatable() {
-        let node = |name: &str, virtual_node: bool, cpu: &str, memory: &str| -> Node {
-            let labels = if virtual_node {
-                serde_json::json!({"type": "virtual-kubelet"})
-            } else {
-                serde_json::json!({"type": "kwok"})
-            };
-            serde_json::from_value(serde_json::json!({
-                "metadata": {"name": name, "labels": labels},
-                "status": {"allocatable": {"cpu": cpu, "memory": memory, "pods": "110"}},
-            }))
-            .unwrap()
-        };
-        let nodes = [
-            node("upper-node-0", false, "8", "32Gi"),
-            node("upper-node-1", false, "7500m", "1Gi"),
-            node("vk-node", true, "23900m", "100663296Ki"),
-        ];
-        let quotas = flavor_quotas(&nodes).unwrap();
-        let want = |pairs: [(&str, &str); 3]| {
-            pairs
-                .iter()
-                .map(|(r, q)| ((*r).to_owned(), (*q).to_owned()))
-                .collect::<Vec<_>>()
-        };
-        assert_eq!(
-            quotas,
-            vec![
-                (
-                    LOCAL_FLAVOR,
-                    want([("cpu", "15500m"), ("memory", "33Gi"), ("pods", "220")])
-                ),
-                (
-                    BURST_FLAVOR,
-                    want([("cpu", "23900m"), ("memory", "96Gi"), ("pods", "110")])
-                ),
-            ]
-        );
-        let (_, yaml) = KUEUE_EXAMPLES[1];
-        let mut queue: Value = serde_saphyr::from_str(yaml).unwrap();
-        set_quotas(&mut queue, &quotas).unwrap();
-        let flavors = &queue["spec"]["resourceGroups"][0]["flavors"];
-        assert_eq!(flavors[0]["name"], LOCAL_FLAVOR);
-        assert_eq!(flavors[0]["resources"][0]["nominalQuota"], "15500m");
-        assert_eq!(flavors[1]["name"], BURST_FLAVOR);
-        assert_eq!(flavors[1]["resources"][1]["nominalQuota"], "96Gi");
-        assert_eq!(queue["metadata"]["name"], CLUSTER_QUEUE);
-
-        let kustomization: Value = serde_saphyr::from_str(include_str!(
-            "../../../../deploy/examples/kueue/kustomization.yaml"
-        ))
-        .unwrap();
-        let files: Vec<&str> = KUEUE_EXAMPLES.iter().map(|(f, _)| *f).collect();
-        assert_eq!(kustomization["resources"], serde_json::json!(files));
-    }
-
-    #[test]
-    fn quantities_in_milli_units() {
-        for (text, milli) in [
-            ("8", Some(8000)),
-            ("7500m", Some(7500)),
-            ("1.5", Some(1500)),
-            ("32Gi", Some(32_000 << 30)),
-            ("1k", Some(1_000_000)),
-            ("100n", Some(1)),
-            ("", None),
-            ("1e3", None),
-            ("x", None),
-        ] {
-            assert_eq!(parse_milli(text), milli, "{text:?}");
-        }
-        assert_eq!(format_milli("memory", 1000 << 20), "1Mi");
-        assert_eq!(format_milli("memory", 1500), "1500m");
-        assert_eq!(format_milli("cpu", 24_000), "24");
-    }
 
     /// `up --real-node` edits the example workload: every edit still applies, and the
     /// result is a pod placed on the real node with the local busybox image.
