@@ -37,6 +37,7 @@ use tokio::time::MissedTickBehavior;
 mod burst_hpa;
 mod federation;
 mod granularity;
+mod kueue_burst;
 mod member_footprint;
 mod return_home;
 mod scrape;
@@ -140,6 +141,19 @@ struct Args {
     /// With `--return-home`: seconds of steady state watched after the last pod came home.
     #[arg(long, default_value_t = 300)]
     return_home_steady: u64,
+    /// Instead of the other scenarios: this many one-pod Jobs of 1 CPU (200 without a
+    /// number) through Kueue upstairs (deploy/examples/kueue: flavor local one 8-CPU regular
+    /// node, flavor burst the virtual node over three 8-CPU lower nodes, virtual-node
+    /// `--kueue-quota`), then the same Jobs with the burst flavor removed (issue 52): submit
+    /// -> all admitted -> all finished, Jobs per flavor, CPU seconds by component.
+    #[arg(long, num_args = 0..=1, default_missing_value = "200",
+        value_parser = clap::value_parser!(u32).range(1..))]
+    kueue: Option<u32>,
+    /// With `--kueue`: seconds each Job's pod runs (kwok's pod-complete delay, upstairs and
+    /// below alike).
+    #[arg(long, default_value_t = 10, requires = "kueue",
+        value_parser = clap::value_parser!(u64).range(1..))]
+    kueue_jobs_delay: u64,
     /// A further flag for the single-cluster scenarios' virtual-node (repeatable), e.g.
     /// `--node-arg=--lower-namespace=prefixed` to measure a mode's cost.
     #[arg(long, allow_hyphen_values = true)]
@@ -991,6 +1005,9 @@ async fn run(args: Args) -> Result<()> {
     }
     if let Some(pods) = args.return_home {
         return return_home::run(&binary, usize::try_from(pods)?, &args).await;
+    }
+    if let Some(jobs) = args.kueue {
+        return kueue_burst::run(&binary, usize::try_from(jobs)?, &args).await;
     }
     if let Some(nodes) = args.lower_nodes {
         return granularity::run(&binary, usize::try_from(nodes)?, &args).await;
