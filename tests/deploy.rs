@@ -321,52 +321,6 @@ fn the_all_in_one_overlay_installs_everything_at_one_tag() {
     assert!(lower_secrets.iter().all(|s| *s == "lower-kubeconfig"));
 }
 
-/// Installs the CRDs of the pinned Kueue release (`tests/k8s/kueue/build.sh`, built on
-/// first use), without its webhooks, for `deploy/examples/kueue`.
-async fn install_kueue_crds(pair: &ClusterPair, client: &kube::Client) {
-    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
-    let bins = tokio::task::spawn_blocking(tensile_harness::kueue::KueueBinaries::locate)
-        .await
-        .unwrap()
-        .unwrap();
-    let crds = bins.crds();
-    kubectl(
-        &pair.bin("kubectl"),
-        &[
-            "--kubeconfig",
-            pair.upper_kubeconfig().to_str().unwrap(),
-            "apply",
-            "--server-side",
-            "-f",
-            crds.to_str().unwrap(),
-        ],
-    );
-    let api: kube::Api<CustomResourceDefinition> = kube::Api::all(client.clone());
-    for kind in [
-        "resourceflavors",
-        "clusterqueues",
-        "localqueues",
-        "workloadpriorityclasses",
-    ] {
-        let name = format!("{kind}.{}", tensile_harness::kueue::GROUP);
-        tensile_harness::wait_for(
-            &format!("CRD {name} Established"),
-            std::time::Duration::from_secs(30),
-            || async {
-                let established = api.get(&name).await?.status.is_some_and(|s| {
-                    s.conditions
-                        .unwrap_or_default()
-                        .iter()
-                        .any(|c| c.type_ == "Established" && c.status == "True")
-                });
-                Ok(established.then_some(()))
-            },
-        )
-        .await
-        .unwrap();
-    }
-}
-
 /// Every kustomization under `deploy/` passes `kubectl apply --dry-run=server -k` on the
 /// cluster it is meant for: each object is valid for the pinned release (Kueue's, for
 /// `deploy/examples/kueue`), with strict field validation (an unknown or misspelt field
@@ -380,7 +334,10 @@ async fn every_kustomization_passes_a_server_side_dry_run() {
         .await
         .unwrap();
     install_test_crds(pair, &upper).await;
-    install_kueue_crds(pair, &upper).await;
+    // deploy/examples/kueue needs the pinned Kueue's CRDs (no manager: a dry run only).
+    tensile_harness::kueue::install_crds_only(&upper)
+        .await
+        .unwrap();
     let dirs = kustomizations();
     for wanted in [
         "deploy/all",
