@@ -290,7 +290,11 @@ async fn exec_over_websockets_reaches_a_pod_on_the_virtual_node_as_it_does_below
             // A normal close, as the kubelet's: a close without a code is an error to
             // kubectl ("close 1005 (no status)") when the API server passes its WebSocket
             // through (ExtendWebSocketsToKubelet).
-            assert_eq!(ok.close, Some(1000), "{cluster} {protocol}: the close frame");
+            assert_eq!(
+                ok.close,
+                Some(1000),
+                "{cluster} {protocol}: the close frame"
+            );
             assert_eq!(ok.stderr, "", "{cluster} {protocol}");
             if v4 {
                 assert_eq!(ok.status()["status"], "Success", "{cluster} {protocol}");
