@@ -18,6 +18,11 @@
 //!   its own certificate at a fixed `/visibility` and an APIService.
 //! - One replica, no leader election; the frameworks are [`FRAMEWORKS`], and only jobs
 //!   labelled with a queue ([`QUEUE_NAME_LABEL`]) are Kueue's.
+//!
+//! Like its manifests (and Helm chart), the manager's client is limited to 50 requests a
+//! second, bursts of 100 ([`KueueOptions`]); without a `clientConnection` the binary
+//! would take 20 and 30, which holds up admitted Jobs for tens of seconds when a couple
+//! of hundred arrive at once (`tensile-bench --kueue`).
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -348,6 +353,25 @@ fn format_milli(resource: &str, milli: u128) -> String {
     format!("{milli}m")
 }
 
+/// How the harness runs Kueue's manager.
+#[derive(Clone, Debug)]
+pub struct KueueOptions {
+    /// Its client's requests a second to the API server (`clientConnection.qps`).
+    pub client_qps: f32,
+    /// Its client's burst (`clientConnection.burst`).
+    pub client_burst: u32,
+}
+
+impl Default for KueueOptions {
+    /// The release's manifests' (`config/components/manager/controller_manager_config.yaml`).
+    fn default() -> Self {
+        Self {
+            client_qps: 50.0,
+            client_burst: 100,
+        }
+    }
+}
+
 /// A running Kueue manager and its installation in one cluster. Dropping it kills the
 /// manager (the webhooks stay registered: see [`Kueue::stop`]).
 pub struct Kueue {
@@ -371,6 +395,15 @@ impl Kueue {
     /// ready and the API server reaches its webhooks. Its log is
     /// `<cluster dir>/kueue.log`; it dies with the pair's processes.
     pub async fn start(pair: &ClusterPair, cluster: &Cluster) -> Result<Self> {
+        Self::start_with(pair, cluster, &KueueOptions::default()).await
+    }
+
+    /// [`Kueue::start`] with `options`.
+    pub async fn start_with(
+        pair: &ClusterPair,
+        cluster: &Cluster,
+        options: &KueueOptions,
+    ) -> Result<Self> {
         let started = Instant::now();
         let bins = tokio::task::spawn_blocking(KueueBinaries::locate).await??;
         let client = cluster.client().await?;
@@ -400,7 +433,13 @@ impl Kueue {
             .await
             .with_context(|| format!("installing Kueue's CRDs in the {} cluster", cluster.name))?;
 
-        let config = configuration(webhook_port, health_port, metrics_port, &webhook_certs);
+        let config = configuration(
+            webhook_port,
+            health_port,
+            metrics_port,
+            &webhook_certs,
+            options,
+        );
         let config_path = dir.join("config.yaml");
         std::fs::write(&config_path, serde_json::to_string_pretty(&config)?)
             .with_context(|| format!("writing {}", config_path.display()))?;
@@ -551,8 +590,15 @@ fn ca_bundle(ca: &Path) -> Result<Value> {
 }
 
 /// Kueue's Configuration: webhooks, metrics and health on loopback ports, the webhook's
-/// certificate (and the metrics', by the same name) from `cert_dir`, one replica.
-fn configuration(webhook_port: u16, health_port: u16, metrics_port: u16, cert_dir: &Path) -> Value {
+/// certificate (and the metrics', by the same name) from `cert_dir`, one replica, the
+/// client's rates of `options`.
+fn configuration(
+    webhook_port: u16,
+    health_port: u16,
+    metrics_port: u16,
+    cert_dir: &Path,
+    options: &KueueOptions,
+) -> Value {
     json!({
         "apiVersion": "config.kueue.x-k8s.io/v1beta2",
         "kind": "Configuration",
@@ -572,6 +618,7 @@ fn configuration(webhook_port: u16, health_port: u16, metrics_port: u16, cert_di
         "metrics": {"bindAddress": format!("127.0.0.1:{metrics_port}")},
         "health": {"healthProbeBindAddress": format!("127.0.0.1:{health_port}")},
         "leaderElection": {"leaderElect": false},
+        "clientConnection": {"qps": options.client_qps, "burst": options.client_burst},
         "integrations": {"frameworks": FRAMEWORKS},
         "featureGates": {"VisibilityOnDemand": false},
     })

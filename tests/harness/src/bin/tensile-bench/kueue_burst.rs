@@ -33,9 +33,10 @@ use serde_json::{Value, json};
 use tensile_harness::cluster::KWOK_POD_COMPLETE_DELAY_ANNOTATION;
 use tensile_harness::invariant::{self, OWNER_NODE_LABEL, UPPER_UID_ANNOTATION};
 use tensile_harness::kueue::{
-    self, BURST_FLAVOR, CLUSTER_QUEUE, Kueue, LOCAL_FLAVOR, LOCAL_QUEUE, QUEUE_NAME_LABEL,
+    self, BURST_FLAVOR, CLUSTER_QUEUE, Kueue, KueueOptions, LOCAL_FLAVOR, LOCAL_QUEUE,
+    QUEUE_NAME_LABEL,
 };
-use tensile_harness::measure::{cpu_by_component, cpu_profile, footprint};
+use tensile_harness::measure::{cpu_by_component, cpu_profile, footprint, percentile};
 use tensile_harness::{ClusterPair, PairOptions, VirtualNode, node_is_ready, wait_for};
 
 use super::{Args, NODE, Report, WAIT, lock, node_options, secs};
@@ -78,6 +79,8 @@ struct Progress {
     admitted: HashMap<String, (Instant, String)>,
     /// When each Job was first seen Complete.
     complete: HashMap<String, Instant>,
+    /// When each Job was first seen unsuspended (Kueue's doing once it is admitted).
+    unsuspended: HashMap<String, Instant>,
     /// Jobs seen Failed.
     failed: Vec<String>,
 }
@@ -91,6 +94,9 @@ struct Figures {
     finished: Duration,
     local: usize,
     burst: usize,
+    /// By flavor, each Job's time from admitted to unsuspended (by Kueue) and to Complete
+    /// (the pod's run and what it waits for around it), each sorted.
+    turnaround: BTreeMap<String, Turnaround>,
 }
 
 /// The Job owning a Workload.
@@ -167,6 +173,9 @@ fn watch_jobs(api: Api<Job>, letter: &str, progress: Shared) -> WatchTask {
             };
             let name = job.name_any();
             let mut progress = lock(&progress);
+            if job.spec.as_ref().and_then(|s| s.suspend) == Some(false) {
+                progress.unsuspended.entry(name.clone()).or_insert(at);
+            }
             if has("Complete") {
                 progress.complete.entry(name).or_insert(at);
             } else if has("Failed") && !progress.failed.contains(&name) {
@@ -491,7 +500,53 @@ async fn run_phase(
         finished: last(&mut progress.complete.values().copied()),
         local: count(LOCAL_FLAVOR),
         burst: count(BURST_FLAVOR),
+        turnaround: turnaround(&progress),
     })
+}
+
+/// A flavor's Jobs' times from admitted, each sorted.
+#[derive(Default)]
+struct Turnaround {
+    unsuspended: Vec<Duration>,
+    complete: Vec<Duration>,
+}
+
+/// By flavor, each Job's time from admitted to unsuspended and to Complete.
+fn turnaround(progress: &Progress) -> BTreeMap<String, Turnaround> {
+    let mut by: BTreeMap<String, Turnaround> = BTreeMap::new();
+    for (job, (admitted, flavor)) in &progress.admitted {
+        let since = |at: Option<&Instant>| at.map(|at| at.saturating_duration_since(*admitted));
+        let times = by.entry(flavor.clone()).or_default();
+        times
+            .unsuspended
+            .extend(since(progress.unsuspended.get(job)));
+        times.complete.extend(since(progress.complete.get(job)));
+    }
+    for times in by.values_mut() {
+        times.unsuspended.sort();
+        times.complete.sort();
+    }
+    by
+}
+
+/// `flavor p50 / p99 / max` of each flavor's `times`.
+fn by_flavor(
+    turnaround: &BTreeMap<String, Turnaround>,
+    times: impl Fn(&Turnaround) -> &[Duration],
+) -> String {
+    let shown: Vec<String> = turnaround
+        .iter()
+        .map(|(flavor, t)| {
+            let each = times(t);
+            format!(
+                "{flavor} {} / {} / {}",
+                secs(percentile(each, 50.0)),
+                secs(percentile(each, 99.0)),
+                secs(each.last().copied().unwrap_or_default())
+            )
+        })
+        .collect();
+    shown.join("; ")
 }
 
 pub(crate) async fn run(binary: &Path, n: usize, args: &Args) -> Result<()> {
@@ -523,7 +578,12 @@ pub(crate) async fn run(binary: &Path, n: usize, args: &Args) -> Result<()> {
         || async { Ok(nodes.get_opt(NODE).await?.filter(node_is_ready).map(|_| ())) },
     )
     .await?;
-    let kueue = Kueue::start(&pair, &pair.upper).await?;
+    let mut kueue_options = KueueOptions::default();
+    if let Some(qps) = args.kueue_client_qps {
+        kueue_options.client_qps = qps as f32;
+        kueue_options.client_burst = 2 * qps;
+    }
+    let kueue = Kueue::start_with(&pair, &pair.upper, &kueue_options).await?;
     let quotas = kueue::flavor_quotas(&nodes.list(&ListParams::default()).await?.items)?;
     let log = || format!("Kueue's log: {}", kueue.log().display());
     kueue::apply_examples(&upper, &quotas)
@@ -549,11 +609,13 @@ pub(crate) async fn run(binary: &Path, n: usize, args: &Args) -> Result<()> {
             .unwrap_or_default()
     };
     println!(
-        "\ntensile-bench --kueue {n}: {}; Kueue v0.17 upstairs, deploy/examples/kueue: \
-         ClusterQueue {CLUSTER_QUEUE} [{LOCAL_FLAVOR} ({}), {BURST_FLAVOR} ({}, kept by \
+        "\ntensile-bench --kueue {n}: {}; Kueue v0.17 upstairs (its client {} requests/s, \
+         burst {}), deploy/examples/kueue: ClusterQueue {CLUSTER_QUEUE} [{LOCAL_FLAVOR} ({}), {BURST_FLAVOR} ({}, kept by \
          virtual-node {quota_flag})] against ClusterQueue {LOCAL_ONLY} [{LOCAL_FLAVOR}]; \
          {n} one-pod Jobs of 1 CPU, each pod {delay} s; {} creates at once\n",
         super::machine(&pair),
+        kueue_options.client_qps,
+        kueue_options.client_burst,
         shown(LOCAL_FLAVOR),
         shown(BURST_FLAVOR),
         args.concurrency,
@@ -585,6 +647,16 @@ pub(crate) async fn run(binary: &Path, n: usize, args: &Args) -> Result<()> {
             &label,
             &format!("admitted to {LOCAL_FLAVOR} / {BURST_FLAVOR}"),
             format!("{} / {}", figures.local, figures.burst),
+        );
+        report.row(
+            &label,
+            "a Job admitted -> unsuspended by Kueue p50 / p99 / max",
+            by_flavor(&figures.turnaround, |t| &t.unsuspended),
+        );
+        report.row(
+            &label,
+            &format!("a Job admitted -> Complete p50 / p99 / max (its pod {delay} s)"),
+            by_flavor(&figures.turnaround, |t| &t.complete),
         );
         report.row(
             &label,

@@ -154,6 +154,10 @@ struct Args {
     #[arg(long, default_value_t = 10, requires = "kueue",
         value_parser = clap::value_parser!(u64).range(1..))]
     kueue_jobs_delay: u64,
+    /// With `--kueue`: Kueue's client rate to the upper API server, requests a second
+    /// (burst twice that); default its manifests' 50 (burst 100).
+    #[arg(long, requires = "kueue", value_parser = clap::value_parser!(u32).range(1..))]
+    kueue_client_qps: Option<u32>,
     /// A further flag for the single-cluster scenarios' virtual-node (repeatable), e.g.
     /// `--node-arg=--lower-namespace=prefixed` to measure a mode's cost.
     #[arg(long, allow_hyphen_values = true)]
