@@ -91,16 +91,23 @@ fn build() -> Result<PathBuf> {
 /// Runs a build script of `tests/k8s` (its progress to stderr) and answers the directory
 /// its last line of stdout names.
 pub(crate) fn run_build_script(script: &Path) -> Result<PathBuf> {
+    run_build_script_with(script, &[])
+}
+
+/// [`run_build_script`] with `args`.
+pub(crate) fn run_build_script_with(script: &Path, args: &[&str]) -> Result<PathBuf> {
     let output = Command::new("bash")
         .arg(script)
+        .args(args)
         .stdin(Stdio::null())
         .stderr(Stdio::inherit())
         .output()
         .with_context(|| format!("running {}", script.display()))?;
     if !output.status.success() {
         bail!(
-            "{} failed ({}); see its output above",
+            "{} {} failed ({}); see its output above",
             script.display(),
+            args.join(" "),
             output.status
         );
     }

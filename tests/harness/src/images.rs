@@ -91,7 +91,7 @@ impl Images {
         if let Some(tag) = tag {
             args.extend(["--tag", tag]);
         }
-        let dir = run_script(&build_script(), &args)?;
+        let dir = crate::binaries::run_build_script_with(&build_script(), &args)?;
         let images = Self::at(&dir)?;
         if let Some(tag) = tag
             && images.tag != tag
@@ -168,31 +168,6 @@ impl Images {
 /// The build script of the images.
 pub fn build_script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../k8s/images/build.sh")
-}
-
-/// Runs `script` with `args` (its progress to stderr) and answers the directory its last
-/// line of stdout names.
-fn run_script(script: &Path, args: &[&str]) -> Result<PathBuf> {
-    let output = Command::new("bash")
-        .arg(script)
-        .args(args)
-        .stdin(Stdio::null())
-        .stderr(Stdio::inherit())
-        .output()
-        .with_context(|| format!("running {}", script.display()))?;
-    if !output.status.success() {
-        bail!(
-            "{} {} failed ({}); see its output above",
-            script.display(),
-            args.join(" "),
-            output.status
-        );
-    }
-    let stdout = String::from_utf8(output.stdout)?;
-    match stdout.lines().last() {
-        Some(dir) if !dir.trim().is_empty() => Ok(PathBuf::from(dir.trim())),
-        _ => bail!("{} printed no directory", script.display()),
-    }
 }
 
 /// A docker-archive's `manifest.json`, its one image: the config's and the layers' names.
