@@ -437,15 +437,25 @@ async fn helm_install_bursts_through_the_in_cluster_virtual_node_and_upgrade_tou
         refused.is_empty(),
         "pods refused during the upgrade: {refused:?}"
     );
-    for pod in tensile_pods
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-    {
-        let image = pod.spec.unwrap().containers[0].image.clone().unwrap();
-        assert!(image.ends_with(&format!(":{UPGRADE_TAG}")), "{image}");
-    }
+    // The old pods leave after their preStop pause: wait for them, then every pod left
+    // runs the new tag.
+    let suffix = format!(":{UPGRADE_TAG}");
+    wait_for(
+        "every tensile pod from the upgrade's tag",
+        TIMEOUT,
+        || async {
+            let pods = tensile_pods.list(&ListParams::default()).await?.items;
+            let all_new = pods.iter().all(|pod| {
+                pod.spec
+                    .as_ref()
+                    .and_then(|spec| spec.containers.first()?.image.as_deref())
+                    .is_some_and(|image| image.ends_with(&suffix))
+            });
+            Ok(all_new.then_some(()))
+        },
+    )
+    .await
+    .unwrap();
     let after = lower_copies(&lower_pods).await;
     assert_eq!(
         after, below,
