@@ -20,8 +20,9 @@ use super::meta::{
     TRIPPED_LABELS_ANNOTATION, UPPER_UID_ANNOTATION, VIRTUAL_POD_LABEL,
 };
 use super::resize::{
-    RESIZE_CONDITIONS, RESIZE_PENDING, RESIZE_PENDING_ANNOTATION, UPPER_GENERATION_ANNOTATION,
-    pending_resize, recorded_upper_generation, resize_outstanding, upper_observed,
+    RESIZE_CONDITIONS, RESIZE_IN_PROGRESS, RESIZE_PENDING, RESIZE_PENDING_ANNOTATION,
+    UPPER_GENERATION_ANNOTATION, pending_resize, recorded_upper_generation, resize_outstanding,
+    resize_unseen, upper_observed,
 };
 use super::scheduling::{Confinement, parse_cluster_selector, restore_constraints};
 use super::{TranslateError, lower_meta, object_ref, with_uid_precondition};
@@ -372,16 +373,22 @@ pub fn upper_status(lower: &Pod, upper: &Pod) -> PodStatus {
             .collect()
     });
     // A resize virtual-node left pending itself, while the lower kubelet says nothing of
-    // one and it is still not carried.
-    let kubelet_pending = conditions
-        .iter()
-        .flatten()
-        .any(|c| c.type_ == RESIZE_PENDING);
-    if !kubelet_pending
-        && let Some(pending) = pending_resize(lower)
-        && resize_outstanding(upper, lower)
-    {
+    // one and it is still not carried; one it carried that the lower kubelet has yet to
+    // see, in progress.
+    let lower_has = |type_: &str| conditions.iter().flatten().any(|c| c.type_ == type_);
+    let pending = pending_resize(lower)
+        .filter(|_| !lower_has(RESIZE_PENDING) && resize_outstanding(upper, lower));
+    let in_progress = !lower_has(RESIZE_IN_PROGRESS) && resize_unseen(lower);
+    if let Some(pending) = pending {
         conditions.get_or_insert_default().push(pending.condition());
+    }
+    if in_progress {
+        conditions.get_or_insert_default().push(PodCondition {
+            type_: RESIZE_IN_PROGRESS.to_owned(),
+            status: "True".to_owned(),
+            observed_generation: recorded_upper_generation(lower),
+            ..PodCondition::default()
+        });
     }
     PodStatus {
         phase: from.phase,
@@ -1978,6 +1985,16 @@ mod tests {
                 .collect()
         };
         let pending_deferred = vec![("PodResizePending".to_owned(), Some("Deferred".to_owned()))];
+        let in_progress = vec![("PodResizeInProgress".to_owned(), None)];
+        // The lower kubelet reporting container `app` running with `cpu`.
+        let running_with = |mut lower: Pod, cpu: &str| {
+            let status = lower.status.as_mut().unwrap();
+            status.container_statuses.as_mut().unwrap()[0].resources = Some(
+                serde_json::from_value(json!({"requests": {"cpu": cpu}, "limits": {"cpu": cpu}}))
+                    .unwrap(),
+            );
+            lower
+        };
         // (case, lower, the resize conditions upstairs)
         let cases = [
             ("none", lower_at(3, "10", json!({})), vec![]),
@@ -1992,12 +2009,42 @@ mod tests {
                 vec![],
             ),
             (
+                "ours, carried (generation 4) while the lower kubelet reports 3 at the old \
+                 CPU: in progress",
+                running_with(
+                    lower_at(4, "10", json!({RESIZE_PENDING_ANNOTATION: pending})),
+                    "5",
+                ),
+                in_progress.clone(),
+            ),
+            (
+                "carried at once, the lower kubelet not caught up: in progress",
+                running_with(lower_at(4, "10", json!({})), "5"),
+                in_progress.clone(),
+            ),
+            (
+                "the lower kubelet caught up at the new CPU: done",
+                running_with(lower_at(3, "10", json!({})), "10"),
+                vec![],
+            ),
+            (
+                "the lower kubelet not caught up on another change (an image): none",
+                running_with(lower_at(4, "10", json!({})), "10"),
+                vec![],
+            ),
+            (
+                "the lower kubelet caught up, still at the old CPU (it reports no resize): \
+                 none of ours",
+                running_with(lower_at(3, "10", json!({})), "5"),
+                vec![],
+            ),
+            (
                 "the lower kubelet's in progress",
                 with_conditions(
                     lower_at(3, "10", json!({})),
                     json!([{"type": "PodResizeInProgress", "status": "True", "observedGeneration": 3}]),
                 ),
-                vec![("PodResizeInProgress".to_owned(), None)],
+                in_progress.clone(),
             ),
             (
                 "the lower kubelet's pending wins over ours",

@@ -4,7 +4,9 @@
 //! lower copy, so that the status reflector shows it from the pair alone), and which upper
 //! generation a lower status answers. Pure.
 
-use k8s_openapi::api::core::v1::{Pod, PodCondition, ResourceRequirements};
+use k8s_openapi::api::core::v1::{
+    Container, ContainerStatus, Pod, PodCondition, ResourceRequirements,
+};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
@@ -165,6 +167,64 @@ pub fn resize_patch(upper: &Pod, lower: &Pod) -> Option<Value> {
 /// Whether `upper`'s resources are still not those of `lower` (a resize not carried).
 pub fn resize_outstanding(upper: &Pod, lower: &Pod) -> bool {
     resize_patch(upper, lower).is_some()
+}
+
+/// The resources a kubelet resizes in place.
+const RESIZABLE: [&str; 2] = ["cpu", "memory"];
+
+/// Whether a resize carried to `lower` is not yet seen by the lower kubelet: its status
+/// observes an older generation than the pod's (or none), and the CPU or memory of a
+/// container (or of the pod) differs from what the kubelet last reported running with.
+/// virtual-node admitted that resize when it carried it down, so upstairs it is
+/// `PodResizeInProgress`, as a kubelet shows an admitted resize until it is actuated
+/// (without this, the pending condition would go while the old resources still show, and
+/// a client would take the resize as done).
+pub fn resize_unseen(lower: &Pod) -> bool {
+    let Some(generation) = lower.metadata.generation else {
+        return false;
+    };
+    let (Some(spec), Some(status)) = (lower.spec.as_ref(), lower.status.as_ref()) else {
+        return false;
+    };
+    if status.observed_generation.is_some_and(|o| o >= generation) {
+        return false;
+    }
+    let running = |containers: &[Container], statuses: Option<&Vec<ContainerStatus>>| {
+        containers.iter().any(|container| {
+            statuses
+                .into_iter()
+                .flatten()
+                .find(|s| s.name == container.name)
+                .and_then(|s| s.resources.as_ref())
+                .is_some_and(|reported| {
+                    differs_in_place(container.resources.as_ref(), Some(reported))
+                })
+        })
+    };
+    running(&spec.containers, status.container_statuses.as_ref())
+        || running(
+            spec.init_containers.as_deref().unwrap_or_default(),
+            status.init_container_statuses.as_ref(),
+        )
+        || status
+            .resources
+            .as_ref()
+            .is_some_and(|reported| differs_in_place(spec.resources.as_ref(), Some(reported)))
+}
+
+/// Whether `want` asks for CPU or memory (requests or limits) that `have` lacks or holds
+/// another value of.
+fn differs_in_place(
+    want: Option<&ResourceRequirements>,
+    have: Option<&ResourceRequirements>,
+) -> bool {
+    resources_patch(want, have).is_some_and(|patch| {
+        ["requests", "limits"].iter().any(|field| {
+            patch[field]
+                .as_object()
+                .is_some_and(|l| l.keys().any(|k| RESIZABLE.contains(&k.as_str())))
+        })
+    })
 }
 
 /// `{"requests": {..}, "limits": {..}}` with the entries of `want` that `have` lacks or
