@@ -857,7 +857,7 @@ async fn kubectl_resize(setup: &Setup, ns: &str, name: &str, resources: &Value) 
 }
 
 #[tokio::test]
-async fn a_resize_on_the_virtual_node_is_actuated_in_place_below_or_deferred_as_a_kubelet_does() {
+async fn a_resize_on_the_virtual_node_is_actuated_deferred_or_infeasible_as_a_kubelet_says() {
     let setup = setup().await;
     let small = json!({"requests": {"cpu": "100m", "memory": "32Mi"},
                        "limits": {"cpu": "200m", "memory": "64Mi"}});
@@ -1017,4 +1017,84 @@ async fn a_resize_on_the_virtual_node_is_actuated_in_place_below_or_deferred_as_
     )
     .await
     .unwrap();
+
+    // Refused below (a LimitRange of the lower namespace's, which the upper one lacks): the
+    // virtual node admits it, the lower API server does not, so it is Infeasible upstairs
+    // with the lower refusal's words, as a kubelet reports a resize it cannot actuate.
+    let lower_client = setup.pair.lower.client().await.unwrap();
+    let limits: Api<k8s_openapi::api::core::v1::LimitRange> =
+        Api::namespaced(lower_client, &ns.name);
+    let limit: k8s_openapi::api::core::v1::LimitRange = serde_json::from_value(json!({
+        "metadata": {"name": "at-most-350m"},
+        "spec": {"limits": [{"type": "Container", "max": {"cpu": "350m"}}]},
+    }))
+    .unwrap();
+    limits.create(&PostParams::default(), &limit).await.unwrap();
+    let refused_below = json!({"requests": {"cpu": "150m", "memory": "48Mi"},
+                               "limits": {"cpu": "400m", "memory": "96Mi"}});
+    let dry_run = kube::api::PatchParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    let resize_below =
+        json!({"spec": {"containers": [{"name": "app", "resources": refused_below}]}});
+    wait_for("the lower LimitRange in force", TIMEOUT, || async {
+        let result = lower_pods
+            .patch_subresource(
+                "resize",
+                "resized",
+                &dry_run,
+                &kube::api::Patch::Strategic(&resize_below),
+            )
+            .await;
+        Ok(matches!(result, Err(kube::Error::Api(ref s)) if s.code == 403).then_some(()))
+    })
+    .await
+    .unwrap();
+    kubectl_resize(setup, &ns.name, "resized", &refused_below).await;
+    let infeasible = wait_for("PodResizePending Infeasible upstairs", TIMEOUT, || async {
+        let pod = upper_pods.get("resized").await?;
+        let (_, conditions) = reported(&pod);
+        Ok(
+            (conditions == [("PodResizePending".to_owned(), Some("Infeasible".to_owned()))])
+                .then_some(pod),
+        )
+    })
+    .await
+    .unwrap();
+    let message = infeasible
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .and_then(|c| c.iter().find(|c| c.type_ == "PodResizePending"))
+        .and_then(|c| c.message.clone())
+        .unwrap_or_default();
+    assert!(
+        message.starts_with("the lower cluster refused the resize: ")
+            && message.contains("maximum cpu usage per Container is 350m"),
+        "the lower refusal's words: {message:?}"
+    );
+    let events: Api<k8s_openapi::api::core::v1::Event> =
+        Api::namespaced(setup.pair.upper.client().await.unwrap(), &ns.name);
+    wait_for(
+        "a ResizeInfeasible Event on the upper pod",
+        TIMEOUT,
+        || async {
+            let found = events
+                .list(&ListParams::default().fields("involvedObject.name=resized"))
+                .await?
+                .items
+                .iter()
+                .any(|e| e.reason.as_deref() == Some("ResizeInfeasible"));
+            Ok(found.then_some(()))
+        },
+    )
+    .await
+    .unwrap();
+    let below = lower_pods.get("resized").await.unwrap();
+    assert_eq!(
+        serde_json::to_value(&below.spec.as_ref().unwrap().containers[0].resources).unwrap(),
+        bigger,
+        "a refused resize leaves the lower copy as it was"
+    );
 }
