@@ -2,7 +2,7 @@
 //! through its `resize` subresource) carried to its lower copy's `resize` subresource, once
 //! the virtual node admits them as a kubelet admits a resize against its own allocatable
 //! (its `status.allocatable`, which `--share` already bounds, and the other pods bound to
-//! it). What the virtual node does not carry is recorded on the lower copy
+//! it), in a kubelet's order among the node's deferred resizes. What the virtual node does not carry is recorded on the lower copy
 //! ([`RESIZE_PENDING_ANNOTATION`]) and shown upstairs as `PodResizePending` by the status
 //! reflector; the lower kubelet's own resize conditions and the resources it reports follow
 //! with the lower status.
@@ -17,13 +17,11 @@ use tracing::{debug, info, warn};
 use super::pod_store::PodStore;
 use super::{Context, Error, api_error};
 use crate::api::is_replaced;
-use crate::node::resources::{
-    Resources, add, phase_is_terminal, pod_requests, shortfall, to_resources,
-};
+use crate::node::resources::{Resources, add, phase_is_terminal, pod_requests, to_resources};
 use crate::side::Side;
 use crate::translate::resize::{
-    DEFERRED, INFEASIBLE, PendingResize, RESIZE_PENDING_ANNOTATION, pending_resize,
-    pending_resize_patch, resize_patch,
+    DEFERRED, Deferral, INFEASIBLE, PendingResize, RESIZE_PENDING_ANNOTATION, deferral, deferred,
+    deferred_in_turn, pending_resize, pending_resize_patch, resize_patch,
 };
 
 /// How soon a deferred resize is tried again: a kubelet retries when room may have freed
@@ -64,7 +62,7 @@ pub async fn carry_resize(
     let Some(patch) = resize_patch(upper, lower) else {
         return Ok(Resized::Nothing);
     };
-    if let Some(message) = misfit(upper, ctx, &stores, key).await? {
+    if let Some(message) = misfit(upper, lower, ctx, &stores, key).await? {
         record_pending(upper, lower, ctx, lower_api, key, DEFERRED, message).await?;
         return Ok(Resized::Pending { retry: true });
     }
@@ -122,9 +120,11 @@ fn names_the_pod(status: &kube::core::Status, name: &str) -> bool {
 
 /// Why the virtual node cannot take `upper` at its new requests now, as a kubelet words a
 /// deferred resize; `None` when it can, or when its node is not known (the lower kubelet
-/// decides then).
+/// decides then). Decided as a kubelet's retry pass decides it ([`deferred_in_turn`]):
+/// the resizes left deferred on the node that rank before it go first.
 async fn misfit(
     upper: &Pod,
+    lower: &Pod,
     ctx: &Context,
     stores: &Stores<'_>,
     key: &str,
@@ -144,43 +144,53 @@ async fn misfit(
     let Some(allocatable) = node_object.status.and_then(|s| s.allocatable) else {
         return Ok(None);
     };
-    let requested = upper.spec.as_ref().map(pod_requests).unwrap_or_default();
-    let used = used_on(node, upper, stores);
-    let message = shortfall(&to_resources(&allocatable), &used, &requested);
+    let others = others_on(node, upper, stores);
+    let mut used = Resources::new();
+    for (other, below) in &others {
+        let runs = below.as_ref().unwrap_or(other);
+        if let Some(spec) = runs.spec.as_ref() {
+            add(&mut used, &pod_requests(spec));
+        }
+    }
+    let pending: Vec<Deferral> = others
+        .iter()
+        .filter_map(|(other, below)| deferred(other, below.as_ref()?))
+        .collect();
+    let message = deferred_in_turn(
+        &to_resources(&allocatable),
+        &used,
+        &pending,
+        &deferral(upper, lower),
+    );
     if let Some(message) = &message {
-        debug!(object = %key, kind = "Pod", cluster = "upper", node, %message, "resize deferred");
+        debug!(object = %key, kind = "Pod", cluster = "upper", node, %message, pending = pending.len(), "resize deferred");
     }
     Ok(message)
 }
 
-/// What the pods bound to `node` but `pod` take, each at what runs below (its lower copy's
-/// requests; the upper ones for a pod not copied yet): a pod's resize not carried yet takes
-/// what it had, as a kubelet counts allocated resources.
-fn used_on(node: &str, pod: &Pod, stores: &Stores<'_>) -> Resources {
-    let mut used = Resources::new();
-    for other in stores.upper.state() {
-        if other.meta.uid().as_deref() == pod.metadata.uid.as_deref()
-            || other.node_name().as_deref() != Some(node)
-        {
-            continue;
-        }
-        let other = other.to_pod();
-        if phase_is_terminal(other.status.as_ref().and_then(|s| s.phase.as_deref())) {
-            continue;
-        }
-        let below = stores
-            .lower
-            .get(&other.namespace().unwrap_or_default(), &other.name_any())
-            .map(|l| l.to_pod());
-        let spec = below
-            .as_ref()
-            .and_then(|l| l.spec.as_ref())
-            .or(other.spec.as_ref());
-        if let Some(spec) = spec {
-            add(&mut used, &pod_requests(spec));
-        }
-    }
-    used
+/// The pods bound to `node` but `pod`, not finished, each with its lower copy (none for a
+/// pod not copied yet). Each takes what its lower copy asks (the upper pod's requests for
+/// one not copied yet): a pod's resize not carried yet takes what it had, as a kubelet
+/// counts allocated resources.
+fn others_on(node: &str, pod: &Pod, stores: &Stores<'_>) -> Vec<(Pod, Option<Pod>)> {
+    stores
+        .upper
+        .state()
+        .into_iter()
+        .filter(|other| {
+            other.meta.uid().as_deref() != pod.metadata.uid.as_deref()
+                && other.node_name().as_deref() == Some(node)
+        })
+        .map(|other| other.to_pod())
+        .filter(|other| !phase_is_terminal(other.status.as_ref().and_then(|s| s.phase.as_deref())))
+        .map(|other| {
+            let below = stores
+                .lower
+                .get(&other.namespace().unwrap_or_default(), &other.name_any())
+                .map(|l| l.to_pod());
+            (other, below)
+        })
+        .collect()
 }
 
 /// Records on `lower` a resize left pending for `reason` (unless it records the same), and

@@ -4,13 +4,17 @@
 //! lower copy, so that the status reflector shows it from the pair alone), and which upper
 //! generation a lower status answers. Pure.
 
+use std::cmp::Ordering;
+
 use k8s_openapi::api::core::v1::{
     Container, ContainerStatus, Pod, PodCondition, ResourceRequirements,
 };
+use k8s_openapi::jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 
 use super::with_uid_precondition;
+use crate::node::resources::{Resources, add, pod_requests, shortfall, subtract};
 
 /// Annotation on a lower pod: the upper pod's `metadata.generation` that the lower pod (as
 /// it is now) carries. Written with every write that brings an upper change down (a
@@ -167,6 +171,109 @@ pub fn resize_patch(upper: &Pod, lower: &Pod) -> Option<Value> {
 /// Whether `upper`'s resources are still not those of `lower` (a resize not carried).
 pub fn resize_outstanding(upper: &Pod, lower: &Pod) -> bool {
     resize_patch(upper, lower).is_some()
+}
+
+/// A resize left pending on a node (or the one being decided), as a kubelet's retry pass
+/// ranks it (`sortPendingResizes` in `pkg/kubelet/allocation`): resizes that do not grow
+/// first, then by priority, then Guaranteed before the rest, then the longest pending,
+/// then (where a kubelet keeps arrival order) by `key`, so that every pod's reconcile
+/// ranks them alike.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Deferral {
+    /// `namespace/name`.
+    pub key: String,
+    /// `spec.priority` (0 without).
+    pub priority: i32,
+    /// Whether its QoS class is Guaranteed.
+    pub guaranteed: bool,
+    /// Since when it is pending ([`PendingResize::since`]); `None` for a resize not
+    /// decided yet, which a kubelet ranks after those pending.
+    pub since: Option<Timestamp>,
+    /// What it takes now (its lower copy's requests).
+    pub now: Resources,
+    /// What it asks (the upper pod's requests).
+    pub wanted: Resources,
+}
+
+impl Deferral {
+    /// Whether it asks more of some resource than it takes now.
+    pub fn grows(&self) -> bool {
+        self.wanted
+            .iter()
+            .any(|(name, amount)| *amount > self.now.get(name).copied().unwrap_or_default())
+    }
+
+    /// The kubelet's order: `Less` for the one tried first.
+    fn turn(&self, other: &Deferral) -> Ordering {
+        self.grows()
+            .cmp(&other.grows())
+            .then_with(|| other.priority.cmp(&self.priority))
+            .then_with(|| other.guaranteed.cmp(&self.guaranteed))
+            .then_with(|| match (self.since, other.since) {
+                (Some(a), Some(b)) => a.cmp(&b),
+                (Some(_), None) => Ordering::Less,
+                (None, Some(_)) => Ordering::Greater,
+                (None, None) => Ordering::Equal,
+            })
+            .then_with(|| self.key.cmp(&other.key))
+    }
+}
+
+/// `upper`'s resize as a [`Deferral`], its lower copy `lower` taking what runs now.
+pub fn deferral(upper: &Pod, lower: &Pod) -> Deferral {
+    let requests = |pod: &Pod| pod.spec.as_ref().map(pod_requests).unwrap_or_default();
+    Deferral {
+        key: format!(
+            "{}/{}",
+            upper.metadata.namespace.as_deref().unwrap_or_default(),
+            upper.metadata.name.as_deref().unwrap_or_default()
+        ),
+        priority: upper.spec.as_ref().and_then(|s| s.priority).unwrap_or(0),
+        guaranteed: upper.status.as_ref().and_then(|s| s.qos_class.as_deref())
+            == Some("Guaranteed"),
+        since: pending_resize(lower)
+            .filter(|p| p.reason == DEFERRED)
+            .and_then(|p| p.since?.parse().ok()),
+        now: requests(lower),
+        wanted: requests(upper),
+    }
+}
+
+/// `upper`'s resize, if its lower copy `lower` records it deferred and still does not
+/// carry it: one of the node's pending resizes.
+pub fn deferred(upper: &Pod, lower: &Pod) -> Option<Deferral> {
+    (pending_resize(lower).is_some_and(|p| p.reason == DEFERRED)
+        && resize_outstanding(upper, lower))
+    .then(|| deferral(upper, lower))
+}
+
+/// Why `pod`'s resize cannot be admitted now, as a kubelet words a deferred one; `None`
+/// when it is. A kubelet's retry pass over the node's pending resizes, in its order
+/// ([`Deferral`]): each is admitted if it fits on `allocatable` beside what the pods not
+/// pending take (`used`, which leaves out `pod` and counts each of `pending` at its
+/// [`Deferral::now`]) and the resizes admitted before it in the pass. So a resize that
+/// fits waits while one ranked before it takes the room, as it would on a kubelet.
+pub fn deferred_in_turn(
+    allocatable: &Resources,
+    used: &Resources,
+    pending: &[Deferral],
+    pod: &Deferral,
+) -> Option<String> {
+    let mut used = used.clone();
+    let mut before: Vec<&Deferral> = pending
+        .iter()
+        .filter(|other| other.turn(pod) == Ordering::Less)
+        .collect();
+    before.sort_by(|a, b| a.turn(b));
+    for other in before {
+        let mut without = used.clone();
+        subtract(&mut without, &other.now);
+        if shortfall(allocatable, &without, &other.wanted).is_none() {
+            add(&mut without, &other.wanted);
+            used = without;
+        }
+    }
+    shortfall(allocatable, &used, &pod.wanted)
 }
 
 /// The resources a kubelet resizes in place.
@@ -463,5 +570,168 @@ mod tests {
             json!({}),
         );
         assert_eq!(pending_resize(&garbled), None);
+    }
+
+    #[test]
+    fn deferred_resizes_are_admitted_in_the_kubelets_order() {
+        let cpu = |milli: i128| Resources::from([("cpu".to_owned(), milli)]);
+        let at = |t: &str| Some(t.parse::<Timestamp>().unwrap());
+        let resize = |key: &str,
+                      priority: i32,
+                      guaranteed: bool,
+                      since: Option<Timestamp>,
+                      now: i128,
+                      wanted: i128| Deferral {
+            key: key.to_owned(),
+            priority,
+            guaranteed,
+            since,
+            now: cpu(now),
+            wanted: cpu(wanted),
+        };
+        let (early, late) = (at("2026-11-28T10:00:00Z"), at("2026-11-28T10:00:05.5Z"));
+        // Allocatable 2 CPUs; `used` leaves the pod decided out and counts the pending ones
+        // at what they take now, beside what the pods not pending take.
+        // (case, the pods not pending, pending, the pod, admitted)
+        let cases = [
+            (
+                "alone, it fits",
+                1000,
+                vec![],
+                resize("ns/p", 0, false, None, 200, 800),
+                true,
+            ),
+            (
+                "a resize of higher priority takes the room first",
+                1000,
+                vec![resize("ns/q", 1000, false, early, 200, 800)],
+                resize("ns/p", 0, false, early, 200, 800),
+                false,
+            ),
+            (
+                "one ranked first that cannot fit leaves the room to the next",
+                1000,
+                vec![resize("ns/q", 1000, false, early, 200, 1500)],
+                resize("ns/p", 0, false, early, 200, 800),
+                true,
+            ),
+            (
+                "Guaranteed before the rest at equal priority",
+                1000,
+                vec![resize("ns/q", 0, true, late, 200, 800)],
+                resize("ns/p", 0, false, early, 200, 800),
+                false,
+            ),
+            (
+                "the longest pending first",
+                1000,
+                vec![resize("ns/q", 0, false, late, 200, 800)],
+                resize("ns/p", 0, false, early, 200, 800),
+                true,
+            ),
+            (
+                "pending longer than the pod's: first",
+                1000,
+                vec![resize("ns/q", 0, false, early, 200, 800)],
+                resize("ns/p", 0, false, late, 200, 800),
+                false,
+            ),
+            (
+                "a resize not decided yet after those pending",
+                1000,
+                vec![resize("ns/q", 0, false, late, 200, 800)],
+                resize("ns/p", 0, false, None, 200, 800),
+                false,
+            ),
+            (
+                "one that does not grow before those that do, whatever their priority",
+                1400,
+                vec![resize("ns/q", 1000, true, early, 200, 600)],
+                resize("ns/p", 0, false, None, 800, 400),
+                true,
+            ),
+            (
+                "all else equal, by name",
+                1000,
+                vec![resize("ns/a", 0, false, early, 200, 800)],
+                resize("ns/b", 0, false, early, 200, 800),
+                false,
+            ),
+        ];
+        for (case, others, pending, pod, admitted) in cases {
+            let mut used = cpu(others);
+            for other in &pending {
+                add(&mut used, &other.now);
+            }
+            let decided = deferred_in_turn(&cpu(2000), &used, &pending, &pod);
+            assert_eq!(decided.is_none(), admitted, "{case}: {decided:?}");
+        }
+    }
+
+    #[test]
+    fn a_pending_resize_reads_as_a_deferral_from_its_pods() {
+        let upper: Pod = serde_json::from_value(json!({
+            "metadata": {"name": "web", "namespace": "shop", "uid": "upper-uid"},
+            "spec": {"priority": 1000, "containers": [{"name": "c", "image": "i",
+                     "resources": {"requests": {"cpu": "800m"}}}]},
+            "status": {"qosClass": "Guaranteed"},
+        }))
+        .unwrap();
+        let record = |reason: &str| {
+            serde_json::to_string(&PendingResize {
+                reason: reason.to_owned(),
+                message: "m".to_owned(),
+                generation: Some(2),
+                since: Some("2026-11-28T10:00:00Z".to_owned()),
+            })
+            .unwrap()
+        };
+        let lower = |annotations: Value, cpu: &str| {
+            pod(
+                Some(1),
+                annotations,
+                json!({"containers": [{"name": "c", "image": "i",
+                                       "resources": {"requests": {"cpu": cpu}}}]}),
+                json!({}),
+            )
+        };
+        let found = deferred(
+            &upper,
+            &lower(json!({RESIZE_PENDING_ANNOTATION: record(DEFERRED)}), "200m"),
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                found.key.as_str(),
+                found.priority,
+                found.guaranteed,
+                found.since
+            ),
+            (
+                "shop/web",
+                1000,
+                true,
+                Some("2026-11-28T10:00:00Z".parse().unwrap())
+            )
+        );
+        assert_eq!((found.now["cpu"], found.wanted["cpu"]), (200, 800));
+        assert!(found.grows());
+        // (case, the lower copy's record, its CPU): not a pending resize of the node
+        let cases = [
+            ("nothing recorded", json!({}), "200m"),
+            (
+                "infeasible: never retried",
+                json!({RESIZE_PENDING_ANNOTATION: record(INFEASIBLE)}),
+                "200m",
+            ),
+            (
+                "carried since",
+                json!({RESIZE_PENDING_ANNOTATION: record(DEFERRED)}),
+                "800m",
+            ),
+        ];
+        for (case, annotations, cpu) in cases {
+            assert_eq!(deferred(&upper, &lower(annotations, cpu)), None, "{case}");
+        }
     }
 }

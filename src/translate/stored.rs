@@ -441,7 +441,7 @@ pub struct StoredPod {
     annotations: Pairs,
     /// The spec fields a reconcile compares (nodeName, container names, images, resources
     /// and restart policies, pod-level resources and overhead, ephemeral container names,
-    /// tolerations, activeDeadlineSeconds), as the JSON of a
+    /// tolerations, activeDeadlineSeconds, priority), as the JSON of a
     /// `PodSpec` with only those set. The pods of one workload on one node have equal
     /// ones, which a [`SharedSpecs`] keeps once: three tolerations alone are 300 bytes a
     /// pod.
@@ -584,6 +584,8 @@ fn compared_spec(spec: PodSpec) -> PodSpec {
         readiness_gates: spec.readiness_gates.filter(|g| !g.is_empty()),
         resources: spec.resources,
         overhead: spec.overhead,
+        // The order in which deferred resizes are admitted.
+        priority: spec.priority,
         ..PodSpec::default()
     }
 }
