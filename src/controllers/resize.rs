@@ -2,8 +2,9 @@
 //! through its `resize` subresource) carried to its lower copy's `resize` subresource, once
 //! the virtual node admits them as a kubelet admits a resize against its own allocatable
 //! (its `status.allocatable`, which `--share` already bounds, and the other pods bound to
-//! it), in a kubelet's order among the node's deferred resizes. What the virtual node does not carry is recorded on the lower copy
-//! ([`RESIZE_PENDING_ANNOTATION`]) and shown upstairs as `PodResizePending` by the status
+//! it), in a kubelet's order among the node's deferred resizes. What the virtual node does
+//! not carry is recorded on the lower copy ([`RESIZE_PENDING_ANNOTATION`]) and shown
+//! upstairs as `PodResizePending` by the status
 //! reflector; the lower kubelet's own resize conditions and the resources it reports follow
 //! with the lower status.
 
